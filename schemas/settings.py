@@ -1,0 +1,110 @@
+"""Build settings: one dataclass, read from defaults < config file (TOML) < command line.
+
+The config file holds the same names as the CLI options, in a ``[build]`` table::
+
+    [build]
+    extractor = "openai"        # openai | openai-batch | local | rules | none
+    llm_model = "gpt-4o-mini"
+    model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
+    chunker = "fixed"           # fixed (the paper's) | sentence
+    chunk_size = 512
+    tau = 0.7
+
+Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
+environment, and nothing in this module reads or records them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
+CHUNKERS = ("fixed", "sentence")
+
+
+class SettingsError(ValueError):
+    """A setting with an invalid value, or an unknown setting name."""
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """Everything that decides what a build produces (plus how hard it may push an endpoint)."""
+
+    extractor: str | None = None  # None: "openai" if OPENAI_API_KEY is set, else "local"
+    llm_model: str = "gpt-4o-mini"
+    model: str = "smollm2"
+    chunker: str = "fixed"
+    chunk_size: int = 512
+    tau: float = 0.7
+    concurrency: int = 8  # simultaneous requests to the LLM endpoint
+    max_attempts: int = 5  # per chunk, for 429/5xx/timeouts/malformed answers
+    request_timeout: float = 60.0  # seconds, per request
+    batch_poll_interval: float = 30.0  # seconds between Batch API status polls
+    batch_max_rounds: int = 3  # resubmissions of failed/expired batch requests
+    local_max_nuggets: int = 8  # per chunk, for the local constrained extractor
+    extract_batch_size: int = 32  # chunks per Prefect extraction task
+    device: str = "cpu"
+
+    def resolved_extractor(self) -> str:
+        """The extractor to use: the setting, else openai when a key is set, else local."""
+        if self.extractor:
+            return self.extractor
+        return "openai" if os.environ.get("OPENAI_API_KEY") else "local"
+
+    def validate(self) -> BuildSettings:
+        """Raise :class:`SettingsError` naming the bad value; return self."""
+        if self.extractor is not None and self.extractor not in EXTRACTORS:
+            raise SettingsError(
+                f"extractor {self.extractor!r} is not one of {', '.join(EXTRACTORS)}"
+            )
+        if self.chunker not in CHUNKERS:
+            raise SettingsError(f"chunker {self.chunker!r} is not one of {', '.join(CHUNKERS)}")
+        if not 8 <= self.chunk_size <= 32768:
+            raise SettingsError(f"chunk_size {self.chunk_size} is outside 8..32768")
+        if not 0.0 < self.tau <= 1.0:
+            raise SettingsError(f"tau {self.tau} is outside (0, 1]")
+        for name in ("concurrency", "max_attempts", "batch_max_rounds", "extract_batch_size"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for runs.parameters_json and STORE/coinrag.toml)."""
+        return dataclasses.asdict(self)
+
+
+def setting_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(BuildSettings)]
+
+
+def load_settings(
+    config_path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+) -> BuildSettings:
+    """Defaults, then the ``[build]`` table of a TOML file, then non-None ``overrides``."""
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        path = Path(config_path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise SettingsError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {path} is not valid TOML: {exc}") from exc
+        table = data.get("build", data)
+        unknown = sorted(set(table) - set(setting_names()))
+        if unknown:
+            raise SettingsError(
+                f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
+                f"known: {', '.join(setting_names())}"
+            )
+        values.update(table)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return BuildSettings(**values).validate()
+    except TypeError as exc:
+        raise SettingsError(str(exc)) from exc

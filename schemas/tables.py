@@ -1,0 +1,264 @@
+"""Every table coinrag writes, defined once.
+
+Each table is a frozen dataclass (one instance = one row). The Arrow schema is derived from the
+annotations by :func:`arrow_schema`, so a column name is spelled exactly once: here. Code builds
+rows as instances and reads them back with ``Record(**row)``.
+
+Every asset row carries ``run_id`` (the run that wrote it) plus its parents' ids and the
+fingerprints of what produced it, so lineage is a join, never a separate log.
+
+Type mapping: ``str`` -> string, ``int`` -> int64, ``float`` -> float64, ``bool`` -> bool,
+``list[int]`` -> list<int32>, ``list[str]`` -> list<string>, ``datetime`` -> timestamp[us, UTC];
+``X | None`` is nullable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import pyarrow as pa
+
+# ---------------------------------------------------------------------------- corpus
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    """One version of one source document."""
+
+    doc_id: str  # the user's id (data, never a path)
+    doc_version: str  # keys.doc_version(text, metadata)
+    text: str
+    metadata_json: str  # every source field but id and text, canonical JSON
+    source: str  # where it was read from (file name or source path), for humans
+    n_chars: int
+    run_id: str
+    code_version: str
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """A chunk of at most ``chunk_size`` tokens of one document version.
+
+    ``text == document.text[char_start:char_end] == tokenizer.decode(token_ids)``;
+    ``token_spans`` are the (start, end) char offsets of each token inside ``text``, flattened
+    as ``[s0, e0, s1, e1, ...]``.
+    """
+
+    chunk_id: str  # keys.chunk_id(doc_version, ordinal, tokenizer_fp, chunker_fp)
+    doc_id: str
+    doc_version: str
+    ordinal: int  # 0-based position of the chunk in the document
+    text: str
+    n_tokens: int
+    char_start: int  # [char_start, char_end) in the document text
+    char_end: int
+    tok_start: int  # [tok_start, tok_end) in the document's token ids
+    tok_end: int
+    token_ids: list[int]
+    token_spans: list[int]
+    content_key: str  # keys.content_key(tokenizer_fp, token_ids)
+    text_hash: str  # keys.text_hash(text): the key of the LLM's input
+    tokenizer_fp: str
+    chunker_fp: str
+    run_id: str
+    code_version: str
+
+
+# ---------------------------------------------------------------------------- extraction
+
+
+@dataclass(frozen=True)
+class ExtractionRow:
+    """The LLM's answer for one chunk text: the response cache, keyed by (text_hash, extractor_fp).
+
+    ``status`` is ``ok`` (candidates parsed) or ``failed`` (retries exhausted: ``error`` says why;
+    never silently empty). A later build retries failed rows.
+    """
+
+    text_hash: str
+    extractor_fp: str  # keys.fingerprint("extractor", {backend, model, prompt_version, ...})
+    backend: str  # openai | openai-batch | local | rules | none
+    llm_model: str
+    prompt_version: str
+    candidates: list[str]
+    status: str
+    error: str | None
+    run_id: str
+    code_version: str
+
+
+@dataclass(frozen=True)
+class ExtractionCallRow:
+    """The ledger: one row per request sent to an LLM endpoint (or local generation)."""
+
+    call_id: str
+    run_id: str
+    backend: str
+    llm_model: str
+    text_hash: str  # the chunk text this call was for
+    custom_id: str | None  # Batch API request id
+    batch_id: str | None
+    attempt: int  # 1-based
+    status: str  # ok | malformed | rate_limited | server_error | timeout | error | expired
+    tokens_in: int
+    tokens_out: int
+    cost_usd: float
+    latency_ms: float
+    error: str | None
+    started_at: datetime
+
+
+@dataclass(frozen=True)
+class NuggetRow:
+    """A recovered nugget: a token span ``[tok_start, tok_end)`` of one chunk.
+
+    ``text == chunk.text[char_start:char_end] == decode(chunk.token_ids[tok_start:tok_end])``:
+    the source text (it may carry the first token's leading space), never the candidate.
+    """
+
+    nugget_id: str  # keys.nugget_id(chunk_id, tok_start, tok_end)
+    chunk_id: str
+    doc_id: str
+    doc_version: str
+    content_key: str
+    ordinal: int  # order of the nugget inside its chunk (document order)
+    text: str
+    candidate: str
+    match_kind: str  # exact | fuzzy
+    similarity: float
+    char_start: int
+    char_end: int
+    tok_start: int
+    tok_end: int
+    occurrences: int  # > 1: the candidate matched in several places (ambiguous)
+    extractor_fp: str
+    tau: float
+    run_id: str
+    code_version: str
+
+
+@dataclass(frozen=True)
+class AbandonedRow:
+    """A candidate that could not be recovered to a verbatim span."""
+
+    chunk_id: str
+    doc_id: str
+    candidate: str
+    best_similarity: float
+    reason: str
+    extractor_fp: str
+    tau: float
+    run_id: str
+    code_version: str
+
+
+# ---------------------------------------------------------------------------- KV
+
+
+@dataclass(frozen=True)
+class KvManifestRow:
+    """A stored, verified KV entry. An entry is valid only once this row exists."""
+
+    chunk_id: str
+    content_key: str
+    model_fp: str
+    location: str  # path of the entry inside STORE/kv/<model_fp>/
+    tokens: int
+    bytes: int
+    checksum: str
+    run_id: str
+    code_version: str
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+
+
+@dataclass(frozen=True)
+class RejectRow:
+    """A source document (or line, or file) that was not ingested, and why."""
+
+    run_id: str
+    source: str
+    doc_id: str | None
+    reason: str  # empty_text | invalid_utf8 | duplicate_id | bad_record | unreadable
+    detail: str
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run of a flow. Written at start (status ``running``) and again at the end."""
+
+    run_id: str
+    flow: str
+    status: str  # running | completed | failed
+    started_at: datetime
+    ended_at: datetime | None
+    parameters_json: str  # settings and arguments, never secrets
+    code_version: str
+    fingerprints_json: str  # tokenizer_fp, chunker_fp, extractor_fp, model_fp, ...
+    counts_json: str
+    cost_usd: float
+    error: str | None
+
+
+# ---------------------------------------------------------------------------- registry
+
+TABLES: dict[str, type] = {
+    "documents": DocumentRow,
+    "chunks": ChunkRow,
+    "extractions": ExtractionRow,
+    "extraction_calls": ExtractionCallRow,
+    "nuggets": NuggetRow,
+    "abandoned": AbandonedRow,
+    "kv_manifest": KvManifestRow,
+    "rejects": RejectRow,
+    "runs": RunRow,
+}
+
+_SCALARS: dict[Any, pa.DataType] = {
+    str: pa.string(),
+    int: pa.int64(),
+    float: pa.float64(),
+    bool: pa.bool_(),
+    datetime: pa.timestamp("us", tz="UTC"),
+}
+
+
+def _arrow_type(annotation: Any) -> tuple[pa.DataType, bool]:
+    """(arrow type, nullable) of one annotation."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        (inner,) = args
+        return _arrow_type(inner)[0], True
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return pa.list_(pa.int32() if item is int else _SCALARS[item]), False
+    return _SCALARS[annotation], False
+
+
+def arrow_schema(record: type) -> pa.Schema:
+    """The Arrow schema of a row dataclass, in field order."""
+    hints = typing.get_type_hints(record)
+    fields = []
+    for f in dataclasses.fields(record):
+        typ, nullable = _arrow_type(hints[f.name])
+        fields.append(pa.field(f.name, typ, nullable=nullable))
+    return pa.schema(fields)
+
+
+def column_names(record: type) -> list[str]:
+    """The column names of a row dataclass, in order."""
+    return [f.name for f in dataclasses.fields(record)]
+
+
+def table_name(record: type) -> str:
+    """The table a row dataclass is stored in."""
+    for name, rec in TABLES.items():
+        if rec is record:
+            return name
+    raise KeyError(f"{record.__name__} is not a registered table")

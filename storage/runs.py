@@ -1,0 +1,55 @@
+"""The ``runs`` table: one row when a run starts, one when it ends (latest row wins)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+from schemas.keys import CODE_VERSION, canonical_json
+from schemas.tables import RunRow
+from storage.store import Store
+from storage.tables import append_rows
+
+
+def start_run(store: Store, run_id: str, flow: str, parameters: dict[str, Any]) -> RunRow:
+    """Record a run as ``running``; ``parameters`` must hold no secrets."""
+    row = RunRow(
+        run_id=run_id,
+        flow=flow,
+        status="running",
+        started_at=datetime.now(UTC),
+        ended_at=None,
+        parameters_json=canonical_json(parameters),
+        code_version=CODE_VERSION,
+        fingerprints_json="{}",
+        counts_json="{}",
+        cost_usd=0.0,
+        error=None,
+    )
+    append_rows(store, [row], run_id, "run-start")
+    return row
+
+
+def finish_run(
+    store: Store,
+    started: RunRow,
+    status: str,
+    *,
+    fingerprints: dict[str, str] | None = None,
+    counts: dict[str, Any] | None = None,
+    cost_usd: float = 0.0,
+    error: str | None = None,
+) -> RunRow:
+    """Record the end of a run (``completed`` or ``failed``)."""
+    row = replace(
+        started,
+        status=status,
+        ended_at=datetime.now(UTC),
+        fingerprints_json=canonical_json(fingerprints or {}),
+        counts_json=canonical_json(counts or {}),
+        cost_usd=cost_usd,
+        error=error,
+    )
+    append_rows(store, [row], started.run_id, "run-end")
+    return row

@@ -1,0 +1,106 @@
+"""Parquet tables under ``STORE/tables/<table>/``: append-only writes, reads, DuckDB views.
+
+Each stage of each run appends its own files (``<run_id>.<stage>.<n>.parquet``), written under a
+temporary name and renamed into place, so a reader never sees half a file and a killed run loses
+at most the file it was writing. The current state of the corpus is computed by readers (latest
+version per id), never by rewriting files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import duckdb
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from schemas.tables import TABLES, arrow_schema, table_name
+from storage.store import Store, safe_component
+
+R = TypeVar("R")
+
+
+def rows_to_arrow(rows: Sequence[Any], record: type) -> pa.Table:
+    """Rows (dataclass instances of ``record``) as an Arrow table with the record's schema."""
+    schema = arrow_schema(record)
+    columns = {name: [getattr(r, name) for r in rows] for name in schema.names}
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def append_rows(store: Store, rows: Sequence[Any], run_id: str, stage: str) -> Path | None:
+    """Append rows (all of one record type) as a new Parquet file; return its path.
+
+    Nothing is written for an empty sequence.
+    """
+    if not rows:
+        return None
+    record = type(rows[0])
+    directory = store.table_dir(table_name(record))
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"{safe_component(run_id)}.{safe_component(stage)}.{uuid.uuid4().hex[:8]}.parquet"
+    final = directory / name
+    tmp = directory / f".{name}.tmp"
+    pq.write_table(rows_to_arrow(rows, record), tmp, compression="zstd")
+    os.replace(tmp, final)
+    return final
+
+
+def table_files(store: Store, record: type) -> list[Path]:
+    directory = store.table_dir(table_name(record))
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.glob("*.parquet") if not p.name.startswith("."))
+
+
+def read_table(
+    store: Store, record: type, columns: Sequence[str] | None = None, filter: Any = None
+) -> pa.Table:
+    """All rows of a table (every run), as Arrow; an empty table if nothing was written yet."""
+    schema = arrow_schema(record)
+    files = table_files(store, record)
+    if not files:
+        empty = schema.empty_table()
+        return empty.select(list(columns)) if columns else empty
+    dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
+    return dataset.to_table(columns=list(columns) if columns else None, filter=filter)
+
+
+def read_rows(store: Store, record: type[R], filter: Any = None) -> list[R]:
+    """All rows of a table as record instances."""
+    return [record(**row) for row in read_table(store, record, filter=filter).to_pylist()]
+
+
+def column_values(store: Store, record: type, column: str) -> set[Any]:
+    """The distinct values of one column."""
+    return set(read_table(store, record, columns=[column]).column(column).to_pylist())
+
+
+def replace_fields(row: R, **changes: Any) -> R:
+    return dataclasses.replace(row, **changes)  # type: ignore[type-var]
+
+
+def connect_duckdb(store: Store, tables: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with one view per table over its Parquet files.
+
+    Tables with no files yet get an empty view with the right columns, so SQL written against
+    the schema always binds.
+    """
+    con = duckdb.connect(":memory:")
+    for name in tables or TABLES:
+        record = TABLES[name]
+        files = table_files(store, record)
+        if files:
+            listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+            con.execute(
+                f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{listing}], union_by_name=true)"
+            )
+        else:
+            con.register(f"_{name}_empty", arrow_schema(record).empty_table())
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")
+    return con

@@ -1,0 +1,123 @@
+"""Extraction stage: ask the extractor for candidates of every chunk text not yet answered.
+
+The response cache is the ``extractions`` table keyed by ``(text_hash, extractor_fp)``: a text
+answered ``ok`` by this extractor (same LLM, prompt version, decoding settings) is never sent
+again, in this build or any later one. Failed answers are recorded as ``failed`` (with the error)
+and retried by the next build. Every call is ledgered in ``extraction_calls``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pyarrow.compute as pc
+
+from schemas.keys import CODE_VERSION
+from schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow
+from storage.store import Store
+from storage.tables import append_rows, read_rows
+from tasks.extractors.base import ExtractionRequest, ExtractionResult, Extractor
+
+
+@dataclass
+class ExtractCounts:
+    requested: int = 0  # distinct chunk texts needing an answer
+    cached: int = 0  # answered ok by an earlier run
+    ok: int = 0
+    failed: int = 0
+    calls: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cost_usd: float = 0.0
+
+
+def answered_ok(store: Store, extractor_fp: str) -> dict[str, ExtractionRow]:
+    """Latest ``ok`` extraction per text_hash for this extractor."""
+    rows = read_rows(
+        store,
+        ExtractionRow,
+        filter=(pc.field("extractor_fp") == extractor_fp) & (pc.field("status") == "ok"),
+    )
+    return {r.text_hash: r for r in rows}
+
+
+def pending_requests(
+    chunks: Sequence[ChunkRow], done: dict[str, ExtractionRow]
+) -> list[ExtractionRequest]:
+    """One request per distinct chunk text without an ok answer, in chunk order."""
+    seen: set[str] = set()
+    out = []
+    for c in chunks:
+        if c.text_hash in done or c.text_hash in seen:
+            continue
+        seen.add(c.text_hash)
+        out.append(ExtractionRequest(key=c.text_hash, text=c.text))
+    return out
+
+
+def result_rows(
+    results: Sequence[ExtractionResult], extractor: Extractor, run_id: str
+) -> tuple[list[ExtractionRow], list[ExtractionCallRow]]:
+    """Table rows for a batch of results: the answers and the ledger."""
+    fp = extractor.fingerprint
+    prompt_version = getattr(extractor, "prompt_version", "")
+    answers = [
+        ExtractionRow(
+            text_hash=r.key,
+            extractor_fp=fp,
+            backend=extractor.backend,
+            llm_model=extractor.llm_model,
+            prompt_version=prompt_version,
+            candidates=list(r.candidates) if r.status == "ok" else [],
+            status=r.status,
+            error=r.error,
+            run_id=run_id,
+            code_version=CODE_VERSION,
+        )
+        for r in results
+    ]
+    calls = [
+        ExtractionCallRow(
+            call_id=c.call_id or uuid.uuid4().hex,
+            run_id=run_id,
+            backend=extractor.backend,
+            llm_model=extractor.llm_model,
+            text_hash=c.key,
+            custom_id=c.custom_id,
+            batch_id=c.batch_id,
+            attempt=c.attempt,
+            status=c.status,
+            tokens_in=c.tokens_in,
+            tokens_out=c.tokens_out,
+            cost_usd=c.cost_usd,
+            latency_ms=c.latency_ms,
+            error=c.error,
+            started_at=c.started_at,
+        )
+        for r in results
+        for c in r.calls
+    ]
+    return answers, calls
+
+
+def extract_requests(
+    store: Store,
+    extractor: Extractor,
+    requests: Sequence[ExtractionRequest],
+    run_id: str,
+    counts: ExtractCounts,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Run one batch of requests and append its answers and ledger rows (both, or neither)."""
+    results = extractor.extract(requests, progress)
+    answers, calls = result_rows(results, extractor, run_id)
+    append_rows(store, calls, run_id, "extract-calls")
+    append_rows(store, answers, run_id, "extract")
+    counts.ok += sum(r.status == "ok" for r in results)
+    counts.failed += sum(r.status != "ok" for r in results)
+    counts.calls += len(calls)
+    counts.tokens_in += sum(c.tokens_in for c in calls)
+    counts.tokens_out += sum(c.tokens_out for c in calls)
+    counts.cost_usd += sum(c.cost_usd for c in calls)

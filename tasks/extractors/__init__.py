@@ -1,0 +1,1 @@
+"""LLM nugget extractors: one backend per module, one interface (``base.Extractor``)."""

@@ -1,0 +1,73 @@
+"""The interface every nugget extractor implements, and the records it returns.
+
+An extractor turns chunk texts into candidate nugget strings. It never touches the store: the
+build flow asks ``storage/`` which ``(text_hash, extractor_fp)`` pairs are already answered and
+hands only the rest to :meth:`Extractor.extract`. Backends: ``openai`` (chat completions),
+``openai-batch`` (Batch API), ``local`` (constrained decoding with a local model), ``rules``
+(model-free clause segmentation), ``none`` (no nuggets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ExtractionRequest:
+    """One chunk text to extract from. ``key`` is its text hash (``keys.text_hash``)."""
+
+    key: str
+    text: str
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One request sent to an endpoint (or one local generation): a row of the ledger."""
+
+    call_id: str
+    key: str  # the ExtractionRequest.key it served
+    attempt: int  # 1-based
+    status: str  # ok | malformed | rate_limited | server_error | timeout | error | expired
+    tokens_in: int
+    tokens_out: int
+    cost_usd: float
+    latency_ms: float
+    started_at: datetime
+    error: str | None = None
+    custom_id: str | None = None
+    batch_id: str | None = None
+
+
+@dataclass
+class ExtractionResult:
+    """The outcome for one request: candidates (``status == "ok"``) or a failure, never lost."""
+
+    key: str
+    status: str  # ok | failed
+    candidates: list[str] = field(default_factory=list)
+    error: str | None = None
+    calls: list[CallRecord] = field(default_factory=list)
+
+
+ProgressFn = Callable[[int], None]  # called with the number of requests just finished
+
+
+class Extractor(Protocol):
+    """What the build flow needs from a backend."""
+
+    backend: str  # openai | openai-batch | local | rules | none
+    llm_model: str
+
+    @property
+    def fingerprint(self) -> str:
+        """keys.fingerprint("extractor", ...) of everything the output depends on; no secrets."""
+        ...
+
+    def extract(
+        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+    ) -> list[ExtractionResult]:
+        """One result per request, in the same order. Must not raise for one bad chunk."""
+        ...

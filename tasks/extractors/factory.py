@@ -1,0 +1,46 @@
+"""Build the extractor a setting names (one instance per process and settings)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from schemas.settings import BuildSettings
+from tasks.extractors.base import Extractor
+
+
+@lru_cache(maxsize=4)
+def make_extractor(settings: BuildSettings) -> Extractor:
+    """The extractor for ``settings.resolved_extractor()``; models load lazily, once."""
+    backend = settings.resolved_extractor()
+    if backend == "openai":
+        from tasks.extractors.openai_chat import OpenAIChatExtractor
+
+        return OpenAIChatExtractor(
+            model=settings.llm_model,
+            concurrency=settings.concurrency,
+            max_attempts=settings.max_attempts,
+            timeout=settings.request_timeout,
+        )
+    if backend == "openai-batch":
+        from tasks.extractors.openai_batch import OpenAIBatchExtractor
+
+        return OpenAIBatchExtractor(
+            model=settings.llm_model,
+            poll_interval=settings.batch_poll_interval,
+            max_rounds=settings.batch_max_rounds,
+        )
+    if backend == "local":
+        from tasks.extractors.local import LocalConstrainedExtractor
+
+        return LocalConstrainedExtractor(
+            model=settings.model, max_nuggets=settings.local_max_nuggets, device=settings.device
+        )
+    if backend == "rules":
+        from tasks.extractors.rules import RulesExtractor
+
+        return RulesExtractor()
+    if backend == "none":
+        from tasks.extractors.none import NoExtractor
+
+        return NoExtractor()
+    raise ValueError(f"unknown extractor {backend!r}")

@@ -1,0 +1,134 @@
+"""Recovery stage: turn each chunk's candidates into nugget rows (exact token spans) and
+abandoned rows, with :func:`tasks.recover.recover_candidates`.
+
+Recovery is pure and fast, so it is keyed by ``(chunk_id, extractor_fp, tau)``: a chunk already
+recovered with this extractor and threshold is skipped; anything else is recomputed.
+Two candidates that land on the same token span make one nugget (the first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow.compute as pc
+
+from schemas.keys import CODE_VERSION, nugget_id
+from schemas.tables import AbandonedRow, ChunkRow, ExtractionRow, NuggetRow
+from storage.store import Store
+from storage.tables import append_rows, read_table
+from tasks.chunk import token_spans_pairs
+from tasks.recover import recover_candidates
+
+
+@dataclass
+class RecoverCounts:
+    chunks: int = 0
+    exact: int = 0
+    fuzzy: int = 0
+    abandoned: int = 0
+    duplicates: int = 0  # candidates that landed on an existing nugget's span
+    skipped: int = 0  # chunks recovered by an earlier run
+
+
+def recover_chunk(
+    chunk: ChunkRow, extraction: ExtractionRow, tau: float, run_id: str
+) -> tuple[list[NuggetRow], list[AbandonedRow], int]:
+    """Nugget and abandoned rows of one chunk, nuggets in document order; and duplicates."""
+    spans, abandoned = recover_candidates(
+        chunk.text, token_spans_pairs(chunk.token_spans), extraction.candidates, tau=tau
+    )
+    by_span = {}
+    duplicates = 0
+    for s in spans:
+        if (s.tok_start, s.tok_end) in by_span:
+            duplicates += 1
+            continue
+        by_span[(s.tok_start, s.tok_end)] = s
+    ordered = sorted(by_span.values(), key=lambda s: (s.tok_start, s.tok_end))
+    nuggets = [
+        NuggetRow(
+            nugget_id=nugget_id(chunk.chunk_id, s.tok_start, s.tok_end),
+            chunk_id=chunk.chunk_id,
+            doc_id=chunk.doc_id,
+            doc_version=chunk.doc_version,
+            content_key=chunk.content_key,
+            ordinal=i,
+            text=s.text,
+            candidate=s.candidate,
+            match_kind=s.match_kind,
+            similarity=s.similarity,
+            char_start=s.char_start,
+            char_end=s.char_end,
+            tok_start=s.tok_start,
+            tok_end=s.tok_end,
+            occurrences=s.occurrences,
+            extractor_fp=extraction.extractor_fp,
+            tau=tau,
+            run_id=run_id,
+            code_version=CODE_VERSION,
+        )
+        for i, s in enumerate(ordered)
+    ]
+    dropped = [
+        AbandonedRow(
+            chunk_id=chunk.chunk_id,
+            doc_id=chunk.doc_id,
+            candidate=a.candidate,
+            best_similarity=a.best_similarity,
+            reason=a.reason,
+            extractor_fp=extraction.extractor_fp,
+            tau=tau,
+            run_id=run_id,
+            code_version=CODE_VERSION,
+        )
+        for a in abandoned
+    ]
+    return nuggets, dropped, duplicates
+
+
+def recovered_chunk_ids(store: Store, extractor_fp: str, tau: float) -> set[str]:
+    """Chunks that already have nugget or abandoned rows for this extractor and tau."""
+    done: set[str] = set()
+    for record in (NuggetRow, AbandonedRow):
+        table = read_table(
+            store,
+            record,
+            columns=["chunk_id"],
+            filter=(pc.field("extractor_fp") == extractor_fp) & (pc.field("tau") == tau),
+        )
+        done.update(table.column("chunk_id").to_pylist())
+    return done
+
+
+def recover_stage(
+    store: Store,
+    chunks: Sequence[ChunkRow],
+    extractions: dict[str, ExtractionRow],
+    extractor_fp: str,
+    tau: float,
+    run_id: str,
+) -> RecoverCounts:
+    """Recover every chunk with an ok extraction and no nuggets yet for (extractor_fp, tau)."""
+    counts = RecoverCounts()
+    done = recovered_chunk_ids(store, extractor_fp, tau)
+    nuggets: list[NuggetRow] = []
+    abandoned: list[AbandonedRow] = []
+    for chunk in chunks:
+        extraction = extractions.get(chunk.text_hash)
+        if extraction is None:
+            continue
+        if chunk.chunk_id in done:
+            counts.skipped += 1
+            continue
+        n, a, dup = recover_chunk(chunk, extraction, tau, run_id)
+        nuggets += n
+        abandoned += a
+        counts.chunks += 1
+        counts.duplicates += dup
+        counts.exact += sum(x.match_kind == "exact" for x in n)
+        counts.fuzzy += sum(x.match_kind == "fuzzy" for x in n)
+        counts.abandoned += len(a)
+    append_rows(store, nuggets, run_id, "recover")
+    append_rows(store, abandoned, run_id, "recover")
+    return counts
