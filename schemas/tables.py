@@ -8,7 +8,7 @@ Every asset row carries ``run_id`` (the run that wrote it) plus its parents' ids
 fingerprints of what produced it, so lineage is a join, never a separate log.
 
 Type mapping: ``str`` -> string, ``int`` -> int64, ``float`` -> float64, ``bool`` -> bool,
-``list[int]`` -> list<int32>, ``list[str]`` -> list<string>, ``datetime`` -> timestamp[us, UTC];
+``list[int]`` -> list<int32>, ``list[float]`` -> list<float32>, ``list[str]`` -> list<string>, ``datetime`` -> timestamp[us, UTC];
 ``X | None`` is nullable.
 """
 
@@ -175,6 +175,64 @@ class KvManifestRow:
     code_version: str
 
 
+# ---------------------------------------------------------------------------- embeddings, indexes
+
+
+@dataclass(frozen=True)
+class EmbeddingRow:
+    """The embedding cache: one vector per (text_hash, embedder_fp); text is never re-embedded."""
+
+    text_hash: str
+    embedder_fp: str
+    vector: list[float]  # float32, normalised as the embedder's identity says
+    run_id: str
+    code_version: str
+
+
+@dataclass(frozen=True)
+class ChunkIndexRow:
+    """A row of the LanceDB ``chunks`` table (upserted by chunk_id)."""
+
+    chunk_id: str
+    doc_id: str
+    doc_version: str
+    content_key: str
+    text: str
+    n_tokens: int
+    vector: list[float]
+    embedder_fp: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class NuggetIndexRow:
+    """A row of the LanceDB ``nuggets`` table (upserted by nugget_id)."""
+
+    nugget_id: str
+    chunk_id: str
+    doc_id: str
+    doc_version: str
+    content_key: str
+    text: str
+    tok_start: int
+    tok_end: int
+    vector: list[float]
+    embedder_fp: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class DocumentIndexRow:
+    """A row of the LanceDB ``documents`` table: one vector per document (upserted by doc_id)."""
+
+    doc_id: str
+    doc_version: str
+    title: str
+    vector: list[float]
+    embedder_fp: str
+    run_id: str
+
+
 # ---------------------------------------------------------------------------- bookkeeping
 
 
@@ -216,8 +274,16 @@ TABLES: dict[str, type] = {
     "nuggets": NuggetRow,
     "abandoned": AbandonedRow,
     "kv_manifest": KvManifestRow,
+    "embeddings": EmbeddingRow,
     "rejects": RejectRow,
     "runs": RunRow,
+}
+
+# LanceDB tables (under STORE/index/), not Parquet: same one-definition rule.
+INDEX_TABLES: dict[str, type] = {
+    "chunks": ChunkIndexRow,
+    "nuggets": NuggetIndexRow,
+    "documents": DocumentIndexRow,
 }
 
 _SCALARS: dict[Any, pa.DataType] = {
@@ -237,6 +303,8 @@ def _arrow_type(annotation: Any) -> tuple[pa.DataType, bool]:
         return _arrow_type(inner)[0], True
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
+        if item is float:
+            return pa.list_(pa.float32()), False
         return pa.list_(pa.int32() if item is int else _SCALARS[item]), False
     return _SCALARS[annotation], False
 

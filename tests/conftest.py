@@ -1,0 +1,43 @@
+"""Shared test set-up: Prefect offline in a temporary home, and shared real components."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Prefect reads these at import time: set them before anything imports prefect.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="coinrag-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("OPENAI_API_KEY", None)
+os.environ.pop("OPENAI_BASE_URL", None)
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A real Prefect API (temporary local server on SQLite) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The packaged SmolLM2 tokenizer (converted once into the coinrag cache)."""
+    from inference.models import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def sample_corpus() -> Path:
+    return REPO / "flows" / "sample" / "wiki_sample.jsonl"
