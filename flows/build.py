@@ -71,7 +71,9 @@ def extract_task(
     run_id: str,
 ) -> ExtractCounts:
     counts = ExtractCounts(requested=len(requests))
-    extract_requests(store, make_extractor(settings), requests, run_id, counts)
+    extract_requests(
+        store, make_extractor(settings, str(store.prefect_dir)), requests, run_id, counts
+    )
     return counts
 
 
@@ -85,7 +87,7 @@ def _extract_all(
 ) -> tuple[ExtractCounts, str]:
     """Send every unanswered chunk text to the extractor, batch by batch, with progress."""
     logger = get_run_logger()
-    extractor = make_extractor(settings)
+    extractor = make_extractor(settings, str(store.prefect_dir))
     fp = extractor.fingerprint
     pending = pending_requests(chunks, answered_ok(store, fp))
     total = ExtractCounts(requested=len(pending))

@@ -9,8 +9,12 @@ from tasks.extractors.base import Extractor
 
 
 @lru_cache(maxsize=4)
-def make_extractor(settings: BuildSettings) -> Extractor:
-    """The extractor for ``settings.resolved_extractor()``; models load lazily, once."""
+def make_extractor(settings: BuildSettings, state_dir: str | None = None) -> Extractor:
+    """The extractor for ``settings.resolved_extractor()``; models load lazily, once.
+
+    ``state_dir`` (the store's) keeps the Batch API's submitted batch ids, so that a killed build
+    polls its batches again instead of paying twice.
+    """
     backend = settings.resolved_extractor()
     if backend == "openai":
         from tasks.extractors.openai_chat import OpenAIChatExtractor
@@ -19,15 +23,17 @@ def make_extractor(settings: BuildSettings) -> Extractor:
             model=settings.llm_model,
             concurrency=settings.concurrency,
             max_attempts=settings.max_attempts,
-            timeout=settings.request_timeout,
+            timeout_s=settings.request_timeout,
         )
     if backend == "openai-batch":
         from tasks.extractors.openai_batch import OpenAIBatchExtractor
 
         return OpenAIBatchExtractor(
             model=settings.llm_model,
-            poll_interval=settings.batch_poll_interval,
+            poll_interval_s=settings.batch_poll_interval,
             max_rounds=settings.batch_max_rounds,
+            max_attempts=settings.max_attempts,
+            state_path=f"{state_dir}/openai-batch-state.json" if state_dir else None,
         )
     if backend == "local":
         from tasks.extractors.local import LocalConstrainedExtractor

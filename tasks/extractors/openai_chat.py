@@ -1,0 +1,473 @@
+"""Nugget extraction through the chat completions endpoint (backend ``openai``).
+
+Works with api.openai.com and with any OpenAI-compatible server (``base_url=``). The official
+``openai.OpenAI`` client reads ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL`` itself; its own retries
+are switched off (``max_retries=0``) so that every HTTP attempt is retried, timed and ledgered
+here, as one :class:`~tasks.extractors.base.CallRecord` each.
+
+Retries: 429 (honouring ``Retry-After`` / ``retry-after-ms``), 5xx, 408/409, timeouts and
+connection errors, with exponential backoff and jitter, up to ``max_attempts`` per request. A
+malformed answer (``parse_nuggets`` raises) is retried as well; after the last attempt the
+result is ``status="failed"`` with the reason, never an empty success. 401/403/404 and
+``insufficient_quota`` are fatal: the remaining requests of the run fail at once instead of
+hammering the endpoint.
+
+Response format (``structured``): ``True`` asks for ``json_schema`` structured outputs, ``False``
+for plain prompting; ``None`` (default) tries ``json_schema``, and on a 400 saying the endpoint
+does not support it falls back to ``json_object``, then to plain prompting, and keeps that
+decision for the rest of the extractor's life. The fingerprint holds the *requested* mode.
+
+The API key never appears in a ledger row, a log line or an error message produced here: every
+text coming from the client is passed through :func:`scrub`.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import openai
+
+from schemas.keys import fingerprint as _fingerprint
+from tasks.extractors.base import CallRecord, ExtractionRequest, ExtractionResult, ProgressFn
+from tasks.extractors.pricing import call_cost
+from tasks.extractors.prompt import (
+    PROMPT_VERSION,
+    RESPONSE_SCHEMA,
+    MalformedResponse,
+    build_messages,
+    parse_nuggets,
+)
+
+log = logging.getLogger(__name__)
+
+MODE_JSON_SCHEMA = "json_schema"
+MODE_JSON_OBJECT = "json_object"
+MODE_PROMPT = "prompt"
+_NEXT_MODE = {MODE_JSON_SCHEMA: MODE_JSON_OBJECT, MODE_JSON_OBJECT: MODE_PROMPT}
+
+_MAX_ERROR_CHARS = 500
+
+
+# --------------------------------------------------------------------------- shared helpers
+# (also used by openai_batch)
+
+
+def requested_format(structured: bool | None) -> str:
+    """The response-format mode asked for: ``auto`` (None), ``json_schema`` or ``prompt``."""
+    if structured is None:
+        return "auto"
+    return MODE_JSON_SCHEMA if structured else MODE_PROMPT
+
+
+def response_format_param(mode: str) -> dict[str, Any] | None:
+    """The ``response_format`` request field for a mode (``None`` for plain prompting)."""
+    if mode == MODE_JSON_SCHEMA:
+        return {"type": "json_schema", "json_schema": RESPONSE_SCHEMA}
+    if mode == MODE_JSON_OBJECT:
+        return {"type": "json_object"}
+    return None
+
+
+def extractor_fingerprint(backend: str, model: str, temperature: float, fmt: str) -> str:
+    """Fingerprint of an OpenAI extractor: no key, no base URL."""
+    return _fingerprint(
+        "extractor",
+        {
+            "backend": backend,
+            "model": model,
+            "prompt_version": PROMPT_VERSION,
+            "temperature": float(temperature),
+            "response_format": fmt,
+        },
+    )
+
+
+_KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\-]{6,}")
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\",}]+")
+_URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
+
+
+def scrub(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with the given secrets, anything shaped like an API key, bearer tokens and URL
+    credentials replaced by ``***``."""
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    text = _KEY_LIKE.sub("sk-***", text)
+    text = _BEARER.sub(r"\1***", text)
+    return _URL_USERINFO.sub(r"\1***@", text)
+
+
+def known_secrets(client: Any) -> tuple[str, ...]:
+    """The API keys this process could send: the client's and ``OPENAI_API_KEY``."""
+    found = []
+    for value in (getattr(client, "api_key", None), os.environ.get("OPENAI_API_KEY")):
+        if isinstance(value, str) and value:
+            found.append(value)
+    return tuple(found)
+
+
+def describe_error(exc: BaseException, secrets: Iterable[str] = ()) -> str:
+    """A short, scrubbed, one-line description of an exception."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    text = scrub(text, secrets)
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def classify_error(exc: BaseException) -> tuple[str, bool, bool]:
+    """``(ledger status, retryable, fatal)`` for an exception raised by a client call.
+
+    Fatal errors (bad key, no permission, unknown model, no quota) stop the whole run.
+    """
+    if isinstance(exc, openai.APITimeoutError):
+        return "timeout", True, False
+    if isinstance(exc, openai.APIConnectionError):
+        return "error", True, False
+    if isinstance(exc, openai.RateLimitError):
+        if getattr(exc, "code", None) == "insufficient_quota":
+            return "rate_limited", False, True
+        return "rate_limited", True, False
+    if isinstance(exc, openai.APIStatusError):
+        code = exc.status_code
+        if code >= 500:
+            return "server_error", True, False
+        if code == 408:
+            return "timeout", True, False
+        if code == 409:
+            return "error", True, False
+        return "error", False, code in (401, 403, 404)
+    return "error", False, False
+
+
+def retry_after_seconds(exc: BaseException) -> float | None:
+    """The server's ``retry-after-ms`` / ``Retry-After`` (seconds or HTTP date), if any."""
+    response = getattr(exc, "response", None)
+    headers = getattr(response, "headers", None)
+    if headers is None:
+        return None
+    value = headers.get("retry-after-ms")
+    if value is not None:
+        try:
+            return max(0.0, float(value) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        parsed = email.utils.parsedate_tz(value)
+        if parsed is None:
+            return None
+        return max(0.0, email.utils.mktime_tz(parsed) - time.time())
+
+
+def backoff_delay(failures: int, base_s: float, max_s: float, rng: random.Random) -> float:
+    """Exponential backoff with jitter: ``min(max_s, base_s * 2**(failures-1))``, scaled by a
+    random factor in [0.5, 1]."""
+    ceiling = min(max_s, base_s * (2 ** max(0, failures - 1)))
+    return ceiling / 2 + rng.uniform(0, ceiling / 2)
+
+
+def make_client(
+    client: openai.OpenAI | None,
+    *,
+    base_url: str | None,
+    api_key: str | None,
+    timeout_s: float,
+) -> openai.OpenAI:
+    """The client to use, with its own retries off and the request timeout set."""
+    if client is not None:
+        return client.with_options(max_retries=0, timeout=timeout_s)
+    kwargs: dict[str, Any] = {"max_retries": 0, "timeout": timeout_s}
+    if base_url is not None:
+        kwargs["base_url"] = base_url
+    if api_key is not None:
+        kwargs["api_key"] = api_key
+    return openai.OpenAI(**kwargs)
+
+
+def new_call_id() -> str:
+    """A unique id for one ledger row."""
+    return "call-" + uuid.uuid4().hex
+
+
+def group_requests(
+    requests: Sequence[ExtractionRequest],
+) -> tuple[dict[str, ExtractionRequest], dict[str, list[int]]]:
+    """Unique requests by key (the same text is asked once) and the indices each key serves."""
+    unique: dict[str, ExtractionRequest] = {}
+    where: dict[str, list[int]] = {}
+    for i, req in enumerate(requests):
+        unique.setdefault(req.key, req)
+        where.setdefault(req.key, []).append(i)
+    return unique, where
+
+
+def spread_results(
+    n: int, where: dict[str, list[int]], by_key: dict[str, ExtractionResult]
+) -> list[ExtractionResult]:
+    """One result per request, in request order. A key asked several times carries its ledger
+    rows on its first occurrence only (so summing the calls of all results counts each once)."""
+    out: list[ExtractionResult | None] = [None] * n
+    for key, indices in where.items():
+        result = by_key[key]
+        out[indices[0]] = result
+        for i in indices[1:]:
+            out[i] = replace(result, candidates=list(result.candidates), calls=[])
+    return [r for r in out if r is not None]
+
+
+# --------------------------------------------------------------------------- the extractor
+
+
+class OpenAIChatExtractor:
+    """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
+
+    backend = "openai"
+
+    def __init__(
+        self,
+        model: str = "gpt-4o-mini",
+        *,
+        client: openai.OpenAI | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        concurrency: int = 8,
+        max_attempts: int = 5,
+        backoff_base_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+        retry_after_max_s: float = 300.0,
+        timeout_s: float = 60.0,
+        temperature: float = 0.0,
+        structured: bool | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """``client`` (tests) or a new ``openai.OpenAI`` (env key, optional ``base_url``)."""
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        self.llm_model = model
+        self.concurrency = concurrency
+        self.max_attempts = max_attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.retry_after_max_s = retry_after_max_s
+        self.timeout_s = timeout_s
+        self.temperature = temperature
+        self.structured = structured
+        self._client = make_client(client, base_url=base_url, api_key=api_key, timeout_s=timeout_s)
+        self._secrets = known_secrets(self._client) + ((api_key,) if api_key else ())
+        self._sleep = sleep
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+        self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
+        self._fatal: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """keys.fingerprint("extractor", backend, model, prompt version, temperature, format)."""
+        return extractor_fingerprint(
+            self.backend, self.llm_model, self.temperature, requested_format(self.structured)
+        )
+
+    @property
+    def response_mode(self) -> str:
+        """The response format in use now (after any fallback): json_schema|json_object|prompt."""
+        with self._lock:
+            return self._mode
+
+    def extract(
+        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+    ) -> list[ExtractionResult]:
+        """One result per request, in order; ``progress(n)`` as requests finish."""
+        if not requests:
+            return []
+        self._fatal = None
+        unique, where = group_requests(requests)
+        progress_lock = threading.Lock()
+
+        def run(req: ExtractionRequest) -> ExtractionResult:
+            try:
+                result = self._extract_one(req)
+            except Exception as exc:  # never let one chunk sink the run
+                msg = describe_error(exc, self._secrets)
+                log.error("extraction of %s crashed: %s", req.key, msg)
+                result = ExtractionResult(key=req.key, status="failed", error=msg)
+            if progress is not None:
+                with progress_lock:
+                    try:
+                        progress(len(where[req.key]))
+                    except Exception as exc:
+                        log.warning("progress callback failed: %s", describe_error(exc))
+            return result
+
+        workers = min(self.concurrency, len(unique))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="openai-extract") as pool:
+            futures = {key: pool.submit(run, req) for key, req in unique.items()}
+            by_key = {key: fut.result() for key, fut in futures.items()}
+        return spread_results(len(requests), where, by_key)
+
+    # ----------------------------------------------------------------------- internals
+
+    def _downgrade(self, failed_mode: str) -> str:
+        """Move past ``failed_mode`` (once, whichever thread sees it first); the mode to use."""
+        with self._lock:
+            if self._mode == failed_mode and failed_mode in _NEXT_MODE:
+                self._mode = _NEXT_MODE[failed_mode]
+                log.warning(
+                    "endpoint rejects response_format %s; using %s from now on",
+                    failed_mode,
+                    self._mode,
+                )
+            return self._mode
+
+    def _format_unsupported(self, exc: BaseException, mode: str) -> bool:
+        if self.structured is not None or mode == MODE_PROMPT:
+            return False
+        if not isinstance(exc, openai.APIStatusError) or exc.status_code not in (400, 422):
+            return False
+        text = f"{exc} {getattr(exc, 'param', '') or ''}".lower()
+        return any(word in text for word in ("response_format", "json_schema", "json_object"))
+
+    def _record(
+        self,
+        req: ExtractionRequest,
+        attempt: int,
+        status: str,
+        started_at: datetime,
+        t0: float,
+        *,
+        tokens_in: int = 0,
+        tokens_out: int = 0,
+        error: str | None = None,
+    ) -> CallRecord:
+        return CallRecord(
+            call_id=new_call_id(),
+            key=req.key,
+            attempt=attempt,
+            status=status,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            cost_usd=call_cost(self.llm_model, tokens_in, tokens_out, batch=False),
+            latency_ms=(time.perf_counter() - t0) * 1000.0,
+            started_at=started_at,
+            error=error,
+        )
+
+    def _extract_one(self, req: ExtractionRequest) -> ExtractionResult:
+        calls: list[CallRecord] = []
+        messages = build_messages(req.text)
+        attempt = 0  # every HTTP attempt, for the ledger
+        spent = 0  # attempts that count against max_attempts (format fallbacks do not)
+        failures = 0  # consecutive transport failures, for the backoff
+        while True:
+            if self._fatal is not None:
+                error = f"aborted: {self._fatal}"
+                return ExtractionResult(req.key, "failed", error=error, calls=calls)
+            with self._lock:
+                mode = self._mode
+            attempt += 1
+            kwargs: dict[str, Any] = {
+                "model": self.llm_model,
+                "messages": messages,
+                "temperature": self.temperature,
+            }
+            fmt = response_format_param(mode)
+            if fmt is not None:
+                kwargs["response_format"] = fmt
+            started_at = datetime.now(UTC)
+            t0 = time.perf_counter()
+            try:
+                completion = self._client.chat.completions.create(**kwargs)
+            except Exception as exc:
+                msg = describe_error(exc, self._secrets)
+                if self._format_unsupported(exc, mode):
+                    new_mode = self._downgrade(mode)
+                    note = f"response_format {mode} unsupported, falling back to {new_mode}: {msg}"
+                    calls.append(self._record(req, attempt, "error", started_at, t0, error=note))
+                    continue
+                status, retryable, fatal = classify_error(exc)
+                calls.append(self._record(req, attempt, status, started_at, t0, error=msg))
+                spent += 1
+                failures += 1
+                if fatal:
+                    self._fatal = msg
+                    log.error("fatal endpoint error, failing the rest of the run: %s", msg)
+                    return ExtractionResult(req.key, "failed", error=msg, calls=calls)
+                if not retryable or spent >= self.max_attempts:
+                    error = f"{status} after {spent} attempt(s): {msg}"
+                    log.warning("%s failed: %s", req.key, error)
+                    return ExtractionResult(req.key, "failed", error=error, calls=calls)
+                delay = backoff_delay(failures, self.backoff_base_s, self.backoff_max_s, self._rng)
+                server_delay = retry_after_seconds(exc)
+                if server_delay is not None:
+                    delay = min(max(server_delay, 0.0), self.retry_after_max_s)
+                log.warning("%s attempt %d: %s; retrying in %.2fs", req.key, attempt, msg, delay)
+                self._sleep(delay)
+                continue
+
+            failures = 0
+            usage = getattr(completion, "usage", None)
+            tokens_in = int(getattr(usage, "prompt_tokens", 0) or 0)
+            tokens_out = int(getattr(usage, "completion_tokens", 0) or 0)
+            try:
+                nuggets = parse_nuggets(_content_of(completion))
+            except MalformedResponse as exc:
+                msg = scrub(f"malformed answer: {exc}", self._secrets)
+                calls.append(
+                    self._record(
+                        req,
+                        attempt,
+                        "malformed",
+                        started_at,
+                        t0,
+                        tokens_in=tokens_in,
+                        tokens_out=tokens_out,
+                        error=msg,
+                    )
+                )
+                spent += 1
+                if spent >= self.max_attempts:
+                    error = f"malformed after {spent} attempt(s): {exc}"
+                    log.warning("%s failed: %s", req.key, error)
+                    return ExtractionResult(req.key, "failed", error=error, calls=calls)
+                log.info("%s attempt %d: %s; retrying", req.key, attempt, msg)
+                continue
+            calls.append(
+                self._record(
+                    req, attempt, "ok", started_at, t0, tokens_in=tokens_in, tokens_out=tokens_out
+                )
+            )
+            return ExtractionResult(req.key, "ok", candidates=nuggets, calls=calls)
+
+
+def _content_of(completion: Any) -> str | None:
+    """The message content of the first choice; a refusal or odd shape is malformed."""
+    choices = getattr(completion, "choices", None)
+    if not choices:
+        raise MalformedResponse("no choices in the response")
+    message = getattr(choices[0], "message", None)
+    if message is None:
+        raise MalformedResponse("no message in the first choice")
+    refusal = getattr(message, "refusal", None)
+    if refusal:
+        raise MalformedResponse(f"refusal: {refusal}")
+    content = getattr(message, "content", None)
+    if content is not None and not isinstance(content, str):
+        raise MalformedResponse("message content is not a string")
+    return content
