@@ -1,0 +1,427 @@
+"""Re-rotation of cached RoPE keys to new positions (Qwen2 / Qwen3 / Llama / Mistral / Phi-3).
+
+transformers caches keys *after* RoPE. A key encoded at position ``p`` is
+``s * R(a(p)) k_raw`` where ``R`` rotates each dimension pair ``(i, i + rotary_dim/2)``
+(the ``rotate_half`` convention) by the angle ``a_i(p) = fl32(p * inv_freq_i)`` and ``s`` is
+the rope type's ``attention_scaling`` (1 except for YaRN / LongRoPE, which multiply cos and sin
+by it). Rotations compose, so moving the key to position ``q`` is the pure rotation
+``R(a(q) - a(p))``: the scale ``s`` is already inside the cached key and is never applied again.
+
+Everything model-specific comes from transformers itself: the rotary-embedding class of the
+model's architecture is instantiated from the config (that is how the model gets its
+``inv_freq`` and ``attention_scaling``), and the seq-len dependent variants (``dynamic``,
+``longrope``) are recomputed with ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``
+exactly as its ``dynamic_rope_update`` decorator does. No RoPE formula is re-derived here.
+
+Precision: the absolute angles ``a(p)`` are formed in float32 exactly as transformers forms
+them (``position.float() * inv_freq``, so the same rounding), their difference is taken and
+turned into cos/sin in float64, and the rotation itself runs in float32 before casting back to
+the keys' dtype. The re-rotated key therefore equals the key the model computes at the new
+position up to float32 rounding of the products (~1e-7 relative), also far from position 0.
+A pure ``delta * inv_freq`` rotation (``shift_keys`` without ``old_start``) is mathematically
+the same but misses the model's own float32 rounding of ``p * inv_freq``: it differs from a
+fresh prefill by up to ``~|p| * 2**-24`` rad per pair (about 1e-4 rad at p = 3000).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+__all__ = [
+    "RopeSpec",
+    "UnsafeRerotation",
+    "UnsupportedRope",
+    "rerotate_keys",
+    "shift_keys",
+]
+
+
+class UnsupportedRope(ValueError):
+    """The model's RoPE variant (or architecture) cannot be re-rotated exactly; refused by name."""
+
+
+class UnsafeRerotation(ValueError):
+    """The re-rotation is not determined by the given arguments (e.g. dynamic NTK without the
+    sequence lengths the frequencies depend on)."""
+
+
+# Architectures whose attention applies RoPE with transformers' `rotate_half` convention on the
+# first `rotary_dim` dims of every key head, every layer, with one global rope config. Checked
+# against the transformers 5.23 modeling files. Value: (module, rotary class, applies partial
+# rotation). Architectures with interleaved rotation (GPT-J style), NoPE layers (SmolLM3),
+# per-layer rope configs (Gemma 2/3, ...) or multimodal M-RoPE (Qwen2-VL, ...) are not listed.
+_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
+    "llama": ("llama", "LlamaRotaryEmbedding", False),
+    "mistral": ("mistral", "MistralRotaryEmbedding", False),
+    "mixtral": ("mixtral", "MixtralRotaryEmbedding", False),
+    "qwen2": ("qwen2", "Qwen2RotaryEmbedding", False),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeRotaryEmbedding", False),
+    "qwen3": ("qwen3", "Qwen3RotaryEmbedding", False),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeRotaryEmbedding", False),
+    "phi3": ("phi3", "Phi3RotaryEmbedding", True),
+}
+
+# Rope types whose frequencies do not depend on the sequence length.
+_STATIC_TYPES = frozenset({"default", "linear", "yarn", "llama3"})
+# Rope types whose frequencies depend on the forward's sequence length (max position id + 1).
+_SEQ_LEN_TYPES = frozenset({"dynamic", "longrope"})
+SUPPORTED_ROPE_TYPES = _STATIC_TYPES | _SEQ_LEN_TYPES
+
+_DELTA_CACHE_MAX = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class RopeSpec:
+    """The RoPE variant of one model, as its transformers implementation computes it.
+
+    Build it with :meth:`RopeSpec.from_config`. Hashable by identity.
+
+    Attributes:
+        model_type: ``config.model_type`` (one of the verified architectures).
+        rope_type: ``config.rope_parameters["rope_type"]``: default, linear, dynamic, yarn,
+            llama3 or longrope.
+        head_dim: size of one key head (last dim of the cached keys).
+        rotary_dim: number of leading dims of a head that RoPE rotates (``2 * len(inv_freq)``);
+            equals ``head_dim`` except for partial rotary (Phi-3 ``partial_rotary_factor``).
+        inv_freq: float32 tensor of shape ``(rotary_dim // 2,)``: the frequencies the model's
+            rotary embedding holds after init, i.e. those used for any forward whose length
+            does not exceed ``max_position_embeddings`` (dynamic) or
+            ``original_max_position_embeddings`` (longrope, the "short" factors).
+        attention_scaling: factor transformers multiplies cos and sin by (YaRN / LongRoPE
+            ``attention_factor``; 1.0 otherwise). Already contained in every cached key.
+        max_position_embeddings: ``config.max_position_embeddings``; the threshold above which
+            dynamic NTK recomputes its frequencies.
+        original_max_position_embeddings: from ``rope_parameters`` where the type has it
+            (yarn, llama3, longrope; the longrope short/long threshold), else None.
+        long_inv_freq: longrope only: float32 ``(rotary_dim // 2,)`` frequencies used for a
+            forward longer than ``original_max_position_embeddings``; None otherwise.
+    """
+
+    model_type: str
+    rope_type: str
+    head_dim: int
+    rotary_dim: int
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    max_position_embeddings: int
+    original_max_position_embeddings: int | None = None
+    long_inv_freq: torch.Tensor | None = None
+    _config: Any = field(default=None, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_config(cls, config: Any) -> RopeSpec:
+        """Read the RoPE variant of ``config`` (a transformers ``PretrainedConfig``).
+
+        Raises:
+            UnsupportedRope: the architecture is not one whose RoPE convention was verified,
+                the rope type is not supported (named in the message), the config is
+                multimodal (M-RoPE) or has per-layer rope parameters.
+        """
+        model_type = getattr(config, "model_type", None) or type(config).__name__
+        if model_type not in _ARCHITECTURES:
+            raise UnsupportedRope(
+                f"architecture {model_type!r} is not supported for key re-rotation (verified: "
+                f"{', '.join(sorted(_ARCHITECTURES))}); multimodal / M-RoPE, interleaved-RoPE and "
+                "NoPE-layer architectures are refused"
+            )
+        params = getattr(config, "rope_parameters", None)
+        if not params:
+            raise UnsupportedRope(f"{model_type!r} config has no rope_parameters")
+        if "rope_type" not in params and "type" not in params:
+            raise UnsupportedRope(
+                f"{model_type!r} rope_parameters look per-layer (keys {sorted(params)}); "
+                "per-layer RoPE is not supported"
+            )
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if "mrope_section" in params or "mrope" in str(rope_type):
+            raise UnsupportedRope(f"rope type 'mrope' (multimodal RoPE, {rope_type!r}) is refused")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedRope(
+                f"rope type {rope_type!r} is not supported for key re-rotation "
+                f"(supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})"
+            )
+
+        config = copy.deepcopy(config)  # transformers' init functions standardize in place
+        module_name, class_name, partial_ok = _ARCHITECTURES[model_type]
+        modeling = importlib.import_module(
+            f"transformers.models.{module_name}.modeling_{module_name}"
+        )
+        rotary = getattr(modeling, class_name)(config)
+        inv_freq = rotary.inv_freq.detach().to(device="cpu", dtype=torch.float32).clone()
+        attention_scaling = float(rotary.attention_scaling)
+        params = config.rope_parameters
+
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        rotary_dim = 2 * inv_freq.numel()
+        if rotary_dim > head_dim or (rotary_dim != head_dim and not partial_ok):
+            raise UnsupportedRope(
+                f"{model_type!r} with rope type {rope_type!r}: rotary dim {rotary_dim} does not "
+                f"fit head dim {head_dim} the way this architecture applies RoPE "
+                "(partial_rotary_factor is only applied by Phi-3 here)"
+            )
+
+        long_inv_freq = None
+        if rope_type == "longrope":
+            # As transformers' longrope_frequency_update: long factors are computed with
+            # seq_len = original_max_position_embeddings + 1; attention_scaling stays the init one.
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](
+                config, None, seq_len=int(params["original_max_position_embeddings"]) + 1
+            )
+            long_inv_freq = long_inv_freq.detach().to(device="cpu", dtype=torch.float32).clone()
+
+        original = params.get("original_max_position_embeddings")
+        return cls(
+            model_type=model_type,
+            rope_type=rope_type,
+            head_dim=int(head_dim),
+            rotary_dim=int(rotary_dim),
+            inv_freq=inv_freq,
+            attention_scaling=attention_scaling,
+            max_position_embeddings=int(config.max_position_embeddings),
+            original_max_position_embeddings=None if original is None else int(original),
+            long_inv_freq=long_inv_freq,
+            _config=config if rope_type == "dynamic" else None,
+        )
+
+    @property
+    def seq_len_dependent(self) -> bool:
+        """True when the frequencies depend on the forward's length (dynamic, longrope)."""
+        return self.rope_type in _SEQ_LEN_TYPES
+
+    def inv_freq_for(self, seq_len: int | None) -> torch.Tensor:
+        """Float32 frequencies ``(rotary_dim // 2,)`` a fresh transformers rotary embedding uses
+        for a forward of length ``seq_len`` (its largest position id + 1).
+
+        ``seq_len`` is ignored for position-independent types and required for dynamic and
+        longrope. Dynamic mirrors ``dynamic_rope_update`` of a module that has not been grown by
+        an earlier, longer forward: the init frequencies up to ``max_position_embeddings``, else
+        ``ROPE_INIT_FUNCTIONS["dynamic"](config, seq_len=tensor(seq_len))``.
+        """
+        if not self.seq_len_dependent:
+            return self.inv_freq
+        if seq_len is None:
+            raise UnsafeRerotation(
+                f"rope type {self.rope_type!r}: frequencies depend on the forward's sequence "
+                "length; pass old_seq_len and new_seq_len"
+            )
+        seq_len = int(seq_len)
+        if self.rope_type == "longrope":
+            assert self.long_inv_freq is not None and self.original_max_position_embeddings
+            if seq_len > self.original_max_position_embeddings:
+                return self.long_inv_freq
+            return self.inv_freq
+        # dynamic
+        if seq_len <= self.max_position_embeddings:
+            return self.inv_freq
+        key = ("dynamic", seq_len)
+        cached = self._cache.get(key)
+        if cached is None:
+            # transformers passes `torch.max(position_ids) + 1`, an int64 tensor: same arithmetic.
+            inv, _ = ROPE_INIT_FUNCTIONS["dynamic"](
+                self._config, None, seq_len=torch.tensor(seq_len, dtype=torch.int64)
+            )
+            cached = inv.detach().to(device="cpu", dtype=torch.float32).clone()
+            self._cache[key] = cached
+        return cached
+
+
+def _as_positions(positions: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
+    pos = torch.as_tensor(positions)
+    if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
+        raise TypeError(f"{name} must be integer positions, got dtype {pos.dtype}")
+    if pos.dim() != 1:
+        raise ValueError(f"{name} must have shape (tokens,), got {tuple(pos.shape)}")
+    pos = pos.to(device="cpu", dtype=torch.int64)
+    if pos.numel() and int(pos.min()) < 0:
+        raise ValueError(f"{name} must be >= 0")
+    return pos
+
+
+def _check_keys(keys: torch.Tensor, spec: RopeSpec) -> None:
+    if keys.dim() < 3:
+        raise ValueError(f"keys must be (..., kv_heads, tokens, head_dim), got {tuple(keys.shape)}")
+    if keys.shape[-1] != spec.head_dim:
+        raise ValueError(f"keys head_dim {keys.shape[-1]} != spec.head_dim {spec.head_dim}")
+
+
+def _check_seq_len(seq_len: int | None, positions: torch.Tensor, name: str) -> None:
+    if seq_len is not None and positions.numel() and int(seq_len) <= int(positions.max()):
+        raise ValueError(
+            f"{name}={seq_len} must exceed the largest position {int(positions.max())}"
+        )
+
+
+def _rotate(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """Rotate ``keys`` (..., tokens, head_dim) by per-token angles given as float32 ``cos``/``sin``
+    of shape (tokens, rotary_dim // 2); same as ``k * cos2 + rotate_half(k) * sin2`` with
+    ``cos2 = cat(cos, cos)``. Computed in float32, returned in the keys' dtype; differentiable
+    when ``keys`` requires grad."""
+    k = keys.to(torch.float32)
+    half = rotary_dim // 2
+    cos = cos.to(k.device)
+    sin = sin.to(k.device)
+    x1 = k[..., :half]
+    x2 = k[..., half:rotary_dim]
+    if torch.is_grad_enabled() and k.requires_grad:  # differentiable path (training)
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin, k[..., rotary_dim:]]
+        return torch.cat(parts, dim=-1).to(keys.dtype)
+    out = torch.empty_like(k)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, -sin)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=out[..., half:rotary_dim]).addcmul_(x1, sin)  # x2 cos + x1 sin
+    if rotary_dim < k.shape[-1]:
+        out[..., rotary_dim:] = k[..., rotary_dim:]
+    return out.to(keys.dtype)
+
+
+def rerotate_keys(
+    keys: torch.Tensor,
+    old_positions: torch.Tensor | Sequence[int],
+    new_positions: torch.Tensor | Sequence[int],
+    spec: RopeSpec,
+    *,
+    old_seq_len: int | None = None,
+    new_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Move cached (post-RoPE) keys from ``old_positions`` to ``new_positions``.
+
+    Args:
+        keys: ``(..., kv_heads, tokens, head_dim)``, any leading dims (batch, layers, ...),
+            any float dtype, any device; as transformers caches them (after RoPE, including
+            ``attention_scaling``).
+        old_positions: ``(tokens,)`` integer positions the keys were encoded at.
+        new_positions: ``(tokens,)`` integer target positions.
+        spec: the model's :class:`RopeSpec`.
+        old_seq_len: dynamic / longrope only: length of the forward that produced the cache,
+            i.e. its largest position id + 1 (e.g. ``offset + chunk_len`` for a chunk encoded
+            at ``offset``), not just the slice's. Ignored for the other types.
+        new_seq_len: dynamic / longrope only: length of the forward whose keys are to be
+            reproduced (largest position id + 1 there). Ignored for the other types.
+
+    Returns:
+        Tensor of the same shape and dtype as ``keys``: the keys the model computes for the same
+        tokens at ``new_positions`` (up to float32 rounding). Only the RoPE rotation is changed;
+        ``attention_scaling`` is not applied again.
+
+    Rope types:
+        default, linear, yarn, llama3: frequencies are position independent; exact.
+        longrope: exact. The frequency set (short or long factors) is chosen per forward from
+            its length exactly as transformers does (long when length >
+            ``original_max_position_embeddings``); ``attention_scaling`` is the same for both.
+        dynamic (NTK): handled exactly, given the lengths: the frequencies are those of a
+            forward of length ``old_seq_len`` / ``new_seq_len`` computed by transformers' own
+            dynamic init function; keys are un-rotated at the old and rotated at the new
+            frequencies. Both lengths are required (:class:`UnsafeRerotation` otherwise),
+            because the same positions get different frequencies depending on how long the
+            forward was. Caveat (transformers' own behaviour): a rotary module that an earlier,
+            longer forward has grown keeps the grown frequencies for lengths in
+            ``(max_position_embeddings, grown]``; this reproduces a fresh module.
+
+    Raises:
+        UnsafeRerotation: dynamic / longrope without ``old_seq_len`` and ``new_seq_len``.
+        ValueError: shape mismatches, negative positions, a seq_len not above its positions.
+        TypeError: non-integer positions.
+    """
+    _check_keys(keys, spec)
+    old = _as_positions(old_positions, "old_positions")
+    new = _as_positions(new_positions, "new_positions")
+    tokens = keys.shape[-2]
+    if old.numel() != tokens or new.numel() != tokens:
+        raise ValueError(
+            f"positions must have shape ({tokens},) to match keys; got "
+            f"{tuple(old.shape)} and {tuple(new.shape)}"
+        )
+    if spec.seq_len_dependent and (old_seq_len is None or new_seq_len is None):
+        raise UnsafeRerotation(
+            f"rope type {spec.rope_type!r}: frequencies depend on the forward's sequence length; "
+            "pass old_seq_len (largest position id + 1 of the forward that built the cache) and "
+            "new_seq_len (same for the forward being reproduced)"
+        )
+    _check_seq_len(old_seq_len, old, "old_seq_len")
+    _check_seq_len(new_seq_len, new, "new_seq_len")
+    f_old = spec.inv_freq_for(old_seq_len)
+    f_new = spec.inv_freq_for(new_seq_len)
+    # Absolute angles exactly as transformers forms them (float32 product), difference in float64.
+    a_old = old.to(torch.float32)[:, None] * f_old
+    a_new = new.to(torch.float32)[:, None] * f_new
+    theta = a_new.to(torch.float64) - a_old.to(torch.float64)
+    cos = theta.cos().to(torch.float32)
+    sin = theta.sin().to(torch.float32)
+    return _rotate(keys, cos, sin, spec.rotary_dim)
+
+
+def _delta_cos_sin(spec: RopeSpec, delta: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    key = ("delta", delta, inv_freq.data_ptr())
+    cached = spec._cache.get(key)
+    if cached is None:
+        theta = float(delta) * inv_freq.to(torch.float64)
+        cached = (theta.cos().to(torch.float32), theta.sin().to(torch.float32))
+        if len(spec._cache) >= _DELTA_CACHE_MAX:
+            spec._cache.clear()
+        spec._cache[key] = cached
+    return cached
+
+
+def shift_keys(
+    keys: torch.Tensor,
+    delta: int,
+    spec: RopeSpec,
+    *,
+    old_start: int | None = None,
+    old_seq_len: int | None = None,
+    new_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Move a contiguous slice of cached keys by a constant ``delta`` positions.
+
+    Args:
+        keys: ``(..., kv_heads, tokens, head_dim)`` post-RoPE keys of a contiguous slice.
+        delta: ``new_start - old_start`` (may be negative).
+        spec: the model's :class:`RopeSpec`.
+        old_start: position of the slice's first token when it was encoded. Given, this is
+            ``rerotate_keys`` with ``old = old_start + arange(tokens)``, ``new = old + delta``:
+            exact, including the model's float32 rounding of the absolute angles
+            (recommended). Omitted, it is a pure rotation by ``delta * inv_freq`` (cos/sin
+            cached per delta), which differs from a fresh prefill by up to
+            ``~max(position) * 2**-24`` rad per pair.
+        old_seq_len, new_seq_len: as in :func:`rerotate_keys` (dynamic / longrope only).
+
+    Returns:
+        Tensor of the same shape and dtype as ``keys``.
+
+    Raises:
+        UnsafeRerotation: dynamic / longrope without both seq lens, or without ``old_start``
+            when the old and new forwards use different frequencies (then the rotation is not
+            a function of ``delta`` alone).
+    """
+    _check_keys(keys, spec)
+    tokens = keys.shape[-2]
+    if old_start is not None:
+        old = torch.arange(old_start, old_start + tokens, dtype=torch.int64)
+        return rerotate_keys(
+            keys, old, old + int(delta), spec, old_seq_len=old_seq_len, new_seq_len=new_seq_len
+        )
+    if spec.seq_len_dependent and (old_seq_len is None or new_seq_len is None):
+        raise UnsafeRerotation(
+            f"rope type {spec.rope_type!r}: pass old_seq_len and new_seq_len (and old_start)"
+        )
+    f_old = spec.inv_freq_for(old_seq_len)
+    f_new = spec.inv_freq_for(new_seq_len)
+    if f_old is not f_new and not torch.equal(f_old, f_new):
+        raise UnsafeRerotation(
+            f"rope type {spec.rope_type!r}: the forwards of length {old_seq_len} and {new_seq_len} "
+            "use different frequencies, so the rotation depends on absolute positions; "
+            "pass old_start"
+        )
+    cos, sin = _delta_cos_sin(spec, int(delta), f_old)
+    return _rotate(keys, cos[None, :], sin[None, :], spec.rotary_dim)
