@@ -1,0 +1,98 @@
+"""Prefix assembly: ``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ... ⊕ Rot(C_bk[sk:ek]; Δk)``.
+
+Layout contract (the same everywhere in coinrag; ``storage/kv.py`` stores exactly this):
+
+- one KV block is a tensor ``(layers, 2, kv_heads, tokens, head_dim)``: index 0 of dim 1 holds
+  keys *after* RoPE (as transformers caches them), index 1 values; the model's dtype;
+- a chunk's block was computed once, right after the RAG prompt prefix ``p``, so its token ``i``
+  sits at position ``|p| + i``; a nugget slice ``[s, e)`` of it starts at ``|p| + s``;
+- the assembled context puts the slices after ``C_p`` in the order given, at contiguous
+  positions: slice ``i`` starts at ``Δ_i = |p| + Σ_{j<i} (e_j - s_j)``. Only keys are rotated:
+  values do not depend on position.
+
+The result is handed to the model as a ``transformers.DynamicCache`` (batch 1), built with
+``DynamicCache(config=...)`` and ``.update(k, v, layer_idx)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from inference.rope import RopeSpec, rerotate_keys
+
+
+@dataclass(frozen=True)
+class KvSlice:
+    """A contiguous run of cached tokens and where it was encoded.
+
+    ``kv``: ``(layers, 2, kv_heads, n, head_dim)``; ``old_start``: position of its first token
+    in the forward that computed it; ``old_seq_len``: that forward's length (``|p| + chunk
+    tokens``; needed only by seq-len dependent RoPE such as dynamic NTK).
+    """
+
+    kv: torch.Tensor
+    old_start: int
+    old_seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.kv.shape[-2])
+
+
+def assemble_context(
+    prefix_kv: torch.Tensor,
+    slices: Sequence[KvSlice],
+    spec: RopeSpec,
+    *,
+    new_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Concatenate ``prefix_kv`` and the re-rotated slices at contiguous positions.
+
+    Args:
+        prefix_kv: ``(layers, 2, kv_heads, P, head_dim)``, encoded at positions ``0..P-1``.
+        slices: in context order.
+        spec: the model's RoPE.
+        new_seq_len: length of the forward whose cache this stands for (dynamic RoPE only;
+            defaults to the assembled length).
+
+    Returns:
+        ``(layers, 2, kv_heads, P + Σ n_i, head_dim)``, same dtype as ``prefix_kv``.
+
+    >>> # two slices of 3 and 2 tokens after a 5-token prefix land at positions 5..7 and 8..9
+    """
+    total = prefix_kv.shape[-2] + sum(s.tokens for s in slices)
+    seq_len = new_seq_len or total
+    parts = [prefix_kv]
+    start = prefix_kv.shape[-2]
+    for s in slices:
+        keys = s.kv[:, 0]
+        old = torch.arange(s.old_start, s.old_start + s.tokens)
+        new = torch.arange(start, start + s.tokens)
+        if s.old_start != start or spec.seq_len_dependent:
+            keys = rerotate_keys(
+                keys, old, new, spec, old_seq_len=s.old_seq_len, new_seq_len=seq_len
+            )
+        parts.append(torch.stack([keys.to(s.kv.dtype), s.kv[:, 1]], dim=1))
+        start += s.tokens
+    return torch.cat(parts, dim=-2)
+
+
+def to_dynamic_cache(kv: torch.Tensor, config: Any) -> Any:
+    """A batch-1 ``DynamicCache`` holding ``kv`` ``(layers, 2, kv_heads, T, head_dim)``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for layer in range(kv.shape[0]):
+        cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+    return cache
+
+
+def from_cache(cache: Any, batch_index: int = 0) -> torch.Tensor:
+    """``(layers, 2, kv_heads, T, head_dim)`` of one batch row of a transformers cache."""
+    return torch.stack(
+        [torch.stack([lay.keys[batch_index], lay.values[batch_index]]) for lay in cache.layers]
+    )
