@@ -23,6 +23,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.filesystems import LocalFileSystem
 
 from inference.models import load_tokenizer, tokenizer_fingerprint
 from schemas.keys import new_run_id
@@ -41,6 +42,13 @@ def _extract_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """Content-hash cache key: the extractor's fingerprint and the texts' hashes."""
     keys = ",".join(r.key for r in parameters["requests"])
     return f"extract-{parameters['extractor_fp']}-{sha256(keys.encode()).hexdigest()[:32]}"
+
+
+def _result_storage(store: Store) -> str:
+    """Slug of a LocalFileSystem block under STORE/.prefect/results (saved on the API)."""
+    name = "coinrag-results-" + sha256(str(store.root).encode()).hexdigest()[:12]
+    LocalFileSystem(basepath=str(store.prefect_dir / "results")).save(name, overwrite=True)
+    return f"local-file-system/{name}"
 
 
 @task(name="ingest")
@@ -98,7 +106,7 @@ def _extract_all(
             key_storage=store.prefect_dir / "cache"
         ),
         persist_result=True,
-        result_storage=str(store.prefect_dir / "results"),
+        result_storage=_result_storage(store),
     )
     progress_id = (
         create_progress_artifact(progress=0.0, description="extraction") if pending else None

@@ -26,6 +26,11 @@ console = Console(stderr=True)
 SAMPLE = Path(__file__).parent / "sample" / "wiki_sample.jsonl"
 
 
+@app.callback()
+def _root() -> None:
+    """coinrag: the offline asset factory for KV-cache-reuse RAG."""
+
+
 def _fail(message: str, code: int = 1) -> None:
     console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(code)
