@@ -8,7 +8,8 @@ Every asset row carries ``run_id`` (the run that wrote it) plus its parents' ids
 fingerprints of what produced it, so lineage is a join, never a separate log.
 
 Type mapping: ``str`` -> string, ``int`` -> int64, ``float`` -> float64, ``bool`` -> bool,
-``list[int]`` -> list<int32>, ``list[float]`` -> list<float32>, ``list[str]`` -> list<string>, ``datetime`` -> timestamp[us, UTC];
+``list[int]`` -> list<int32>, ``list[float]`` -> list<float32>, ``list[str]`` -> list<string>,
+``datetime`` -> timestamp[us, UTC];
 ``X | None`` is nullable.
 """
 
