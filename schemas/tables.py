@@ -265,6 +265,93 @@ class RunRow:
     error: str | None
 
 
+# ---------------------------------------------------------------------------- cartridges
+
+
+@dataclass(frozen=True)
+class SelfStudyCallRow:
+    """One question-generation call of self-study: the cache, keyed by ``call_key`` =
+    hash(generator_fp, text_hash, seed_type, call_index). ``status``: ok | malformed (answer
+    was not a JSON array of strings: dropped and counted, not retried) | failed (transport
+    errors exhausted: retried by the next run)."""
+
+    call_key: str
+    generator_fp: str
+    backend: str  # openai | local
+    doc_id: str
+    doc_version: str
+    text_hash: str  # keys.text_hash of the text the generator saw (the document or a slice)
+    char_start: int  # [char_start, char_end) of that text in the document
+    char_end: int
+    seed_type: str  # structuring | summarization | question | use_case | creative
+    call_index: int
+    status: str
+    n_raw: int  # items in the answer
+    n_questions: int  # usable questions kept
+    error: str | None
+    run_id: str
+    code_version: str
+
+
+@dataclass(frozen=True)
+class SelfStudyQuestionRow:
+    """One usable self-study question (a row per question of an ``ok`` call)."""
+
+    question_id: str  # hash(call_key, ordinal)
+    call_key: str
+    doc_id: str
+    doc_version: str
+    seed_type: str
+    ordinal: int
+    question: str
+    generator_fp: str
+    run_id: str
+    code_version: str
+
+
+@dataclass(frozen=True)
+class TeacherAnswerRow:
+    """The teacher's greedy answer to one question with the document in context, and its top-k
+    log-probabilities per answer position, flattened row-major: ``topk_ids[i * top_k + j]``."""
+
+    answer_id: str  # hash(teacher_fp, context_hash, question_id)
+    question_id: str
+    doc_id: str
+    doc_version: str
+    context_hash: str  # hash of the document token ids the teacher saw
+    teacher_fp: str
+    model_fp: str
+    answer_ids: list[int]  # ends with the EOS id when the answer stopped there
+    answer_text: str
+    top_k: int
+    topk_ids: list[int]  # len(answer_ids) * top_k
+    topk_logprobs: list[float]  # same layout; log-softmax over the full vocabulary
+    run_id: str
+    code_version: str
+
+
+@dataclass(frozen=True)
+class CartridgeManifestRow:
+    """A stored, verified cartridge version. Valid only once this row exists."""
+
+    cartridge_id: str  # hash(doc_id, doc_version, cartridge_fp)
+    doc_id: str
+    doc_version: str
+    model_fp: str
+    cartridge_fp: str  # everything the cartridge depends on but the document
+    prefix_sha: str  # the RAG prompt prefix it stands after (inference/prompt.py)
+    p: int  # tokens
+    init: str  # first_tokens | random_text
+    step: int  # optimizer steps of the training run when saved
+    kind: str  # init | rotation | checkpoint | final
+    location: str  # "<model_fp>/<cartridge_id>/<version>" inside STORE/cartridges/
+    dtype: str
+    bytes: int
+    checksum: str  # sha256 of the stored bytes
+    run_id: str
+    code_version: str
+
+
 # ---------------------------------------------------------------------------- registry
 
 TABLES: dict[str, type] = {
@@ -278,6 +365,10 @@ TABLES: dict[str, type] = {
     "embeddings": EmbeddingRow,
     "rejects": RejectRow,
     "runs": RunRow,
+    "selfstudy_calls": SelfStudyCallRow,
+    "selfstudy_questions": SelfStudyQuestionRow,
+    "teacher_answers": TeacherAnswerRow,
+    "cartridge_manifest": CartridgeManifestRow,
 }
 
 # LanceDB tables (under STORE/index/), not Parquet: same one-definition rule.

@@ -1,0 +1,412 @@
+"""Cartridge flows (CAS): self-study questions -> teacher answers -> cartridge training.
+
+```
+documents (latest version per doc_id)
+   -> selfstudy (question generator, cached per call)   -> selfstudy_calls, selfstudy_questions
+   -> teacher   (target model + document, cached)       -> teacher_answers
+   -> train     (budgeted pool, mixed visibility)       -> STORE/cartridges/<model_fp>/, manifest
+```
+
+``selfstudy_flow`` runs the first two stages; ``train_cartridges_flow`` runs all three (the first
+two cost nothing when already done). Both hold the store's write lock and record the run in the
+``runs`` table. ``train_cartridges(store_path, docs, max_steps, ...)`` is the plain entry point of
+``coinrag train cartridges``. A rerun with the same settings resumes the training checkpoint (or
+does nothing when it already reached ``max_steps``); a larger ``max_steps`` continues it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+
+from inference.models import LoadedModel, load_model
+from inference.prompt import RagPrompt
+from inference.rope import RopeSpec
+from schemas.keys import fingerprint, new_run_id, sha256_hex
+from schemas.tables import DocumentRow, TeacherAnswerRow
+from storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, cartridge_id
+from storage.runs import finish_run, start_run
+from storage.store import Store
+from storage.tables import read_rows
+from training.budget import CartridgeTrainer, PoolDoc, TrainConfig
+from training.cartridges import CartridgeSpec, Example, Visibility, cartridge_fingerprint
+from training.selfstudy import (
+    LocalQuestionGenerator,
+    OpenAIQuestionGenerator,
+    Question,
+    TeacherConfig,
+    doc_token_ids,
+    selfstudy_stage,
+    teacher_fingerprint,
+    teacher_stage,
+    topk_tensors,
+)
+
+
+@dataclass(frozen=True)
+class CartridgeSettings:
+    """Every knob of the cartridge pipeline, with its default (never secrets)."""
+
+    model: str | None = None  # generation model reference (None: packaged SmolLM2)
+    device: str = "cpu"
+    # self-study
+    generator: str | None = None  # openai | local (default: openai if OPENAI_API_KEY is set)
+    llm_model: str = "gpt-4o-mini"
+    base_url: str | None = None
+    n_questions: int = 20
+    n_calls: int | None = None  # default: 1 per document + 1 per chars_per_call characters
+    chars_per_call: int = 2000
+    seed: int = 0
+    local_batch_size: int = 8
+    # teacher
+    max_new_tokens: int = 48
+    top_k: int = 20
+    max_doc_tokens: int = 2048
+    teacher_batch_size: int = 8
+    # cartridges
+    p: int | None = None
+    ratio: float | None = 4.0
+    init: str = "first_tokens"
+    freeze_first: bool = True
+    # training
+    lr: float = 2e-2
+    p_iso: float = 0.5
+    k_min: int = 1
+    k_max: int = 3
+    budget: int = 8
+    rotate_every: int = 16
+    batch_size: int = 1
+    train_distractors: bool = True
+    checkpoint_every: int = 50
+
+    def resolved_generator(self) -> str:
+        if self.generator is not None:
+            if self.generator not in ("openai", "local"):
+                raise ValueError(f"generator must be openai or local, got {self.generator!r}")
+            return self.generator
+        return "openai" if os.environ.get("OPENAI_API_KEY") else "local"
+
+    def spec(self) -> CartridgeSpec:
+        return CartridgeSpec(
+            p=self.p, ratio=self.ratio, init=self.init, freeze_first=self.freeze_first
+        )
+
+    def teacher(self) -> TeacherConfig:
+        return TeacherConfig(
+            max_new_tokens=self.max_new_tokens,
+            top_k=self.top_k,
+            batch_size=self.teacher_batch_size,
+            max_doc_tokens=self.max_doc_tokens,
+        )
+
+    def train(self) -> TrainConfig:
+        return TrainConfig(
+            lr=self.lr,
+            visibility=Visibility(self.p_iso, self.k_min, self.k_max),
+            budget=self.budget,
+            rotate_every=self.rotate_every,
+            batch_size=self.batch_size,
+            train_distractors=self.train_distractors,
+            checkpoint_every=self.checkpoint_every,
+            seed=self.seed,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+def latest_documents(store: Store, doc_ids: Sequence[str] | None = None) -> list[DocumentRow]:
+    """The latest version of each document (largest run id, which sorts by time), by doc_id.
+
+    Raises KeyError naming the ids that are not in the store.
+    """
+    latest: dict[str, DocumentRow] = {}
+    for row in read_rows(store, DocumentRow):
+        cur = latest.get(row.doc_id)
+        if cur is None or row.run_id >= cur.run_id:
+            latest[row.doc_id] = row
+    if doc_ids is None:
+        return [latest[d] for d in sorted(latest)]
+    missing = [d for d in doc_ids if d not in latest]
+    if missing:
+        raise KeyError(f"documents not in the store {store.root}: {', '.join(missing[:10])}")
+    return [latest[d] for d in dict.fromkeys(doc_ids)]
+
+
+@lru_cache(maxsize=2)
+def _model(ref: str | None, device: str) -> LoadedModel:
+    return load_model(ref, device=device)
+
+
+def make_generator(settings: CartridgeSettings, loaded: LoadedModel) -> Any:
+    """The question generator the settings name (OpenAI key and URL come from the env)."""
+    if settings.resolved_generator() == "openai":
+        return OpenAIQuestionGenerator(
+            settings.llm_model, base_url=settings.base_url, n_questions=settings.n_questions
+        )
+    return LocalQuestionGenerator(
+        loaded, n_questions=settings.n_questions, batch_size=settings.local_batch_size
+    )
+
+
+def build_pool(
+    loaded: LoadedModel,
+    prompt: RagPrompt,
+    docs: Sequence[DocumentRow],
+    questions: Sequence[Question],
+    answers: Sequence[TeacherAnswerRow],
+    settings: CartridgeSettings,
+) -> tuple[dict[str, PoolDoc], list[Example], str]:
+    """The pool (one cartridge per document), the distillation examples, the cartridge_fp."""
+    spec, tcfg = settings.spec(), settings.teacher()
+    tfp = teacher_fingerprint(loaded.model_fp, prompt.prefix_sha, tcfg)
+    cfp = cartridge_fingerprint(
+        loaded.model_fp, prompt.prefix_sha, tfp, spec, settings.train().value_dict()
+    )
+    pool: dict[str, PoolDoc] = {}
+    cid_of: dict[str, str] = {}
+    for d in docs:
+        ids = doc_token_ids(loaded.tokenizer, d.text, tcfg.max_doc_tokens)
+        if not ids:
+            continue
+        cid = cartridge_id(d.doc_id, d.doc_version, cfp)
+        meta = CartridgeMeta(
+            cid,
+            d.doc_id,
+            d.doc_version,
+            cfp,
+            prompt.prefix_sha,
+            spec.tokens_for(len(ids)),
+            spec.init,
+        )
+        pool[cid] = PoolDoc(meta, tuple(ids))
+        cid_of[d.doc_id] = cid
+    by_q = {q.question_id: q for q in questions}
+    examples = []
+    for a in answers:
+        if not a.answer_ids or a.doc_id not in cid_of:
+            continue
+        ids, lp = topk_tensors(a)
+        query = tuple(prompt.query_ids(by_q[a.question_id].text))
+        examples.append(Example(a.answer_id, cid_of[a.doc_id], query, tuple(a.answer_ids), ids, lp))
+    return pool, examples, cfp
+
+
+def train_key(cfp: str, pool: dict[str, PoolDoc], examples: Sequence[Example]) -> str:
+    """The checkpoint name of a training run: cartridge_fp, documents and examples."""
+    ex = sha256_hex("examples", ",".join(sorted(e.example_id for e in examples)))
+    return fingerprint("train", {"cartridge_fp": cfp, "cartridges": sorted(pool), "examples": ex})
+
+
+# ---------------------------------------------------------------------------- tasks
+
+
+@task(name="selfstudy", cache_policy=NONE)
+def selfstudy_task(
+    store: Store, docs: list, settings: CartridgeSettings, loaded: LoadedModel, run_id: str
+) -> tuple[list[Question], dict[str, Any], str]:
+    logger = get_run_logger()
+    generator = make_generator(settings, loaded)
+
+    def progress(done: int, total: int) -> None:
+        logger.info("selfstudy: %d/%d calls", done, total)
+
+    questions, counts = selfstudy_stage(
+        store,
+        docs,
+        generator,
+        run_id=run_id,
+        seed=settings.seed,
+        n_calls=settings.n_calls,
+        chars_per_call=settings.chars_per_call,
+        progress=progress,
+    )
+    return questions, dataclasses.asdict(counts), generator.fingerprint
+
+
+@task(name="teacher", cache_policy=NONE)
+def teacher_task(
+    store: Store,
+    docs: list,
+    questions: list,
+    settings: CartridgeSettings,
+    loaded: LoadedModel,
+    run_id: str,
+) -> tuple[list[TeacherAnswerRow], dict[str, Any]]:
+    logger = get_run_logger()
+    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
+
+    def progress(done: int, total: int) -> None:
+        logger.info("teacher: %d/%d documents", done, total)
+
+    rows, counts = teacher_stage(
+        store,
+        loaded.model,
+        loaded.tokenizer,
+        prompt,
+        loaded.model_fp,
+        {d.doc_id: d for d in docs},
+        questions,
+        settings.teacher(),
+        run_id=run_id,
+        progress=progress,
+    )
+    return rows, dataclasses.asdict(counts)
+
+
+@task(name="train-cartridges", cache_policy=NONE)
+def train_task(
+    store: Store,
+    docs: list,
+    questions: list,
+    answers: list,
+    settings: CartridgeSettings,
+    loaded: LoadedModel,
+    max_steps: int,
+    run_id: str,
+) -> dict[str, Any]:
+    logger = get_run_logger()
+    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
+    rope = RopeSpec.from_config(loaded.model.config)
+    pool, examples, cfp = build_pool(loaded, prompt, docs, questions, answers, settings)
+    if not examples:
+        raise ValueError("no training examples: self-study produced no usable question")
+    cstore = CartridgeStore.create(store, CartridgeLayout.for_model(loaded.model, loaded.model_fp))
+    trainer = CartridgeTrainer(
+        loaded.model,
+        prompt,
+        rope,
+        cstore,
+        pool,
+        examples,
+        settings.spec(),
+        settings.train(),
+        run_id=run_id,
+        train_key=train_key(cfp, pool, examples),
+        device=settings.device,
+    )
+    # Cartridges trained by an earlier run with the same settings continue from their last
+    # version (a run over a grown document set); a checkpoint of this exact run wins.
+    trainer.manager.rows.update(cstore.latest(cfp, [p.meta.doc_id for p in pool.values()]))
+
+    def on_step(step: int, loss: float) -> None:
+        if step % 10 == 0 or step == max_steps:
+            logger.info("train: step %d/%d, loss %.4f", step, max_steps, loss)
+
+    report = trainer.run(max_steps, on_step=on_step)
+    tail = report.losses[-20:]
+    return {
+        "cartridge_fp": cfp,
+        "cartridges": len(pool),
+        "examples": len(examples),
+        "steps": report.steps,
+        "resumed_from": report.resumed_from,
+        "loss_first": report.losses[0] if report.losses else None,
+        "loss_last20": sum(tail) / len(tail) if tail else None,
+        "rotations": report.rotations,
+        "peak_resident": report.peak_resident,
+        "evictions": report.evictions,
+        "epochs": report.epochs,
+        "bytes_written": report.bytes_written,
+        "seconds": round(report.seconds, 3),
+    }
+
+
+# ---------------------------------------------------------------------------- flows
+
+
+def _run_pipeline(
+    store: str, doc_ids: list[str] | None, settings: dict[str, Any] | None, max_steps: int | None
+) -> dict[str, Any]:
+    s = CartridgeSettings(**(settings or {}))
+    st = Store.at(store).init()
+    flow_name = "selfstudy" if max_steps is None else "train-cartridges"
+    run_id = new_run_id(flow_name)
+    params = {"doc_ids": doc_ids, "max_steps": max_steps, **s.to_dict()}
+    params["generator"] = s.resolved_generator()
+    with st.write_lock(run_id):
+        run = start_run(st, run_id, flow_name, params)
+        try:
+            docs = latest_documents(st, doc_ids)
+            if not docs:
+                raise ValueError(f"the store {st.root} has no documents: run coinrag build first")
+            loaded = _model(s.model, s.device)
+            questions, q_counts, gen_fp = selfstudy_task(st, docs, s, loaded, run_id)
+            answers, t_counts = teacher_task(st, docs, questions, s, loaded, run_id)
+            summary: dict[str, Any] = {
+                "run_id": run_id,
+                "documents": len(docs),
+                "questions": len(questions),
+                "selfstudy": q_counts,
+                "teacher": t_counts,
+            }
+            fps = {
+                "model_fp": loaded.model_fp,
+                "generator_fp": gen_fp,
+                "teacher_fp": answers[0].teacher_fp if answers else "",
+            }
+            if max_steps is not None:
+                summary["training"] = train_task(
+                    st, docs, questions, answers, s, loaded, max_steps, run_id
+                )
+                fps["cartridge_fp"] = summary["training"]["cartridge_fp"]
+        except BaseException as exc:
+            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        finish_run(
+            st,
+            run,
+            "completed",
+            fingerprints=fps,
+            counts=summary,
+            cost_usd=float(q_counts.get("cost_usd", 0.0)),
+        )
+    return summary
+
+
+@flow(name="coinrag-selfstudy")
+def selfstudy_flow(
+    store: str, doc_ids: list[str] | None = None, settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Self-study questions and teacher answers for ``doc_ids`` (default: every document)."""
+    return _run_pipeline(store, doc_ids, settings, None)
+
+
+@flow(name="coinrag-train-cartridges")
+def train_cartridges_flow(
+    store: str,
+    doc_ids: list[str] | None = None,
+    max_steps: int = 200,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Self-study (cached), teacher (cached) and cartridge training up to ``max_steps``."""
+    return _run_pipeline(store, doc_ids, settings, max_steps)
+
+
+def train_cartridges(
+    store_path: str | os.PathLike[str],
+    docs: Sequence[str] | None = None,
+    max_steps: int = 200,
+    **settings: Any,
+) -> dict[str, Any]:
+    """``coinrag train cartridges --store DIR [--docs ID ...] [--max-steps N]``.
+
+    ``settings``: any :class:`CartridgeSettings` field (e.g. ``generator="local"``, ``p=64``,
+    ``p_iso=0.5``). Returns the run summary (its ``training`` entry: steps, losses, rotations).
+    """
+    unknown = set(settings) - {f.name for f in dataclasses.fields(CartridgeSettings)}
+    if unknown:
+        raise TypeError(f"unknown cartridge settings: {', '.join(sorted(unknown))}")
+    return train_cartridges_flow(
+        str(store_path), list(docs) if docs else None, int(max_steps), settings
+    )

@@ -1,0 +1,206 @@
+"""Cartridge RAG (CAS section 3): select ``k`` documents, load their trained cartridges from the
+store, concatenate them after the prompt prefix, prefill only the query, decode.
+
+The context is ``C_p ⊕ Rot(Z_1; |p|) ⊕ Rot(Z_2; |p| + p_1) ⊕ ...``: the same assembly function
+the cartridges were trained with (``training.cartridges.assemble_cartridges``: cartridges are
+stored at canonical positions and re-rotated to contiguous slots), so serving sees the structure
+training saw. Selection: ``doc_ids`` given, or the top-``k`` documents of a retriever
+(``inference.retrieve.Retriever.documents(question, k)``, anything with that method works), kept
+in retrieval order. :meth:`CartridgeRag.oracle` loads the right document's cartridge only.
+
+Which cartridges: the newest stored version per document of one ``cartridge_fp``. Without one
+given, the ``cartridge_fp`` of the most recently written version in the store is used (the last
+training run). A cartridge trained after another prompt prefix is refused.
+
+Token accounting, per answer: ``context_tokens = |p| + Σ p_i`` (what the model attends over and
+holds as KV), ``query_tokens`` (prefilled), ``prompt_tokens`` = both. :func:`text_rag_answer`
+gives the text-RAG baseline on the same prompt (``prefix + doc tokens + query``, one prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inference.assemble import to_dynamic_cache
+from inference.generate import prefill_and_decode
+from inference.models import LoadedModel
+from inference.prompt import RagPrompt
+from inference.rope import RopeSpec
+from schemas.tables import CartridgeManifestRow
+from storage.cartridges import CartridgeStore, MissingCartridge, version_order
+from storage.store import Store
+from training.cartridges import assemble_cartridges, prefix_kv
+
+
+@dataclass
+class CartridgeAnswer:
+    """An answer and what it cost."""
+
+    answer: str
+    token_ids: list[int]
+    doc_ids: list[str]
+    cartridge_ids: list[str]
+    context_tokens: int  # |p| + Σ p_i
+    query_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)  # milliseconds
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context_tokens + self.query_tokens
+
+
+class CartridgeRag:
+    """Answers questions from the cartridges of one store and one generation model."""
+
+    def __init__(
+        self,
+        store: Store,
+        loaded: LoadedModel,
+        *,
+        prompt: RagPrompt | None = None,
+        cartridge_fp: str | None = None,
+        retriever: Any = None,
+        keep_loaded: bool = True,
+    ) -> None:
+        self.loaded = loaded
+        self.prompt = prompt or RagPrompt.for_tokenizer(loaded.tokenizer)
+        self.rope = RopeSpec.from_config(loaded.model.config)
+        self.cstore = CartridgeStore.open(store, loaded.model_fp)
+        latest = self.cstore.latest(cartridge_fp)
+        if not latest:
+            raise MissingCartridge(
+                f"no stored cartridges for model {loaded.model_fp}"
+                + (f" and cartridge_fp {cartridge_fp}" if cartridge_fp else "")
+            )
+        if cartridge_fp is None:  # the last training run's
+            newest = max(latest.values(), key=lambda r: version_order(r.location)[1])
+            cartridge_fp = newest.cartridge_fp
+        self.cartridge_fp = cartridge_fp
+        self.rows: dict[str, CartridgeManifestRow] = {}
+        for row in sorted(latest.values(), key=lambda r: version_order(r.location)):
+            if row.cartridge_fp == cartridge_fp:
+                self.rows[row.doc_id] = row
+        bad = {r.prefix_sha for r in self.rows.values()} - {self.prompt.prefix_sha}
+        if bad:
+            raise ValueError(
+                f"cartridges {cartridge_fp} were trained after prompt prefix {sorted(bad)}, "
+                f"not {self.prompt.prefix_sha}: use the system prompt they were trained with"
+            )
+        self.retriever = retriever
+        self.keep_loaded = keep_loaded
+        self._loaded_kv: dict[str, torch.Tensor] = {}
+        self._device = next(loaded.model.parameters()).device
+        self.prefix = prefix_kv(loaded.model, self.prompt)
+
+    @property
+    def doc_ids(self) -> list[str]:
+        """Documents that have a cartridge."""
+        return sorted(self.rows)
+
+    def cartridge(self, doc_id: str) -> torch.Tensor:
+        """The cartridge of ``doc_id`` ``(layers, 2, kv_heads, p, head_dim)`` on the device."""
+        kv = self._loaded_kv.get(doc_id)
+        if kv is None:
+            row = self.rows.get(doc_id)
+            if row is None:
+                raise MissingCartridge(f"document {doc_id!r} has no cartridge {self.cartridge_fp}")
+            kv = self.cstore.read(row).to(self._device)
+            if self.keep_loaded:
+                self._loaded_kv[doc_id] = kv
+        return kv
+
+    def select(self, question: str, k: int) -> tuple[list[str], float]:
+        """Top-``k`` document ids from the retriever (best first) and the time it took (ms)."""
+        if self.retriever is None:
+            raise ValueError("no retriever: pass doc_ids")
+        t0 = time.perf_counter()
+        hits = self.retriever.documents(question, k)
+        return [h["doc_id"] for h in hits], (time.perf_counter() - t0) * 1000.0
+
+    def answer(
+        self,
+        question: str,
+        doc_ids: Sequence[str] | None = None,
+        *,
+        k: int = 2,
+        max_new_tokens: int = 32,
+    ) -> CartridgeAnswer:
+        """Answer with the cartridges of ``doc_ids`` (in that order), or of the retriever's top
+        ``k`` documents."""
+        t0 = time.perf_counter()
+        retrieve_ms = 0.0
+        if doc_ids is None:
+            doc_ids, retrieve_ms = self.select(question, k)
+        doc_ids = list(doc_ids)
+        t1 = time.perf_counter()
+        carts = [self.cartridge(d) for d in doc_ids]
+        t2 = time.perf_counter()
+        with torch.no_grad():
+            ctx = assemble_cartridges(self.prefix, carts, self.rope)
+        cache = to_dynamic_cache(ctx, self.loaded.model.config)
+        t3 = time.perf_counter()
+        query = self.prompt.query_ids(question)
+        gen = prefill_and_decode(
+            self.loaded.model,
+            self.loaded.tokenizer,
+            cache,
+            int(ctx.shape[-2]),
+            query,
+            max_new_tokens=max_new_tokens,
+        )
+        return CartridgeAnswer(
+            answer=gen.text,
+            token_ids=gen.token_ids,
+            doc_ids=doc_ids,
+            cartridge_ids=[self.rows[d].cartridge_id for d in doc_ids],
+            context_tokens=int(ctx.shape[-2]),
+            query_tokens=len(query),
+            timings={
+                "retrieve_ms": retrieve_ms,
+                "load_ms": (t2 - t1) * 1000.0,
+                "assemble_ms": (t3 - t2) * 1000.0,
+                "prefill_ms": gen.prefill_ms,
+                "decode_ms": gen.decode_ms,
+                "total_ms": (time.perf_counter() - t0) * 1000.0,
+            },
+        )
+
+    def oracle(self, question: str, doc_id: str, *, max_new_tokens: int = 32) -> CartridgeAnswer:
+        """Answer with the right document's cartridge only."""
+        return self.answer(question, [doc_id], max_new_tokens=max_new_tokens)
+
+
+def text_rag_answer(
+    loaded: LoadedModel,
+    prompt: RagPrompt,
+    docs: Sequence[Sequence[int]],
+    question: str,
+    *,
+    doc_ids: Sequence[str] = (),
+    max_new_tokens: int = 32,
+) -> CartridgeAnswer:
+    """Text RAG on the same prompt: prefill ``prefix + doc tokens (in order) + query`` at once."""
+    ids = prompt.standard_ids(docs, question)
+    query = len(prompt.query_ids(question))
+    t0 = time.perf_counter()
+    gen = prefill_and_decode(
+        loaded.model, loaded.tokenizer, None, 0, ids, max_new_tokens=max_new_tokens
+    )
+    return CartridgeAnswer(
+        answer=gen.text,
+        token_ids=gen.token_ids,
+        doc_ids=list(doc_ids),
+        cartridge_ids=[],
+        context_tokens=len(ids) - query,
+        query_tokens=query,
+        timings={
+            "prefill_ms": gen.prefill_ms,
+            "decode_ms": gen.decode_ms,
+            "total_ms": (time.perf_counter() - t0) * 1000.0,
+        },
+    )
