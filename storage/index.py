@@ -1,0 +1,479 @@
+"""The retrieval index: LanceDB tables ``chunks``, ``nuggets`` and ``documents`` under
+``STORE/index/``.
+
+Schemas come from ``schemas/tables.py`` (``INDEX_TABLES``); the ``vector`` column, a
+``list<float32>`` there, is stored as ``fixed_size_list<float32>[dim]`` (what LanceDB indexes).
+
+- One embedder per index. Its fingerprint and dimension are recorded in
+  ``STORE/index/coinrag-index.json`` (and in each table's schema metadata). Every search states the
+  fingerprint of the embedder that made its query vector, and a different one is refused with
+  :class:`EmbedderMismatch` naming both. A build with a new embedder resets the index
+  (:meth:`LanceIndex.open_for_write` with ``reset_on_mismatch``): the tables are dropped and
+  rebuilt from the embedding cache, so only the vectors are recomputed.
+- Writes are upserts by id (``merge_insert(id).when_matched_update_all()
+  .when_not_matched_insert_all()``), so a rebuild never duplicates a row; deletes are by
+  ``doc_id`` (:meth:`LanceIndex.delete_documents`) or by id.
+- BTREE scalar indexes on the id columns (``chunk_id``, ``nugget_id``, ``doc_id``) make the
+  prefilter ``chunk_id IN (...)`` and the deletes cheap.
+- An ANN vector index is built on a table once it holds ``VECTOR_INDEX_MIN_ROWS`` rows; below
+  that, exact (flat) search is fast enough (see ``tests/benchmarks/bench_retrieval.py`` for the
+  measurements behind the threshold and the index type). Rows added later are merged into the
+  index by ``optimize()``; the index is retrained once the table has doubled since training.
+- A nugget search restricted to some chunks (the second stage of CoinRAG's two-stage retrieval)
+  is a prefiltered *exact* search: the filter keeps a few hundred rows, and an IVF index probing
+  only some partitions could miss rows of those chunks and return fewer than ``k``.
+
+Scores are cosine similarities (``1 - cosine distance``); vectors are L2-normalised anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from schemas.tables import INDEX_TABLES, arrow_schema
+from storage.store import Store
+
+META_FILE = "coinrag-index.json"
+ID_COLUMNS = {"chunks": "chunk_id", "nuggets": "nugget_id", "documents": "doc_id"}
+SCALAR_COLUMNS = {
+    "chunks": ("chunk_id", "doc_id"),
+    "nuggets": ("nugget_id", "chunk_id", "doc_id"),
+    "documents": ("doc_id",),
+}
+METRIC = "cosine"
+
+# Measured on 2 shared CPU cores (load average 4-6) with tests/benchmarks/bench_retrieval.py,
+# dim 384, clustered vectors: a flat scan costs ~10 ms at 10^4 rows, ~15-20 ms at 2*10^4,
+# ~50 ms at 10^5 and ~0.6-0.9 s at 10^6. IVF_SQ (cosine, rows/4096 partitions, 32 probes,
+# refine 5) answers in ~5 ms at 2*10^4-10^5 and ~11 ms at 10^6 with recall@10 = 1.000 against
+# exact search, and builds in 0.2 s / 1 s / 18 s. IVF_HNSW_SQ reached the same recall with
+# refine 5 (5-8 ms) but took ~20 min to build at 10^6; IVF_PQ built in ~2 min and stayed at
+# recall@10 0.89 (chunk-stage recall@5 0.52) even with refine 10. So: IVF_SQ from 2*10^4 rows.
+VECTOR_INDEX_MIN_ROWS = int(os.environ.get("COINRAG_VECTOR_INDEX_MIN_ROWS", 20_000))
+VECTOR_INDEX_TYPE = "IVF_SQ"
+IVF_TARGET_PARTITION_ROWS = 4096  # IVF partitions: rows / this (about sqrt(rows) near 10^7)
+HNSW_PARTITION_ROWS = 262_144  # IVF_HNSW_SQ partitions: one HNSW graph per 256Ki rows
+HNSW_EF_CONSTRUCTION = 300  # LanceDB's default
+SEARCH_NPROBES = 32  # IVF partitions probed per query
+SEARCH_REFINE_FACTOR = 5  # re-rank 5*k candidates with the exact float32 vectors
+SEARCH_EF = 100  # HNSW candidate list (IVF_HNSW_* indexes only)
+RETRAIN_GROWTH = 2.0  # retrain the ANN index when the table has grown this much since training
+_DELETE_BATCH = 2000  # ids per DELETE ... IN (...) statement
+_WRITE_BATCH = 50_000  # rows per merge_insert
+
+
+class EmbedderMismatch(ValueError):
+    """A query vector (or a write) made by another embedder than the index's."""
+
+    def __init__(self, index_fp: str, query_fp: str, where: str = "") -> None:
+        self.index_fp = index_fp
+        self.query_fp = query_fp
+        super().__init__(
+            f"the index{(' at ' + where) if where else ''} was built with embedder {index_fp}, "
+            f"but the query was embedded with {query_fp}; embed the query with the index's "
+            "embedder, or rebuild the index with this one"
+        )
+
+
+class IndexNotBuilt(FileNotFoundError):
+    """No index under ``STORE/index/`` yet (run a build with the embed stage first)."""
+
+
+@dataclass(frozen=True)
+class IndexMeta:
+    embedder_fp: str
+    dim: int
+    embedder_name: str = ""
+    vector_indexes: Mapping[str, Mapping[str, Any]] | None = None  # table -> {type, rows}
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "embedder_fp": self.embedder_fp,
+                "dim": self.dim,
+                "embedder_name": self.embedder_name,
+                "vector_indexes": dict(self.vector_indexes or {}),
+            },
+            indent=2,
+            sort_keys=True,
+        )
+
+
+def lance_schema(table: str, dim: int, embedder_fp: str) -> pa.Schema:
+    """The LanceDB schema of an index table: the record's, with a fixed-size vector column."""
+    base = arrow_schema(INDEX_TABLES[table])
+    fields = []
+    for f in base:
+        if f.name == "vector":
+            f = pa.field("vector", pa.list_(pa.float32(), dim), nullable=False)
+        elif f.name == ID_COLUMNS[table]:
+            f = f.with_nullable(False)
+        fields.append(f)
+    return pa.schema(fields, metadata={"coinrag.embedder_fp": embedder_fp, "coinrag.dim": str(dim)})
+
+
+def vectors_array(vectors: np.ndarray, dim: int) -> pa.FixedSizeListArray:
+    """(n, dim) float32 -> a fixed_size_list<float32>[dim] array (no Python floats on the way)."""
+    mat = np.ascontiguousarray(vectors, dtype=np.float32)
+    if mat.ndim != 2 or mat.shape[1] != dim:
+        raise ValueError(f"expected vectors of shape (n, {dim}), got {mat.shape}")
+    return pa.FixedSizeListArray.from_arrays(pa.array(mat.reshape(-1)), dim)
+
+
+def _sql_list(values: Iterable[str]) -> str:
+    return ", ".join("'" + str(v).replace("'", "''") + "'" for v in values)
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+class LanceIndex:
+    """The three index tables of one store, for one embedder."""
+
+    def __init__(self, store: Store, meta: IndexMeta) -> None:
+        import lancedb
+
+        self.store = store
+        self.meta = meta
+        store.index_dir.mkdir(parents=True, exist_ok=True)
+        self.db = lancedb.connect(str(store.index_dir))
+        self._tables: dict[str, Any] = {}
+        self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
+
+    # ------------------------------------------------------------------ opening
+
+    @staticmethod
+    def read_meta(store: Store) -> IndexMeta | None:
+        path = store.index_dir / META_FILE
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return IndexMeta(
+            embedder_fp=data["embedder_fp"],
+            dim=int(data["dim"]),
+            embedder_name=data.get("embedder_name", ""),
+            vector_indexes=data.get("vector_indexes") or {},
+        )
+
+    def _write_meta(self) -> None:
+        path = self.store.index_dir / META_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(self.meta.to_json(), encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def open(cls, store: Store) -> LanceIndex:
+        """Open an existing index for searching; :class:`IndexNotBuilt` if there is none."""
+        meta = cls.read_meta(store)
+        if meta is None:
+            raise IndexNotBuilt(
+                f"no retrieval index in {store.index_dir}: run `coinrag build` with the embed stage"
+            )
+        return cls(store, meta)
+
+    @classmethod
+    def open_for_write(
+        cls,
+        store: Store,
+        embedder_fp: str,
+        dim: int,
+        embedder_name: str = "",
+        reset_on_mismatch: bool = True,
+    ) -> tuple[LanceIndex, bool]:
+        """Open (or create) the index for ``embedder_fp``; return (index, was_reset).
+
+        An index built by another embedder is dropped when ``reset_on_mismatch`` (its vectors
+        are useless to this one), else :class:`EmbedderMismatch` is raised.
+        """
+        meta = cls.read_meta(store)
+        reset = False
+        if meta is not None and meta.embedder_fp != embedder_fp:
+            if not reset_on_mismatch:
+                raise EmbedderMismatch(meta.embedder_fp, embedder_fp, str(store.index_dir))
+            reset = True
+        if meta is None or reset:
+            index = cls(store, IndexMeta(embedder_fp, int(dim), embedder_name, {}))
+            for name in INDEX_TABLES:
+                index._drop(name)
+            index._write_meta()
+            return index, reset
+        if meta.dim != dim:
+            raise ValueError(f"index dim {meta.dim} != embedder dim {dim} for {embedder_fp}")
+        return cls(store, meta), False
+
+    def _drop(self, name: str) -> None:
+        if name in self._table_names():
+            self.db.drop_table(name)
+        self._tables.pop(name, None)
+        self._has_ann.pop(name, None)
+
+    def _table_names(self) -> set[str]:
+        result = self.db.list_tables()
+        names = getattr(result, "tables", result)
+        return set(names)
+
+    def table(self, name: str, create: bool = False) -> Any | None:
+        """The LanceDB table ``name`` (None if it does not exist and ``create`` is false)."""
+        if name not in INDEX_TABLES:
+            raise KeyError(f"unknown index table {name!r}")
+        if name in self._tables:
+            return self._tables[name]
+        if name in self._table_names():
+            tbl = self.db.open_table(name)
+        elif create:
+            schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
+            tbl = self.db.create_table(name, schema=schema, exist_ok=True)
+        else:
+            return None
+        self._tables[name] = tbl
+        return tbl
+
+    @property
+    def embedder_fp(self) -> str:
+        return self.meta.embedder_fp
+
+    @property
+    def dim(self) -> int:
+        return self.meta.dim
+
+    def check(self, embedder_fp: str, vector: np.ndarray | None = None) -> None:
+        """Refuse a query (or write) from another embedder, or a vector of the wrong size."""
+        if embedder_fp != self.meta.embedder_fp:
+            raise EmbedderMismatch(self.meta.embedder_fp, embedder_fp, str(self.store.index_dir))
+        if vector is not None and np.asarray(vector).shape[-1] != self.meta.dim:
+            raise ValueError(
+                f"query vector has {np.asarray(vector).shape[-1]} dims, index {self.dim}"
+            )
+
+    # ------------------------------------------------------------------ writing
+
+    def build_table(self, name: str, columns: Mapping[str, Sequence[Any]], vectors: np.ndarray):
+        """An Arrow table with ``name``'s schema from plain columns and an (n, dim) matrix."""
+        schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
+        arrays = []
+        for f in schema:
+            if f.name == "vector":
+                arrays.append(vectors_array(vectors, self.meta.dim))
+            else:
+                arrays.append(pa.array(columns[f.name], type=f.type))
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+    def upsert(self, name: str, data: pa.Table) -> int:
+        """Insert or replace rows by id; return the number of rows written."""
+        if data.num_rows == 0:
+            return 0
+        if "embedder_fp" in data.column_names:
+            fps = set(data.column("embedder_fp").to_pylist())
+            for fp in fps:
+                self.check(fp)
+        tbl = self.table(name, create=True)
+        schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
+        data = data.select(schema.names).cast(schema)
+        key = ID_COLUMNS[name]
+        for start in range(0, data.num_rows, _WRITE_BATCH):
+            part = data.slice(start, _WRITE_BATCH)
+            (
+                tbl.merge_insert(key)
+                .when_matched_update_all()
+                .when_not_matched_insert_all()
+                .execute(part)
+            )
+        return data.num_rows
+
+    def delete_where(self, name: str, column: str, values: Iterable[str]) -> int:
+        """Delete the rows of ``name`` whose ``column`` is in ``values``; return how many."""
+        tbl = self.table(name)
+        values = sorted(set(values))
+        if tbl is None or not values:
+            return 0
+        deleted = 0
+        for part in _batches(values, _DELETE_BATCH):
+            result = tbl.delete(f"{column} IN ({_sql_list(part)})")
+            deleted += int(getattr(result, "num_deleted_rows", 0) or 0)
+        return deleted
+
+    def delete_documents(self, doc_ids: Iterable[str]) -> dict[str, int]:
+        """Remove every row of these documents from all three tables; rows deleted per table."""
+        doc_ids = list(doc_ids)
+        return {name: self.delete_where(name, "doc_id", doc_ids) for name in INDEX_TABLES}
+
+    def columns(self, name: str, columns: Sequence[str]) -> pa.Table:
+        """Some columns of every row (no vectors unless asked): an empty table if none."""
+        tbl = self.table(name)
+        schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
+        if tbl is None or tbl.count_rows() == 0:
+            return schema.empty_table().select(list(columns))
+        return tbl.search().select(list(columns)).limit(None).to_arrow()
+
+    def count(self, name: str) -> int:
+        tbl = self.table(name)
+        return 0 if tbl is None else tbl.count_rows()
+
+    # ------------------------------------------------------------------ indexes
+
+    def _index_columns(self, tbl: Any) -> set[str]:
+        return {c for idx in tbl.list_indices() for c in idx.columns}
+
+    def ensure_indexes(
+        self, min_rows: int | None = None, optimize: bool = True
+    ) -> dict[str, list[str]]:
+        """Scalar indexes on the id columns; an ANN index on tables of ``min_rows`` or more.
+
+        Returns the indexes created (or retrained) per table. With ``optimize``, new rows are
+        merged into existing indexes and small files compacted first.
+        """
+        from lancedb.index import BTree
+
+        threshold = VECTOR_INDEX_MIN_ROWS if min_rows is None else min_rows
+        made: dict[str, list[str]] = {}
+        vector_indexes = dict(self.meta.vector_indexes or {})
+        for name in INDEX_TABLES:
+            tbl = self.table(name)
+            if tbl is None:
+                continue
+            rows = tbl.count_rows()
+            if rows == 0:
+                continue
+            if optimize:
+                tbl.optimize(cleanup_older_than=timedelta(days=1))
+            have = self._index_columns(tbl)
+            for column in SCALAR_COLUMNS[name]:
+                if column not in have:
+                    tbl.create_index(column, config=BTree(), replace=True)
+                    made.setdefault(name, []).append(f"btree:{column}")
+            info = vector_indexes.get(name)
+            stale = info is not None and rows >= RETRAIN_GROWTH * int(info.get("rows", 0))
+            if rows >= threshold and ("vector" not in have or info is None or stale):
+                self._create_vector_index(tbl, rows)
+                vector_indexes[name] = {"type": VECTOR_INDEX_TYPE, "rows": rows}
+                made.setdefault(name, []).append(f"{VECTOR_INDEX_TYPE.lower()}:vector")
+        if vector_indexes != dict(self.meta.vector_indexes or {}):
+            self.meta = IndexMeta(
+                self.meta.embedder_fp, self.meta.dim, self.meta.embedder_name, vector_indexes
+            )
+            self._write_meta()
+        return made
+
+    def _create_vector_index(self, tbl: Any, rows: int, index_type: str | None = None) -> None:
+        create_vector_index(tbl, rows, self.meta.dim, index_type or VECTOR_INDEX_TYPE)
+        self._has_ann.clear()
+
+    def has_vector_index(self, name: str) -> bool:
+        if name not in self._has_ann:
+            tbl = self.table(name)
+            self._has_ann[name] = tbl is not None and "vector" in self._index_columns(tbl)
+        return self._has_ann[name]
+
+    # ------------------------------------------------------------------ searching
+
+    def _search(
+        self,
+        name: str,
+        vector: np.ndarray,
+        k: int,
+        embedder_fp: str,
+        columns: Sequence[str],
+        where: str | None = None,
+        exact: bool = False,
+    ) -> list[dict[str, Any]]:
+        self.check(embedder_fp, vector)
+        tbl = self.table(name)
+        if tbl is None or k <= 0:
+            return []
+        q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        query = (
+            tbl.search(q, vector_column_name="vector")
+            .distance_type(METRIC)
+            .select([*columns, "_distance"])  # asked explicitly: no deprecation warning
+            .limit(k)
+        )
+        if where is not None:
+            query = query.where(where, prefilter=True)
+        if exact or not self.has_vector_index(name):
+            query = query.bypass_vector_index()
+        else:
+            query = tune_ann_query(query)
+        rows = query.to_arrow().to_pylist()
+        for row in rows:
+            row["score"] = 1.0 - float(row.pop("_distance"))
+        rows.sort(key=lambda r: -r["score"])
+        return rows
+
+    def search_chunks(self, vector: np.ndarray, k: int, *, embedder_fp: str) -> list[dict]:
+        """Top-``k`` chunks by cosine similarity, best first (dicts with ``score``)."""
+        cols = ["chunk_id", "doc_id", "doc_version", "content_key", "text", "n_tokens"]
+        return self._search("chunks", vector, k, embedder_fp, cols)
+
+    def search_nuggets(
+        self,
+        vector: np.ndarray,
+        k: int,
+        chunk_ids: Sequence[str] | None = None,
+        *,
+        embedder_fp: str,
+    ) -> list[dict]:
+        """Top-``k`` nuggets, best first; with ``chunk_ids``, only nuggets of those chunks.
+
+        The restricted search prefilters ``chunk_id IN (...)`` (BTREE index) and then ranks the
+        remaining rows exactly, so it returns ``min(k, nuggets of those chunks)`` rows.
+        """
+        cols = [
+            "nugget_id",
+            "chunk_id",
+            "doc_id",
+            "doc_version",
+            "content_key",
+            "text",
+            "tok_start",
+            "tok_end",
+        ]
+        if chunk_ids is None:
+            return self._search("nuggets", vector, k, embedder_fp, cols)
+        ids = list(dict.fromkeys(chunk_ids))
+        if not ids:
+            self.check(embedder_fp, vector)
+            return []
+        where = f"chunk_id IN ({_sql_list(ids)})"
+        return self._search("nuggets", vector, k, embedder_fp, cols, where=where, exact=True)
+
+    def search_documents(self, vector: np.ndarray, k: int, *, embedder_fp: str) -> list[dict]:
+        """Top-``k`` documents (one vector each), best first."""
+        cols = ["doc_id", "doc_version", "title"]
+        return self._search("documents", vector, k, embedder_fp, cols)
+
+
+def create_vector_index(tbl: Any, rows: int, dim: int, index_type: str = VECTOR_INDEX_TYPE) -> None:
+    """Train an ANN index on ``tbl.vector`` (cosine), sized for ``rows`` rows."""
+    from lancedb.index import HnswSq, IvfPq, IvfSq
+
+    partitions = max(1, rows // IVF_TARGET_PARTITION_ROWS)
+    if index_type == "IVF_PQ":
+        sub = dim // 16 if dim % 16 == 0 else (dim // 8 if dim % 8 == 0 else 1)
+        config: Any = IvfPq(distance_type=METRIC, num_partitions=partitions, num_sub_vectors=sub)
+    elif index_type == "IVF_SQ":
+        config = IvfSq(distance_type=METRIC, num_partitions=partitions)
+    elif index_type == "IVF_HNSW_SQ":
+        config = HnswSq(
+            distance_type=METRIC,
+            num_partitions=max(1, rows // HNSW_PARTITION_ROWS),
+            ef_construction=HNSW_EF_CONSTRUCTION,
+        )
+    else:
+        raise ValueError(f"unsupported vector index type {index_type!r}")
+    tbl.create_index("vector", config=config, replace=True)
+
+
+def tune_ann_query(query: Any) -> Any:
+    """Search parameters for the ANN index (chosen with the benchmark's recall@10)."""
+    query = query.nprobes(SEARCH_NPROBES).ef(SEARCH_EF)
+    return query.refine_factor(SEARCH_REFINE_FACTOR) if SEARCH_REFINE_FACTOR else query

@@ -1,0 +1,306 @@
+"""Embed + index stage: vectors for chunks, nuggets and documents, written to the LanceDB index.
+
+Keys (see ../shared/DESIGN.md):
+
+- the embedding cache (Parquet table ``embeddings``, :class:`schemas.tables.EmbeddingRow`) is keyed
+  by ``(embedder_fp, text_hash)`` where ``text_hash`` is ``keys.text_hash`` of the exact string
+  given to the embedder. A text is embedded at most once per embedder, whatever rows it belongs
+  to, in this build or any later one (the same nugget text in two documents: one vector);
+- an index row is keyed by its row identity (``chunk_id``, ``nugget_id``, ``doc_id``): a row that
+  is already in the index for the same embedder (and, for documents, the same ``doc_version``)
+  is not rewritten, so an unchanged rebuild writes nothing.
+
+What is embedded:
+
+- a chunk: its full text (the embedder truncates to its ``max_length``: 256 word pieces for
+  MiniLM);
+- a nugget: its source text, stripped of surrounding whitespace;
+- a document: ``title + "\\n" + the start of its text``, truncated by the embedder to its
+  ``max_length`` tokens (so the first ~250 tokens for MiniLM; the text is cut at
+  ``8 * max_length`` characters before tokenising). The title is ``metadata["title"]`` if present,
+  else the doc_id. Chosen over the mean of the chunk vectors because a document vector is used to
+  pick a whole document (CAS cartridge selection), where the title and lead say what the
+  document is about, while a mean of chunk vectors of a long document blurs towards the corpus
+  mean; it costs one embedding per document version.
+
+The inputs are the *complete* current view of the given documents: index rows of those documents
+(``doc_id`` in ``documents``, ``chunks`` or ``nuggets``) that are not in the inputs (an old
+version's chunks, nuggets no longer recovered) are deleted. Documents not given are left alone;
+:meth:`storage.index.LanceIndex.delete_documents` removes a deleted document.
+
+A new embedder (another fingerprint) resets the index: its tables are rebuilt from the cache of
+the new embedder (which starts empty), while the old embedder's cached vectors stay in Parquet.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+
+from inference.embedders import Embedder
+from schemas.keys import CODE_VERSION, text_hash
+from schemas.tables import ChunkRow, EmbeddingRow, NuggetRow
+from storage.index import LanceIndex
+from storage.store import Store
+from storage.tables import append_rows, read_table
+
+CACHE_FLUSH_ROWS = 4096  # embedded vectors per Parquet file: a killed run loses at most these
+DOC_CHARS_PER_TOKEN = 8  # document text is cut at max_length * this many characters
+
+StageProgress = Callable[[int, int], None]  # (texts embedded so far, texts to embed)
+
+
+@dataclass
+class EmbedCounts:
+    texts: int = 0  # distinct texts whose vector was needed for a row to write
+    embedded: int = 0  # of those, computed now
+    cached: int = 0  # of those, read from the embedding cache (not embedded again)
+    chunks_written: int = 0
+    nuggets_written: int = 0
+    documents_written: int = 0
+    chunks_unchanged: int = 0  # already in the index: not rewritten
+    nuggets_unchanged: int = 0
+    documents_unchanged: int = 0
+    chunks_deleted: int = 0  # stale rows of the given documents
+    nuggets_deleted: int = 0
+    index_reset: bool = False  # the index had another embedder and was rebuilt
+    indexes_built: dict[str, list[str]] = field(default_factory=dict)
+    embed_seconds: float = 0.0
+    index_seconds: float = 0.0
+
+
+def _doc_version(doc: Any) -> str:
+    version = getattr(doc, "version", None)
+    return version if isinstance(version, str) else doc.doc_version
+
+
+def _doc_metadata(doc: Any) -> dict[str, Any]:
+    metadata = getattr(doc, "metadata", None)
+    if isinstance(metadata, dict):
+        return metadata
+    raw = getattr(doc, "metadata_json", None)
+    return json.loads(raw) if raw else {}
+
+
+def document_title(doc: Any) -> str:
+    title = _doc_metadata(doc).get("title")
+    return str(title) if title else doc.doc_id
+
+
+def document_text(doc: Any, max_length: int) -> str:
+    """The string embedded for a document's vector: its title and the start of its text."""
+    return f"{document_title(doc)}\n{doc.text[: max_length * DOC_CHARS_PER_TOKEN]}"
+
+
+def nugget_text(nugget: NuggetRow) -> str:
+    """The string embedded for a nugget (its source text without surrounding whitespace)."""
+    return nugget.text.strip() or nugget.text
+
+
+def cached_vectors(
+    store: Store, embedder_fp: str, hashes: Sequence[str], dim: int
+) -> dict[str, np.ndarray]:
+    """Vectors of the embedding cache for these text hashes (those present)."""
+    if not hashes:
+        return {}
+    table = read_table(
+        store,
+        EmbeddingRow,
+        columns=["text_hash", "vector"],
+        filter=(pc.field("embedder_fp") == embedder_fp) & pc.field("text_hash").isin(list(hashes)),
+    )
+    if table.num_rows == 0:
+        return {}
+    keys = table.column("text_hash").to_pylist()
+    vec = table.column("vector").combine_chunks()
+    lengths = pc.list_value_length(vec).to_numpy(zero_copy_only=False)
+    flat = vec.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    for key, n in zip(keys, lengths, strict=True):
+        if n == dim and key not in out:
+            out[key] = flat[offset : offset + n]
+        offset += int(n)
+    return out
+
+
+def embed_texts(
+    store: Store,
+    embedder: Embedder,
+    texts: dict[str, str],
+    run_id: str,
+    counts: EmbedCounts,
+    progress: StageProgress | None = None,
+) -> dict[str, np.ndarray]:
+    """Vectors for ``{text_hash: text}``: from the cache, else embedded now and cached."""
+    hashes = list(texts)
+    vectors = cached_vectors(store, embedder.fingerprint, hashes, embedder.dim)
+    missing = [h for h in hashes if h not in vectors]
+    counts.texts += len(hashes)
+    counts.cached += len(hashes) - len(missing)
+    started = time.perf_counter()
+    done = 0
+    for start in range(0, len(missing), CACHE_FLUSH_ROWS):
+        part = missing[start : start + CACHE_FLUSH_ROWS]
+
+        def report(n: int, _total: int, base: int = done) -> None:
+            if progress is not None:
+                progress(base + n, len(missing))
+
+        mat = embedder.embed_documents([texts[h] for h in part], progress=report)
+        rows = [
+            EmbeddingRow(
+                text_hash=h,
+                embedder_fp=embedder.fingerprint,
+                vector=mat[i],  # float32 numpy row: written as list<float32>
+                run_id=run_id,
+                code_version=CODE_VERSION,
+            )
+            for i, h in enumerate(part)
+        ]
+        append_rows(store, rows, run_id, "embed")
+        for i, h in enumerate(part):
+            vectors[h] = mat[i]
+        done += len(part)
+        counts.embedded += len(part)
+    counts.embed_seconds += time.perf_counter() - started
+    return vectors
+
+
+def embed_stage(
+    store: Store,
+    chunks: Sequence[ChunkRow],
+    nuggets: Sequence[NuggetRow],
+    documents: Sequence[Any],
+    embedder: Embedder,
+    run_id: str,
+    progress: StageProgress | None = None,
+    vector_index_min_rows: int | None = None,
+) -> EmbedCounts:
+    """Bring the index up to date for these documents, chunks and nuggets; return counts.
+
+    ``documents`` are ``tasks.ingest.SourceDocument`` (or ``DocumentRow``) objects.
+    """
+    counts = EmbedCounts()
+    index, counts.index_reset = LanceIndex.open_for_write(
+        store, embedder.fingerprint, embedder.dim, getattr(embedder, "name", "")
+    )
+    t0 = time.perf_counter()
+    chunks = list({c.chunk_id: c for c in chunks}.values())
+    nuggets = list({n.nugget_id: n for n in nuggets}.values())
+    documents = list({d.doc_id: d for d in documents}.values())
+    scope = {d.doc_id for d in documents} | {c.doc_id for c in chunks} | {n.doc_id for n in nuggets}
+
+    # What the index already holds, and what of it is stale.
+    have_chunks = index.columns("chunks", ["chunk_id", "doc_id"]).to_pydict()
+    have_nuggets = index.columns("nuggets", ["nugget_id", "doc_id"]).to_pydict()
+    have_docs = index.columns("documents", ["doc_id", "doc_version"]).to_pydict()
+    chunk_ids = {c.chunk_id for c in chunks}
+    nugget_ids = {n.nugget_id for n in nuggets}
+    stale_chunks = [
+        cid
+        for cid, did in zip(have_chunks["chunk_id"], have_chunks["doc_id"], strict=True)
+        if did in scope and cid not in chunk_ids
+    ]
+    stale_nuggets = [
+        nid
+        for nid, did in zip(have_nuggets["nugget_id"], have_nuggets["doc_id"], strict=True)
+        if did in scope and nid not in nugget_ids
+    ]
+    counts.chunks_deleted = index.delete_where("chunks", "chunk_id", stale_chunks)
+    counts.nuggets_deleted = index.delete_where("nuggets", "nugget_id", stale_nuggets)
+
+    existing_chunks = set(have_chunks["chunk_id"])
+    existing_nuggets = set(have_nuggets["nugget_id"])
+    existing_docs = dict(zip(have_docs["doc_id"], have_docs["doc_version"], strict=True))
+    new_chunks = [c for c in chunks if c.chunk_id not in existing_chunks]
+    new_nuggets = [n for n in nuggets if n.nugget_id not in existing_nuggets]
+    new_docs = [d for d in documents if existing_docs.get(d.doc_id) != _doc_version(d)]
+    counts.chunks_unchanged = len(chunks) - len(new_chunks)
+    counts.nuggets_unchanged = len(nuggets) - len(new_nuggets)
+    counts.documents_unchanged = len(documents) - len(new_docs)
+    counts.index_seconds += time.perf_counter() - t0
+
+    # Vectors: the cache first, then the embedder for what it lacks.
+    chunk_texts = [c.text for c in new_chunks]
+    nugget_texts = [nugget_text(n) for n in new_nuggets]
+    doc_texts = [document_text(d, embedder.max_length) for d in new_docs]
+    wanted: dict[str, str] = {}
+    keys: dict[str, list[str]] = {}
+    for kind, texts in (("chunks", chunk_texts), ("nuggets", nugget_texts), ("docs", doc_texts)):
+        keys[kind] = [text_hash(t) for t in texts]
+        for h, t in zip(keys[kind], texts, strict=True):
+            wanted.setdefault(h, t)
+    vectors = embed_texts(store, embedder, wanted, run_id, counts, progress)
+
+    def matrix(hashes: list[str]) -> np.ndarray:
+        if not hashes:
+            return np.zeros((0, embedder.dim), dtype=np.float32)
+        return np.stack([vectors[h] for h in hashes]).astype(np.float32, copy=False)
+
+    t1 = time.perf_counter()
+    fp = embedder.fingerprint
+    if new_chunks:
+        data = index.build_table(
+            "chunks",
+            {
+                "chunk_id": [c.chunk_id for c in new_chunks],
+                "doc_id": [c.doc_id for c in new_chunks],
+                "doc_version": [c.doc_version for c in new_chunks],
+                "content_key": [c.content_key for c in new_chunks],
+                "text": chunk_texts,
+                "n_tokens": [c.n_tokens for c in new_chunks],
+                "embedder_fp": [fp] * len(new_chunks),
+                "run_id": [run_id] * len(new_chunks),
+            },
+            matrix(keys["chunks"]),
+        )
+        counts.chunks_written = index.upsert("chunks", data)
+    if new_nuggets:
+        data = index.build_table(
+            "nuggets",
+            {
+                "nugget_id": [n.nugget_id for n in new_nuggets],
+                "chunk_id": [n.chunk_id for n in new_nuggets],
+                "doc_id": [n.doc_id for n in new_nuggets],
+                "doc_version": [n.doc_version for n in new_nuggets],
+                "content_key": [n.content_key for n in new_nuggets],
+                "text": [n.text for n in new_nuggets],
+                "tok_start": [n.tok_start for n in new_nuggets],
+                "tok_end": [n.tok_end for n in new_nuggets],
+                "embedder_fp": [fp] * len(new_nuggets),
+                "run_id": [run_id] * len(new_nuggets),
+            },
+            matrix(keys["nuggets"]),
+        )
+        counts.nuggets_written = index.upsert("nuggets", data)
+    if new_docs:
+        data = index.build_table(
+            "documents",
+            {
+                "doc_id": [d.doc_id for d in new_docs],
+                "doc_version": [_doc_version(d) for d in new_docs],
+                "title": [document_title(d) for d in new_docs],
+                "embedder_fp": [fp] * len(new_docs),
+                "run_id": [run_id] * len(new_docs),
+            },
+            matrix(keys["docs"]),
+        )
+        counts.documents_written = index.upsert("documents", data)
+    changed = (
+        counts.chunks_written
+        + counts.nuggets_written
+        + counts.documents_written
+        + counts.chunks_deleted
+        + counts.nuggets_deleted
+    )
+    if changed or counts.index_reset:
+        counts.indexes_built = index.ensure_indexes(min_rows=vector_index_min_rows)
+    counts.index_seconds += time.perf_counter() - t1
+    return counts
