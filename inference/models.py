@@ -225,3 +225,12 @@ def load_model(
     tok_fp = tokenizer_fingerprint(tokenizer)
     model_fp = model_fingerprint(model.config, weights_sha256(model_dir), dtype, tok_fp)
     return LoadedModel(model, tokenizer, model_dir, model_fp, tok_fp)
+
+
+@lru_cache(maxsize=2)
+def load_shared_model(
+    ref: str | None, device: str = "cpu", dtype: str | None = None
+) -> LoadedModel:
+    """:func:`load_model`, memoised per process: the build's extractor and KV stage share one
+    copy. For inference only (eval mode, never trained in place)."""
+    return load_model(ref, device=device, dtype=dtype)

@@ -1,0 +1,32 @@
+"""The null extractor (backend ``"none"``): every request succeeds with no candidates.
+
+For stores built without nuggets (chunk-only, TurboRAG-style KV reuse). It makes no call, so it
+adds no CallRecord to the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schemas.keys import fingerprint
+from tasks.extractors.base import ExtractionRequest, ExtractionResult, ProgressFn
+
+
+class NoExtractor:
+    """Returns ``ok`` with an empty candidate list for every request."""
+
+    backend = "none"
+    llm_model = "none"
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint("extractor", {"backend": self.backend})
+
+    def extract(
+        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+    ) -> list[ExtractionResult]:
+        """One empty ``ok`` result per request, in order."""
+        results = [ExtractionResult(req.key, "ok") for req in requests]
+        if progress is not None and results:
+            progress(len(results))
+        return results

@@ -1,0 +1,278 @@
+"""The local constrained extractor: whatever the model, every candidate is a verbatim span.
+
+Three levels: the constraint alone driven by random choices (no model), the full extractor with a
+tiny random-weight Llama (both drivers, which must agree), and the real SmolLM2 on short passages.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tasks.extractors.base import ExtractionRequest
+from tasks.extractors.local import (
+    BOUNDARIES,
+    LocalConstrainedExtractor,
+    SpanCopyMachine,
+    SpecialIds,
+    tokenize_passage,
+)
+
+PASSAGES = [
+    "Gabriel García Márquez (6 March 1927 – 17 April 2014) was a Colombian novelist, "
+    "short-story writer, screenwriter, and journalist. He won the 1982 Nobel Prize in Literature.",
+    "The Eiffel Tower is 330 m (1,083 ft) tall; it was the tallest man-made structure in the "
+    "world until 1930. Dr. Smith visited the U.S. embassy in Paris in the year 1889.",
+    "Marie Skłodowska-Curie was a Polish and naturalised-French physicist and chemist who "
+    "conducted pioneering research on radioactivity. She was the first woman to win a Nobel "
+    "Prize, the first person to win a Nobel Prize twice, and the only person to win a Nobel "
+    "Prize in two scientific fields.",
+]
+EDGE = ["", "Too short.", "One two three", "α β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω"]
+
+
+def check_spans(text: str, cands: list[str], min_words: int, max_words: int, max_n: int) -> None:
+    """Candidates are exact substrings, in order, non-overlapping, word-aligned, bounded."""
+    assert len(cands) <= max_n
+    pos = 0
+    for cand in cands:
+        assert cand and cand == cand.strip()
+        assert min_words <= len(cand.split()) <= max_words, cand
+        # the earliest occurrence after the previous span that starts and ends at word edges
+        start = text.find(cand, pos)
+        while start >= 0:
+            end = start + len(cand)
+            starts_word = start == 0 or text[start - 1].isspace()
+            ends_word = end == len(text) or not text[end].isalnum()
+            if starts_word and ends_word:
+                break
+            start = text.find(cand, start + 1)
+        assert start >= 0, f"no word-aligned verbatim occurrence after char {pos}: {cand!r}"
+        pos = start + len(cand)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread while this module runs: on a CPU shared with other jobs, two OpenMP
+    threads spin-wait on each other and these tests ran 5-20x slower (22 s instead of 3.4 s for
+    the SmolLM2 test, measured at load 5 on 2 cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from inference.models import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The constraint alone, driven by a random policy
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_policy_gives_verbatim_spans(tokenizer, seed: int) -> None:
+    rng = random.Random(seed)
+    text = rng.choice(PASSAGES + EDGE)
+    min_w = rng.randint(1, 4)
+    max_w = rng.randint(min_w, 10)
+    max_n = rng.randint(1, 8)
+    boundaries = rng.choice(BOUNDARIES)
+    special = SpecialIds(
+        tokenizer.encode("-")[0],
+        tokenizer.encode("\n")[0],
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    pt = tokenize_passage(text, tokenizer, min_w, boundaries)
+    m = SpanCopyMachine(pt, special, max_n, min_w, max_w)
+    steps = 0
+    while not m.done:
+        allowed = m.allowed()
+        assert allowed, "the machine must always offer a token"
+        m.advance(rng.choice(allowed))
+        steps += 1
+        assert steps <= m.max_new_tokens()
+    cands = [text[s:e] for s, e in m.char_spans()]
+    check_spans(text, cands, min_w, max_w, max_n)
+    firsts = [a for a, _ in m.spans]
+    assert firsts == sorted(firsts)
+    if any(pt.can_start):
+        assert cands, "at least one span when one is possible"
+
+
+def test_disallowed_token_is_refused(tokenizer) -> None:
+    special = SpecialIds(tokenizer.encode("-")[0], tokenizer.encode("\n")[0], 2)
+    m = SpanCopyMachine(tokenize_passage(PASSAGES[0], tokenizer, 3), special, 4, 3, 10)
+    with pytest.raises(ValueError):
+        m.advance(special.eos)  # at least one span is required
+    m.advance(special.dash)
+    with pytest.raises(ValueError):
+        m.advance(special.newline)  # a span needs words first
+
+
+def test_cap_never_cuts_a_word(tokenizer) -> None:
+    """max_words=2 on digit-by-digit numbers and multi-token accented names."""
+    text = "García Márquez 1927 1,083 Skłodowska-Curie 2014"
+    special = SpecialIds(tokenizer.encode("-")[0], tokenizer.encode("\n")[0], 2)
+    pt = tokenize_passage(text, tokenizer, 1, boundaries="word")
+    m = SpanCopyMachine(pt, special, 8, 1, 2)
+    while not m.done:  # start at the cursor, continue while allowed: hits the cap every time
+        allowed = m.allowed()
+        if m.phase == "start":
+            m.advance(pt.token_ids[pt.first_token[m.cursor]])
+            continue
+        copy = [t for t in allowed if t not in (special.newline, special.eos)]
+        m.advance(copy[0] if copy else allowed[0])
+    cands = [text[s:e] for s, e in m.char_spans()]
+    # (" 1927", " 1,083" and " 2014" share their first tokens "Ġ", "1": which one the greedy
+    # policy above ends up copying depends on token ids, but it is always whole words)
+    words = text.split()
+    assert cands[0] == "García Márquez" and len(cands) >= 2
+    for cand in cands:
+        n = len(cand.split())
+        assert n <= 2
+        assert any(words[i : i + n] == cand.split() for i in range(len(words))), cand
+
+
+def test_clause_boundaries(tokenizer) -> None:
+    """Clause mode: starts open a clause, voluntary ends sit at commas / before clause openers."""
+    text = (
+        "The film stars Keir Dullea and Gary Lockwood, and follows a voyage to Jupiter, which "
+        "hides an alien monolith. It was released in 1968."
+    )
+    pt = tokenize_passage(text, tokenizer, 3, "clause")
+    words = text.split()
+    starts = [words[w] for w in range(len(words)) if pt.can_start[w]]
+    assert starts == ["The", "and", "which", "It"]
+    soft = [words[w] for w in range(len(words)) if pt.soft_end[w]]
+    assert soft == ["Lockwood,", "Jupiter,"]
+    assert all(pt.can_start) is False
+    word_mode = tokenize_passage(text, tokenizer, 3, "word")
+    assert all(word_mode.soft_end) and sum(word_mode.can_start) > len(starts)
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny random-weight Llama: any model => verbatim, ordered, word-bounded
+
+
+@pytest.fixture(scope="module")
+def random_llama(tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from inference.models import LoadedModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return LoadedModel(model, tokenizer, Path("random-llama"), "model-random", "tok-random")
+
+
+@pytest.mark.parametrize(
+    "bounds", [(3, 25, 8, "clause"), (1, 3, 5, "word"), (2, 6, 2, "clause"), (3, 12, 8, "word")]
+)
+def test_random_model_verbatim_and_drivers_agree(random_llama, bounds) -> None:
+    min_w, max_w, max_n, boundaries = bounds
+    texts = PASSAGES + EDGE
+    reqs = [ExtractionRequest(f"k{i}", t) for i, t in enumerate(texts)]
+    by_driver = []
+    for driver, batch_size in (("jump", 1), ("jump", 3), ("generate", 3)):
+        ex = LocalConstrainedExtractor(
+            random_llama,
+            min_words=min_w,
+            max_words=max_w,
+            max_nuggets=max_n,
+            batch_size=batch_size,
+            driver=driver,
+            boundaries=boundaries,
+        )
+        results = ex.extract(reqs)
+        assert [r.key for r in results] == [r.key for r in reqs]
+        for text, res in zip(texts, results, strict=True):
+            assert res.status == "ok", res.error
+            check_spans(text, res.candidates, min_w, max_w, max_n)
+            (call,) = res.calls
+            assert call.status == "ok" and call.cost_usd == 0.0 and call.tokens_in > 0
+            assert call.tokens_out >= 1
+        by_driver.append([r.candidates for r in results])
+    assert by_driver[0] == by_driver[1] == by_driver[2], "drivers must make the same choices"
+
+
+def test_fingerprint_and_identity(random_llama) -> None:
+    ex = LocalConstrainedExtractor(random_llama)
+    assert ex.backend == "local" and ex.fingerprint.startswith("extractor-")
+    assert "model-random" in ex.llm_model
+    assert ex.fingerprint != LocalConstrainedExtractor(random_llama, max_words=20).fingerprint
+    assert ex.fingerprint != LocalConstrainedExtractor(random_llama, boundaries="word").fingerprint
+    same = LocalConstrainedExtractor(random_llama, batch_size=1, driver="generate")
+    assert ex.fingerprint == same.fingerprint
+
+
+def test_one_bad_passage_fails_alone(random_llama) -> None:
+    class Flaky(LocalConstrainedExtractor):
+        def machine(self, text: str) -> SpanCopyMachine:
+            if text.startswith("BAD"):
+                raise RuntimeError("boom")
+            return super().machine(text)
+
+    texts = [PASSAGES[0], "BAD passage here, with words.", PASSAGES[1]]
+    reqs = [ExtractionRequest(f"k{i}", t) for i, t in enumerate(texts)]
+    done: list[int] = []
+    results = Flaky(random_llama, batch_size=4).extract(reqs, progress=done.append)
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    assert "boom" in (results[1].error or "") and results[1].calls[0].status == "error"
+    assert results[0].candidates and results[2].candidates
+    assert sum(done) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    ex = LocalConstrainedExtractor(None, max_nuggets=4)
+    fp_unloaded = ex.fingerprint  # computed without loading the weights
+    assert ex._loaded is None
+    ex.loaded  # noqa: B018 - load once for the module
+    assert ex.fingerprint == fp_unloaded, "fingerprint must not depend on whether it is loaded"
+    return ex
+
+
+@pytest.mark.slow
+def test_smollm2_nuggets(smollm2) -> None:
+    reqs = [ExtractionRequest(f"p{i}", t) for i, t in enumerate(PASSAGES)]
+    results = smollm2.extract(reqs)
+    for text, res in zip(PASSAGES, results, strict=True):
+        assert res.status == "ok", res.error
+        assert 1 <= len(res.candidates) <= 4
+        check_spans(text, res.candidates, 3, 25, 4)
+        assert all(c != text for c in res.candidates), "not the whole passage"
+    assert any("García Márquez" in c for c in results[0].candidates)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("boundaries", BOUNDARIES)
+def test_smollm2_short_cap_ends_at_word_edges(smollm2, boundaries: str) -> None:
+    """A 6-word cap on accented names and digit-by-digit numbers: never 'García M', '19'."""
+    ex = LocalConstrainedExtractor(
+        smollm2.loaded, max_nuggets=6, max_words=6, boundaries=boundaries
+    )
+    (res,) = ex.extract([ExtractionRequest("g", PASSAGES[0])])
+    assert res.status == "ok" and res.candidates
+    check_spans(PASSAGES[0], res.candidates, 3, 6, 6)
