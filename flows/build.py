@@ -1,7 +1,7 @@
-"""The build flow: documents -> chunks -> LLM candidates -> recovered nuggets (Parquet).
+"""The build flow: the whole DAG on one screen.
 
 ```
-ingest -> chunk -> extract -> recover -> summary
+ingest -> chunk -> extract -> recover -> kv -> embed+index -> summary
 ```
 
 Each stage asks the store which of its keys already exist for the current fingerprints and
@@ -35,7 +35,7 @@ from tasks.extract import ExtractCounts, answered_ok, extract_requests, pending_
 from tasks.extractors.base import ExtractionRequest
 from tasks.extractors.factory import make_extractor
 from tasks.ingest import ingest_stage
-from tasks.nuggets import recover_stage
+from tasks.nuggets import current_nuggets, recover_stage
 
 
 def _extract_cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -88,6 +88,61 @@ def extract_task(
 @task(name="recover")
 def recover_task(store: Store, chunks: list, extractor_fp: str, tau: float, run_id: str):
     return recover_stage(store, chunks, answered_ok(store, extractor_fp), extractor_fp, tau, run_id)
+
+
+@task(name="kv")
+def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) -> dict[str, Any]:
+    from inference.models import load_shared_model
+    from inference.prompt import RagPrompt
+    from tasks.kv import kv_stage
+
+    logger = get_run_logger()
+    loaded = load_shared_model(settings.model, settings.device)
+    started = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        rate = (time.monotonic() - started) / max(done, 1)
+        logger.info(
+            "kv: %d/%d chunks, %.2f s each, about %.0f s left",
+            done,
+            total,
+            rate,
+            rate * (total - done),
+        )
+
+    counts = kv_stage(
+        store,
+        chunks,
+        loaded,
+        RagPrompt.for_tokenizer(loaded.tokenizer),
+        run_id,
+        batch_size=settings.kv_batch_size,
+        progress=progress,
+    )
+    return {"model_fp": loaded.model_fp, **counts.as_dict()}
+
+
+@task(name="embed-index")
+def embed_task(
+    store: Store,
+    chunks: list,
+    documents: list,
+    settings: BuildSettings,
+    extractor_fp: str,
+    run_id: str,
+) -> dict[str, Any]:
+    from inference.embedders import load_embedder
+    from tasks.embed import embed_stage
+
+    logger = get_run_logger()
+    embedder = load_embedder(settings.embedder)
+    nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, settings.tau)
+
+    def progress(done: int, total: int) -> None:
+        logger.info("embed: %d/%d texts", done, total)
+
+    counts = embed_stage(store, chunks, nuggets, documents, embedder, run_id, progress)
+    return {"embedder_fp": embedder.fingerprint, **asdict(counts)}
 
 
 def _extract_all(
@@ -148,6 +203,12 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             chunks, n_new_chunks = chunk_task(st, ingested.documents, s, run_id)
             extracted, extractor_fp = _extract_all(st, s, chunks, run_id)
             recovered = recover_task(st, chunks, extractor_fp, s.tau, run_id)
+            kv = kv_task(st, chunks, s, run_id) if s.kv else {}
+            index = (
+                embed_task(st, chunks, ingested.documents, s, extractor_fp, run_id)
+                if s.index
+                else {}
+            )
         except BaseException as exc:
             finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
             raise
@@ -169,11 +230,20 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "nuggets_exact": recovered.exact,
             "nuggets_fuzzy": recovered.fuzzy,
             "abandoned": recovered.abandoned,
+            "kv_computed": kv.get("computed", 0),
+            "kv_reused": kv.get("reused", 0),
+            "kv_rebuilt": kv.get("rebuilt", 0),
+            "kv_disk_bytes": kv.get("disk_bytes", 0),
+            "embedded": index.get("embedded", 0),
+            "embeddings_cached": index.get("cached", 0),
         }
         fingerprints = {
             "tokenizer_fp": chunks[0].tokenizer_fp if chunks else "",
             "chunker_fp": chunker_fingerprint(s.chunker, s.chunk_size),
             "extractor_fp": extractor_fp,
+            "model_fp": kv.get("model_fp", ""),
+            "kv_fp": kv.get("kv_fp", ""),
+            "embedder_fp": index.get("embedder_fp", ""),
         }
         finish_run(
             st,

@@ -65,6 +65,12 @@ def build(
             "'smollm2' (default, the packaged SmolLM2-135M-Instruct)."
         ),
     ] = None,
+    embedder: Annotated[
+        str | None,
+        typer.Option(
+            help="'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder."
+        ),
+    ] = None,
     config: Annotated[
         Path | None, typer.Option(help="TOML file with a [build] table of the same settings.")
     ] = None,
@@ -90,6 +96,7 @@ def build(
                 "extractor": extractor,
                 "llm_model": llm_model,
                 "model": model,
+                "embedder": embedder,
                 "chunker": chunker,
                 "chunk_size": chunk_size,
                 "tau": tau,
@@ -113,6 +120,183 @@ def build(
         for r in summary["rejected"]:
             console.print(f"[yellow]rejected[/] {r['doc_id'] or '-'}: {r['reason']}: {r['detail']}")
         _fail(f"{len(summary['rejected'])} document(s) rejected (see the rejects table)", 3)
+
+
+@app.command()
+def query(
+    question: Annotated[str, typer.Argument(help="The question.")],
+    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    method: Annotated[
+        str, typer.Option(help="coinrag | turborag | standard | cartridge")
+    ] = "coinrag",
+    kc: Annotated[int, typer.Option(help="Chunks retrieved in stage 1.")] = 4,
+    k: Annotated[int, typer.Option(help="Nuggets retrieved in stage 2 (coinrag).")] = 10,
+    max_new_tokens: Annotated[int, typer.Option(help="Upper bound on answer tokens.")] = 32,
+    model: Annotated[
+        str | None, typer.Option(help="Generation model (default: the store's).")
+    ] = None,
+    oracle_doc: Annotated[
+        str | None,
+        typer.Option(help="cartridge only: answer with this document's cartridge (oracle mode)."),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Answer QUESTION from STORE: retrieval, KV assembly, query prefill, greedy decoding.
+
+    ``--method cartridge`` retrieves --k documents and answers from their trained cartridges.
+    """
+    import json
+
+    from inference.methods import METHODS, MissingAssets, RagEngine
+
+    if method not in (*METHODS, "cartridge"):
+        _fail(f"--method {method!r} is not one of {', '.join(METHODS)}, cartridge", 2)
+    if kc < 1 or k < 1 or max_new_tokens < 1:
+        _fail("--kc, --k and --max-new-tokens must be >= 1", 2)
+    try:
+        if method == "cartridge":
+            result = _cartridge_answer(str(store), question, k, oracle_doc, model, max_new_tokens)
+        else:
+            engine = RagEngine.open(str(store), model=model, max_new_tokens=max_new_tokens)
+            result = engine.answer(question, method=method, kc=kc, k=k)
+    except (MissingAssets, LookupError, ValueError) as exc:
+        _fail(str(exc), 1)
+    if json_out:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+        return
+    out = Console()
+    out.print(f"[bold]{result.answer}[/]")
+    out.print(
+        f"method {result.method}, {result.active_tokens} context tokens, "
+        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in result.timings.items())
+    )
+    for e in result.evidence:
+        out.print(
+            f"  [dim]{e['doc_id']} {e['chunk_id'][:12]} [{e['tok_start']}:{e['tok_end']})[/] "
+            f"{e['text'].strip()[:100]}"
+        )
+
+
+def _cartridge_answer(
+    store_path: str,
+    question: str,
+    k: int,
+    oracle_doc: str | None,
+    model: str | None,
+    max_new_tokens: int,
+):
+    """Cartridge RAG through the same Answer record as the other methods."""
+    from inference.cartridge_rag import CartridgeRag
+    from inference.embedders import load_embedder
+    from inference.methods import Answer, MissingAssets
+    from inference.models import load_model
+    from inference.retrieve import Retriever
+    from schemas.settings import load_settings
+    from storage.store import Store
+
+    store = Store.at(store_path)
+    if not store.exists():
+        raise MissingAssets(f"{store.root} is not a coinrag store (run coinrag build first)")
+    settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
+    loaded = load_model(model or settings.model, device=settings.device)
+    retriever = None if oracle_doc else Retriever(store, load_embedder(settings.embedder))
+    rag = CartridgeRag(store, loaded, retriever=retriever)
+    if oracle_doc:
+        got = rag.oracle(question, oracle_doc, max_new_tokens=max_new_tokens)
+    else:
+        got = rag.answer(question, k=k, max_new_tokens=max_new_tokens)
+    t = got.timings
+    ttft = t["retrieve_ms"] + t["load_ms"] + t["assemble_ms"] + t["prefill_ms"]
+    return Answer(
+        answer=got.answer,
+        method="cartridge",
+        evidence=[
+            {"doc_id": d, "cartridge_id": c}
+            for d, c in zip(got.doc_ids, got.cartridge_ids, strict=True)
+        ],
+        active_tokens=got.context_tokens - rag.prompt.n_prefix,
+        timings={
+            "retrieval": round(t["retrieve_ms"], 3),
+            "kv_load": round(t["load_ms"], 3),
+            "assembly": round(t["assemble_ms"], 3),
+            "prefill": round(t["prefill_ms"], 3),
+            "ttft": round(ttft, 3),
+            "decode": round(t["decode_ms"], 3),
+        },
+        kc=0,
+        k=len(got.doc_ids),
+        model_fp=loaded.model_fp,
+        token_ids=got.token_ids,
+    )
+
+
+train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
+app.add_typer(train_app, name="train")
+
+
+@train_app.command("cartridges")
+def train_cartridges_cmd(
+    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    docs: Annotated[
+        list[str] | None, typer.Option("--docs", help="Document ids (default: all).")
+    ] = None,
+    max_steps: Annotated[int, typer.Option(help="Training steps.")] = 200,
+    generator: Annotated[
+        str | None,
+        typer.Option(help="Question generator: openai | local (default: openai if a key is set)."),
+    ] = None,
+) -> None:
+    """Self-study data, then CAS cartridges (one trainable KV prefix per document)."""
+    import json
+
+    from flows.cartridges import train_cartridges
+    from storage.store import StoreLocked
+
+    if max_steps < 1:
+        _fail("--max-steps must be >= 1", 2)
+    extra = {"generator": generator} if generator else {}
+    try:
+        summary = train_cartridges(str(store), docs or None, max_steps, **extra)
+    except (KeyError, ValueError, StoreLocked) as exc:
+        _fail(str(exc), 1)
+    Console().print_json(json.dumps(summary, default=str))
+
+
+@train_app.command("nuggets")
+def train_nuggets_cmd(
+    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    data: Annotated[Path, typer.Option("--data", help="JSONL of QA examples.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned model.")],
+    mode: Annotated[str, typer.Option(help="live (default) | frozen")] = "live",
+    lora: Annotated[bool, typer.Option("--lora", help="Train LoRA adapters (merged).")] = False,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after N optimizer steps.")] = None,
+    rebuild_kv: Annotated[
+        bool, typer.Option("--rebuild-kv", help="Rebuild the store's KV for the new model.")
+    ] = False,
+) -> None:
+    """Nugget-aware fine-tuning on (C_ctx, question) -> answer, with the inference assembly."""
+    import json
+
+    from flows.train import train_nuggets
+    from storage.store import StoreLocked
+
+    if mode not in ("live", "frozen"):
+        _fail(f"--mode {mode!r} is not one of live, frozen", 2)
+    if not data.is_file():
+        _fail(f"--data {data} does not exist", 1)
+    try:
+        summary = train_nuggets(
+            str(store),
+            str(data),
+            str(out),
+            mode=mode,
+            lora=lora,
+            max_steps=max_steps,
+            rebuild_kv=rebuild_kv,
+        )
+    except (KeyError, ValueError, StoreLocked) as exc:
+        _fail(str(exc), 1)
+    Console().print_json(json.dumps(summary, default=str))
 
 
 def _print_summary(summary: dict) -> None:

@@ -6,6 +6,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     extractor = "openai"        # openai | openai-batch | local | rules | none
     llm_model = "gpt-4o-mini"
     model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
+    embedder = "minilm"         # packaged all-MiniLM-L6-v2, or a local BGE-M3 folder
     chunker = "fixed"           # fixed (the paper's) | sentence
     chunk_size = 512
     tau = 0.7
@@ -49,6 +50,10 @@ class BuildSettings:
     local_max_nuggets: int = 8  # per chunk, for the local constrained extractor
     extract_batch_size: int = 32  # chunks per Prefect extraction task
     device: str = "cpu"
+    embedder: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)
+    kv: bool = True  # build the per-chunk KV of `model`
+    kv_batch_size: int = 4  # chunks per forward pass in the KV stage
+    index: bool = True  # embed chunks, nuggets and documents into LanceDB
 
     def resolved_extractor(self) -> str:
         """The extractor to use: the setting, else openai when a key is set, else local."""
@@ -68,7 +73,13 @@ class BuildSettings:
             raise SettingsError(f"chunk_size {self.chunk_size} is outside 8..32768")
         if not 0.0 < self.tau <= 1.0:
             raise SettingsError(f"tau {self.tau} is outside (0, 1]")
-        for name in ("concurrency", "max_attempts", "batch_max_rounds", "extract_batch_size"):
+        for name in (
+            "concurrency",
+            "max_attempts",
+            "batch_max_rounds",
+            "extract_batch_size",
+            "kv_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
         return self

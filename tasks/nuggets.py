@@ -132,3 +132,21 @@ def recover_stage(
     append_rows(store, nuggets, run_id, "recover")
     append_rows(store, abandoned, run_id, "recover")
     return counts
+
+
+def current_nuggets(
+    store: Store, chunk_ids: Sequence[str], extractor_fp: str, tau: float
+) -> list[NuggetRow]:
+    """The nuggets of these chunks made by this extractor and tau (any run), in chunk order."""
+    from storage.tables import read_rows
+
+    rows = read_rows(
+        store,
+        NuggetRow,
+        filter=(pc.field("extractor_fp") == extractor_fp)
+        & (pc.field("tau") == tau)
+        & pc.field("chunk_id").isin(list(chunk_ids)),
+    )
+    order = {cid: i for i, cid in enumerate(chunk_ids)}
+    unique = {r.nugget_id: r for r in rows}
+    return sorted(unique.values(), key=lambda r: (order[r.chunk_id], r.tok_start, r.tok_end))

@@ -1,0 +1,195 @@
+"""The nugget-aware fine-tuning flow (``coinrag train nuggets``).
+
+```
+load+validate QA data -> build its documents (incremental build flow) -> train -> save model
+    -> lineage (runs table, flow "train-nuggets") -> [KV rebuild for the new model]
+```
+
+- QA examples with inline ``documents`` (HotpotQA style: gold + distractors) are written as a
+  JSONL source under ``STORE/train-data/`` and built into the store with
+  :func:`flows.build.build_flow` (a subflow; incremental, so documents already built for the
+  same model, chunker and extractor cost nothing). Examples with ``doc_ids`` use documents
+  already in the store.
+- Training is :func:`training.nuggets.run_training` (see its module docstring for the modes;
+  ``live`` is the default). Killed runs resume from ``OUT/checkpoints`` when started again with
+  the same arguments.
+- The runs table gets a ``train-nuggets`` row: parameters (data path and sha256, base model,
+  hyperparameters, output folder), fingerprints (``base_model_fp``, ``model_fp`` of the new
+  weights), counts (examples, skipped, truncated, RAFT-dropped, steps, losses).
+- ``rebuild_kv=True`` chains a build of the same source with ``model=OUT``, so the store holds
+  KV computed by the new weights (a different ``kv_fp``): serving the new model never reads the
+  old model's cache. That build also records ``model=OUT`` as the store's default model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+
+from schemas.keys import new_run_id
+from schemas.settings import load_settings
+from storage.runs import finish_run, start_run
+from storage.store import Store
+from training.nuggets import TrainConfig, file_sha256, load_examples, run_training, write_documents
+
+FLOW_NAME = "coinrag-train-nuggets"
+
+
+@task(name="load-qa-data", cache_policy=NONE)
+def load_data_task(data: str) -> list:
+    return load_examples(data)
+
+
+@task(name="train-nuggets", cache_policy=NONE)
+def train_task(
+    store: str, data: str, out: str, cfg: TrainConfig, model: str | None, examples: list
+) -> dict[str, Any]:
+    return run_training(
+        store, data, out, cfg, model=model, logger=get_run_logger(), examples=examples
+    )
+
+
+def _build_settings(st: Store, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The store's recorded build settings (defaults if none), then ``overrides``."""
+    base = load_settings(st.settings_path if st.settings_path.is_file() else None)
+    return {**base.to_dict(), **(overrides or {})}
+
+
+@flow(name=FLOW_NAME)
+def train_nuggets_flow(
+    store: str,
+    data: str,
+    out: str,
+    mode: str = "live",
+    lora: bool = False,
+    max_steps: int | None = None,
+    model: str | None = None,
+    settings: dict[str, Any] | None = None,
+    build: dict[str, Any] | None = None,
+    rebuild_kv: bool = False,
+    source: str | None = None,
+) -> dict[str, Any]:
+    """Fine-tune ``model`` (default: the store's model) on the QA JSONL ``data``; write ``out``.
+
+    ``settings``: :class:`training.nuggets.TrainConfig` fields (lr, batch_size, raft_p, ...);
+    ``build``: build-settings overrides for building the data's documents and the KV rebuild
+    (e.g. ``{"extractor": "rules"}``); ``source``: what the KV rebuild builds (default: the
+    data's documents JSONL). Returns the summary (``model_fp``, losses, counts, ...).
+    """
+    logger = get_run_logger()
+    cfg = TrainConfig(
+        **{**(settings or {}), "mode": mode, "lora": lora, "max_steps": max_steps}
+    ).validate()
+    st = Store.at(store)
+    data_path = str(Path(data).expanduser().resolve())
+    data_sha = file_sha256(data_path)
+    examples = load_data_task(data_path)
+    build_settings = _build_settings(st, build)
+    if model is not None:
+        build_settings["model"] = model
+    base_ref = build_settings["model"]
+    if cfg.mode == "frozen":
+        build_settings["kv"] = True  # frozen mode reads the base model's stored KV
+    docs_source = st.root / "train-data" / f"{data_sha[:16]}.jsonl"
+    n_docs = write_documents(examples, docs_source)
+    build_summary: dict[str, Any] = {}
+    if n_docs:
+        from flows.build import build_flow
+
+        logger.info("building %d training documents into %s", n_docs, st.root)
+        build_summary = build_flow(str(docs_source), str(st.root), build_settings)
+    elif not st.exists():
+        raise FileNotFoundError(f"{st.root} is not a coinrag store and the data has no documents")
+
+    run_id = new_run_id("train")
+    params = {
+        "data": data_path,
+        "data_sha256": data_sha,
+        "out": str(Path(out).expanduser().resolve()),
+        "base_model": str(base_ref),
+        "hyperparameters": cfg.to_dict(),
+        "documents_source": str(docs_source) if n_docs else None,
+        "rebuild_kv": rebuild_kv,
+    }
+    with st.write_lock(run_id):
+        run = start_run(st, run_id, "train-nuggets", params)
+    try:
+        summary = train_task(str(st.root), data_path, out, cfg, base_ref, examples)
+    except BaseException as exc:
+        with st.write_lock(run_id):
+            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    counts = {
+        **summary["counts"],
+        "steps": summary["steps"],
+        "first_loss": summary["first_loss"],
+        "final_loss": summary["final_loss"],
+        "steps_per_s": summary["steps_per_s"],
+        "resumed_from": summary["resumed_from"],
+        "documents_built": build_summary.get("documents", 0),
+    }
+    fingerprints = {"base_model_fp": summary["base_model_fp"], "model_fp": summary["model_fp"]}
+    with st.write_lock(run_id):
+        finish_run(st, run, "completed", fingerprints=fingerprints, counts=counts)
+    summary["run_id"] = run_id
+    if rebuild_kv:
+        from flows.build import build_flow
+
+        src = source or (str(docs_source) if n_docs else None)
+        if src is None:
+            raise ValueError("rebuild_kv needs `source` when the data has no inline documents")
+        rebuild = {**build_settings, "model": summary["model_dir"], "kv": True}
+        summary["kv_rebuild"] = build_flow(src, str(st.root), rebuild)
+    logger.info(
+        "train-nuggets %s done: %d steps, loss %.4f -> %.4f, model_fp %s",
+        run_id,
+        summary["steps"],
+        summary["first_loss"] or 0.0,
+        summary["final_loss"] or 0.0,
+        summary["model_fp"],
+    )
+    return summary
+
+
+def train_nuggets(
+    store: str | os.PathLike[str],
+    data: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    mode: str = "live",
+    lora: bool = False,
+    max_steps: int | None = None,
+    *,
+    model: str | None = None,
+    build: dict[str, Any] | None = None,
+    rebuild_kv: bool = False,
+    source: str | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """``coinrag train nuggets --store DIR --data qa.jsonl --out MODEL_DIR [--mode live|frozen]
+    [--lora] [--max-steps N]``.
+
+    ``settings``: any :class:`training.nuggets.TrainConfig` field (``lr``, ``batch_size``,
+    ``epochs``, ``raft_p``, ``seed``, ``checkpoint_every``, ``device``, ...). Returns the summary.
+    """
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"mode", "lora", "max_steps"}
+    unknown = set(settings) - fields
+    if unknown:
+        raise TypeError(f"unknown training settings: {', '.join(sorted(unknown))}")
+    return train_nuggets_flow(
+        str(store),
+        str(data),
+        str(out),
+        mode=mode,
+        lora=lora,
+        max_steps=max_steps,
+        model=model,
+        settings=settings or None,
+        build=build,
+        rebuild_kv=rebuild_kv,
+        source=source,
+    )

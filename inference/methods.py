@@ -1,0 +1,232 @@
+"""The three RAG methods on one store's assets, with the same model and the same retrieval.
+
+- ``standard``: prefill ``prefix ⊕ chunk tokens ⊕ query`` from scratch (no KV reuse);
+- ``turborag``: load whole precomputed chunks' KV, re-rotated to contiguous positions after the
+  cached prefix ``C_p``; prefill only the query;
+- ``coinrag``: load only the retrieved nugget slices ``C_b[s:e]`` of those chunks, re-rotated
+  likewise (``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...``); prefill only the query.
+
+Method code takes a :class:`~inference.retrieve.RetrievalResult` as input (:meth:`RagEngine.run`),
+so any retriever plugs in unchanged; :meth:`RagEngine.answer` retrieves first (two-stage for
+``coinrag``, top-kc chunks for the others).
+
+Timings (milliseconds): ``retrieval`` (embedding + index search), ``kv_load``, ``assembly``
+(rotation, concatenation, cache construction), ``prefill`` (query prefill up to the first
+token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow.compute as pc
+
+from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
+from inference.generate import prefill_and_decode
+from inference.prompt import RagPrompt
+from inference.retrieve import RetrievalResult, Retriever
+from inference.rope import RopeSpec
+from schemas.tables import ChunkRow
+from storage.kv import KvStore, MissingKvEntry
+from storage.store import Store
+from storage.tables import read_table
+
+METHODS = ("coinrag", "turborag", "standard")
+
+
+class MissingAssets(RuntimeError):
+    """The store lacks what a method needs (KV, index): the message says which build step."""
+
+
+@dataclass
+class Answer:
+    """One answered question."""
+
+    answer: str
+    method: str
+    evidence: list[dict[str, Any]]  # {doc_id, chunk_id, tok_start, tok_end, text}
+    active_tokens: int  # context tokens after the prompt prefix (KV-memory proxy)
+    timings: dict[str, float]
+    kc: int
+    k: int
+    model_fp: str = ""
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("token_ids")
+        return out
+
+
+class RagEngine:
+    """Model, prompt, KV store, index and retriever of one store, loaded once."""
+
+    def __init__(
+        self,
+        store: Store,
+        loaded: Any,
+        embedder: Any,
+        *,
+        prompt: RagPrompt | None = None,
+        max_new_tokens: int = 32,
+    ) -> None:
+        from tasks.kv import kv_layout
+
+        self.store = store
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.prompt = prompt or RagPrompt.for_tokenizer(self.tokenizer)
+        self.spec = RopeSpec.from_config(self.model.config)
+        self.max_new_tokens = max_new_tokens
+        try:
+            layout = kv_layout(loaded, self.prompt)
+            self.kv = KvStore.open(store, layout.kv_fp, layout)
+            self.prefix_kv, prefix_ids = self.kv.read_prefix()
+        except (MissingKvEntry, FileNotFoundError) as exc:
+            raise MissingAssets(
+                f"store {store.root} has no KV for model {loaded.model_fp}: run "
+                "`coinrag build SOURCE --store ...` with this model first"
+            ) from exc
+        if prefix_ids != self.prompt.prefix_ids:
+            raise MissingAssets("the stored prompt prefix differs from this prompt's")
+        self.retriever = Retriever(store, embedder)
+        self._chunk_ids: dict[str, list[int]] = {}
+
+    @classmethod
+    def open(
+        cls,
+        store_path: str,
+        model: str | None = None,
+        embedder: str | None = None,
+        max_new_tokens: int = 32,
+    ) -> RagEngine:
+        """Load everything for ``store_path``; model and embedder default to the store's."""
+        from inference.embedders import load_embedder
+        from inference.models import load_model
+        from schemas.settings import load_settings
+
+        store = Store.at(store_path)
+        if not store.exists():
+            raise MissingAssets(f"{store.root} is not a coinrag store (run coinrag build first)")
+        settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
+        loaded = load_model(model or settings.model, device=settings.device)
+        emb = load_embedder(embedder or settings.embedder)
+        return cls(store, loaded, emb, max_new_tokens=max_new_tokens)
+
+    # ------------------------------------------------------------------ assets
+
+    def chunk_token_ids(self, chunk_ids: list[str]) -> dict[str, list[int]]:
+        """Token ids of chunks (read once, then memoised)."""
+        missing = [c for c in chunk_ids if c not in self._chunk_ids]
+        if missing:
+            table = read_table(
+                self.store,
+                ChunkRow,
+                columns=["chunk_id", "token_ids"],
+                filter=pc.field("chunk_id").isin(missing),
+            )
+            for cid, ids in zip(
+                table.column("chunk_id").to_pylist(),
+                table.column("token_ids").to_pylist(),
+                strict=True,
+            ):
+                self._chunk_ids[cid] = ids
+        return {c: self._chunk_ids[c] for c in chunk_ids}
+
+    # ------------------------------------------------------------------ methods
+
+    def retrieve(self, question: str, method: str, kc: int, k: int) -> RetrievalResult:
+        if method == "coinrag":
+            return self.retriever.two_stage(question, kc=kc, k=k)
+        return self.retriever.chunks_only(question, kc=kc)
+
+    def answer(self, question: str, method: str = "coinrag", kc: int = 4, k: int = 10) -> Answer:
+        """Retrieve, then answer with ``method``."""
+        if method not in METHODS:
+            raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+        return self.run(question, method, self.retrieve(question, method, kc, k), kc=kc, k=k)
+
+    def run(
+        self, question: str, method: str, retrieval: RetrievalResult, kc: int = 0, k: int = 0
+    ) -> Answer:
+        """Answer from given retrieval results (evidence in assembly order)."""
+        retrieval_ms = retrieval.embed_ms + retrieval.search_ms
+        query_ids = self.prompt.query_ids(question)
+        p = self.prompt.n_prefix
+        timings = {"retrieval": retrieval_ms, "kv_load": 0.0, "assembly": 0.0}
+        if method == "standard":
+            chunk_ids = list(dict.fromkeys(e.chunk_id for e in retrieval.evidence))
+            ids = self.chunk_token_ids(chunk_ids)
+            context = [ids[c] for c in chunk_ids]
+            gen = prefill_and_decode(
+                self.model,
+                self.tokenizer,
+                None,
+                0,
+                self.prompt.standard_ids(context, question),
+                max_new_tokens=self.max_new_tokens,
+            )
+            active = sum(len(c) for c in context)
+        elif method in ("turborag", "coinrag"):
+            requests = [(e.content_key, e.tok_start, e.tok_end) for e in retrieval.evidence]
+            t0 = time.perf_counter()
+            try:
+                blocks = self.kv.read_slices(requests)
+            except MissingKvEntry as exc:
+                raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
+            t1 = time.perf_counter()
+            manifest = self.kv.manifest()
+            slices = [
+                KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens)
+                for block, e in zip(blocks, retrieval.evidence, strict=True)
+            ]
+            total = p + sum(s.tokens for s in slices)
+            ctx = assemble_context(
+                self.prefix_kv, slices, self.spec, new_seq_len=total + len(query_ids)
+            )
+            cache = to_dynamic_cache(
+                ctx.to(next(self.model.parameters()).device), self.model.config
+            )
+            t2 = time.perf_counter()
+            timings["kv_load"] = (t1 - t0) * 1000
+            timings["assembly"] = (t2 - t1) * 1000
+            gen = prefill_and_decode(
+                self.model,
+                self.tokenizer,
+                cache,
+                total,
+                query_ids,
+                max_new_tokens=self.max_new_tokens,
+            )
+            active = total - p
+        else:
+            raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+        timings["prefill"] = gen.prefill_ms
+        timings["ttft"] = (
+            timings["retrieval"] + timings["kv_load"] + timings["assembly"] + gen.prefill_ms
+        )
+        timings["decode"] = gen.decode_ms
+        evidence = [
+            {
+                "doc_id": e.doc_id,
+                "chunk_id": e.chunk_id,
+                "tok_start": e.tok_start,
+                "tok_end": e.tok_end,
+                "text": e.text,
+            }
+            for e in retrieval.evidence
+        ]
+        return Answer(
+            answer=gen.text,
+            method=method,
+            evidence=evidence,
+            active_tokens=active,
+            timings={key: round(v, 3) for key, v in timings.items()},
+            kc=kc,
+            k=k,
+            model_fp=self.loaded.model_fp,
+            token_ids=gen.token_ids,
+        )

@@ -1,0 +1,338 @@
+"""The KV build stage: each chunk's per-layer K/V, computed once after the RAG prompt prefix.
+
+For every chunk whose ``content_key`` has no valid entry in the KV store of
+``kv_fp = (model_fp, prompt prefix)``, the model runs ``forward(chunk_ids)`` with the prefix's
+cached KV ``C_p`` as ``past_key_values``: the chunk attends to the prefix and sits at positions
+``|p| .. |p| + n - 1``, exactly where it sits when it is the first chunk after the prefix in a
+standard RAG prompt. Only the chunk's part of the cache is stored (``storage/kv.py``).
+
+- ``C_p`` is computed once and stored; a later run reads it back and computes against the stored
+  copy, so every entry of a kv_fp was computed against the same bits of ``C_p``.
+- Batching: chunks are sorted by length (stable, so document order among equal lengths; most
+  chunks have exactly ``chunk_size`` tokens) and batched; a batch with shorter chunks is right-
+  padded. Right padding leaves the real tokens' KV unchanged because attention is causal: a
+  real token never attends to a later (padding) token, and positions start at ``|p|`` for every
+  row. Numerically a batched forward equals the one-by-one forward up to float rounding (other
+  matmul shapes round differently in the last bits; ``tests/test_kv_store.py`` states the
+  tolerance).
+  ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
+  the cache it is given).
+- Entries are written ``slots_per_shard`` at a time (one Zarr shard each, written whole); after a
+  shard is verified its manifest rows are appended, then ``progress`` is called. With
+  ``overlap`` (default) a background thread writes shard ``i`` while the model computes the next
+  batches (at most one shard in flight). A run killed mid-way loses at most the shard being
+  written; the next run recomputes only the chunks without a valid manifest row. An unchanged
+  rerun computes nothing.
+- Existing entries are checked at the level ``check``: ``stat`` (default: shard folders and file
+  sizes, one stat per shard: finds deleted and truncated shards), ``full`` (sha256 of every
+  entry: finds flipped bytes too) or ``none``. Entries that fail are rebuilt; the new manifest row
+  supersedes the old one. Pass ``rebuild=`` the content_keys a reader found corrupt
+  (:class:`storage.kv.CorruptKvEntry`) to rebuild just those.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inference.prompt import RagPrompt
+from schemas.tables import ChunkRow, KvManifestRow
+from storage.kv import KvFingerprintMismatch, KvLayout, KvStore
+from storage.store import Store
+
+ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
+
+
+@dataclass
+class KvCounts:
+    """What one run of the stage did."""
+
+    kv_fp: str
+    chunks: int = 0  # chunks asked for
+    unique: int = 0  # distinct content_keys among them
+    reused: int = 0  # already stored and valid
+    rebuilt: int = 0  # had a manifest row that failed the check (or was named in `rebuild`)
+    computed: int = 0  # entries computed and written by this run (includes `rebuilt`)
+    forward_passes: int = 0  # batched model calls (the prefix's excluded)
+    tokens: int = 0  # chunk tokens computed
+    padded_tokens: int = 0  # padding tokens computed (right padding in mixed-length batches)
+    shards: int = 0
+    logical_bytes: int = 0  # bytes of the entries written (tokens x bytes per token)
+    disk_bytes: int = 0  # bytes of the shard files written
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def kv_layout(loaded: Any, prompt: RagPrompt, **kwargs: Any) -> KvLayout:
+    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt."""
+    return KvLayout.for_model(loaded.model, loaded.model_fp, prompt.prefix_sha, **kwargs)
+
+
+def _decoder(model: Any) -> Any:
+    """The transformer without the LM head (no logits are needed to get the cache)."""
+    base = getattr(model, "base_model", None)
+    return base if base is not None and base is not model else model
+
+
+def cache_to_kv(cache: Any, start: int = 0) -> torch.Tensor:
+    """A transformers cache as ``(batch, layers, 2, kv_heads, seq - start, head_dim)``.
+
+    One copy (a single stack over layers and K/V), whatever the number of layers.
+    """
+    parts = []
+    for layer in cache.layers:
+        parts += (layer.keys[:, :, start:], layer.values[:, :, start:])
+    stacked = torch.stack(parts, dim=1)  # (batch, 2 * layers, heads, seq, dim)
+    batch, _, heads, seq, dim = stacked.shape
+    return stacked.view(batch, len(cache.layers), 2, heads, seq, dim)
+
+
+def prefix_cache(model: Any, prefix_kv: torch.Tensor, batch: int) -> Any:
+    """A fresh ``DynamicCache`` holding ``C_p`` (``(layers, 2, H, P, D)``) for ``batch`` rows."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i in range(prefix_kv.shape[0]):
+        k = prefix_kv[i, 0].unsqueeze(0).expand(batch, -1, -1, -1)
+        v = prefix_kv[i, 1].unsqueeze(0).expand(batch, -1, -1, -1)
+        cache.update(k, v, i)
+    return cache
+
+
+def compute_prefix_kv(model: Any, prefix_ids: Sequence[int]) -> torch.Tensor:
+    """``C_p``: the KV of the prompt prefix alone, ``(layers, 2, kv_heads, |p|, head_dim)``."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        out = _decoder(model)(input_ids=ids, use_cache=True)
+    return cache_to_kv(out.past_key_values)[0]
+
+
+def _batches(chunks: Sequence[ChunkRow], batch_size: int) -> list[list[ChunkRow]]:
+    ordered = sorted(chunks, key=lambda c: -c.n_tokens)  # stable: document order within a length
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def _input_ids(batch: Sequence[ChunkRow], pad_id: int, device: Any) -> torch.Tensor:
+    width = max(c.n_tokens for c in batch)
+    rows = [list(c.token_ids) + [pad_id] * (width - c.n_tokens) for c in batch]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def compute_chunk_kv(
+    model: Any,
+    prefix_kv: torch.Tensor,
+    batch: Sequence[ChunkRow],
+    pad_id: int = 0,
+    timings: dict[str, float] | None = None,
+) -> list[torch.Tensor]:
+    """Each chunk's KV after ``C_p``: ``[(layers, 2, kv_heads, n_tokens, head_dim), ...]``.
+
+    One batched forward (right-padded to the longest chunk); ``timings`` accumulates
+    ``forward`` and ``extract`` seconds.
+    """
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    ids = _input_ids(batch, pad_id, device)
+    cache = prefix_cache(model, prefix_kv.to(device), len(batch))
+    with torch.inference_mode():
+        out = _decoder(model)(input_ids=ids, past_key_values=cache, use_cache=True)
+    t1 = time.perf_counter()
+    kv = cache_to_kv(out.past_key_values, start=prefix_kv.shape[3]).cpu()
+    if timings is not None:
+        timings["forward"] = timings.get("forward", 0.0) + t1 - t0
+        timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t1
+    return [kv[b, :, :, :, : c.n_tokens] for b, c in enumerate(batch)]
+
+
+def kv_stage(
+    store: Store,
+    chunks: Sequence[ChunkRow],
+    loaded: Any,
+    prompt: RagPrompt,
+    run_id: str,
+    batch_size: int = 4,
+    progress: ProgressFn | None = None,
+    *,
+    check: str = "stat",
+    rebuild: Iterable[str] = (),
+    slots_per_shard: int = 0,
+    block_tokens: int = 16,
+    overlap: bool = True,
+) -> KvCounts:
+    """Compute and store the KV of every chunk that has no valid entry yet.
+
+    ``loaded`` is an ``inference.models.LoadedModel`` (``.model``, ``.tokenizer``,
+    ``.model_fp``); ``prompt`` the RAG prompt whose prefix the chunks are encoded after.
+    ``slots_per_shard=0`` derives it from the entry size (shards of about 64 MiB).
+    ``overlap`` writes each shard in a background thread while the next batch is computed.
+    Returns counts and timings (``seconds``: check, prefix, forward, extract, write, verify,
+    manifest (the last three in the writer), wait_write (the stage waiting for the writer),
+    total).
+    """
+    t_start = time.perf_counter()
+    model = loaded.model
+    layout = kv_layout(loaded, prompt, block_tokens=block_tokens, slots_per_shard=slots_per_shard)
+    kv = KvStore.create(store, layout)
+    counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
+    secs = counts.seconds
+
+    tokenizer_fp = getattr(loaded, "tokenizer_fp", None)
+    unique: dict[str, ChunkRow] = {}
+    for chunk in chunks:
+        if tokenizer_fp is not None and chunk.tokenizer_fp != tokenizer_fp:
+            raise ValueError(
+                f"chunk {chunk.chunk_id} was cut with tokenizer {chunk.tokenizer_fp}, "
+                f"the model's is {tokenizer_fp}: its token ids mean nothing to this model"
+            )
+        unique.setdefault(chunk.content_key, chunk)
+    counts.unique = len(unique)
+
+    t0 = time.perf_counter()
+    manifest = kv.manifest(refresh=True)
+    stored = [ck for ck in unique if ck in manifest]
+    bad = set(rebuild) & set(stored)
+    if check != "none":
+        bad |= kv.invalid_entries(stored, level=check)
+    todo = [c for ck, c in unique.items() if ck not in manifest or ck in bad]
+    counts.rebuilt = len(bad)
+    counts.reused = len(stored) - len(bad)
+    secs["check"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    prefix_kv = _prefix(kv, model, prompt)
+    secs["prefix"] = time.perf_counter() - t0
+
+    pad_id = _pad_id(loaded.tokenizer)
+    pending: list[tuple[ChunkRow, torch.Tensor]] = []
+    secs.update(forward=0.0, extract=0.0, wait_write=0.0)
+    writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
+    try:
+        for batch in _batches(todo, batch_size):
+            kvs = compute_chunk_kv(model, prefix_kv, batch, pad_id, secs)
+            pending += zip(batch, kvs, strict=True)
+            n_real = sum(c.n_tokens for c in batch)
+            counts.forward_passes += 1
+            counts.tokens += n_real
+            counts.padded_tokens += len(batch) * max(c.n_tokens for c in batch) - n_real
+            while len(pending) >= layout.slots_per_shard:
+                writer.submit(pending[: layout.slots_per_shard])
+                pending = pending[layout.slots_per_shard :]
+        if pending:
+            writer.submit(pending)
+        writer.wait()
+    finally:
+        writer.close()
+        kv.release_buffers()
+    ws = kv.write_stats
+    secs["wait_write"] = writer.waited
+    secs["write"] = ws.encode_write_s
+    secs["verify"] = ws.verify_s
+    secs["manifest"] = ws.manifest_s
+    secs["total"] = time.perf_counter() - t_start
+    return counts
+
+
+class _Writer:
+    """Writes shards, in a background thread when ``overlap`` (at most one shard in flight, so
+    the next batch's forward runs while the previous shard is written and verified).
+
+    Counts and ``progress`` are updated in the caller's thread once a shard's manifest rows
+    exist. If the caller fails, the shard in flight is finished (it is complete and verified
+    and gets its rows) before the error propagates.
+    """
+
+    def __init__(
+        self,
+        kv: KvStore,
+        run_id: str,
+        counts: KvCounts,
+        progress: ProgressFn | None,
+        total: int,
+        overlap: bool,
+    ) -> None:
+        self.kv, self.run_id, self.counts = kv, run_id, counts
+        self.progress, self.total = progress, total
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-writer") if overlap else None
+        self.in_flight: Future[list[KvManifestRow]] | None = None
+        self.before = (kv.write_stats.disk_bytes, kv.write_stats.shards)
+        self.waited = 0.0
+
+    def submit(self, entries: list[tuple[ChunkRow, torch.Tensor]]) -> None:
+        self.wait()
+        if self.pool is None:
+            self._done(self.kv.write_entries(entries, self.run_id))
+        else:
+            self.in_flight = self.pool.submit(self.kv.write_entries, entries, self.run_id)
+
+    def wait(self) -> None:
+        if self.in_flight is not None:
+            t0 = time.perf_counter()
+            future, self.in_flight = self.in_flight, None
+            rows = future.result()
+            self.waited += time.perf_counter() - t0
+            self._done(rows)
+
+    def _done(self, rows: list[KvManifestRow]) -> None:
+        ws, counts = self.kv.write_stats, self.counts
+        counts.computed += len(rows)
+        counts.logical_bytes += sum(r.bytes for r in rows)
+        counts.shards = ws.shards - self.before[1]
+        counts.disk_bytes = ws.disk_bytes - self.before[0]
+        if self.progress is not None:
+            self.progress(counts.computed, self.total)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def _prefix(kv: KvStore, model: Any, prompt: RagPrompt) -> torch.Tensor:
+    """The stored ``C_p`` (computed and stored first if missing)."""
+    if kv.has_prefix():
+        prefix_kv, ids = kv.read_prefix()
+        if ids != list(prompt.prefix_ids):
+            raise KvFingerprintMismatch(kv.kv_fp, prompt.prefix_sha, "stored prefix ids differ")
+        return prefix_kv
+    prefix_kv = compute_prefix_kv(model, prompt.prefix_ids)
+    expected = kv.layout.entry_shape(len(prompt.prefix_ids))
+    if tuple(prefix_kv.shape) != expected:
+        raise ValueError(
+            f"the model's cache has shape {tuple(prefix_kv.shape)}, the layout expects {expected}"
+        )
+    kv.write_prefix(prefix_kv, prompt.prefix_ids)
+    return prefix_kv
+
+
+def bare_forward_seconds(
+    loaded: Any, chunks: Sequence[ChunkRow], batch_size: int = 4, repeats: int = 1
+) -> float:
+    """Seconds of the model forward alone over ``chunks``, batched as :func:`kv_stage` batches
+    them (no prefix, no cache kept, nothing stored): the floor the stage is compared with."""
+    model = loaded.model
+    device = next(model.parameters()).device
+    pad_id = _pad_id(loaded.tokenizer)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for batch in _batches(chunks, batch_size):
+            ids = _input_ids(batch, pad_id, device)
+            with torch.inference_mode():
+                _decoder(model)(input_ids=ids, use_cache=False)
+        best = min(best, time.perf_counter() - t0)
+    return best

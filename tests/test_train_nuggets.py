@@ -1,0 +1,345 @@
+"""Nugget-aware fine-tuning (training/nuggets.py, flows/train.py) on a tiny random Qwen2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.nuggets import (
+    ContextBuilder,
+    DataError,
+    Killed,
+    TrainConfig,
+    answer_loss_sum,
+    attach_lora,
+    load_examples,
+    make_plans,
+    raft_drop,
+    run_training,
+    two_stage_within,
+    write_documents,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+DOCS = {
+    "zorvath": "Zorvath is a mountain town in northern Keldia. The town was founded in 1724 by "
+    "the glassmaker Ilsa Moren. Its main export is blue glass, sold across the coast.",
+    "keldia": "Keldia is a small republic by the Amber Sea. Its capital is Port Vessa. The "
+    "republic uses the keld as its currency and has two official languages.",
+    "moren": "Ilsa Moren was a glassmaker born in Port Vessa. She studied in Venice and later "
+    "moved to the mountains. Her workshop trained more than forty apprentices.",
+    "amber": "The Amber Sea is a shallow inland sea. Fishing boats leave from Port Vessa every "
+    "morning. The sea freezes near the shore in the coldest winters.",
+}
+QA = [
+    ("Who founded Zorvath?", "Ilsa Moren", "zorvath", "amber"),
+    ("What is the capital of Keldia?", "Port Vessa", "keldia", "moren"),
+    ("Where did Ilsa Moren study?", "Venice", "moren", "zorvath"),
+    ("What currency does Keldia use?", "the keld", "keldia", "amber"),
+]
+
+
+def _qa_lines() -> list[dict]:
+    return [
+        {
+            "question": q,
+            "answer": a,
+            "documents": [
+                {"id": gold, "text": DOCS[gold], "gold": True},
+                {"id": other, "text": DOCS[other]},
+            ],
+        }
+        for q, a, gold, other in QA
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_tokenizer) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,  # embedding rows get gradient only from input tokens
+        eos_token_id=smollm2_tokenizer.eos_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_model, prefect_harness):
+    """A store with the QA documents built (rules extractor, the tiny model's KV)."""
+    from flows.build import build_flow
+
+    root = tmp_path_factory.mktemp("train-nuggets")
+    data = root / "qa.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in _qa_lines()))
+    examples = load_examples(data)
+    write_documents(examples, root / "docs.jsonl")
+    store = root / "store"
+    settings = {"extractor": "rules", "model": str(tiny_model), "chunk_size": 24}
+    build_flow(str(root / "docs.jsonl"), str(store), settings)
+    return {"root": root, "data": data, "store": store, "model": tiny_model, "ex": examples}
+
+
+@pytest.fixture(scope="module")
+def parts(built):
+    from inference.embedders import load_embedder
+    from inference.models import load_model
+    from inference.prompt import RagPrompt
+    from inference.retrieve import Retriever
+    from storage.kv import KvStore
+    from storage.store import Store
+    from tasks.kv import kv_layout
+
+    store = Store.at(built["store"])
+    loaded = load_model(built["model"])
+    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
+    emb = load_embedder("minilm")
+    retriever = Retriever(store, emb)
+    layout = kv_layout(loaded, prompt)
+    kv = KvStore.open(store, layout.kv_fp, layout)
+    return {
+        "store": store,
+        "loaded": loaded,
+        "prompt": prompt,
+        "emb": emb,
+        "ret": retriever,
+        "kv": kv,
+    }
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = {
+        "batch_size": 2,
+        "lr": 3e-3,
+        "kc": 2,
+        "k": 4,
+        "schedule": "constant",
+        "warmup_ratio": 0.0,
+        "checkpoint_every": 2,
+    }
+    return TrainConfig(**{**base, **kw}).validate()
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def test_data_validation(tmp_path):
+    bad = [
+        ("{not json", "not valid JSON"),
+        ('{"question": "q", "answer": "a"}', "exactly one of"),
+        ('{"question": "", "answer": "a", "doc_ids": ["x"]}', "'question'"),
+        ('{"question": "q", "answer": "a", "documents": [{"id": "x"}]}', "text"),
+        ('{"question": "q", "answer": "a", "doc_ids": ["x"], "gold_doc_ids": ["y"]}', "gold"),
+    ]
+    for line, msg in bad:
+        p = tmp_path / "d.jsonl"
+        p.write_text('{"question": "q", "answer": "a", "doc_ids": ["x"]}\n' + line + "\n")
+        with pytest.raises(DataError, match=msg) as err:
+            load_examples(p)
+        assert ":2:" in str(err.value)
+    p.write_text(
+        '{"question": "q", "answer": "a", "documents": [{"id": "x", "text": "t"}]}\n'
+        '{"question": "q", "answer": "a", "documents": [{"id": "x", "text": "u"}]}\n'
+    )
+    with pytest.raises(DataError, match="another text"):
+        load_examples(p)
+
+
+def test_raft_rate_and_gold_removal(built, parts):
+    p = 0.15
+    rate = sum(raft_drop(7, 0, i, p) for i in range(1000)) / 1000
+    assert abs(rate - p) < 3 * math.sqrt(p * (1 - p) / 1000), rate
+    assert raft_drop(7, 0, 3, p) == raft_drop(7, 0, 3, p)  # seeded
+    plans, _ = make_plans(
+        built["ex"], parts["ret"], parts["prompt"], parts["loaded"].tokenizer, _cfg(kc=4, k=8)
+    )
+    for pl, ex in zip(plans, built["ex"], strict=True):
+        assert {e.doc_id for e in pl.evidence} <= set(ex.doc_ids)  # restricted retrieval
+        assert any(pl.gold)
+        assert not {e.doc_id for e in pl.context(True)} & set(ex.gold_doc_ids)
+        assert pl.context(False) == pl.evidence
+
+
+# --------------------------------------------------------------------------------------- context
+
+
+def test_training_context_equals_inference_context(built, parts, monkeypatch):
+    import inference.methods as methods
+
+    loaded, prompt = parts["loaded"], parts["prompt"]
+    engine = methods.RagEngine(parts["store"], loaded, parts["emb"], max_new_tokens=1)
+    captured = []
+    real = methods.to_dynamic_cache
+    monkeypatch.setattr(
+        methods, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
+    )
+    frozen = ContextBuilder(parts["store"], loaded.model, prompt, "frozen", parts["kv"])
+    live = ContextBuilder(parts["store"], loaded.model, prompt, "live")
+    for ex in built["ex"]:
+        ret = two_stage_within(parts["ret"], ex.question, ex.doc_ids, kc=2, k=4)
+        assert ret.evidence
+        engine.run(ex.question, "coinrag", ret)
+        n_query = len(prompt.query_ids(ex.question))
+        ctx, total = frozen.build(ret.evidence, n_query)
+        assert torch.equal(ctx, captured[-1])  # the same tensors
+        assert total == ctx.shape[-2]
+        with torch.no_grad():
+            ctx_live, total_live = live.build(ret.evidence, n_query)
+        assert total_live == total
+        torch.testing.assert_close(ctx_live, ctx, atol=1e-5, rtol=1e-4)  # batched recompute
+
+
+# ------------------------------------------------------------------------------------- gradients
+
+
+def _grads(parts, mode: str, lora: bool = False):
+    from inference.models import load_model
+
+    loaded = load_model(parts["loaded"].model_dir)
+    net = attach_lora(loaded.model, _cfg(lora=True)) if lora else loaded.model
+    prompt = parts["prompt"]
+    b = ContextBuilder(parts["store"], net, prompt, mode, parts["kv"] if mode == "frozen" else None)
+    q, a = prompt.query_ids("Who founded Zorvath?"), [1, 2, 3]
+    ev = two_stage_within(parts["ret"], "Who founded Zorvath?", ["zorvath"], 2, 4).evidence
+    ctx, total = b.build(ev, len(q))
+    loss = answer_loss_sum(net, ctx, total, q, a)
+    loss.backward()
+    chunk_only = set(b.chunk_token_ids([e.chunk_id for e in ev]).values().__iter__().__next__())
+    chunk_only -= set(q) | set(a) | set(prompt.prefix_ids)
+    return net, ctx, chunk_only
+
+
+def test_gradients_live_reach_chunk_encoding(parts):
+    net, ctx, chunk_only = _grads(parts, "live")
+    assert ctx.requires_grad
+    emb = net.model.embed_tokens.weight.grad
+    rows = sorted(chunk_only)
+    assert rows and emb[rows].abs().sum() > 0  # tokens seen only inside chunks get gradient
+    assert net.model.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_gradients_frozen_only_query_pass(parts):
+    net, ctx, chunk_only = _grads(parts, "frozen")
+    assert not ctx.requires_grad
+    emb = net.model.embed_tokens.weight.grad
+    assert emb[sorted(chunk_only)].abs().sum() == 0  # chunk encoding is not trained
+    assert net.model.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0  # query keys
+
+
+def test_gradients_lora_only_adapters(parts):
+    net, ctx, _ = _grads(parts, "live", lora=True)
+    names = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for n, p in net.named_parameters()
+        if "lora_B" in n
+    )
+    assert all(p.grad is None for n, p in net.named_parameters() if not p.requires_grad)
+
+
+# -------------------------------------------------------------------------------------- training
+
+
+def test_loss_goes_down(built, tmp_path):
+    s = run_training(
+        built["store"],
+        built["data"],
+        tmp_path / "m",
+        _cfg(batch_size=4, epochs=10, lr=1e-2, raft_p=0.0, checkpoint_every=100),
+        model=str(built["model"]),
+    )
+    losses = s["losses"]
+    assert len(losses) == 10
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert (tmp_path / "m" / "loss.png").stat().st_size > 0
+    assert len((tmp_path / "m" / "train_log.jsonl").read_text().splitlines()) == 10
+
+
+def test_resume_after_kill_same_next_loss(built, tmp_path):
+    cfg = _cfg(epochs=2, raft_p=0.5)
+    ref = run_training(
+        built["store"], built["data"], tmp_path / "a", cfg, model=str(built["model"])
+    )["losses"]
+
+    def kill(step, loss):
+        if step == 3:
+            raise Killed("simulated kill")
+
+    with pytest.raises(Killed):
+        run_training(
+            built["store"],
+            built["data"],
+            tmp_path / "b",
+            cfg,
+            model=str(built["model"]),
+            on_step=kill,
+        )
+    got = run_training(
+        built["store"], built["data"], tmp_path / "b", cfg, model=str(built["model"])
+    )
+    assert got["resumed_from"] == 2  # the checkpoint before the kill
+    assert got["losses"] == ref  # bit-equal, including the steps after the resume
+
+
+def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
+    from flows.train import train_nuggets
+    from inference.models import load_model
+    from schemas.tables import RunRow
+    from storage.store import Store
+    from storage.tables import read_table
+
+    out = tmp_path / "ft"
+    s = train_nuggets(
+        built["store"],
+        built["data"],
+        out,
+        mode="frozen",
+        lora=True,
+        max_steps=2,
+        model=str(built["model"]),
+        build={"extractor": "rules", "chunk_size": 24},
+        batch_size=2,
+        kc=2,
+        k=4,
+        lr=1e-3,
+    )
+    assert s["steps"] == 2
+    reloaded = load_model(out)
+    assert reloaded.model_fp == s["model_fp"] != s["base_model_fp"]
+    assert not any("lora" in n for n, _ in reloaded.model.named_parameters())
+    runs = read_table(Store.at(built["store"]), RunRow).to_pylist()
+    mine = [r for r in runs if r["flow"] == "train-nuggets" and r["status"] == "completed"]
+    assert mine and json.loads(mine[-1]["fingerprints_json"])["model_fp"] == s["model_fp"]
+    assert json.loads(mine[-1]["parameters_json"])["hyperparameters"]["lr"] == 1e-3
+
+
+def test_deployment_constructs():
+    spec = importlib.util.spec_from_file_location(
+        "train_deployment", REPO / "infra" / "train_deployment.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dep = mod.make_deployment("/s", "/d.jsonl", "/o")
+    assert dep.triggers and "prefect.flow-run.Completed" in dep.triggers[0].expect
+    assert dep.triggers[0].match_related.root["prefect.resource.name"] == "coinrag-build"
+    assert mod.make_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules

@@ -1,0 +1,966 @@
+"""Nugget-aware fine-tuning: train the generator on the context it meets online.
+
+For every QA example the online CoinRAG context is rebuilt exactly as inference builds it
+(``inference/methods.py``): two-stage retrieval (top-``kc`` chunks, then the top-``k`` nuggets
+inside them), restricted to the example's own documents (gold + distractors, HotpotQA style),
+then ``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` with :func:`inference.assemble.assemble_context`
+after the RAG prompt prefix. The loss is the cross-entropy of the short answer (plus EOS) given
+``(C_ctx, q)``: the input is ``query_ids(question) + answer_ids + [eos]`` prefilled at positions
+after ``C_ctx``, the labels are the answer tokens only (token mean over the effective batch).
+
+RAFT noise: with probability ``raft_p`` (0.15) an example's gold evidence (nuggets of its gold
+documents) is left out of the context, so the model also learns to answer (or not be misled)
+when retrieval missed the bridge passage. The draw is a pure function of ``(seed, epoch,
+example index)``: reproducible, and identical after a resume.
+
+Modes
+=====
+- ``live`` (default): the model being trained encodes the prompt prefix and the retrieved
+  chunks inside the step (``forward(prefix)``, then ``forward(chunk | C_p)`` batched, with grad),
+  the nugget slices are cut from that cache and re-rotated with the same differentiable code
+  inference uses. Gradients reach how chunks are encoded: the model learns to write KV whose
+  *slices*, cut out of their passage and moved to new positions, still carry the fact.
+- ``frozen``: ``C_p`` and the chunk KV are read from the KV store (computed by the base model),
+  only the query/answer pass is trained.
+
+Why ``live`` is the default: the paper fine-tunes the generator on the structure it meets
+online, and online the cache is always encoded by *the served model itself* (a new model gets a
+KV rebuild: caches are tied to weights). Training in ``frozen`` mode optimises the model for KV
+written by the *base* weights; after the update the stored caches are no longer what the new
+model would write, so the served pair (new model, its own rebuilt cache) differs from the
+trained pair (new model, base cache); the mismatch grows with the update. ``live`` trains exactly
+the served pair. ``frozen`` is much cheaper (no chunk forward/backward: one short pass per
+example) and is a fair approximation for small updates (lr 5e-6, one epoch); it also trains the
+query side to read stale caches, which is what a store serves until its KV is rebuilt.
+
+Hyperparameters (:class:`TrainConfig`) default to the paper's: 1 epoch, lr 5e-6, effective batch
+16 (micro-batch 1 and gradient accumulation), max length 1024 (evidence is truncated from the
+end to fit, examples whose query + answer alone do not fit are skipped; both counted), kc=5,
+k=10, RAFT 0.15. Full fine-tuning or LoRA (peft; q/k/v/o projections; merged for serving).
+fp32 on CPU, bf16 on accelerators. AdamW, gradient clipping 1.0, linear warmup (3%) then linear
+decay.
+
+Checkpoints (``OUT/checkpoints/step-NNNNNN``, every ``checkpoint_every`` optimizer steps,
+written to a temporary folder and renamed; ``OUT/checkpoints/LATEST`` names the newest): the
+trainable parameters (safetensors; LoRA: the adapters only), optimizer, scheduler, Python /
+NumPy / torch RNG states, the data cursor (epoch, position in the epoch's order), the log so far
+and the identity of the run (config, data hash, base model). A run started again with the same
+identity resumes from the newest checkpoint and computes the same next loss (bit-equal on CPU).
+
+Output: ``OUT`` is a transformers model folder (safetensors + tokenizer; LoRA merged), plus
+``train_log.jsonl`` (one row per optimizer step: loss, lr, tokens, ...), ``loss.png`` and
+``coinrag-training.json`` (lineage: base model fp, new model fp, data hash, config).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+
+from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
+from inference.prompt import RagPrompt
+from inference.retrieve import ChunkHit, Evidence, RetrievalResult, Retriever, order_nuggets
+from inference.rope import RopeSpec
+from schemas.keys import canonical_json
+from schemas.tables import ChunkRow
+from storage.kv import KvStore
+from storage.store import Store
+from storage.tables import read_table
+
+MODES = ("live", "frozen")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+CHECKPOINT_FORMAT = 1
+
+log = logging.getLogger("coinrag.train.nuggets")
+
+
+class DataError(ValueError):
+    """A malformed QA example; the message names the file and line."""
+
+
+class ResumeMismatch(RuntimeError):
+    """A checkpoint exists in OUT but belongs to another run (config, data or base model)."""
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides what training computes (the paper's values as defaults)."""
+
+    mode: str = "live"
+    lora: bool = False
+    epochs: int = 1
+    lr: float = 5e-6
+    batch_size: int = 16  # effective batch: examples per optimizer step (gradient accumulation)
+    max_length: int = 1024  # prefix + context + query + answer tokens
+    kc: int = 5
+    k: int = 10
+    raft_p: float = 0.15
+    seed: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_ratio: float = 0.03
+    schedule: str = "linear"  # linear (warmup, then decay to 0) | constant (after warmup)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    checkpoint_every: int = 50  # optimizer steps
+    max_steps: int | None = None  # cap on optimizer steps
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 elsewhere
+
+    def validate(self) -> TrainConfig:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not 0.0 <= self.raft_p <= 1.0:
+            raise ValueError(f"raft_p {self.raft_p} is outside [0, 1]")
+        if self.schedule not in ("linear", "constant"):
+            raise ValueError(f"schedule {self.schedule!r} is not linear or constant")
+        for name in ("epochs", "batch_size", "max_length", "kc", "k", "checkpoint_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.lr <= 0:
+            raise ValueError("lr must be > 0")
+        return self
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("float32" if self.device == "cpu" else "bfloat16")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint (checkpoint_every may change)."""
+        d = self.to_dict()
+        d.pop("checkpoint_every")
+        return d
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+@dataclass(frozen=True)
+class QAExample:
+    """One training example (``line``: 1-based line in the JSONL)."""
+
+    line: int
+    question: str
+    answer: str
+    doc_ids: tuple[str, ...]
+    gold_doc_ids: tuple[str, ...]
+    documents: tuple[tuple[str, str], ...] = ()  # (id, text) when given inline
+
+
+def _str_list(value: Any, where: str, name: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise DataError(f"{where}: {name!r} must be a non-empty list of non-empty strings")
+    if len(set(value)) != len(value):
+        raise DataError(f"{where}: {name!r} repeats an id")
+    return value
+
+
+def parse_example(obj: Any, where: str, line: int) -> QAExample:
+    """Validate one JSON object (see :func:`load_examples`)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for name in ("question", "answer"):
+        if not isinstance(obj.get(name), str) or not obj[name].strip():
+            raise DataError(f"{where}: {name!r} must be a non-empty string")
+    has_docs, has_ids = "documents" in obj, "doc_ids" in obj
+    if has_docs == has_ids:
+        raise DataError(f"{where}: give exactly one of 'documents' or 'doc_ids'")
+    documents: list[tuple[str, str]] = []
+    flagged: list[str] = []
+    if has_docs:
+        docs = obj["documents"]
+        if not isinstance(docs, list) or not docs:
+            raise DataError(f"{where}: 'documents' must be a non-empty list")
+        for j, d in enumerate(docs):
+            if not isinstance(d, dict):
+                raise DataError(f"{where}: documents[{j}] must be an object with id and text")
+            if not isinstance(d.get("id"), str | int) or str(d["id"]) == "":
+                raise DataError(f"{where}: documents[{j}].id must be a non-empty string")
+            if not isinstance(d.get("text"), str) or not d["text"].strip():
+                raise DataError(f"{where}: documents[{j}].text must be a non-empty string")
+            if "gold" in d and not isinstance(d["gold"], bool):
+                raise DataError(f"{where}: documents[{j}].gold must be true or false")
+            documents.append((str(d["id"]), d["text"]))
+            if d.get("gold"):
+                flagged.append(str(d["id"]))
+        doc_ids = [i for i, _ in documents]
+        if len(set(doc_ids)) != len(doc_ids):
+            raise DataError(f"{where}: 'documents' repeats an id")
+    else:
+        doc_ids = _str_list(obj["doc_ids"], where, "doc_ids")
+    if "gold_doc_ids" in obj:
+        gold = _str_list(obj["gold_doc_ids"], where, "gold_doc_ids")
+        if flagged and set(flagged) != set(gold):
+            raise DataError(f"{where}: 'gold_doc_ids' disagrees with the documents' gold flags")
+    else:
+        gold = flagged or list(doc_ids)  # no gold marked: every document is gold
+    unknown = set(gold) - set(doc_ids)
+    if unknown:
+        raise DataError(f"{where}: gold ids {sorted(unknown)} are not among the documents")
+    return QAExample(
+        line=line,
+        question=obj["question"].strip(),
+        answer=obj["answer"].strip(),
+        doc_ids=tuple(doc_ids),
+        gold_doc_ids=tuple(gold),
+        documents=tuple(documents),
+    )
+
+
+def load_examples(path: str | os.PathLike[str]) -> list[QAExample]:
+    """Read a QA JSONL: one object per line with ``question``, ``answer`` and either
+    ``documents`` (``[{"id", "text", "gold"?}]``: gold and distractor passages) or ``doc_ids``
+    (documents already in the store). Gold documents: ``gold_doc_ids`` or the ``gold`` flags;
+    if neither is given, every document of the example is gold. Blank lines are skipped.
+    Raises :class:`DataError` naming the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    examples: list[QAExample] = []
+    texts: dict[str, str] = {}
+    with path.open(encoding="utf-8") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not valid JSON ({exc.msg})") from exc
+            ex = parse_example(obj, where, n)
+            for doc_id, text in ex.documents:
+                if texts.setdefault(doc_id, text) != text:
+                    raise DataError(
+                        f"{where}: document {doc_id!r} has another text on an earlier line"
+                    )
+            examples.append(ex)
+    if not examples:
+        raise DataError(f"{path}: no examples")
+    return examples
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_documents(examples: Sequence[QAExample], path: str | os.PathLike[str]) -> int:
+    """Write the examples' inline documents (deduplicated) as a build-flow JSONL source.
+
+    Returns the number of documents written (0: no example carries documents; no file written).
+    """
+    docs: dict[str, str] = {}
+    for ex in examples:
+        for doc_id, text in ex.documents:
+            docs.setdefault(doc_id, text)
+    if not docs:
+        return 0
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for doc_id in sorted(docs):
+            f.write(json.dumps({"id": doc_id, "text": docs[doc_id]}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return len(docs)
+
+
+# ------------------------------------------------------------------------------------- retrieval
+
+
+def two_stage_within(
+    retriever: Retriever, question: str, doc_ids: Sequence[str], kc: int = 5, k: int = 10
+) -> RetrievalResult:
+    """:meth:`Retriever.two_stage` restricted to ``doc_ids``: stage 1 ranks only those
+    documents' chunks (a prefiltered exact search, so it returns ``min(kc, their chunks)``),
+    stage 2 and the ordering are the retriever's own (:func:`order_nuggets`).
+    """
+    t0 = time.perf_counter()
+    vector = retriever.embedder.embed_queries([question])[0]
+    t1 = time.perf_counter()
+    fp = retriever.embedder.fingerprint
+    ids = ", ".join("'" + str(d).replace("'", "''") + "'" for d in dict.fromkeys(doc_ids))
+    cols = ["chunk_id", "doc_id", "doc_version", "content_key", "text", "n_tokens"]
+    # LanceIndex.search_chunks has no filter; its _search does (the same call, plus `where`).
+    rows = retriever.index._search(
+        "chunks", vector, kc, fp, cols, where=f"doc_id IN ({ids})", exact=True
+    )
+    hits = [
+        ChunkHit(
+            chunk_id=r["chunk_id"],
+            doc_id=r["doc_id"],
+            content_key=r["content_key"],
+            n_tokens=int(r["n_tokens"]),
+            text=r["text"],
+            score=float(r["score"]),
+            rank=i,
+        )
+        for i, r in enumerate(rows)
+    ]
+    nuggets = retriever.index.search_nuggets(vector, k, [h.chunk_id for h in hits], embedder_fp=fp)
+    evidence = order_nuggets(nuggets, {h.chunk_id: h.rank for h in hits})
+    search_ms = (time.perf_counter() - t1) * 1000.0
+    return RetrievalResult("two_stage", evidence, hits, (t1 - t0) * 1000.0, search_ms)
+
+
+def raft_drop(seed: int, epoch: int, index: int, p: float) -> bool:
+    """Whether example ``index`` loses its gold evidence in ``epoch`` (probability ``p``)."""
+    return random.Random(f"raft:{seed}:{epoch}:{index}").random() < p
+
+
+@dataclass
+class Plan:
+    """One example, tokenised and retrieved (model-independent, computed once)."""
+
+    index: int
+    query_ids: list[int]
+    answer_ids: list[int]  # answer tokens + EOS: the labels
+    evidence: list[Evidence]
+    gold: list[bool]  # per evidence: from a gold document
+
+    def context(self, drop_gold: bool) -> list[Evidence]:
+        if not drop_gold:
+            return list(self.evidence)
+        return [e for e, g in zip(self.evidence, self.gold, strict=True) if not g]
+
+
+def make_plans(
+    examples: Sequence[QAExample],
+    retriever: Retriever,
+    prompt: RagPrompt,
+    tokenizer: Any,
+    cfg: TrainConfig,
+) -> tuple[list[Plan], dict[str, int]]:
+    """Tokenise and retrieve every example; skip those whose query + answer alone exceed
+    ``max_length`` after the prefix. Returns the plans and counts."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    plans: list[Plan] = []
+    counts = {"examples": len(examples), "skipped_too_long": 0, "no_evidence": 0}
+    for i, ex in enumerate(examples):
+        q = prompt.query_ids(ex.question)
+        a = list(tokenizer(ex.answer, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            a.append(int(eos))
+        if prompt.n_prefix + len(q) + len(a) > cfg.max_length:
+            counts["skipped_too_long"] += 1
+            continue
+        ret = two_stage_within(retriever, ex.question, ex.doc_ids, cfg.kc, cfg.k)
+        if not ret.evidence:
+            counts["no_evidence"] += 1
+        gold = set(ex.gold_doc_ids)
+        plans.append(Plan(i, q, a, ret.evidence, [e.doc_id in gold for e in ret.evidence]))
+    counts["usable"] = len(plans)
+    return plans, counts
+
+
+def fit_evidence(
+    evidence: list[Evidence], n_prefix: int, n_tail: int, max_length: int
+) -> tuple[list[Evidence], bool]:
+    """Drop evidence from the end until ``prefix + evidence + tail <= max_length``."""
+    out = list(evidence)
+    total = n_prefix + sum(e.tok_end - e.tok_start for e in out) + n_tail
+    truncated = False
+    while out and total > max_length:
+        e = out.pop()
+        total -= e.tok_end - e.tok_start
+        truncated = True
+    return out, truncated
+
+
+# ------------------------------------------------------------------------------------- the model
+
+
+def causal_lm(model: Any) -> Any:
+    """The transformers causal LM under a peft wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def decoder(model: Any) -> Any:
+    """The transformer without the LM head (``Qwen2Model`` / ``LlamaModel``)."""
+    return causal_lm(model).model
+
+
+class ContextBuilder:
+    """Assembles ``C_ctx`` for a list of evidence, the way :class:`inference.methods.RagEngine`
+    does: ``live`` encodes prefix and chunks with the current model (with grad), ``frozen``
+    reads the stored KV of the base model (no grad)."""
+
+    def __init__(
+        self,
+        store: Store,
+        model: Any,
+        prompt: RagPrompt,
+        mode: str,
+        kv: KvStore | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.prompt = prompt
+        self.mode = mode
+        self.spec = RopeSpec.from_config(causal_lm(model).config)
+        self.pad_id = pad_id
+        self.kv = kv
+        self._token_ids: dict[str, list[int]] = {}
+        if mode == "frozen":
+            if kv is None:
+                raise ValueError("frozen mode needs the store's KV")
+            self.prefix_kv, ids = kv.read_prefix()
+            if ids != list(prompt.prefix_ids):
+                raise ValueError("the stored prompt prefix differs from this prompt's")
+            self.manifest = kv.manifest()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def chunk_token_ids(self, chunk_ids: Sequence[str]) -> dict[str, list[int]]:
+        missing = [c for c in dict.fromkeys(chunk_ids) if c not in self._token_ids]
+        if missing:
+            table = read_table(
+                self.store,
+                ChunkRow,
+                columns=["chunk_id", "token_ids"],
+                filter=pc.field("chunk_id").isin(missing),
+            )
+            for cid, ids in zip(
+                table.column("chunk_id").to_pylist(),
+                table.column("token_ids").to_pylist(),
+                strict=True,
+            ):
+                self._token_ids[cid] = list(ids)
+        return {c: self._token_ids[c] for c in chunk_ids}
+
+    def build(self, evidence: Sequence[Evidence], n_query: int) -> tuple[torch.Tensor, int]:
+        """``(C_ctx, total)``: the assembled KV ``(layers, 2, H, T, D)`` and ``T``."""
+        p = self.prompt.n_prefix
+        if self.mode == "frozen":
+            requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
+            blocks = self.kv.read_slices(requests) if requests else []
+            slices = [
+                KvSlice(block, p + e.tok_start, p + self.manifest[e.content_key].tokens)
+                for block, e in zip(blocks, evidence, strict=True)
+            ]
+            prefix_kv = self.prefix_kv
+        else:
+            prefix_kv, chunk_kv = self._encode_live(evidence)
+            slices = [
+                KvSlice(
+                    chunk_kv[e.chunk_id][:, :, :, e.tok_start : e.tok_end],
+                    p + e.tok_start,
+                    p + chunk_kv[e.chunk_id].shape[-2],
+                )
+                for e in evidence
+            ]
+        total = p + sum(s.tokens for s in slices)
+        ctx = assemble_context(prefix_kv, slices, self.spec, new_seq_len=total + n_query)
+        return ctx.to(self.device), total
+
+    def _encode_live(
+        self, evidence: Sequence[Evidence]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The prefix's KV and each evidence chunk's KV after it, by the current model."""
+        from tasks.kv import cache_to_kv, prefix_cache
+
+        dec = decoder(self.model)
+        dev = self.device
+        ids = torch.tensor([list(self.prompt.prefix_ids)], dtype=torch.long, device=dev)
+        out = dec(input_ids=ids, use_cache=True)
+        prefix_kv = cache_to_kv(out.past_key_values)[0]
+        chunk_ids = list(dict.fromkeys(e.chunk_id for e in evidence))
+        if not chunk_ids:
+            return prefix_kv, {}
+        tokens = self.chunk_token_ids(chunk_ids)
+        width = max(len(tokens[c]) for c in chunk_ids)
+        rows = [tokens[c] + [self.pad_id] * (width - len(tokens[c])) for c in chunk_ids]
+        batch = torch.tensor(rows, dtype=torch.long, device=dev)
+        p = prefix_kv.shape[-2]
+        positions = torch.arange(p, p + width, device=dev)[None].expand(len(rows), -1)
+        cache = prefix_cache(causal_lm(self.model), prefix_kv, len(rows))
+        out = dec(input_ids=batch, position_ids=positions, past_key_values=cache, use_cache=True)
+        kv = cache_to_kv(out.past_key_values, start=p)  # right padding: causal, so harmless
+        return prefix_kv, {c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(chunk_ids)}
+
+
+def answer_loss_sum(
+    model: Any, ctx: torch.Tensor, total: int, query_ids: list[int], answer_ids: list[int]
+) -> torch.Tensor:
+    """Sum over the answer tokens of ``-log p(answer | C_ctx, query)``."""
+    lm = causal_lm(model)
+    dev = ctx.device
+    ids = torch.tensor([query_ids + answer_ids], dtype=torch.long, device=dev)
+    positions = torch.arange(total, total + ids.shape[1], device=dev)[None]
+    cache = to_dynamic_cache(ctx, lm.config)
+    out = model(
+        input_ids=ids,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=len(answer_ids) + 1,
+    )
+    logits = out.logits[0, :-1].float()  # the positions that predict the answer tokens
+    labels = torch.tensor(answer_ids, dtype=torch.long, device=dev)
+    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+
+
+def attach_lora(model: Any, cfg: TrainConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    lcfg = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(LORA_TARGETS),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lcfg)
+
+
+def trainable_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def lr_lambda_for(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    warmup = int(math.ceil(cfg.warmup_ratio * total_steps))
+
+    def fn(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if cfg.schedule == "constant":
+            return 1.0
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    return fn
+
+
+# -------------------------------------------------------------------------------- checkpointing
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write ``step-NNNNNN`` atomically (temporary folder, rename), then point LATEST at it."""
+    from safetensors.torch import save_file
+
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step-{step:06d}"
+    tmp = ckpt_root / f".tmp-step-{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tensors = {n: p.detach().contiguous().cpu() for n, p in trainable_parameters(model)}
+    save_file(tensors, str(tmp / "trainable.safetensors"))
+    torch.save(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": _rng_state(),
+            **trainer_state,
+        },
+        tmp / "trainer.pt",
+    )
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    latest_tmp = ckpt_root / "LATEST.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, ckpt_root / "LATEST")
+    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    pointer = ckpt_root / "LATEST"
+    if not pointer.is_file():
+        return None
+    path = ckpt_root / pointer.read_text().strip()
+    return path if (path / "trainer.pt").is_file() else None
+
+
+def load_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "trainable.safetensors"))
+    params = dict(trainable_parameters(model))
+    if set(tensors) != set(params):
+        raise ResumeMismatch(f"{path}: its parameters differ from the model's trainable ones")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name].to(p.device, p.dtype))
+    state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    return state
+
+
+# ---------------------------------------------------------------------------------- the trainer
+
+
+class Killed(RuntimeError):
+    """Raised by an ``on_step`` hook to simulate a killed run (tests)."""
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    examples_seen: int
+    losses: list[float]
+    log: list[dict[str, Any]]
+    counts: dict[str, int]
+    resumed_from: int | None
+    seconds: float
+    steps_per_s: float
+    trainable_params: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n))
+    random.Random(f"order:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def train(
+    model: Any,
+    builder: ContextBuilder,
+    plans: Sequence[Plan],
+    cfg: TrainConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    identity: dict[str, Any],
+    counts: dict[str, int] | None = None,
+    logger: Any = None,
+    on_step: Callable[[int, float], None] | None = None,
+    resume: bool = True,
+) -> TrainResult:
+    """Optimise ``model`` (already wrapped with LoRA if ``cfg.lora``) on ``plans``.
+
+    ``identity`` (data hash, base model fp, ...) is stored in each checkpoint with the config; a
+    checkpoint with another identity is refused (:class:`ResumeMismatch`). ``on_step(step,
+    loss)`` is called after every optimizer step and its checkpoint (a test raises there to
+    simulate a kill).
+    """
+    logger = logger or log
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_root = out / "checkpoints"
+    counts = dict(counts or {})
+    ident = {"config": cfg.identity(), **identity}
+    n = len(plans)
+    if n == 0:
+        raise DataError("no usable training examples (all skipped)")
+    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    params = [p for _, p in trainable_parameters(model)]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(cfg, total_steps))
+
+    step, epoch, cursor = 0, 0, 0
+    rows: list[dict[str, Any]] = []
+    run_counts = {"raft_dropped": 0, "truncated": 0, "examples_seen": 0}
+    resumed_from = None
+    ckpt = latest_checkpoint(ckpt_root) if resume else None
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer.pt", weights_only=False, map_location="cpu")
+        if canonical_json(state["identity"]) != canonical_json(ident):
+            raise ResumeMismatch(
+                f"{ckpt} belongs to another training run (config, data or base model differ); "
+                "use another --out or delete its checkpoints"
+            )
+        state = load_checkpoint(ckpt, model, optimizer, scheduler)
+        step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
+        rows = list(state["log"])
+        run_counts = dict(state["run_counts"])
+        resumed_from = step
+        logger.info("resuming from %s (step %d, epoch %d, cursor %d)", ckpt, step, epoch, cursor)
+    else:
+        if not resume:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        torch.manual_seed(cfg.seed)
+
+    log_path = out / "train_log.jsonl"
+    log_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model.train()
+    t_start = time.perf_counter()
+    first_step = step
+    n_tail_extra = 0
+    while step < total_steps:
+        t0 = time.perf_counter()
+        if cursor >= n:
+            epoch, cursor = epoch + 1, 0
+        order = epoch_order(n, cfg.seed, epoch)
+        batch = [plans[i] for i in order[cursor : cursor + cfg.batch_size]]
+        cursor += len(batch)
+        n_tokens = sum(len(pl.answer_ids) for pl in batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        dropped = 0
+        active = 0
+        for pl in batch:
+            drop = raft_drop(cfg.seed, epoch, pl.index, cfg.raft_p)
+            dropped += int(drop)
+            evidence, truncated = fit_evidence(
+                pl.context(drop),
+                builder.prompt.n_prefix,
+                len(pl.query_ids) + len(pl.answer_ids) + n_tail_extra,
+                cfg.max_length,
+            )
+            run_counts["truncated"] += int(truncated)
+            ctx, total = builder.build(evidence, len(pl.query_ids))
+            active += total - builder.prompt.n_prefix
+            loss = answer_loss_sum(model, ctx, total, pl.query_ids, pl.answer_ids)
+            (loss / n_tokens).backward()
+            loss_sum += float(loss.detach())
+        if cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        run_counts["raft_dropped"] += dropped
+        run_counts["examples_seen"] += len(batch)
+        row = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss_sum / n_tokens,
+            "lr": lr,
+            "examples": len(batch),
+            "answer_tokens": n_tokens,
+            "context_tokens": active,
+            "raft_dropped": dropped,
+            "seconds": round(time.perf_counter() - t0, 4),
+        }
+        rows.append(row)
+        with log_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        logger.info(
+            "step %d/%d epoch %d loss %.4f lr %.3g (%d examples, %.2f s)",
+            step,
+            total_steps,
+            epoch,
+            row["loss"],
+            lr,
+            len(batch),
+            row["seconds"],
+        )
+        if step % cfg.checkpoint_every == 0 or step == total_steps:
+            save_checkpoint(
+                ckpt_root,
+                step,
+                model,
+                optimizer,
+                scheduler,
+                {
+                    "identity": ident,
+                    "step": step,
+                    "epoch": epoch,
+                    "cursor": cursor,
+                    "log": rows,
+                    "run_counts": run_counts,
+                },
+            )
+        if on_step is not None:
+            on_step(step, row["loss"])
+    seconds = time.perf_counter() - t_start
+    done = step - first_step
+    counts.update(run_counts)
+    return TrainResult(
+        steps=step,
+        examples_seen=run_counts["examples_seen"],
+        losses=[r["loss"] for r in rows],
+        log=rows,
+        counts=counts,
+        resumed_from=resumed_from,
+        seconds=seconds,
+        steps_per_s=done / seconds if seconds > 0 and done else 0.0,
+        trainable_params=sum(p.numel() for p in params),
+    )
+
+
+def plot_losses(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
+    """PNG of loss (and lr) per optimizer step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", label="loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("answer cross-entropy")
+    ax2 = ax.twinx()
+    ax2.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="grey", alpha=0.5)
+    ax2.set_ylabel("lr")
+    ax.set_title("nugget-aware fine-tuning")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora: bool) -> Any:
+    """Merge LoRA (if any) and write safetensors + tokenizer into ``out_dir``; return the model."""
+    if lora:
+        model = model.merge_and_unload()
+    lm = causal_lm(model)
+    out = Path(out_dir)
+    for old in out.iterdir():  # a previous save's weight files would enter the weights hash
+        if old.is_file() and old.suffix in (".safetensors", ".bin", ".gguf"):
+            old.unlink()
+    lm.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return lm
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+
+def run_training(
+    store_path: str | os.PathLike[str],
+    data: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    cfg: TrainConfig,
+    *,
+    model: str | None = None,
+    embedder: str | None = None,
+    logger: Any = None,
+    on_step: Callable[[int, float], None] | None = None,
+    resume: bool = True,
+    examples: Sequence[QAExample] | None = None,
+    keep_checkpoints: bool = False,
+) -> dict[str, Any]:
+    """Train on a store whose documents are already built (see ``flows/train.py`` for the flow
+    that builds them first). Returns a summary with ``model_fp`` and ``base_model_fp``.
+    ``OUT/checkpoints`` is removed once the model is saved unless ``keep_checkpoints``."""
+    from inference.embedders import load_embedder
+    from inference.models import load_model, model_fingerprint, weights_sha256
+    from schemas.settings import load_settings
+    from storage.index import LanceIndex
+    from tasks.kv import _pad_id, kv_layout
+
+    cfg.validate()
+    logger = logger or log
+    store = Store.at(store_path)
+    settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
+    base_ref = model or settings.model
+    examples = list(examples) if examples is not None else load_examples(data)
+    data_sha = file_sha256(data)
+    loaded = load_model(base_ref, device=cfg.device, dtype=cfg.resolved_dtype())
+    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
+    emb = load_embedder(embedder or settings.embedder)
+    retriever = Retriever(store, emb, LanceIndex.open(store))
+    t0 = time.perf_counter()
+    plans, counts = make_plans(examples, retriever, prompt, loaded.tokenizer, cfg)
+    prep_s = time.perf_counter() - t0
+    kv = None
+    if cfg.mode == "frozen":
+        layout = kv_layout(loaded, prompt)
+        kv = KvStore.open(store, layout.kv_fp, layout)
+    torch.manual_seed(cfg.seed)  # LoRA init
+    net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
+    builder = ContextBuilder(store, net, prompt, cfg.mode, kv, _pad_id(loaded.tokenizer))
+    identity = {"data_sha256": data_sha, "base_model_fp": loaded.model_fp}
+    result = train(
+        net,
+        builder,
+        plans,
+        cfg,
+        out,
+        identity=identity,
+        counts=counts,
+        logger=logger,
+        on_step=on_step,
+        resume=resume,
+    )
+    out_dir = Path(out)
+    plot_losses(result.log, out_dir / "loss.png")
+    lm = save_model(net, loaded.tokenizer, out_dir, cfg.lora)
+    model_fp = model_fingerprint(
+        lm.config, weights_sha256(out_dir), cfg.resolved_dtype(), loaded.tokenizer_fp
+    )
+    summary = {
+        "model_dir": str(out_dir.resolve()),
+        "model_fp": model_fp,
+        "base_model": str(loaded.model_dir),
+        "base_model_fp": loaded.model_fp,
+        "data": str(Path(data).resolve()),
+        "data_sha256": data_sha,
+        "config": cfg.to_dict(),
+        "steps": result.steps,
+        "resumed_from": result.resumed_from,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "first_loss": result.losses[0] if result.losses else None,
+        "steps_per_s": round(result.steps_per_s, 4),
+        "train_seconds": round(result.seconds, 3),
+        "prepare_seconds": round(prep_s, 3),
+        "trainable_params": result.trainable_params,
+        "counts": result.counts,
+        "log": str(out_dir / "train_log.jsonl"),
+        "plot": str(out_dir / "loss.png"),
+    }
+    (out_dir / "coinrag-training.json").write_text(json.dumps(summary, indent=2, default=str))
+    if not keep_checkpoints:  # the model is saved: full-FT checkpoints are ~12 B per parameter
+        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    summary["losses"] = result.losses
+    return summary
