@@ -177,6 +177,43 @@ def query(
         )
 
 
+@app.command("eval")
+def eval_cmd(
+    questions: Annotated[
+        Path, typer.Argument(help="JSONL: question, answers (list), optional doc_ids (gold).")
+    ],
+    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for results, plots.")],
+    methods: Annotated[
+        list[str] | None, typer.Option("--methods", help="Methods (default: all three).")
+    ] = None,
+    kc: Annotated[list[int] | None, typer.Option("--kc", help="kc values to sweep.")] = None,
+    k: Annotated[list[int] | None, typer.Option("--k", help="k values to sweep.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Upper bound on answer tokens.")] = 32,
+    limit: Annotated[int | None, typer.Option(help="Only the first N questions.")] = None,
+) -> None:
+    """Answer QUESTIONS with each method and (kc, k); write results.parquet, per-question rows,
+    best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens)."""
+    from inference.evaluate import evaluate
+    from inference.methods import METHODS, MissingAssets
+
+    sweep = tuple((a, b) for a in (kc or [4]) for b in (k or [10]))
+    try:
+        evaluate(
+            str(store),
+            str(questions),
+            str(out),
+            methods=tuple(methods or METHODS),
+            sweep=sweep,
+            max_new_tokens=max_new_tokens,
+            limit=limit,
+        )
+    except MissingAssets as exc:
+        _fail(str(exc), 1)
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(str(exc), 2)
+
+
 def _cartridge_answer(
     store_path: str,
     question: str,
