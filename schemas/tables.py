@@ -168,7 +168,7 @@ class KvManifestRow:
     chunk_id: str
     content_key: str
     model_fp: str
-    location: str  # path of the entry inside STORE/kv/<model_fp>/
+    location: str  # "<kv_fp>/shard-NNNNNN#slot-S": the entry inside STORE/kv/<kv_fp>/
     tokens: int
     bytes: int
     checksum: str

@@ -4,7 +4,7 @@
 STORE/
   coinrag.toml            settings the store was last built with (never secrets)
   tables/<table>/         Parquet, one schema per table in schemas/tables.py
-  kv/<model_fp>/          Zarr: per-chunk K/V of one generation model
+  kv/<kv_fp>/             Zarr: per-chunk K/V of one generation model and prompt prefix
   index/                  LanceDB: chunks, nuggets, documents
   cartridges/<model_fp>/  Zarr: trained cartridges
   models/                 models written by training flows
@@ -68,8 +68,8 @@ class Store:
     def table_dir(self, table: str) -> Path:
         return self.root / "tables" / safe_component(table)
 
-    def kv_dir(self, model_fp: str) -> Path:
-        return self.root / "kv" / safe_component(model_fp)
+    def kv_dir(self, kv_fp: str) -> Path:
+        return self.root / "kv" / safe_component(kv_fp)
 
     @property
     def index_dir(self) -> Path:
