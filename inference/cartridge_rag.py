@@ -119,8 +119,20 @@ class CartridgeRag:
         if self.retriever is None:
             raise ValueError("no retriever: pass doc_ids")
         t0 = time.perf_counter()
-        hits = self.retriever.documents(question, k)
-        return [h["doc_id"] for h in hits], (time.perf_counter() - t0) * 1000.0
+        # Only documents with a trained cartridge can be loaded: over-fetch, keep those, best
+        # first (a store where few documents have cartridges still answers).
+        fetch = k
+        while True:
+            hits = self.retriever.documents(question, fetch)
+            chosen = [h["doc_id"] for h in hits if h["doc_id"] in self.rows][:k]
+            if len(chosen) == k or len(hits) < fetch:
+                break
+            fetch *= 4
+        if not chosen:
+            raise MissingCartridge(
+                f"none of the retrieved documents has a cartridge {self.cartridge_fp}"
+            )
+        return chosen, (time.perf_counter() - t0) * 1000.0
 
     def answer(
         self,
