@@ -18,7 +18,7 @@ from schemas.keys import CODE_VERSION
 from schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow
 from storage.store import Store
 from storage.tables import append_rows, read_rows
-from tasks.extractors.base import ExtractionRequest, ExtractionResult, Extractor
+from tasks.extractors.base import CallRecord, ExtractionRequest, ExtractionResult, Extractor
 
 
 @dataclass
@@ -57,6 +57,35 @@ def pending_requests(
     return out
 
 
+def ledger_row(
+    call: CallRecord,
+    *,
+    run_id: str,
+    backend: str,
+    llm_model: str,
+    text_hash: str | None = None,
+    custom_id: str | None = None,
+) -> ExtractionCallRow:
+    """The ledger row of one call (``text_hash``/``custom_id`` default to the call's own)."""
+    return ExtractionCallRow(
+        call_id=call.call_id or uuid.uuid4().hex,
+        run_id=run_id,
+        backend=backend,
+        llm_model=llm_model,
+        text_hash=text_hash if text_hash is not None else call.key,
+        custom_id=custom_id if custom_id is not None else call.custom_id,
+        batch_id=call.batch_id,
+        attempt=call.attempt,
+        status=call.status,
+        tokens_in=call.tokens_in,
+        tokens_out=call.tokens_out,
+        cost_usd=call.cost_usd,
+        latency_ms=call.latency_ms,
+        error=call.error,
+        started_at=call.started_at,
+    )
+
+
 def result_rows(
     results: Sequence[ExtractionResult], extractor: Extractor, run_id: str
 ) -> tuple[list[ExtractionRow], list[ExtractionCallRow]]:
@@ -79,23 +108,7 @@ def result_rows(
         for r in results
     ]
     calls = [
-        ExtractionCallRow(
-            call_id=c.call_id or uuid.uuid4().hex,
-            run_id=run_id,
-            backend=extractor.backend,
-            llm_model=extractor.llm_model,
-            text_hash=c.key,
-            custom_id=c.custom_id,
-            batch_id=c.batch_id,
-            attempt=c.attempt,
-            status=c.status,
-            tokens_in=c.tokens_in,
-            tokens_out=c.tokens_out,
-            cost_usd=c.cost_usd,
-            latency_ms=c.latency_ms,
-            error=c.error,
-            started_at=c.started_at,
-        )
+        ledger_row(c, run_id=run_id, backend=extractor.backend, llm_model=extractor.llm_model)
         for r in results
         for c in r.calls
     ]

@@ -51,7 +51,6 @@ import random
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -67,17 +66,18 @@ from inference.prompt import RagPrompt
 from schemas.keys import CODE_VERSION, fingerprint, sha256_hex, text_hash
 from schemas.tables import (
     DocumentRow,
-    ExtractionCallRow,
     SelfStudyCallRow,
     SelfStudyQuestionRow,
     TeacherAnswerRow,
 )
 from storage.store import Store
 from storage.tables import append_rows, read_rows
+from tasks.extract import ledger_row
 from tasks.extractors.base import CallRecord
 from tasks.extractors.openai_chat import (
     _content_of,
     backoff_delay,
+    chat_call_record,
     classify_error,
     describe_error,
     known_secrets,
@@ -86,7 +86,6 @@ from tasks.extractors.openai_chat import (
     retry_after_seconds,
     scrub,
 )
-from tasks.extractors.pricing import call_cost
 from tasks.extractors.prompt import MalformedResponse
 
 log = logging.getLogger(__name__)
@@ -426,17 +425,8 @@ class OpenAIQuestionGenerator:
         self, req: QuestionRequest, attempt: int, status: str, started: datetime, t0: float,
         tokens_in: int = 0, tokens_out: int = 0, error: str | None = None,
     ) -> CallRecord:  # fmt: skip
-        return CallRecord(
-            call_id=new_call_id(),
-            key=req.key,
-            attempt=attempt,
-            status=status,
-            tokens_in=tokens_in,
-            tokens_out=tokens_out,
-            cost_usd=call_cost(self.llm_model, tokens_in, tokens_out, batch=False),
-            latency_ms=(time.perf_counter() - t0) * 1000.0,
-            started_at=started,
-            error=error,
+        return chat_call_record(
+            req.key, self.llm_model, attempt, status, started, t0, tokens_in, tokens_out, error
         )
 
     def _one(self, req: QuestionRequest) -> QuestionResult:
@@ -967,22 +957,13 @@ def selfstudy_stage(
                 counts.tokens_out += c.tokens_out
                 counts.cost_usd += c.cost_usd
                 ledger.append(
-                    ExtractionCallRow(
-                        call_id=c.call_id or uuid.uuid4().hex,
+                    ledger_row(
+                        c,
                         run_id=run_id,
                         backend=f"selfstudy-{generator.backend}",
                         llm_model=generator.llm_model,
                         text_hash=p.text_hash,
                         custom_id=key,
-                        batch_id=None,
-                        attempt=c.attempt,
-                        status=c.status,
-                        tokens_in=c.tokens_in,
-                        tokens_out=c.tokens_out,
-                        cost_usd=c.cost_usd,
-                        latency_ms=c.latency_ms,
-                        error=c.error,
-                        started_at=c.started_at,
                     )
                 )
         counts.ledger_rows += len(ledger)

@@ -234,6 +234,33 @@ def spread_results(
 # --------------------------------------------------------------------------- the extractor
 
 
+def chat_call_record(
+    key: str,
+    llm_model: str,
+    attempt: int,
+    status: str,
+    started_at: datetime,
+    t0: float,
+    tokens_in: int = 0,
+    tokens_out: int = 0,
+    error: str | None = None,
+) -> CallRecord:
+    """The ledger record of one chat-completions attempt that began at ``perf_counter() == t0``
+    (list prices; latency measured up to now)."""
+    return CallRecord(
+        call_id=new_call_id(),
+        key=key,
+        attempt=attempt,
+        status=status,
+        tokens_in=tokens_in,
+        tokens_out=tokens_out,
+        cost_usd=call_cost(llm_model, tokens_in, tokens_out, batch=False),
+        latency_ms=(time.perf_counter() - t0) * 1000.0,
+        started_at=started_at,
+        error=error,
+    )
+
+
 class OpenAIChatExtractor:
     """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
 
@@ -356,17 +383,8 @@ class OpenAIChatExtractor:
         tokens_out: int = 0,
         error: str | None = None,
     ) -> CallRecord:
-        return CallRecord(
-            call_id=new_call_id(),
-            key=req.key,
-            attempt=attempt,
-            status=status,
-            tokens_in=tokens_in,
-            tokens_out=tokens_out,
-            cost_usd=call_cost(self.llm_model, tokens_in, tokens_out, batch=False),
-            latency_ms=(time.perf_counter() - t0) * 1000.0,
-            started_at=started_at,
-            error=error,
+        return chat_call_record(
+            req.key, self.llm_model, attempt, status, started_at, t0, tokens_in, tokens_out, error
         )
 
     def _extract_one(self, req: ExtractionRequest) -> ExtractionResult:
