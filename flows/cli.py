@@ -191,12 +191,39 @@ def eval_cmd(
     k: Annotated[list[int] | None, typer.Option("--k", help="k values to sweep.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Upper bound on answer tokens.")] = 32,
     limit: Annotated[int | None, typer.Option(help="Only the first N questions.")] = None,
+    retrieval_only: Annotated[
+        bool,
+        typer.Option(
+            "--retrieval-only",
+            help="Only recall of gold documents (chunks, two-stage, one-stage): no model, no KV.",
+        ),
+    ] = False,
 ) -> None:
     """Answer QUESTIONS with each method and (kc, k); write results.parquet, per-question rows,
-    best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens)."""
+    best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens).
+    With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead."""
     from inference.evaluate import evaluate
     from inference.methods import METHODS, MissingAssets
 
+    if retrieval_only:
+        from inference.evaluate_retrieval import evaluate_retrieval, retrieval_text
+        from storage.index import EmbedderMismatch, IndexNotBuilt
+
+        try:
+            table = evaluate_retrieval(
+                str(store),
+                str(questions),
+                str(out),
+                kcs=kc or [1, 2, 4, 8],
+                ks=k or [10],
+                limit=limit,
+            )
+        except (IndexNotBuilt, FileNotFoundError) as exc:
+            _fail(str(exc), 1)
+        except (EmbedderMismatch, ValueError) as exc:
+            _fail(str(exc), 2)
+        Console().print(retrieval_text(table))
+        return
     sweep = tuple((a, b) for a in (kc or [4]) for b in (k or [10]))
     try:
         evaluate(

@@ -212,3 +212,71 @@ def test_evaluate_end_to_end(tmp_path: Path) -> None:
     for name in ("f1_vs_p99_ttft.png", "f1_vs_active_tokens.png"):
         assert (out / name).stat().st_size > 1000
     assert isinstance(results, pa.Table)
+
+
+# ---------------------------------------------------------------------------- retrieval only
+
+
+@pytest.mark.usefixtures("prefect_harness")  # build_flow needs the Prefect API
+def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.build import build_flow
+    from flows.cli import app
+    from inference.embedders import load_embedder
+    from inference.evaluate_retrieval import evaluate_retrieval
+    from inference.retrieve import Retriever
+    from storage.store import Store
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in DOCS))
+    store = tmp_path / "store"
+    build_flow(str(src), str(store), {"extractor": "rules", "kv": False})
+    assert not (store / "kv").exists() or not any((store / "kv").iterdir())
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    out = tmp_path / "retrieval"
+
+    results = evaluate_retrieval(store, questions, out, kcs=(1, 2), ks=(2,))
+
+    rows = {(r["mode"], r["kc"], r["k"]): r for r in results.to_pylist()}
+    assert set(rows) == {
+        ("chunks", 1, 0), ("chunks", 2, 0), ("two_stage", 1, 2), ("two_stage", 2, 2),
+        ("one_stage", 0, 2),
+    }  # fmt: skip
+    assert all(r["n"] == 2 for r in rows.values())  # the question without gold ids is left out
+    # recall recomputed by hand from the retriever, for every question and mode
+    retriever = Retriever(Store.at(store), load_embedder("minilm"))
+    gold = [q for q in QUESTIONS if "doc_ids" in q]
+    for kc in (1, 2):
+        by_hand = [
+            doc_recall([e.doc_id for e in retriever.chunks_only(q["question"], kc).evidence],
+                       q["doc_ids"])
+            for q in gold
+        ]  # fmt: skip
+        assert rows[("chunks", kc, 0)]["recall"] == pytest.approx(sum(by_hand) / len(by_hand))
+    assert rows[("chunks", 2, 0)]["recall"] >= rows[("chunks", 1, 0)]["recall"]
+    assert 0.0 <= rows[("chunks", 1, 0)]["mrr"] <= 1.0
+    assert rows[("two_stage", 1, 2)]["mrr"] is None
+    per_q = pq.read_table(out / "retrieval_per_question.parquet").to_pylist()
+    # two-stage evidence never leaves the chosen chunks' documents
+    chunk_docs = {(r["qid"], r["kc"]): set(r["evidence_doc_ids"]) for r in per_q
+                  if r["mode"] == "chunks"}  # fmt: skip
+    for r in per_q:
+        if r["mode"] == "two_stage":
+            assert set(r["evidence_doc_ids"]) <= chunk_docs[(r["qid"], r["kc"])]
+    assert pq.read_table(out / "retrieval.parquet").equals(results)
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",
+                             str(tmp_path / "cli"), "--retrieval-only", "--kc", "1"])  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    assert "two_stage" in ok.output
+    missing = runner.invoke(app, ["eval", str(questions), "--store", str(tmp_path / "nope"),
+                                  "--out", str(tmp_path / "x"), "--retrieval-only"])  # fmt: skip
+    assert missing.exit_code == 1
+    # without KV, the generation methods say what is missing
+    no_kv = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",
+                                str(tmp_path / "y"), "--limit", "1"])  # fmt: skip
+    assert no_kv.exit_code == 1
+    assert "no KV" in no_kv.output
