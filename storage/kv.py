@@ -486,6 +486,28 @@ class WriteStats:
     manifest_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class StagedShard:
+    """A shard written and verified under ``.tmp-<uuid>/`` but not yet valid: no manifest row
+    points to it until :meth:`KvStore.publish_shard` renames it into place and appends its rows.
+
+    It can be made on another process or machine that sees the same store folder (a worker of
+    a distributed build) and published by the holder of the store's write lock. Per slot:
+    ``chunk_ids``, ``content_keys``, ``tokens`` and ``checksums`` (sha256 of the stored bytes).
+    """
+
+    kv_fp: str
+    tmp_name: str  # folder name under STORE/kv/<kv_fp>/
+    chunk_ids: tuple[str, ...]
+    content_keys: tuple[str, ...]
+    tokens: tuple[int, ...]
+    checksums: tuple[str, ...]
+    logical_bytes: int
+    disk_bytes: int
+    encode_write_s: float
+    verify_s: float
+
+
 @dataclass
 class _Shard:
     """A shard's metadata (read from its zarr.json) and, once needed, its open Zarr array."""
@@ -923,8 +945,19 @@ class KvStore:
         Each shard is written whole, read back and verified, renamed into place, and only then
         are its rows appended; the rows of all shards are returned.
         """
-        from storage.tables import append_rows
+        unique = self._checked(entries)
+        rows: list[KvManifestRow] = []
+        step = self.layout.slots_per_shard
+        for start in range(0, len(unique), step):
+            staged = self.stage_shard(unique[start : start + step], run_id)
+            rows += self.publish_shard(staged, run_id)
+        return rows
 
+    def _checked(
+        self, entries: Sequence[tuple[ChunkRow, torch.Tensor]]
+    ) -> list[tuple[ChunkRow, torch.Tensor]]:
+        """The entries with distinct content_keys (first wins), each checked against the
+        layout's shape and dtype (ValueError naming the chunk)."""
         seen: set[str] = set()
         unique: list[tuple[ChunkRow, torch.Tensor]] = []
         for chunk, kv in entries:
@@ -941,26 +974,20 @@ class KvStore:
                     f"KV of {chunk.chunk_id} is {kv.dtype}, the layout is {self.layout.dtype}"
                 )
             unique.append((chunk, kv))
-        rows: list[KvManifestRow] = []
-        step = self.layout.slots_per_shard
-        for start in range(0, len(unique), step):
-            group = unique[start : start + step]
-            shard_rows = self._write_shard(group, run_id)
-            t0 = time.perf_counter()
-            append_rows(self.store, shard_rows, run_id, "kv")
-            self.write_stats.manifest_s += time.perf_counter() - t0
-            manifest = self.manifest()
-            for row in shard_rows:
-                manifest[row.content_key] = row
-            self._max_manifest_shard = max(
-                self._max_manifest_shard, _location_order(shard_rows[0].location)[0]
-            )
-            rows += shard_rows
-        return rows
+        return unique
 
-    def _write_shard(
+    def stage_shard(
         self, group: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str
-    ) -> list[KvManifestRow]:
+    ) -> StagedShard:
+        """Write one shard of ``group`` (``(chunk, kv)``, distinct content_keys, at most
+        ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it; nothing is
+        valid until :meth:`publish_shard`. Safe to call from several processes at once: it
+        writes only its own new folder."""
+        group = self._checked(group)
+        if not 0 < len(group) <= self.layout.slots_per_shard:
+            raise ValueError(
+                f"a shard holds 1..{self.layout.slots_per_shard} entries, got {len(group)}"
+            )
         lay = self.layout
         t0 = time.perf_counter()
         views = [storage_view(kv) for _, kv in group]
@@ -986,32 +1013,78 @@ class KvStore:
                 files, t1 = self._write_direct(tmp, views, shape, attrs)
             if self.fsync:
                 _fsync_tree(tmp)
-            t2 = time.perf_counter()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return StagedShard(
+            kv_fp=self.kv_fp,
+            tmp_name=tmp.name,
+            chunk_ids=tuple(chunk.chunk_id for chunk, _ in group),
+            content_keys=tuple(chunk.content_key for chunk, _ in group),
+            tokens=tuple(tokens),
+            checksums=tuple(checksums),
+            logical_bytes=sum(lay.entry_bytes(t) for t in tokens),
+            disk_bytes=sum(files.values()),
+            encode_write_s=t1 - t0,
+            verify_s=time.perf_counter() - t1,
+        )
+
+    def publish_shard(self, staged: StagedShard, run_id: str) -> list[KvManifestRow]:
+        """Make a staged shard valid: rename it to the next ``shard-NNNNNN`` (atomic) and append
+        its manifest rows (``run_id``: the publishing run's). Only the write-lock holder calls
+        this, so shard numbers are given in publication order."""
+        if staged.kv_fp != self.kv_fp:
+            raise KvFingerprintMismatch(staged.kv_fp, self.kv_fp, f"staged {staged.tmp_name}")
+        from storage.tables import append_rows
+
+        tmp = self.root / staged.tmp_name
+        if not tmp.is_dir():
+            raise KvError(f"staged shard {tmp} is missing (was it written on another machine?)")
+        try:
             name = self._rename_into_place(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        lay = self.layout
         st = self.write_stats
         st.shards += 1
-        st.entries += len(group)
-        st.logical_bytes += sum(lay.entry_bytes(t) for t in tokens)
-        st.disk_bytes += sum(files.values())
-        st.encode_write_s += t1 - t0
-        st.verify_s += t2 - t1
-        return [
+        st.entries += len(staged.content_keys)
+        st.logical_bytes += staged.logical_bytes
+        st.disk_bytes += staged.disk_bytes
+        st.encode_write_s += staged.encode_write_s
+        st.verify_s += staged.verify_s
+        rows = [
             KvManifestRow(
-                chunk_id=chunk.chunk_id,
-                content_key=chunk.content_key,
+                chunk_id=chunk_id,
+                content_key=content_key,
                 model_fp=lay.model_fp,
                 location=f"{self.kv_fp}/{name}#slot-{i}",
-                tokens=tokens[i],
-                bytes=lay.entry_bytes(tokens[i]),
-                checksum=checksums[i],
+                tokens=tokens,
+                bytes=lay.entry_bytes(tokens),
+                checksum=checksum,
                 run_id=run_id,
                 code_version=CODE_VERSION,
             )
-            for i, (chunk, _) in enumerate(group)
+            for i, (chunk_id, content_key, tokens, checksum) in enumerate(
+                zip(
+                    staged.chunk_ids,
+                    staged.content_keys,
+                    staged.tokens,
+                    staged.checksums,
+                    strict=True,
+                )
+            )
         ]
+        t0 = time.perf_counter()
+        append_rows(self.store, rows, run_id, "kv")
+        st.manifest_s += time.perf_counter() - t0
+        manifest = self.manifest()
+        for row in rows:
+            manifest[row.content_key] = row
+        self._max_manifest_shard = max(
+            self._max_manifest_shard, _location_order(rows[0].location)[0]
+        )
+        return rows
 
     def _create_shard_array(
         self, tmp: Path, shape: tuple[int, ...], attrs: dict[str, Any]

@@ -17,6 +17,12 @@ standard RAG prompt. Only the chunk's part of the cache is stored (``storage/kv.
   tolerance).
   ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
   the cache it is given).
+- Units of work (:func:`kv_groups`): the sorted chunks are cut into groups of whole shards
+  holding at least one whole batch; a group is computed batch by batch and stored as its
+  shards. :func:`kv_stage` runs the groups one after the other in this process; a distributed
+  build (``flows/build.py``) computes each group on a worker (:func:`stage_group_kv`: shards
+  written under temporary names) and the holder of the store's lock publishes them in group
+  order, so both give the same batches, the same shard numbers and bit-identical entries.
 - Entries are written ``slots_per_shard`` at a time (one Zarr shard each, written whole); after a
   shard is verified its manifest rows are appended, then ``progress`` is called. With
   ``overlap`` (default) a background thread writes shard ``i`` while the model computes the next
@@ -42,7 +48,7 @@ import torch
 
 from inference.prompt import RagPrompt
 from schemas.tables import ChunkRow, KvManifestRow
-from storage.kv import KvFingerprintMismatch, KvLayout, KvStore
+from storage.kv import KvFingerprintMismatch, KvLayout, KvStore, StagedShard
 from storage.store import Store
 
 ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
@@ -120,6 +126,38 @@ def _batches(chunks: Sequence[ChunkRow], batch_size: int) -> list[list[ChunkRow]
     return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
+def kv_groups(
+    chunks: Sequence[ChunkRow], batch_size: int, slots_per_shard: int
+) -> list[list[ChunkRow]]:
+    """The units of KV work: chunks sorted by length (stable), cut into groups of
+    ``slots_per_shard * ceil(batch_size / slots_per_shard)`` chunks (whole shards, at least one
+    whole batch). A group is computed in batches of ``batch_size`` and stored as consecutive
+    shards of ``slots_per_shard``, so every runner (one process or many workers) forms the same
+    batches and shards and stores bit-identical entries.
+
+    E.g. 10 chunks, batch 4, 4 slots -> groups of 4, 4, 2; batch 8, 4 slots -> groups of 8, 2.
+    """
+    size = slots_per_shard * -(-batch_size // slots_per_shard)
+    return _batches(chunks, size)
+
+
+def compute_group_kv(
+    model: Any,
+    prefix_kv: torch.Tensor,
+    group: Sequence[ChunkRow],
+    batch_size: int,
+    pad_id: int = 0,
+    timings: dict[str, float] | None = None,
+) -> list[tuple[ChunkRow, torch.Tensor]]:
+    """``(chunk, kv)`` for a group of :func:`kv_groups`, in the group's order, computed in
+    consecutive batches of ``batch_size``; kv is ``(layers, 2, kv_heads, n_tokens, head_dim)``."""
+    out: list[tuple[ChunkRow, torch.Tensor]] = []
+    for start in range(0, len(group), batch_size):
+        batch = group[start : start + batch_size]
+        out += zip(batch, compute_chunk_kv(model, prefix_kv, batch, pad_id, timings), strict=True)
+    return out
+
+
 def _input_ids(batch: Sequence[ChunkRow], pad_id: int, device: Any) -> torch.Tensor:
     width = max(c.n_tokens for c in batch)
     rows = [list(c.token_ids) + [pad_id] * (width - c.n_tokens) for c in batch]
@@ -192,7 +230,45 @@ def kv_stage(
     counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
     secs = counts.seconds
 
-    tokenizer_fp = getattr(loaded, "tokenizer_fp", None)
+    todo = plan_kv(kv, chunks, getattr(loaded, "tokenizer_fp", None), counts, check, rebuild)
+
+    t0 = time.perf_counter()
+    prefix_kv = prefix_kv_of(kv, model, prompt)
+    secs["prefix"] = time.perf_counter() - t0
+
+    pad_id = _pad_id(loaded.tokenizer)
+    secs.update(forward=0.0, extract=0.0, wait_write=0.0)
+    writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
+    try:
+        for group in kv_groups(todo, batch_size, layout.slots_per_shard):
+            entries = compute_group_kv(model, prefix_kv, group, batch_size, pad_id, secs)
+            count_batches(counts, group, batch_size)
+            for start in range(0, len(entries), layout.slots_per_shard):
+                writer.submit(entries[start : start + layout.slots_per_shard])
+        writer.wait()
+    finally:
+        writer.close()
+        kv.release_buffers()
+    ws = kv.write_stats
+    secs["wait_write"] = writer.waited
+    secs["write"] = ws.encode_write_s
+    secs["verify"] = ws.verify_s
+    secs["manifest"] = ws.manifest_s
+    secs["total"] = time.perf_counter() - t_start
+    return counts
+
+
+def plan_kv(
+    kv: KvStore,
+    chunks: Sequence[ChunkRow],
+    tokenizer_fp: str | None,
+    counts: KvCounts,
+    check: str = "stat",
+    rebuild: Iterable[str] = (),
+) -> list[ChunkRow]:
+    """The chunks (one per content_key) whose KV must be computed: no manifest row, or a row
+    that fails the ``check`` or is named in ``rebuild``. Fills ``counts`` (unique, reused,
+    rebuilt, seconds["check"]). Raises ValueError for a chunk cut by another tokenizer."""
     unique: dict[str, ChunkRow] = {}
     for chunk in chunks:
         if tokenizer_fp is not None and chunk.tokenizer_fp != tokenizer_fp:
@@ -209,43 +285,50 @@ def kv_stage(
     bad = set(rebuild) & set(stored)
     if check != "none":
         bad |= kv.invalid_entries(stored, level=check)
-    todo = [c for ck, c in unique.items() if ck not in manifest or ck in bad]
     counts.rebuilt = len(bad)
     counts.reused = len(stored) - len(bad)
-    secs["check"] = time.perf_counter() - t0
+    counts.seconds["check"] = time.perf_counter() - t0
+    return [c for ck, c in unique.items() if ck not in manifest or ck in bad]
 
-    t0 = time.perf_counter()
-    prefix_kv = _prefix(kv, model, prompt)
-    secs["prefix"] = time.perf_counter() - t0
 
-    pad_id = _pad_id(loaded.tokenizer)
-    pending: list[tuple[ChunkRow, torch.Tensor]] = []
-    secs.update(forward=0.0, extract=0.0, wait_write=0.0)
-    writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
+def count_batches(counts: KvCounts, group: Sequence[ChunkRow], batch_size: int) -> None:
+    """Add a computed group's forward passes, tokens and padding to ``counts``."""
+    for start in range(0, len(group), batch_size):
+        batch = group[start : start + batch_size]
+        n_real = sum(c.n_tokens for c in batch)
+        counts.forward_passes += 1
+        counts.tokens += n_real
+        counts.padded_tokens += len(batch) * max(c.n_tokens for c in batch) - n_real
+
+
+def stage_group_kv(
+    kv: KvStore,
+    loaded: Any,
+    prefix_kv: torch.Tensor,
+    group: Sequence[ChunkRow],
+    run_id: str,
+    batch_size: int,
+) -> tuple[list[StagedShard], dict[str, float]]:
+    """A worker's share of the stage: compute one group of :func:`kv_groups` and write it as
+    staged shards (``slots_per_shard`` each, under ``.tmp-`` names, verified); the write-lock
+    holder publishes them in group order (:meth:`storage.kv.KvStore.publish_shard`).
+    Returns the staged shards and the seconds spent (forward, extract)."""
+    if loaded.model_fp != kv.layout.model_fp:
+        raise KvFingerprintMismatch(
+            loaded.model_fp, kv.layout.model_fp, "this worker's model is not the build's"
+        )
+    secs: dict[str, float] = {}
+    entries = compute_group_kv(
+        loaded.model, prefix_kv, group, batch_size, _pad_id(loaded.tokenizer), secs
+    )
+    step = kv.layout.slots_per_shard
     try:
-        for batch in _batches(todo, batch_size):
-            kvs = compute_chunk_kv(model, prefix_kv, batch, pad_id, secs)
-            pending += zip(batch, kvs, strict=True)
-            n_real = sum(c.n_tokens for c in batch)
-            counts.forward_passes += 1
-            counts.tokens += n_real
-            counts.padded_tokens += len(batch) * max(c.n_tokens for c in batch) - n_real
-            while len(pending) >= layout.slots_per_shard:
-                writer.submit(pending[: layout.slots_per_shard])
-                pending = pending[layout.slots_per_shard :]
-        if pending:
-            writer.submit(pending)
-        writer.wait()
+        staged = [
+            kv.stage_shard(entries[i : i + step], run_id) for i in range(0, len(entries), step)
+        ]
     finally:
-        writer.close()
         kv.release_buffers()
-    ws = kv.write_stats
-    secs["wait_write"] = writer.waited
-    secs["write"] = ws.encode_write_s
-    secs["verify"] = ws.verify_s
-    secs["manifest"] = ws.manifest_s
-    secs["total"] = time.perf_counter() - t_start
-    return counts
+    return staged, secs
 
 
 class _Writer:
@@ -302,7 +385,7 @@ class _Writer:
             self.pool.shutdown(wait=True)
 
 
-def _prefix(kv: KvStore, model: Any, prompt: RagPrompt) -> torch.Tensor:
+def prefix_kv_of(kv: KvStore, model: Any, prompt: RagPrompt) -> torch.Tensor:
     """The stored ``C_p`` (computed and stored first if missing)."""
     if kv.has_prefix():
         prefix_kv, ids = kv.read_prefix()
