@@ -343,3 +343,71 @@ def test_deployment_constructs():
     assert dep.triggers and "prefect.flow-run.Completed" in dep.triggers[0].expect
     assert dep.triggers[0].match_related.root["prefect.resource.name"] == "coinrag-build"
     assert mod.make_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
+
+
+def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path):
+    """rebuild_kv=True: the store gets KV computed by the new weights under the new kv_fp
+    (what the new model computes itself), chunks and nuggets are reused, the base model's
+    cache is untouched, and the store's model becomes the fine-tuned one."""
+    import shutil
+
+    import pyarrow.compute as pc
+
+    from flows.train import train_nuggets
+    from inference.assemble import from_cache
+    from inference.methods import RagEngine
+    from inference.models import load_model
+    from inference.prompt import RagPrompt
+    from schemas.settings import load_settings
+    from schemas.tables import ChunkRow
+    from storage.kv import KvStore
+    from storage.store import Store
+    from storage.tables import read_rows
+    from tasks.kv import kv_layout
+
+    store_dir = tmp_path / "store"
+    shutil.copytree(built["store"], store_dir)
+    # the chained build reuses the store's recorded settings: rules, chunk_size 24
+    out = tmp_path / "ft"
+    s = train_nuggets(
+        store_dir,
+        built["data"],
+        out,
+        mode="frozen",
+        max_steps=1,
+        model=str(built["model"]),
+        build={"extractor": "rules", "chunk_size": 24},
+        rebuild_kv=True,
+        batch_size=2,
+        kc=2,
+        k=4,
+        lr=1e-2,
+    )
+    rb = s["kv_rebuild"]
+    assert rb["chunks"] > 0 and rb["kv_computed"] == rb["chunks"] and rb["kv_reused"] == 0
+    assert rb["chunks_new"] == 0 and rb["extract_requested"] == 0 and rb["llm_calls"] == 0
+
+    store = Store.at(store_dir)
+    assert load_settings(store.settings_path).model == str(out)
+    new, base = load_model(out), load_model(built["model"])
+    prompt = RagPrompt.for_tokenizer(new.tokenizer)
+    new_layout, base_layout = kv_layout(new, prompt), kv_layout(base, prompt)
+    assert new_layout.kv_fp != base_layout.kv_fp
+    new_kv = KvStore.open(store, new_layout.kv_fp, new_layout)
+    base_kv = KvStore.open(store, base_layout.kv_fp, base_layout)
+    chunk = read_rows(store, ChunkRow, filter=pc.field("n_tokens") > 8)[0]
+    stored_new = new_kv.read_entry(chunk.content_key)
+    stored_base = base_kv.read_entry(chunk.content_key)  # the old cache is still readable
+    assert not torch.equal(stored_new, stored_base)
+    # the new entry is what the new model computes itself: forward(prefix + chunk), fp32;
+    # tolerance as in the KV oracle tests (1e-5 x max|kv|: a different matmul shape)
+    prefix = prompt.prefix_ids
+    with torch.inference_mode():
+        own = new.model(input_ids=torch.tensor([prefix + list(chunk.token_ids)]), use_cache=True)
+    expected = from_cache(own.past_key_values)[..., len(prefix) :, :]
+    assert stored_new.shape == expected.shape
+    assert (stored_new - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+    engine = RagEngine.open(str(store_dir))  # the store's model now: the fine-tuned one
+    assert engine.loaded.model_fp == s["model_fp"]
+    assert engine.answer(built["ex"][0].question, method="coinrag", kc=2, k=4).timings["ttft"] > 0
