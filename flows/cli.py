@@ -74,7 +74,9 @@ def build(
     config: Annotated[
         Path | None, typer.Option(help="TOML file with a [build] table of the same settings.")
     ] = None,
-    chunker: Annotated[str | None, typer.Option(help="fixed (default) | sentence")] = None,
+    chunker: Annotated[
+        str | None, typer.Option(help="fixed (default) | sentence | content")
+    ] = None,
     chunk_size: Annotated[int | None, typer.Option(help="Tokens per chunk (default 512).")] = None,
     tau: Annotated[
         float | None, typer.Option(help="Fuzzy recovery threshold (default 0.7).")

@@ -7,7 +7,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     llm_model = "gpt-4o-mini"
     model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
     embedder = "minilm"         # packaged all-MiniLM-L6-v2, or a local BGE-M3 folder
-    chunker = "fixed"           # fixed (the paper's) | sentence
+    chunker = "fixed"           # fixed (the paper's) | sentence | content (edit-stable)
     chunk_size = 512
     tau = 0.7
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
-CHUNKERS = ("fixed", "sentence")
+CHUNKERS = ("fixed", "sentence", "content")
 
 
 class SettingsError(ValueError):

@@ -7,11 +7,14 @@ computed later. Invariants (tested):
 - ``text == document[char_start:char_end] == tokenizer.decode(token_ids)``;
 - ``n_tokens <= chunk_size``.
 
-Two ways to place boundaries:
+Three ways to place boundaries:
 
 - ``fixed`` (the paper's): every ``chunk_size`` tokens;
 - ``sentence``: the last sentence end (else paragraph, else word boundary) in the second half of
-  the window, so that chunks do not start mid-sentence or mid-word.
+  the window, so that chunks do not start mid-sentence or mid-word;
+- ``content``: content-defined cuts at sentence ends and blank lines chosen by a hash of the
+  text around them (``tasks/chunk_content.py``), so an edit re-chunks only the chunks near it,
+  where with ``fixed`` and ``sentence`` every later boundary moves.
 
 A boundary that would split a multi-byte character across two byte-level tokens moves back by a
 token (the decode check), so every chunk's text is valid and exact.
@@ -23,20 +26,33 @@ Worked example (fixed, chunk_size=4, one token per word)::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from schemas.keys import CODE_VERSION, chunk_id, content_key, fingerprint, text_hash
 from schemas.tables import ChunkRow
+from tasks.chunk_content import SENTENCE_END, ContentParams, content_plan, token_text
 
-_SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]]*\s*$")
+
+def chunker_fingerprint(method: str, chunk_size: int, content: ContentParams | None = None) -> str:
+    """Fingerprint of a chunking method and its sizes; part of every chunk_id.
+
+    ``content``: the content chunker's sizes (default ``ContentParams.for_chunk_size``).
+    """
+    fields: dict[str, Any] = {"method": method, "chunk_size": chunk_size, "v": 1}
+    if method == "content":
+        fields["content"] = _content_params(chunk_size, content).fingerprint_fields()
+    return fingerprint("chunker", fields)
 
 
-def chunker_fingerprint(method: str, chunk_size: int) -> str:
-    """Fingerprint of a chunking method; part of every chunk_id."""
-    return fingerprint("chunker", {"method": method, "chunk_size": chunk_size, "v": 1})
+def _content_params(chunk_size: int, content: ContentParams | None) -> ContentParams:
+    params = (content or ContentParams.for_chunk_size(chunk_size)).validate()
+    if params.max_tokens != chunk_size:
+        raise ValueError(
+            f"content chunker max_tokens {params.max_tokens} differs from chunk_size {chunk_size}"
+        )
+    return params
 
 
 @dataclass(frozen=True)
@@ -68,20 +84,15 @@ def _decodes_exactly(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> bool
     return piece == doc.text[start : doc.ends[b - 1]]
 
 
-def _token_text(doc: TokenizedText, i: int) -> str:
-    start = doc.ends[i - 1] if i > 0 else 0
-    return doc.text[start : doc.ends[i]]
-
-
 def _sentence_boundary(doc: TokenizedText, a: int, b: int, chunk_size: int) -> int:
     """Best cut in (a + chunk_size/2, b]: after a sentence end, else a newline, else a word."""
     lo = a + max(1, chunk_size // 2)
     best_para = best_word = None
     for cut in range(b, lo, -1):  # cut = index of the first token of the next chunk
         before = doc.text[: doc.ends[cut - 1]][-8:]
-        nxt = _token_text(doc, cut) if cut < len(doc.ids) else " "
+        nxt = token_text(doc.text, doc.ends, cut) if cut < len(doc.ids) else " "
         starts_word = nxt[:1].isspace()
-        if _SENTENCE_END.search(before) and (starts_word or before[-1:].isspace()):
+        if SENTENCE_END.search(before) and (starts_word or before[-1:].isspace()):
             return cut
         if best_para is None and ("\n" in nxt[:1] or before.endswith("\n")):
             best_para = cut
@@ -91,9 +102,18 @@ def _sentence_boundary(doc: TokenizedText, a: int, b: int, chunk_size: int) -> i
 
 
 def boundaries(
-    tokenizer: Any, doc: TokenizedText, chunk_size: int, method: str = "fixed"
+    tokenizer: Any,
+    doc: TokenizedText,
+    chunk_size: int,
+    method: str = "fixed",
+    content: ContentParams | None = None,
 ) -> list[tuple[int, int]]:
     """Token ranges ``[a, b)`` of the chunks of a document."""
+    if method == "content":
+        plan = content_plan(doc.text, doc.ends, _content_params(chunk_size, content))
+        return _ranges_from_cuts(tokenizer, doc, plan.cuts, chunk_size)
+    if method not in ("fixed", "sentence"):
+        raise ValueError(f"unknown chunker {method!r}")
     n = len(doc.ids)
     out: list[tuple[int, int]] = []
     a = 0
@@ -101,13 +121,31 @@ def boundaries(
         b = min(a + chunk_size, n)
         if method == "sentence" and b < n:
             b = _sentence_boundary(doc, a, b, chunk_size)
-        elif method not in ("fixed", "sentence"):
-            raise ValueError(f"unknown chunker {method!r}")
-        # Never split a multi-byte character between two chunks.
-        while b < n and b - a > 1 and not _decodes_exactly(tokenizer, doc, a, b):
-            b -= 1
+        b = _back_off(tokenizer, doc, a, b)
         out.append((a, b))
         a = b
+    return out
+
+
+def _back_off(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> int:
+    """Move the end ``b`` of chunk ``[a, b)`` back until no multi-byte character is split."""
+    while b < len(doc.ids) and b - a > 1 and not _decodes_exactly(tokenizer, doc, a, b):
+        b -= 1
+    return b
+
+
+def _ranges_from_cuts(
+    tokenizer: Any, doc: TokenizedText, cuts: Sequence[int], chunk_size: int
+) -> list[tuple[int, int]]:
+    """Chunks ending at ``cuts`` (ascending) and at the end, each cut moved back if it would
+    split a character (then the remainder up to the cut is a chunk of its own)."""
+    out: list[tuple[int, int]] = []
+    a = 0
+    for cut in [*cuts, len(doc.ids)]:
+        while a < cut:
+            b = _back_off(tokenizer, doc, a, min(cut, a + chunk_size))
+            out.append((a, b))
+            a = b
     return out
 
 
@@ -120,13 +158,14 @@ def chunk_document(
     tokenizer_fp: str,
     chunk_size: int = 512,
     method: str = "fixed",
+    content: ContentParams | None = None,
     run_id: str,
 ) -> list[ChunkRow]:
-    """Cut one document version into chunk rows."""
-    chunker_fp = chunker_fingerprint(method, chunk_size)
+    """Cut one document version into chunk rows (``content``: see ``chunker_fingerprint``)."""
+    chunker_fp = chunker_fingerprint(method, chunk_size, content)
     doc = tokenize(tokenizer, text)
     rows = []
-    for ordinal, (a, b) in enumerate(boundaries(tokenizer, doc, chunk_size, method)):
+    for ordinal, (a, b) in enumerate(boundaries(tokenizer, doc, chunk_size, method, content)):
         cs = doc.ends[a - 1] if a > 0 else 0
         ce = doc.ends[b - 1]
         ids = doc.ids[a:b]

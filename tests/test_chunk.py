@@ -59,7 +59,7 @@ def _check(tokenizer, text: str, size: int, method: str) -> None:
 @given(
     words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=300),
     size=st.integers(min_value=8, max_value=64),
-    method=st.sampled_from(["fixed", "sentence"]),
+    method=st.sampled_from(["fixed", "sentence", "content"]),
 )
 def test_chunks_reconstruct_the_document(smollm2_tokenizer, words, size, method) -> None:
     _check(smollm2_tokenizer, " ".join(words), size, method)
