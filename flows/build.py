@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from functools import partial
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,25 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.filesystems import LocalFileSystem
+from prefect.task_runners import TaskRunner
 
+from flows.runners import task_runner
+from flows.scaleout import embed_on_workers, kv_on_workers
 from inference.models import load_tokenizer, tokenizer_fingerprint
 from schemas.keys import new_run_id
 from schemas.settings import BuildSettings
 from storage.runs import finish_run, start_run
 from storage.store import Store
 from tasks.chunk import chunk_stage, chunker_fingerprint
-from tasks.extract import ExtractCounts, answered_ok, extract_requests, pending_requests
+from tasks.embed import EmbedParts
+from tasks.extract import (
+    ExtractBatch,
+    ExtractCounts,
+    answered_ok,
+    pending_requests,
+    publish_extraction,
+    run_extraction,
+)
 from tasks.extractors.base import ExtractionRequest
 from tasks.extractors.factory import make_extractor
 from tasks.ingest import ingest_stage
@@ -41,7 +53,8 @@ from tasks.nuggets import current_nuggets, recover_stage
 def _extract_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """Content-hash cache key: the extractor's fingerprint and the texts' hashes."""
     keys = ",".join(r.key for r in parameters["requests"])
-    return f"extract-{parameters['extractor_fp']}-{sha256(keys.encode()).hexdigest()[:32]}"
+    digest = sha256(keys.encode()).hexdigest()[:32]
+    return f"extract-rows-{parameters['extractor_fp']}-{digest}"  # cached value: ExtractBatch
 
 
 def _result_storage(store: Store) -> str:
@@ -77,12 +90,9 @@ def extract_task(
     extractor_fp: str,
     requests: list[ExtractionRequest],
     run_id: str,
-) -> ExtractCounts:
-    counts = ExtractCounts(requested=len(requests))
-    extract_requests(
-        store, make_extractor(settings, str(store.prefect_dir)), requests, run_id, counts
-    )
-    return counts
+) -> ExtractBatch:
+    """One batch's rows, computed wherever the task runner puts it; the flow writes them."""
+    return run_extraction(make_extractor(settings, str(store.prefect_dir)), requests, run_id)
 
 
 @task(name="recover")
@@ -131,6 +141,19 @@ def embed_task(
     extractor_fp: str,
     run_id: str,
 ) -> dict[str, Any]:
+    return _embed_index(store, chunks, documents, settings, extractor_fp, run_id)
+
+
+def _embed_index(
+    store: Store,
+    chunks: list,
+    documents: list,
+    settings: BuildSettings,
+    extractor_fp: str,
+    run_id: str,
+    embed_parts: EmbedParts | None = None,
+) -> dict[str, Any]:
+    """Embed and index (``embed_parts``: where the vectors are computed, default here)."""
     from inference.embedders import load_embedder
     from tasks.embed import embed_stage
 
@@ -141,14 +164,25 @@ def embed_task(
     def progress(done: int, total: int) -> None:
         logger.info("embed: %d/%d texts", done, total)
 
-    counts = embed_stage(store, chunks, nuggets, documents, embedder, run_id, progress)
+    counts = embed_stage(
+        store,
+        chunks,
+        nuggets,
+        documents,
+        embedder,
+        run_id,
+        progress,
+        part_size=settings.embed_batch_size,
+        embed_parts=embed_parts,
+    )
     return {"embedder_fp": embedder.fingerprint, **asdict(counts)}
 
 
 def _extract_all(
-    store: Store, settings: BuildSettings, chunks: list, run_id: str
+    runner: TaskRunner, store: Store, settings: BuildSettings, chunks: list, run_id: str
 ) -> tuple[ExtractCounts, str]:
-    """Send every unanswered chunk text to the extractor, batch by batch, with progress."""
+    """Send every unanswered chunk text to the extractor, one task per batch on ``runner``;
+    write each batch's rows here, in batch order, with progress."""
     logger = get_run_logger()
     extractor = make_extractor(settings, str(store.prefect_dir))
     fp = extractor.fingerprint
@@ -167,12 +201,24 @@ def _extract_all(
         create_progress_artifact(progress=0.0, description="extraction") if pending else None
     )
     started = time.monotonic()
-    for i in range(0, len(pending), max(size, 1)):
-        batch = pending[i : i + size]
-        counts = task_fn(store, settings, fp, batch, run_id)
-        for name in ("ok", "failed", "calls", "tokens_in", "tokens_out", "cost_usd"):
-            setattr(total, name, getattr(total, name) + getattr(counts, name))
-        done = i + len(batch)
+    batches = [pending[i : i + size] for i in range(0, len(pending), max(size, 1))]
+    futures = [
+        runner.submit(
+            task_fn,
+            {
+                "store": store,
+                "settings": settings,
+                "extractor_fp": fp,
+                "requests": batch,
+                "run_id": run_id,
+            },
+        )
+        for batch in batches
+    ]
+    done = 0
+    for batch, future in zip(batches, futures, strict=True):
+        publish_extraction(store, future.result(), run_id, total)
+        done += len(batch)
         rate = (time.monotonic() - started) / done
         logger.info(
             "extract: %d/%d chunk texts (%.0f%%), %.2f s each, about %.0f s left",
@@ -187,6 +233,33 @@ def _extract_all(
     return total, fp
 
 
+def _kv_all(
+    runner: TaskRunner, store: Store, chunks: list, settings: BuildSettings, run_id: str
+) -> dict[str, Any]:
+    """The KV stage: in the flow process (default runner), else one task per group of chunks
+    on the runner's workers (flows/scaleout.py); the same entries either way."""
+    if settings.runner == "default":
+        return kv_task(store, chunks, settings, run_id)
+    return kv_on_workers(runner, store, chunks, settings, run_id)
+
+
+def _embed_all(
+    runner: TaskRunner,
+    store: Store,
+    chunks: list,
+    documents: list,
+    settings: BuildSettings,
+    extractor_fp: str,
+    run_id: str,
+) -> dict[str, Any]:
+    """Embed + index: one task in the flow process (default runner), else the flow writes the
+    cache and index while one task per part of the texts computes vectors on the workers."""
+    if settings.runner == "default":
+        return embed_task(store, chunks, documents, settings, extractor_fp, run_id)
+    parts = partial(embed_on_workers, runner, settings)
+    return _embed_index(store, chunks, documents, settings, extractor_fp, run_id, parts)
+
+
 @flow(name="coinrag-build")
 def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build (or update) STORE from SOURCE; return the summary counts."""
@@ -196,16 +269,16 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
     logger = get_run_logger()
     params = {"source": str(Path(source).expanduser().resolve()), **s.to_dict()}
     params["extractor"] = s.resolved_extractor()
-    with st.write_lock(run_id):
+    with st.write_lock(run_id), task_runner(s) as runner:
         run = start_run(st, run_id, "build", params)
         try:
             ingested, n_new_docs = ingest_task(st, source, run_id)
             chunks, n_new_chunks = chunk_task(st, ingested.documents, s, run_id)
-            extracted, extractor_fp = _extract_all(st, s, chunks, run_id)
+            extracted, extractor_fp = _extract_all(runner, st, s, chunks, run_id)
             recovered = recover_task(st, chunks, extractor_fp, s.tau, run_id)
-            kv = kv_task(st, chunks, s, run_id) if s.kv else {}
+            kv = _kv_all(runner, st, chunks, s, run_id) if s.kv else {}
             index = (
-                embed_task(st, chunks, ingested.documents, s, extractor_fp, run_id)
+                _embed_all(runner, st, chunks, ingested.documents, s, extractor_fp, run_id)
                 if s.index
                 else {}
             )

@@ -84,6 +84,30 @@ def build(
     concurrency: Annotated[
         int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
     ] = None,
+    runner: Annotated[
+        str | None,
+        typer.Option(help="Where tasks run: default (this process) | dask | ray."),
+    ] = None,
+    runner_address: Annotated[
+        str | None,
+        typer.Option(
+            "--runner-address",
+            help="Dask scheduler (tcp://host:8786) or Ray address; default: a local cluster.",
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Worker processes of a local Dask/Ray cluster (default 2).")
+    ] = None,
+    kv_resources: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-resources",
+            help="Worker resources each KV task needs, e.g. GPU=1 (dask/ray).",
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="Torch device of the generation model (default cpu).")
+    ] = None,
 ) -> None:
     """Build or update STORE from SOURCE: chunks, nuggets, and (later stages) KV and indexes."""
     from schemas.settings import SettingsError, load_settings
@@ -103,6 +127,11 @@ def build(
                 "chunk_size": chunk_size,
                 "tau": tau,
                 "concurrency": concurrency,
+                "runner": runner,
+                "runner_address": runner_address,
+                "workers": workers,
+                "kv_resources": kv_resources,
+                "device": device,
             },
         )
     except SettingsError as exc:

@@ -26,6 +26,7 @@ from typing import Any
 
 EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 CHUNKERS = ("fixed", "sentence", "content")
+RUNNERS = ("default", "dask", "ray")
 
 
 class SettingsError(ValueError):
@@ -54,6 +55,12 @@ class BuildSettings:
     kv: bool = True  # build the per-chunk KV of `model`
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
+    embed_batch_size: int = 4096  # texts per embedding task (and per embeddings-cache file)
+    # Scale-out (flows/runners.py): where the tasks run. Never changes what is built.
+    runner: str = "default"  # default (in the flow process) | dask | ray
+    runner_address: str = ""  # Dask scheduler / Ray address; "" = a local cluster of `workers`
+    workers: int = 2  # worker processes of the local Dask/Ray cluster
+    kv_resources: str = ""  # e.g. "GPU=1": only workers offering these take the KV tasks
 
     def resolved_extractor(self) -> str:
         """The extractor to use: the setting, else openai when a key is set, else local."""
@@ -79,14 +86,40 @@ class BuildSettings:
             "batch_max_rounds",
             "extract_batch_size",
             "kv_batch_size",
+            "embed_batch_size",
+            "workers",
         ):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.runner not in RUNNERS:
+            raise SettingsError(f"runner {self.runner!r} is not one of {', '.join(RUNNERS)}")
+        if self.runner_address and self.runner == "default":
+            raise SettingsError(
+                f"runner_address {self.runner_address!r} needs runner dask or ray, not default"
+            )
+        parse_resources(self.kv_resources)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for runs.parameters_json and STORE/coinrag.toml)."""
         return dataclasses.asdict(self)
+
+
+def parse_resources(spec: str) -> dict[str, float]:
+    """``"GPU=1,MEM=16e9"`` -> ``{"GPU": 1.0, "MEM": 16e9}`` (``""`` -> ``{}``)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            amount = float(value)
+        except ValueError:
+            amount = -1.0
+        if not sep or not name.strip() or amount <= 0:
+            raise SettingsError(
+                f"kv_resources {spec!r}: {part!r} is not NAME=AMOUNT with AMOUNT > 0"
+            )
+        out[name.strip()] = amount
+    return out
 
 
 def setting_names() -> list[str]:

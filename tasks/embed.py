@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,8 @@ CACHE_FLUSH_ROWS = 4096  # embedded vectors per Parquet file: a killed run loses
 DOC_CHARS_PER_TOKEN = 8  # document text is cut at max_length * this many characters
 
 StageProgress = Callable[[int, int], None]  # (texts embedded so far, texts to embed)
+# Parts of texts -> their vectors, ``(len(part), dim)`` float32 each, in order.
+EmbedParts = Callable[[list[list[str]]], Iterable[np.ndarray]]
 
 
 @dataclass
@@ -137,23 +139,37 @@ def embed_texts(
     run_id: str,
     counts: EmbedCounts,
     progress: StageProgress | None = None,
+    part_size: int = CACHE_FLUSH_ROWS,
+    embed_parts: EmbedParts | None = None,
 ) -> dict[str, np.ndarray]:
-    """Vectors for ``{text_hash: text}``: from the cache, else embedded now and cached."""
+    """Vectors for ``{text_hash: text}``: from the cache, else embedded now and cached.
+
+    The texts to embed are cut into parts of ``part_size`` (in ``texts`` order); each part's
+    vectors are appended to the cache as one file as soon as they arrive. ``embed_parts`` maps
+    the list of parts to their ``(len(part), dim)`` float32 matrices, in order (e.g. one task
+    per part on a distributed runner); by default ``embedder`` embeds them here, one by one.
+    """
     hashes = list(texts)
     vectors = cached_vectors(store, embedder.fingerprint, hashes, embedder.dim)
     missing = [h for h in hashes if h not in vectors]
     counts.texts += len(hashes)
     counts.cached += len(hashes) - len(missing)
     started = time.perf_counter()
-    done = 0
-    for start in range(0, len(missing), CACHE_FLUSH_ROWS):
-        part = missing[start : start + CACHE_FLUSH_ROWS]
+    parts = [missing[i : i + part_size] for i in range(0, len(missing), part_size)]
 
-        def report(n: int, _total: int, base: int = done) -> None:
-            if progress is not None:
-                progress(base + n, len(missing))
+    def embed_here(batches: list[list[str]]) -> Iterator[np.ndarray]:
+        done = 0
+        for batch in batches:
 
-        mat = embedder.embed_documents([texts[h] for h in part], progress=report)
+            def report(n: int, _total: int, base: int = done) -> None:
+                if progress is not None:
+                    progress(base + n, len(missing))
+
+            yield embedder.embed_documents(batch, progress=report)
+            done += len(batch)
+
+    matrices = (embed_parts or embed_here)([[texts[h] for h in part] for part in parts])
+    for part, mat in zip(parts, matrices, strict=True):
         rows = [
             EmbeddingRow(
                 text_hash=h,
@@ -167,8 +183,9 @@ def embed_texts(
         append_rows(store, rows, run_id, "embed")
         for i, h in enumerate(part):
             vectors[h] = mat[i]
-        done += len(part)
         counts.embedded += len(part)
+        if progress is not None:
+            progress(counts.embedded, len(missing))
     counts.embed_seconds += time.perf_counter() - started
     return vectors
 
@@ -182,10 +199,13 @@ def embed_stage(
     run_id: str,
     progress: StageProgress | None = None,
     vector_index_min_rows: int | None = None,
+    part_size: int = CACHE_FLUSH_ROWS,
+    embed_parts: EmbedParts | None = None,
 ) -> EmbedCounts:
     """Bring the index up to date for these documents, chunks and nuggets; return counts.
 
     ``documents`` are ``tasks.ingest.SourceDocument`` (or ``DocumentRow``) objects.
+    ``part_size`` and ``embed_parts``: see :func:`embed_texts`.
     """
     counts = EmbedCounts()
     index, counts.index_reset = LanceIndex.open_for_write(
@@ -237,7 +257,7 @@ def embed_stage(
         keys[kind] = [text_hash(t) for t in texts]
         for h, t in zip(keys[kind], texts, strict=True):
             wanted.setdefault(h, t)
-    vectors = embed_texts(store, embedder, wanted, run_id, counts, progress)
+    vectors = embed_texts(store, embedder, wanted, run_id, counts, progress, part_size, embed_parts)
 
     def matrix(hashes: list[str]) -> np.ndarray:
         if not hashes:

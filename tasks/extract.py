@@ -115,6 +115,53 @@ def result_rows(
     return answers, calls
 
 
+@dataclass
+class ExtractBatch:
+    """One batch's answers and ledger rows: computed (on a worker, maybe), not yet written."""
+
+    answers: list[ExtractionRow]
+    calls: list[ExtractionCallRow]
+
+
+def run_extraction(
+    extractor: Extractor,
+    requests: Sequence[ExtractionRequest],
+    run_id: str,
+    progress: Callable[[int], None] | None = None,
+) -> ExtractBatch:
+    """Ask the extractor about one batch of requests; write nothing."""
+    results = extractor.extract(requests, progress)
+    return ExtractBatch(*result_rows(results, extractor, run_id))
+
+
+def publish_extraction(
+    store: Store, batch: ExtractBatch, run_id: str, counts: ExtractCounts
+) -> None:
+    """Append a batch's ledger rows, then its answers (the writer of the store calls this).
+
+    A batch computed by an earlier run (a Prefect cache hit) may already be in the tables, if
+    that run got to write it: rows already there (same call_id; same text_hash and run_id) are
+    not written twice. ``counts`` gets the batch's answers and the calls made by ``run_id``.
+    """
+    answers, calls = batch.answers, batch.calls
+    earlier = sorted(({r.run_id for r in answers} | {c.run_id for c in calls}) - {run_id})
+    if earlier:
+        in_earlier = pc.field("run_id").isin(earlier)
+        have_calls = {c.call_id for c in read_rows(store, ExtractionCallRow, filter=in_earlier)}
+        have = {(a.text_hash, a.run_id) for a in read_rows(store, ExtractionRow, filter=in_earlier)}
+        calls = [c for c in calls if c.call_id not in have_calls]
+        answers = [a for a in answers if (a.text_hash, a.run_id) not in have]
+    append_rows(store, calls, run_id, "extract-calls")
+    append_rows(store, answers, run_id, "extract")
+    mine = [c for c in batch.calls if c.run_id == run_id]
+    counts.ok += sum(a.status == "ok" for a in batch.answers)
+    counts.failed += sum(a.status != "ok" for a in batch.answers)
+    counts.calls += len(mine)
+    counts.tokens_in += sum(c.tokens_in for c in mine)
+    counts.tokens_out += sum(c.tokens_out for c in mine)
+    counts.cost_usd += sum(c.cost_usd for c in mine)
+
+
 def extract_requests(
     store: Store,
     extractor: Extractor,
@@ -124,13 +171,4 @@ def extract_requests(
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Run one batch of requests and append its answers and ledger rows (both, or neither)."""
-    results = extractor.extract(requests, progress)
-    answers, calls = result_rows(results, extractor, run_id)
-    append_rows(store, calls, run_id, "extract-calls")
-    append_rows(store, answers, run_id, "extract")
-    counts.ok += sum(r.status == "ok" for r in results)
-    counts.failed += sum(r.status != "ok" for r in results)
-    counts.calls += len(calls)
-    counts.tokens_in += sum(c.tokens_in for c in calls)
-    counts.tokens_out += sum(c.tokens_out for c in calls)
-    counts.cost_usd += sum(c.cost_usd for c in calls)
+    publish_extraction(store, run_extraction(extractor, requests, run_id, progress), run_id, counts)

@@ -1,0 +1,156 @@
+"""The KV and embedding stages as many tasks on a distributed task runner (``flows/runners.py``).
+
+Workers compute; the flow process, which holds the store's write lock, publishes:
+
+- KV: a ``kv-prepare`` task loads the model on a worker and returns the layout (and ``C_p`` if
+  the store lacks it: the flow writes it); the flow plans the chunks to compute and cuts them
+  into groups of whole shards (``tasks.kv.kv_groups``); each ``kv-group`` task computes one
+  group on a worker and writes its shards under ``.tmp-`` names (verified, never valid on their
+  own); the flow renames them into place and appends their manifest rows, in group order. The
+  batches, shard numbers and bytes are those of the default runner's ``kv_stage``.
+- Embedding: ``tasks.embed.embed_stage`` runs in the flow and hands the texts to embed, in parts
+  of ``embed_batch_size``, to ``embed-part`` tasks; it appends each part's vectors to the cache
+  and upserts the index itself.
+
+Every worker loads the generation model and the embedder once (memoised per process), and must
+see the store folder at the same path (a shared file system).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import TaskRunner
+
+from flows.runners import kv_placement
+from schemas.settings import BuildSettings
+from schemas.tables import ChunkRow
+from storage.kv import KvLayout, KvStore, StagedShard
+from storage.store import Store
+
+
+@dataclass(frozen=True)
+class KvPrep:
+    """What the flow needs from the model to plan the KV stage (computed on a worker)."""
+
+    layout: KvLayout
+    tokenizer_fp: str
+    prefix_ids: tuple[int, ...]
+    prefix_kv: torch.Tensor | None  # C_p, when the store does not hold it yet
+
+
+@task(name="kv-prepare", cache_policy=NO_CACHE)
+def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
+    from inference.models import load_shared_model
+    from inference.prompt import RagPrompt
+    from tasks.kv import compute_prefix_kv, kv_layout
+
+    loaded = load_shared_model(settings.model, settings.device)
+    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
+    layout = kv_layout(loaded, prompt)
+    has_prefix = KvStore(store, layout).has_prefix()  # a read: the flow creates the store
+    return KvPrep(
+        layout=layout,
+        tokenizer_fp=loaded.tokenizer_fp,
+        prefix_ids=tuple(prompt.prefix_ids),
+        prefix_kv=None if has_prefix else compute_prefix_kv(loaded.model, prompt.prefix_ids),
+    )
+
+
+@task(name="kv-group", cache_policy=NO_CACHE)
+def kv_group_task(
+    store: Store, settings: BuildSettings, layout: KvLayout, group: list[ChunkRow], run_id: str
+) -> tuple[list[StagedShard], dict[str, float]]:
+    from inference.models import load_shared_model
+    from tasks.kv import stage_group_kv
+
+    loaded = load_shared_model(settings.model, settings.device)
+    kv = KvStore.open(store, layout.kv_fp, layout)
+    prefix_kv, _ = kv.read_prefix()
+    return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size)
+
+
+def kv_on_workers(
+    runner: TaskRunner, store: Store, chunks: list[ChunkRow], settings: BuildSettings, run_id: str
+) -> dict[str, Any]:
+    """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
+    from tasks.kv import KvCounts, count_batches, kv_groups, plan_kv, stored_prefix_kv
+
+    logger = get_run_logger()
+    started = time.perf_counter()
+    with kv_placement(settings):
+        prep = runner.submit(kv_prepare_task, {"store": store, "settings": settings}).result()
+    kv = KvStore.create(store, prep.layout)
+    if prep.prefix_kv is not None and not kv.has_prefix():
+        kv.write_prefix(prep.prefix_kv, prep.prefix_ids)
+    counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
+    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts)
+    stored_prefix_kv(kv, prep.prefix_ids)  # the stored C_p is this prompt's
+    groups = kv_groups(todo, settings.kv_batch_size, prep.layout.slots_per_shard)
+    with kv_placement(settings):
+        futures = [
+            runner.submit(
+                kv_group_task,
+                {
+                    "store": store,
+                    "settings": settings,
+                    "layout": prep.layout,
+                    "group": group,
+                    "run_id": run_id,
+                },
+            )
+            for group in groups
+        ]
+    secs = counts.seconds
+    secs.update(forward=0.0, extract=0.0)
+    for group, future in zip(groups, futures, strict=True):
+        staged, worker_secs = future.result()
+        for shard in staged:
+            counts.computed += len(kv.publish_shard(shard, run_id))
+        count_batches(counts, group, settings.kv_batch_size)
+        for name, value in worker_secs.items():
+            secs[name] = secs.get(name, 0.0) + value
+        logger.info("kv: %d/%d chunks stored", counts.computed, len(todo))
+    ws = kv.write_stats
+    counts.shards, counts.disk_bytes, counts.logical_bytes = (
+        ws.shards,
+        ws.disk_bytes,
+        ws.logical_bytes,
+    )
+    secs.update(write=ws.encode_write_s, verify=ws.verify_s, manifest=ws.manifest_s)
+    secs["total"] = time.perf_counter() - started
+    return {"model_fp": prep.layout.model_fp, **counts.as_dict()}
+
+
+@lru_cache(maxsize=1)
+def _worker_embedder(ref: str) -> Any:
+    from inference.embedders import load_embedder
+
+    return load_embedder(ref)
+
+
+@task(name="embed-part", cache_policy=NO_CACHE)
+def embed_part_task(embedder_ref: str, texts: list[str]) -> np.ndarray:
+    """``(len(texts), dim)`` float32 vectors of one part of the texts to embed."""
+    return _worker_embedder(embedder_ref).embed_documents(texts)
+
+
+def embed_on_workers(
+    runner: TaskRunner, settings: BuildSettings, parts: list[list[str]]
+) -> Iterator[np.ndarray]:
+    """``tasks.embed.EmbedParts`` on ``runner``: every part submitted at once, vectors yielded
+    in order as they come back."""
+    futures = [
+        runner.submit(embed_part_task, {"embedder_ref": settings.embedder, "texts": part})
+        for part in parts
+    ]
+    for future in futures:
+        yield future.result()

@@ -1,0 +1,149 @@
+"""Scale-out: a build on Dask or Ray workers stores exactly what the default runner stores.
+
+A tiny build (3 sample documents, 64-token chunks, rules extractor, KV of SmolLM2, MiniLM
+vectors) in several tasks per stage: the tables' content columns, every KV entry's bytes and
+every LanceDB vector must be identical to the default runner's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from flows.build import build_flow
+from flows.cli import app
+from schemas.settings import BuildSettings, SettingsError
+from schemas.tables import TABLES
+from storage.index import LanceIndex
+from storage.kv import KvStore, to_storage
+from storage.store import Store
+from storage.tables import read_table
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
+
+SETTINGS = {
+    "extractor": "rules",
+    "chunk_size": 64,
+    "extract_batch_size": 4,  # several extraction tasks
+    "kv_batch_size": 2,  # 4 slots per shard: groups of 4 chunks, 2 forward passes each
+    "embed_batch_size": 16,  # several embedding tasks
+}
+# Columns that say when and by which run, not what: left out of the comparison.
+VOLATILE = {"run_id", "code_version", "time", "started_at", "ended_at", "call_id", "latency_ms"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, sample_corpus) -> Path:
+    src = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    src.write_text("".join(sample_corpus.read_text(encoding="utf-8").splitlines(True)[:3]))
+    return src
+
+
+@pytest.fixture(scope="module")
+def default_build(tmp_path_factory, corpus) -> tuple[Path, dict[str, Any]]:
+    store = tmp_path_factory.mktemp("default") / "store"
+    return store, build_flow(str(corpus), str(store), SETTINGS)
+
+
+def _tables(store: Path) -> dict[str, list[tuple]]:
+    out = {}
+    for name, record in TABLES.items():
+        if name == "runs":
+            continue
+        table = read_table(Store.at(store), record)
+        keep = [c for c in table.column_names if c not in VOLATILE]
+        rows = table.select(keep).to_pylist()
+        out[name] = sorted(tuple(repr(r[c]) for c in keep) for r in rows)
+    return out
+
+
+def _kv_bytes(store: Path) -> dict[str, bytes]:
+    st = Store.at(store)
+    (kv_dir,) = [p for p in (st.root / "kv").iterdir() if not p.name.startswith(".")]
+    kv = KvStore.open(st, kv_dir.name)
+    return {ck: to_storage(kv.read_entry(ck)).tobytes() for ck in kv.manifest(refresh=True)}
+
+
+def _vectors(store: Path) -> dict[str, dict[str, bytes]]:
+    index = LanceIndex.open(Store.at(store))
+    out = {}
+    for name, key in (("chunks", "chunk_id"), ("nuggets", "nugget_id"), ("documents", "doc_id")):
+        data = index.columns(name, [key, "vector"]).to_pydict()
+        out[name] = {
+            k: np.asarray(v, dtype=np.float32).tobytes()
+            for k, v in zip(data[key], data["vector"], strict=True)
+        }
+    return out
+
+
+def _assert_same_assets(built: Path, reference: Path) -> None:
+    tables, expected = _tables(built), _tables(reference)
+    assert expected["kv_manifest"] and expected["embeddings"] and expected["nuggets"]
+    for name in expected:
+        assert tables[name] == expected[name], f"table {name} differs"
+    kv, kv_expected = _kv_bytes(built), _kv_bytes(reference)
+    assert len(kv_expected) == len(expected["kv_manifest"]) > 4  # more than one KV group
+    assert kv.keys() == kv_expected.keys()
+    assert all(kv[ck] == kv_expected[ck] for ck in kv_expected), "KV bytes differ"
+    vectors, vectors_expected = _vectors(built), _vectors(reference)
+    assert all(vectors_expected.values())
+    assert vectors == vectors_expected, "LanceDB vectors differ"
+
+
+def _check_summary(summary: dict[str, Any], reference: dict[str, Any]) -> None:
+    volatile = {"run_id", "rejected"}
+    assert {k: v for k, v in summary.items() if k not in volatile} == {
+        k: v for k, v in reference.items() if k not in volatile
+    }
+
+
+def test_dask_local_cluster_builds_the_same_assets(tmp_path, corpus, default_build) -> None:
+    reference, ref_summary = default_build
+    store = tmp_path / "store"
+    summary = build_flow(str(corpus), str(store), SETTINGS | {"runner": "dask", "workers": 2})
+    _check_summary(summary, ref_summary)
+    _assert_same_assets(store, reference)
+    # Nothing left half-published: every shard folder is in the manifest, no staged leftovers.
+    (kv_dir,) = (store / "kv").iterdir()
+    assert KvStore.open(Store.at(store), kv_dir.name).garbage() == []
+    again = build_flow(str(corpus), str(store), SETTINGS | {"runner": "dask", "workers": 2})
+    assert again["kv_computed"] == 0 and again["embedded"] == 0 and again["extract_requested"] == 0
+
+
+def test_ray_local_cluster_builds_the_same_assets(tmp_path, corpus, default_build) -> None:
+    reference, ref_summary = default_build
+    store = tmp_path / "store"
+    summary = build_flow(str(corpus), str(store), SETTINGS | {"runner": "ray", "workers": 2})
+    _check_summary(summary, ref_summary)
+    _assert_same_assets(store, reference)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"runner": "spark"}, "runner 'spark' is not one of"),
+        ({"runner_address": "tcp://h:8786"}, "needs runner dask or ray"),
+        ({"runner": "dask", "workers": 0}, "workers must be >= 1"),
+        ({"runner": "dask", "kv_resources": "GPU"}, "is not NAME=AMOUNT"),
+    ],
+)
+def test_bad_runner_settings_are_refused(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        BuildSettings(**values).validate()
+
+
+def test_cli_runner_options_reach_the_settings(tmp_path) -> None:
+    result = CliRunner().invoke(
+        app, ["build", "sample", "--store", str(tmp_path / "s"), "--runner", "spark"]
+    )
+    assert result.exit_code == 2 and "runner 'spark'" in result.output
+    result = CliRunner().invoke(
+        app,
+        ["build", "sample", "--store", str(tmp_path / "s"), "--runner", "dask"]
+        + ["--kv-resources", "GPU=x"],
+    )
+    assert result.exit_code == 2 and "GPU=x" in result.output
