@@ -394,6 +394,116 @@ def train_nuggets_cmd(
     Console().print_json(json.dumps(summary, default=str))
 
 
+@app.command()
+def serve(
+    source: Annotated[
+        str, typer.Argument(help="What to build (as for `coinrag build`), or 'sample'.")
+    ],
+    store: Annotated[
+        Path, typer.Option("--store", help="The store directory (created if absent).")
+    ],
+    cron: Annotated[
+        str | None,
+        typer.Option(help='Cron schedule, e.g. "0 3 * * *" (UTC); none: on change only.'),
+    ] = None,
+    name: Annotated[str, typer.Option(help="Deployment name.")] = "coinrag-build-scheduled",
+    train_data: Annotated[
+        Path | None,
+        typer.Option("--train-data", help="QA JSONL: also fine-tune after each build."),
+    ] = None,
+    train_out: Annotated[
+        Path | None, typer.Option("--train-out", help="Folder of the fine-tuned model.")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="TOML file with a [build] table of build settings.")
+    ] = None,
+    extractor: Annotated[
+        str | None, typer.Option(help="openai | openai-batch | local | rules | none")
+    ] = None,
+    llm_model: Annotated[
+        str | None, typer.Option("--llm-model", help="LLM for extraction.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Generation model (tokenizer, KV).")] = None,
+    embedder: Annotated[str | None, typer.Option(help="'minilm' or a BGE-M3 folder.")] = None,
+    chunker: Annotated[str | None, typer.Option(help="fixed | sentence | content")] = None,
+    chunk_size: Annotated[int | None, typer.Option(help="Tokens per chunk.")] = None,
+    tau: Annotated[float | None, typer.Option(help="Fuzzy recovery threshold.")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Simultaneous LLM requests.")] = None,
+) -> None:
+    """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
+
+    Long-running (needs PREFECT_API_URL, see infra/prefect_server.py); Ctrl-C stops it and
+    pauses its schedule. Deployment construction: infra/build_deployment.py.
+    """
+    from infra.build_deployment import make_serve_deployments, serve_build
+    from schemas.settings import SettingsError, load_settings
+
+    source = str(SAMPLE) if source == "sample" else source
+    if not Path(source).expanduser().exists():
+        _fail(f"source {source} does not exist", 1)
+    if (train_data is None) != (train_out is None):
+        _fail("--train-data and --train-out go together", 2)
+    if train_data is not None and not train_data.is_file():
+        _fail(f"--train-data {train_data} does not exist", 1)
+    overrides = {
+        "extractor": extractor,
+        "llm_model": llm_model,
+        "model": model,
+        "embedder": embedder,
+        "chunker": chunker,
+        "chunk_size": chunk_size,
+        "tau": tau,
+        "concurrency": concurrency,
+    }
+    try:
+        settings = load_settings(config, overrides)
+        deployments = make_serve_deployments(
+            str(Path(source).expanduser().resolve()),
+            str(store.expanduser().resolve()),
+            settings.to_dict(),
+            cron=cron,
+            name=name,
+            train_data=str(train_data.resolve()) if train_data else None,
+            train_out=str(train_out.expanduser().resolve()) if train_out else None,
+        )
+    except (SettingsError, ValueError) as exc:  # a bad cron is a ValueError too
+        _fail(str(exc), 2)
+    try:
+        serve_build(deployments)
+    except RuntimeError as exc:
+        _fail(str(exc), 1)
+
+
+@app.command()
+def watch(
+    source: Annotated[str, typer.Argument(help="The source a served build deployment builds.")],
+    store: Annotated[Path, typer.Option("--store", help="Its store.")],
+    interval: Annotated[float, typer.Option(help="Seconds between checks.")] = 30.0,
+    once: Annotated[bool, typer.Option("--once", help="Check once and exit.")] = False,
+) -> None:
+    """Emit `coinrag.source.changed` (Prefect event) when SOURCE holds documents STORE lacks.
+
+    A deployment served by `coinrag serve` for SOURCE rebuilds on that event. Needs
+    PREFECT_API_URL.
+    """
+    from infra.source_events import watch_source
+    from tasks.ingest import SourceError
+
+    source = str(SAMPLE) if source == "sample" else source
+    if interval <= 0:
+        _fail("--interval must be > 0", 2)
+
+    def report(ids: list[str]) -> None:
+        console.print(f"coinrag.source.changed: {len(ids)} document(s): {', '.join(ids[:10])}")
+
+    try:
+        changed = watch_source(source, str(store), interval=interval, once=once, report=report)
+    except (SourceError, RuntimeError) as exc:
+        _fail(str(exc), 1)
+    if not changed:
+        console.print("no changed documents")
+
+
 def _print_summary(summary: dict) -> None:
     table = Table(title=f"coinrag build {summary['run_id']}")
     table.add_column("measure")

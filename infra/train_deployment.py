@@ -38,10 +38,14 @@ def make_deployment(
     settings: dict[str, Any] | None = None,
     cron: str | None = None,
     name: str = DEPLOYMENT_NAME,
+    build_deployment: str | None = None,
 ) -> Any:
     """A ``RunnerDeployment`` of :func:`flows.train.train_nuggets_flow` (not registered yet).
 
     Without ``cron``: triggered by the build flow's completion; with ``cron``: scheduled.
+    ``build_deployment`` narrows the trigger to completed runs of that build deployment (its
+    name): the training flow's own document build is a ``coinrag-build`` subflow run without a
+    deployment, so it cannot retrigger training.
     """
     from prefect.events import DeploymentEventTrigger
 
@@ -66,8 +70,8 @@ def make_deployment(
                 name="after-build",
                 expect={"prefect.flow-run.Completed"},
                 match_related={
-                    "prefect.resource.role": "flow",
-                    "prefect.resource.name": BUILD_FLOW_NAME,
+                    "prefect.resource.role": "deployment" if build_deployment else "flow",
+                    "prefect.resource.name": build_deployment or BUILD_FLOW_NAME,
                 },
                 posture="Reactive",
                 threshold=1,

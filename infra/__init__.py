@@ -1,0 +1,1 @@
+"""Deployments, schedules, and the scripts that start servers (Prefect server, workers)."""
