@@ -314,6 +314,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "tokenizer_fp": chunks[0].tokenizer_fp if chunks else "",
             "chunker_fp": chunker_fingerprint(s.chunker, s.chunk_size),
             "extractor_fp": extractor_fp,
+            "prompt_version": make_extractor(s, str(st.prefect_dir)).prompt_version,
             "model_fp": kv.get("model_fp", ""),
             "kv_fp": kv.get("kv_fp", ""),
             "embedder_fp": index.get("embedder_fp", ""),

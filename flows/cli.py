@@ -325,6 +325,69 @@ def _cartridge_answer(
     )
 
 
+@app.command()
+def lineage(
+    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    sql: Annotated[
+        str | None, typer.Argument(help="One SELECT over the lineage views and the tables.")
+    ] = None,
+    nugget: Annotated[
+        str | None, typer.Option(help="Walk up and down from this nugget_id.")
+    ] = None,
+    chunk: Annotated[str | None, typer.Option(help="Walk up and down from this chunk_id.")] = None,
+    doc: Annotated[str | None, typer.Option(help="Walk down from this doc_id.")] = None,
+    stale: Annotated[
+        bool, typer.Option("--stale", help="Assets whose producer differs from the settings'.")
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="Print CSV (SQL and --stale).")] = False,
+) -> None:
+    """Lineage of a store's assets: run SQL over its views, walk the chain through one nugget,
+    chunk or document, or list stale assets. Without any of these: list the views. Read-only
+    (works while a build runs)."""
+    from flows import lineage as lin
+    from storage.lineage import LineageError
+    from storage.store import Store
+
+    walks = {k: v for k, v in {"nugget": nugget, "chunk": chunk, "doc": doc}.items() if v}
+    modes = len(walks) + (sql is not None) + stale
+    if modes > 1:
+        _fail("give one of SQL, --nugget, --chunk, --doc, --stale", 2)
+    if json_out and csv_out:
+        _fail("--json and --csv exclude each other", 2)
+    if csv_out and walks:
+        _fail("--csv prints one table: use it with SQL or --stale (--json for a walk)", 2)
+    st = Store.at(store)
+    if not st.exists():
+        _fail(f"{st.root} is not a coinrag store (run coinrag build first)", 1)
+    out = Console()
+    if modes == 0:
+        lin.print_views(out)
+        return
+    try:
+        if walks:
+            ((kind, ident),) = walks.items()
+            sections = lin.lineage_walk(st, kind, ident)
+        else:
+            result = lin.lineage_stale(st) if stale else lin.lineage_sql(st, sql or "")
+    except LineageError as exc:
+        _fail(str(exc), 1 if walks else 2)
+    except (OSError, ValueError) as exc:  # settings or producers of --stale that cannot load
+        _fail(f"cannot compute the current producers from {st.settings_path}: {exc}", 1)
+    if walks:
+        if json_out:
+            print(lin.to_json(sections))
+        else:
+            for name, table in sections.items():
+                lin.print_section(out, name, table)
+    elif json_out:
+        print(lin.to_json(result))
+    elif csv_out:
+        sys.stdout.write(lin.to_csv(result))
+    else:
+        lin.print_table(out, result, "stale assets" if stale else None)
+
+
 train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
 app.add_typer(train_app, name="train")
 

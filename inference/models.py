@@ -205,6 +205,17 @@ def model_fingerprint(config: Any, weights_hash: str, dtype: str, tokenizer_fp: 
     )
 
 
+def reference_model_fingerprint(ref: str | os.PathLike[str] | None, device: str = "cpu") -> str:
+    """The ``model_fp`` :func:`load_model` gives ``ref`` on ``device``, without loading weights
+    (config, tokenizer and the cached weights hash only)."""
+    from transformers import AutoConfig
+
+    model_dir = resolve_model_dir(ref)
+    tok_fp = tokenizer_fingerprint(load_tokenizer(ref))
+    config = AutoConfig.from_pretrained(model_dir)
+    return model_fingerprint(config, weights_sha256(model_dir), default_dtype(device), tok_fp)
+
+
 def default_dtype(device: str) -> str:
     """float32 on CPU (fastest there), bfloat16 on accelerators."""
     return "float32" if device == "cpu" else "bfloat16"

@@ -60,6 +60,7 @@ class Extractor(Protocol):
 
     backend: str  # openai | openai-batch | local | rules | none
     llm_model: str
+    prompt_version: str  # version of the prompt (or rules) in the fingerprint; "" for none
 
     @property
     def fingerprint(self) -> str:

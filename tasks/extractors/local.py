@@ -535,6 +535,7 @@ class LocalConstrainedExtractor:
     """
 
     backend = "local"
+    prompt_version = LOCAL_PROMPT_VERSION
 
     def __init__(
         self,
@@ -591,23 +592,9 @@ class LocalConstrainedExtractor:
         if self._loaded is not None:
             return self._loaded.model_fp
         if self._model_fp is None:
-            from transformers import AutoConfig
+            from inference.models import reference_model_fingerprint
 
-            from inference.models import (
-                default_dtype,
-                load_tokenizer,
-                model_fingerprint,
-                resolve_model_dir,
-                tokenizer_fingerprint,
-                weights_sha256,
-            )
-
-            model_dir = resolve_model_dir(self.model_ref)
-            tok_fp = tokenizer_fingerprint(load_tokenizer(self.model_ref))
-            config = AutoConfig.from_pretrained(model_dir)
-            self._model_fp = model_fingerprint(
-                config, weights_sha256(model_dir), default_dtype(self.device), tok_fp
-            )
+            self._model_fp = reference_model_fingerprint(self.model_ref, self.device)
         return self._model_fp
 
     @property

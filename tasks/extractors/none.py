@@ -17,6 +17,7 @@ class NoExtractor:
 
     backend = "none"
     llm_model = "none"
+    prompt_version = ""
 
     @property
     def fingerprint(self) -> str:

@@ -64,7 +64,7 @@ from tasks.extractors.openai_chat import (
     spread_results,
 )
 from tasks.extractors.pricing import call_cost
-from tasks.extractors.prompt import MalformedResponse, build_messages, parse_nuggets
+from tasks.extractors.prompt import PROMPT_VERSION, MalformedResponse, build_messages, parse_nuggets
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class OpenAIBatchExtractor:
     """Extract nuggets with the Batch API; resubmits what fails; resumable via ``state_path``."""
 
     backend = "openai-batch"
+    prompt_version = PROMPT_VERSION
 
     def __init__(
         self,

@@ -265,6 +265,7 @@ class OpenAIChatExtractor:
     """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
 
     backend = "openai"
+    prompt_version = PROMPT_VERSION
 
     def __init__(
         self,

@@ -164,6 +164,7 @@ class RulesExtractor:
 
     backend = "rules"
     llm_model = "none"
+    prompt_version = RULES_VERSION  # the segmentation rules stand where a prompt would
 
     def __init__(self, min_words: int = 3, max_words: int = 25, split_words: int = 16) -> None:
         if not 1 <= min_words <= max_words:

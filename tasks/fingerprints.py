@@ -1,0 +1,43 @@
+"""The current producers of a store: the fingerprints its settings make now.
+
+An asset is stale exactly when a fingerprint it was made with differs from the current one
+(``../shared/DESIGN.md``). This computes the current ones from :class:`BuildSettings` (usually
+``STORE/coinrag.toml``) with the same code the build uses, so an unchanged build's recorded
+fingerprints equal these (tested). Cost: the tokenizer, the generation model's config and cached
+weights hash (no weights are loaded), and the embedder (loaded: its fingerprint needs its
+config; about a second for MiniLM).
+"""
+
+from __future__ import annotations
+
+from schemas.settings import BuildSettings, load_settings
+from schemas.views import PRODUCERS
+from storage.store import Store
+
+
+def store_settings(store: Store) -> BuildSettings:
+    """The settings recorded in ``STORE/coinrag.toml`` (defaults where it has none)."""
+    path = store.settings_path
+    return load_settings(path if path.is_file() else None)
+
+
+def current_producers(settings: BuildSettings) -> dict[str, str]:
+    """``schemas.views.PRODUCERS`` -> the value ``settings`` produce now.
+
+    ``tau`` is the recovery threshold as text (``"0.7"``).
+    """
+    from inference.embedders import load_embedder
+    from inference.models import load_tokenizer, reference_model_fingerprint, tokenizer_fingerprint
+    from tasks.chunk import chunker_fingerprint
+    from tasks.extractors.factory import make_extractor
+
+    values = {
+        "tokenizer_fp": tokenizer_fingerprint(load_tokenizer(settings.model)),
+        "chunker_fp": chunker_fingerprint(settings.chunker, settings.chunk_size),
+        "extractor_fp": make_extractor(settings).fingerprint,
+        "tau": str(settings.tau),
+        "model_fp": reference_model_fingerprint(settings.model, settings.device),
+        "embedder_fp": load_embedder(settings.embedder).fingerprint,
+    }
+    assert tuple(values) == PRODUCERS, "keep PRODUCERS and this function in step"
+    return values
