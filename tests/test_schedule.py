@@ -61,33 +61,42 @@ def _family(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
-def _gone(family: list[psutil.Process]) -> list[str]:
-    """Processes of ``family`` still alive (zombies count as gone)."""
+def _alive(family: list[psutil.Process]) -> list[psutil.Process]:
+    """Processes of ``family`` still running (zombies count as gone)."""
     alive = []
     for p in family:
         try:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+                alive.append(p)
         except psutil.NoSuchProcess:
             pass
     return alive
 
 
-def _interrupt(proc: subprocess.Popen, timeout: float) -> int | None:
-    """Ctrl-C ``proc`` (SIGINT); SIGKILL its whole tree if it is still there after ``timeout``."""
+def _interrupt(proc: subprocess.Popen, timeout: float) -> tuple[int | None, list[str]]:
+    """Ctrl-C ``proc`` (SIGINT) and wait; then SIGKILL whatever of its tree is left.
+
+    Returns (exit code or None if it had to be killed, the processes that were left over).
+    """
     family = _family(proc)
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     try:
-        return proc.wait(timeout)
+        rc: int | None = proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        for p in family:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        proc.wait(10)
-        return None
+        rc = None
+    deadline = time.monotonic() + 10
+    while _alive(family) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _alive(family)
+    names = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.poll()
+    return rc, names
 
 
 def _write_jsonl(path: Path, docs: list[dict]) -> Path:
@@ -140,7 +149,6 @@ def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
             env=env,
             cwd=REPO,
         )
-    family: list[psutil.Process] = []
     try:
         _wait_for(
             lambda: proc.poll() is not None or READY_MARK in log.read_text(),
@@ -149,18 +157,14 @@ def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
             [log],
         )
         assert proc.poll() is None, log.read_text()
-        family = _family(proc)  # script, server, worker
         with temporary_settings({PREFECT_API_URL: api_url}):
             yield {"env": env, "root": root, "log": log, "api_url": api_url}
-        family = family + _family(proc)[len(family) :]
-        rc = _interrupt(proc, 60)
-        assert rc == 0, f"prefect_server.py exited with {rc}\n{log.read_text()[-3000:]}"
-        assert "coinrag-prefect: stopped" in log.read_text()
     finally:
-        if proc.poll() is None:
-            _interrupt(proc, 30)
-        family = family + _family(proc)
-    assert not _gone(family), f"left running: {_gone(family)}"
+        # Ctrl-C the script: it stops the worker (and its flow runs), then the server.
+        rc, left = _interrupt(proc, 60)
+    assert rc == 0, f"prefect_server.py exited with {rc}\n{log.read_text()[-3000:]}"
+    assert "coinrag-prefect: stopped" in log.read_text()
+    assert not left, f"left running after the server script stopped: {left}"
 
 
 def _client():
@@ -248,7 +252,6 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
             env=env,
             cwd=tmp_path,
         )
-    family = _family(serve)
     try:
         dep = _wait_for(
             lambda: _deployment("coinrag-build/coinrag-build-scheduled"),
@@ -262,7 +265,6 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
         _assert_cron_scheduled(dep, logs)
 
         manual = run_deployment(dep.id, timeout=0)
-        family += _family(serve)[len(family) :]
         _final_run(manual.id, logs)
         assert _doc_ids(store) == {"alpha", "beta"}
         assert _n_nuggets(store) > 0
@@ -301,14 +303,14 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
         assert _doc_ids(store) == {"alpha", "beta", "gamma"}
         assert source_changes(source, store) == []
 
-        # Ctrl-C: clean exit, schedule paused.
-        family += _family(serve)[len(family) :]
-        assert _interrupt(serve, 60) == 0, log.read_text()[-3000:]
+        # Ctrl-C: clean exit, nothing left running, schedule paused.
+        rc, left = _interrupt(serve, 60)
+        assert rc == 0, log.read_text()[-3000:]
+        assert not left, f"left running after coinrag serve stopped: {left}"
         assert _deployment("coinrag-build/coinrag-build-scheduled").paused
     finally:
         if serve.poll() is None:
             _interrupt(serve, 30)
-    assert not _gone(family), f"left running: {_gone(family)}"
 
 
 def test_prefect_yaml_deploys_and_the_worker_runs_it(server, tmp_path):
