@@ -16,12 +16,14 @@ from typer.testing import CliRunner
 
 from flows.build import build_flow
 from flows.cli import app
+from flows.runners import task_runner
+from flows.scaleout import kv_on_workers
 from schemas.settings import BuildSettings, SettingsError
-from schemas.tables import TABLES
+from schemas.tables import TABLES, ChunkRow
 from storage.index import LanceIndex
 from storage.kv import KvStore, to_storage
 from storage.store import Store
-from storage.tables import read_table
+from storage.tables import read_rows, read_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
@@ -120,6 +122,46 @@ def test_ray_local_cluster_builds_the_same_assets(tmp_path, corpus, default_buil
     summary = build_flow(str(corpus), str(store), SETTINGS | {"runner": "ray", "workers": 2})
     _check_summary(summary, ref_summary)
     _assert_same_assets(store, reference)
+
+
+def _finished_keys(dask_worker: Any) -> list[str]:
+    """Keys of the tasks this Dask worker ran to completion."""
+    return sorted({str(e[0]) for e in dask_worker.state.log if len(e) > 2 and e[2] == "memory"})
+
+
+def test_kv_tasks_go_only_to_workers_offering_the_kv_resources(tmp_path, default_build) -> None:
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+    from prefect import flow
+
+    reference, _ = default_build
+    chunks = read_rows(Store.at(reference), ChunkRow)
+    workers = {
+        "cpu": {"cls": Nanny, "options": {"nthreads": 1}},
+        "gpu": {"cls": Nanny, "options": {"nthreads": 1, "resources": {"GPU": 1}}},
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster:
+        settings = BuildSettings(
+            **SETTINGS,
+            runner="dask",
+            runner_address=cluster.scheduler_address,
+            kv_resources="GPU=1",
+        )
+
+        @flow
+        def kv_only() -> dict[str, Any]:
+            with task_runner(settings) as runner:
+                store = Store.at(tmp_path / "store").init()
+                return kv_on_workers(runner, store, chunks, settings, "run-kv")
+
+        counts = kv_only()
+        with Client(cluster.scheduler_address) as client:
+            names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+            ran = {names[a]: keys for a, keys in client.run(_finished_keys).items()}
+    kv_tasks = {name: [k for k in keys if k.startswith("kv_")] for name, keys in ran.items()}
+    assert kv_tasks["cpu"] == []
+    assert len(kv_tasks["gpu"]) == 1 + counts["shards"] > 2  # kv-prepare + one task per group
+    assert _kv_bytes(tmp_path / "store") == _kv_bytes(reference)
 
 
 @pytest.mark.parametrize(
