@@ -137,13 +137,20 @@ def _back_off(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> int:
 def _ranges_from_cuts(
     tokenizer: Any, doc: TokenizedText, cuts: Sequence[int], chunk_size: int
 ) -> list[tuple[int, int]]:
-    """Chunks ending at ``cuts`` (ascending) and at the end, each cut moved back if it would
-    split a character (then the remainder up to the cut is a chunk of its own)."""
+    """Chunks ending at ``cuts`` (ascending) and at the end. A cut that would split a character
+    moves back to the character's start; the remainder joins the next chunk (split again, the
+    same way, if that makes it longer than ``chunk_size``)."""
     out: list[tuple[int, int]] = []
     a = 0
     for cut in [*cuts, len(doc.ids)]:
-        while a < cut:
-            b = _back_off(tokenizer, doc, a, min(cut, a + chunk_size))
+        while cut - a > chunk_size:
+            b = _back_off(tokenizer, doc, a, a + chunk_size)
+            out.append((a, b))
+            a = b
+        if cut > a:
+            b = _back_off(tokenizer, doc, a, cut)
+            if b < len(doc.ids) and not _decodes_exactly(tokenizer, doc, a, b):
+                continue  # [a, cut) is inside one character: it joins the next chunk
             out.append((a, b))
             a = b
     return out
