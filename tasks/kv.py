@@ -385,13 +385,18 @@ class _Writer:
             self.pool.shutdown(wait=True)
 
 
+def stored_prefix_kv(kv: KvStore, prefix_ids: Sequence[int]) -> torch.Tensor:
+    """The stored ``C_p``, checked to be the KV of ``prefix_ids``."""
+    prefix_kv, ids = kv.read_prefix()
+    if ids != list(prefix_ids):
+        raise KvFingerprintMismatch(kv.kv_fp, kv.layout.prefix_sha, "stored prefix ids differ")
+    return prefix_kv
+
+
 def prefix_kv_of(kv: KvStore, model: Any, prompt: RagPrompt) -> torch.Tensor:
     """The stored ``C_p`` (computed and stored first if missing)."""
     if kv.has_prefix():
-        prefix_kv, ids = kv.read_prefix()
-        if ids != list(prompt.prefix_ids):
-            raise KvFingerprintMismatch(kv.kv_fp, prompt.prefix_sha, "stored prefix ids differ")
-        return prefix_kv
+        return stored_prefix_kv(kv, prompt.prefix_ids)
     prefix_kv = compute_prefix_kv(model, prompt.prefix_ids)
     expected = kv.layout.entry_shape(len(prompt.prefix_ids))
     if tuple(prefix_kv.shape) != expected:
