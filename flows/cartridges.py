@@ -32,9 +32,9 @@ from inference.rope import RopeSpec
 from schemas.keys import fingerprint, new_run_id, sha256_hex
 from schemas.tables import DocumentRow, TeacherAnswerRow
 from storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, cartridge_id
+from storage.corpus import live_documents
 from storage.runs import finish_run, start_run
 from storage.store import Store
-from storage.tables import read_rows
 from training.budget import CartridgeTrainer, PoolDoc, TrainConfig
 from training.cartridges import CartridgeSpec, Example, Visibility, cartridge_fingerprint
 from training.selfstudy import (
@@ -126,15 +126,12 @@ class CartridgeSettings:
 
 
 def latest_documents(store: Store, doc_ids: Sequence[str] | None = None) -> list[DocumentRow]:
-    """The latest version of each document (largest run id, which sorts by time), by doc_id.
+    """The live version of each live document (``storage.corpus``: deleted ones excluded),
+    by doc_id.
 
-    Raises KeyError naming the ids that are not in the store.
+    Raises KeyError naming the ids that are not live documents of the store.
     """
-    latest: dict[str, DocumentRow] = {}
-    for row in read_rows(store, DocumentRow):
-        cur = latest.get(row.doc_id)
-        if cur is None or row.run_id >= cur.run_id:
-            latest[row.doc_id] = row
+    latest = live_documents(store)
     if doc_ids is None:
         return [latest[d] for d in sorted(latest)]
     missing = [d for d in doc_ids if d not in latest]

@@ -55,6 +55,7 @@ class BuildSettings:
     kv: bool = True  # build the per-chunk KV of `model`
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
+    prune: bool = False  # tombstone live documents that are absent from SOURCE
     embed_batch_size: int = 4096  # texts per embedding task (and per embeddings-cache file)
     # Scale-out (flows/runners.py): where the tasks run. Never changes what is built.
     runner: str = "default"  # default (in the flow process) | dask | ray

@@ -70,6 +70,22 @@ class ChunkRow:
     code_version: str
 
 
+@dataclass(frozen=True)
+class DeletionRow:
+    """A tombstone: from this run on, ``doc_id`` is no longer part of the corpus.
+
+    A later version row of the same document (a build that reads it again) supersedes it; see
+    ``storage/corpus.py`` for the live view that both define.
+    """
+
+    doc_id: str
+    doc_version: str  # the last live version when it was deleted
+    reason: str  # pruned (absent from SOURCE in a `build --prune`) | deleted (`coinrag delete`)
+    run_id: str
+    time: datetime
+    code_version: str
+
+
 # ---------------------------------------------------------------------------- extraction
 
 
@@ -356,6 +372,7 @@ class CartridgeManifestRow:
 
 TABLES: dict[str, type] = {
     "documents": DocumentRow,
+    "deletions": DeletionRow,
     "chunks": ChunkRow,
     "extractions": ExtractionRow,
     "extraction_calls": ExtractionCallRow,

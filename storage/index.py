@@ -19,6 +19,16 @@ Schemas come from ``schemas/tables.py`` (``INDEX_TABLES``); the ``vector`` colum
   that, exact (flat) search is fast enough (see ``tests/benchmarks/bench_retrieval.py`` for the
   measurements behind the threshold and the index type). Rows added later are merged into the
   index by ``optimize()``; the index is retrained once the table has doubled since training.
+- Readers see only **published** state. A build (or a deletion) writes to the tables' latest
+  versions and, at its very end, records each table's version in ``STORE/coinrag.toml``
+  (``[published.index]``, one atomic rename: :meth:`LanceIndex.published_state`);
+  :meth:`LanceIndex.open` checks the tables out at those versions. A build killed half-way
+  (stale rows deleted, new ones not yet upserted) leaves the previous versions published and
+  readable; the next build continues from the latest versions. Old versions are kept until
+  they are older than the published one: ``optimize`` and ``gc`` prune only those. A store
+  with no ``[published]`` table at all (written by the stages alone) is read at its latest
+  versions. A new embedder overwrites the tables (a new version with a new schema), it never
+  drops them, so the published vectors stay readable until the new ones are published.
 - A nugget search restricted to some chunks (the second stage of CoinRAG's two-stage retrieval)
   is a prefiltered *exact* search: the filter keeps a few hundred rows, and an IVF index probing
   only some partitions could miss rows of those chunks and return fewer than ``k``.
@@ -32,7 +42,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -138,13 +148,20 @@ def _batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
 
 
 class LanceIndex:
-    """The three index tables of one store, for one embedder."""
+    """The three index tables of one store, for one embedder.
 
-    def __init__(self, store: Store, meta: IndexMeta) -> None:
+    ``versions``: read-only, each table checked out at this version (a table not named does
+    not exist for this reader); None: the latest versions (the writer's view).
+    """
+
+    def __init__(
+        self, store: Store, meta: IndexMeta, versions: Mapping[str, int] | None = None
+    ) -> None:
         import lancedb
 
         self.store = store
         self.meta = meta
+        self.versions = dict(versions) if versions is not None else None
         store.index_dir.mkdir(parents=True, exist_ok=True)
         self.db = lancedb.connect(str(store.index_dir))
         self._tables: dict[str, Any] = {}
@@ -173,13 +190,52 @@ class LanceIndex:
 
     @classmethod
     def open(cls, store: Store) -> LanceIndex:
-        """Open an existing index for searching; :class:`IndexNotBuilt` if there is none."""
+        """Open the published index for searching; :class:`IndexNotBuilt` if there is none.
+
+        The tables are checked out at the versions the last completed build (or deletion)
+        published; a store that never published anything is read at its latest versions.
+        """
+        published = store.published()
+        if published is not None:
+            state = published.get("index")
+            if not state:
+                raise IndexNotBuilt(
+                    f"no published retrieval index in {store.index_dir}: no build of this "
+                    "store with the embed stage has completed yet"
+                )
+            meta = IndexMeta(
+                embedder_fp=state["embedder_fp"],
+                dim=int(state["dim"]),
+                embedder_name=state.get("embedder_name", ""),
+            )
+            return cls(store, meta, {k: int(v) for k, v in (state.get("versions") or {}).items()})
         meta = cls.read_meta(store)
         if meta is None:
             raise IndexNotBuilt(
                 f"no retrieval index in {store.index_dir}: run `coinrag build` with the embed stage"
             )
         return cls(store, meta)
+
+    @classmethod
+    def open_latest(cls, store: Store) -> LanceIndex | None:
+        """The writer's view (latest versions), or None if no index was ever written."""
+        meta = cls.read_meta(store)
+        return None if meta is None else cls(store, meta)
+
+    def published_state(self) -> dict[str, Any]:
+        """What a build records as published: the embedder and each table's latest version."""
+        versions = {}
+        for name in INDEX_TABLES:
+            tbl = self.table(name)
+            if tbl is not None:
+                tbl.checkout_latest()
+                versions[name] = int(tbl.version)
+        return {
+            "embedder_fp": self.meta.embedder_fp,
+            "dim": self.meta.dim,
+            "embedder_name": self.meta.embedder_name,
+            "versions": versions,
+        }
 
     @classmethod
     def open_for_write(
@@ -204,16 +260,19 @@ class LanceIndex:
         if meta is None or reset:
             index = cls(store, IndexMeta(embedder_fp, int(dim), embedder_name, {}))
             for name in INDEX_TABLES:
-                index._drop(name)
+                index._reset(name)
             index._write_meta()
             return index, reset
         if meta.dim != dim:
             raise ValueError(f"index dim {meta.dim} != embedder dim {dim} for {embedder_fp}")
         return cls(store, meta), False
 
-    def _drop(self, name: str) -> None:
+    def _reset(self, name: str) -> None:
+        """Empty a table with this index's schema as a new version (older versions, the
+        published one among them, stay readable until pruned)."""
         if name in self._table_names():
-            self.db.drop_table(name)
+            schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
+            self.db.create_table(name, schema=schema, mode="overwrite")
         self._tables.pop(name, None)
         self._has_ann.pop(name, None)
 
@@ -228,7 +287,12 @@ class LanceIndex:
             raise KeyError(f"unknown index table {name!r}")
         if name in self._tables:
             return self._tables[name]
-        if name in self._table_names():
+        if self.versions is not None:
+            if name not in self.versions:
+                return None
+            tbl = self.db.open_table(name)
+            tbl.checkout(self.versions[name])
+        elif name in self._table_names():
             tbl = self.db.open_table(name)
         elif create:
             schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
@@ -345,7 +409,7 @@ class LanceIndex:
             if rows == 0:
                 continue
             if optimize:
-                tbl.optimize(cleanup_older_than=timedelta(days=1))
+                tbl.optimize(cleanup_older_than=self._prunable_age(name))
             have = self._index_columns(tbl)
             for column in SCALAR_COLUMNS[name]:
                 if column not in have:
@@ -363,6 +427,47 @@ class LanceIndex:
             )
             self._write_meta()
         return made
+
+    def _prunable_age(self, name: str) -> timedelta:
+        """``cleanup_older_than`` that prunes only versions older than the published one.
+
+        Lance stamps versions with naive local times; the age is taken under both readings
+        (local and UTC) and the larger kept, plus a margin, so the published version is never
+        pruned. With nothing published, versions older than a day go.
+        """
+        published = ((self.store.published() or {}).get("index") or {}).get("versions") or {}
+        if name not in published:
+            return timedelta(days=1)
+        tbl = self.table(name)
+        stamps = [v["timestamp"] for v in tbl.list_versions() if v["version"] == published[name]]
+        if not stamps:
+            return timedelta(days=1)
+        at = stamps[0].replace(tzinfo=None)
+        now_local = datetime.now()
+        now_utc = datetime.now(UTC).replace(tzinfo=None)
+        age = max(now_local - at, now_utc - at, timedelta(0))
+        return age + timedelta(seconds=1)
+
+    def prune_versions(self, dry_run: bool = False) -> dict[str, int]:
+        """Remove the versions of each table older than the published one (compacting small
+        files on the way); return how many versions each table lost (or would lose)."""
+        published = ((self.store.published() or {}).get("index") or {}).get("versions") or {}
+        removed: dict[str, int] = {}
+        for name in INDEX_TABLES:
+            tbl = self.table(name)
+            if tbl is None:
+                continue
+            keep_from = published.get(name)
+            before = [v["version"] for v in tbl.list_versions()]
+            if keep_from is None:
+                keep_from = max(before)
+            old = sum(v < keep_from for v in before)
+            if not dry_run and old:
+                tbl.optimize(cleanup_older_than=self._prunable_age(name), delete_unverified=True)
+                after = {v["version"] for v in tbl.list_versions()}
+                old = sum(v not in after for v in before)
+            removed[name] = old
+        return removed
 
     def _create_vector_index(self, tbl: Any, rows: int, index_type: str | None = None) -> None:
         create_vector_index(tbl, rows, self.meta.dim, index_type or VECTOR_INDEX_TYPE)

@@ -94,16 +94,42 @@ class Store:
     def settings_path(self) -> Path:
         return self.root / "coinrag.toml"
 
-    def write_settings(self, settings: dict[str, Any]) -> None:
-        """Record the settings of the last build as TOML (values are str/int/float/bool)."""
-        lines = ["# settings of the last build of this store (written by coinrag)", "[build]"]
-        for key, value in settings.items():
-            if value is None:
-                continue
-            lines.append(f"{key} = {json.dumps(value)}")
-        tmp = self.settings_path.with_suffix(".toml.tmp")
+    def write_settings(
+        self, settings: dict[str, Any] | None, published: dict[str, Any] | None = None
+    ) -> None:
+        """Record the settings of the last build (``[build]``) and, with ``published``, the
+        state it published (``[published]``: run id and index table versions) as TOML.
+
+        One atomic write (temporary file, then rename): this is the commit point of a build or
+        a deletion. Readers see the old file or the new one, never a mix. ``settings=None``
+        keeps the recorded ``[build]`` table; ``published=None`` keeps ``[published]``. Values
+        are str/int/float/bool or nested tables of them.
+        """
+        current = self.read_toml()
+        tables = {
+            "build": current.get("build", {}) if settings is None else settings,
+            "published": current.get("published") if published is None else published,
+        }
+        lines = ["# settings of the last build of this store and what it published (coinrag)"]
+        for name, table in tables.items():
+            if table is not None:
+                lines += _toml_table(name, table)
+        tmp = self.settings_path.with_suffix(f".toml.tmp-{os.getpid()}")
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
         os.replace(tmp, self.settings_path)
+
+    def read_toml(self) -> dict[str, Any]:
+        """``STORE/coinrag.toml`` as a dict (empty if it does not exist yet)."""
+        import tomllib
+
+        if not self.settings_path.is_file():
+            return {}
+        return tomllib.loads(self.settings_path.read_text(encoding="utf-8"))
+
+    def published(self) -> dict[str, Any] | None:
+        """What the last completed build (or deletion) published, or None if nothing has been
+        published yet (a store written by stages alone, or by an older coinrag)."""
+        return self.read_toml().get("published")
 
     @contextmanager
     def write_lock(self, run_id: str) -> Iterator[None]:
@@ -130,3 +156,25 @@ class Store:
             yield
         finally:
             os.close(fd)
+
+
+def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
+    """TOML lines of one table: scalars first, then its sub-tables (``[name.sub]``)."""
+    lines = [f"[{name}]"]
+    subs = []
+    for key, value in table.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            subs.append((key, value))
+        else:
+            lines.append(f"{_toml_key(key)} = {json.dumps(value)}")
+    for key, value in subs:
+        lines += _toml_table(f"{name}.{_toml_key(key)}", value)
+    return lines
+
+
+def _toml_key(key: Any) -> str:
+    """A bare TOML key where allowed (letters, digits, ``_``, ``-``), else a quoted one."""
+    text = str(key)
+    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text)

@@ -207,13 +207,19 @@ def ingest(source: str | Path) -> IngestResult:
 
 
 def ingest_stage(store: Any, source: str | Path, run_id: str) -> tuple[IngestResult, int]:
-    """Read the source, record new document versions and rejects; return (result, n_new)."""
+    """Read the source, record new document versions and rejects; return (result, n_new).
+
+    A version row is written for every document whose live version (``storage.corpus``)
+    differs: a new or edited document, or one that comes back after a deletion (its row
+    supersedes the tombstone), even if that exact version was seen before.
+    """
     from schemas.keys import CODE_VERSION
     from schemas.tables import DocumentRow, RejectRow
-    from storage.tables import append_rows, column_values
+    from storage.corpus import live_versions
+    from storage.tables import append_rows
 
     result = ingest(source)
-    known = column_values(store, DocumentRow, "doc_version")
+    live = live_versions(store)
     new_rows = [
         DocumentRow(
             doc_id=d.doc_id,
@@ -226,7 +232,7 @@ def ingest_stage(store: Any, source: str | Path, run_id: str) -> tuple[IngestRes
             code_version=CODE_VERSION,
         )
         for d in result.documents
-        if d.version not in known
+        if live.get(d.doc_id) != d.version
     ]
     append_rows(store, new_rows, run_id, "ingest")
     append_rows(
