@@ -32,9 +32,11 @@ from flows.scaleout import embed_on_workers, kv_on_workers
 from inference.models import load_tokenizer, tokenizer_fingerprint
 from schemas.keys import new_run_id
 from schemas.settings import BuildSettings
+from storage.publish import begin, publish
 from storage.runs import finish_run, start_run
 from storage.store import Store
 from tasks.chunk import chunk_stage, chunker_fingerprint
+from tasks.delete import prune_stage
 from tasks.embed import EmbedParts
 from tasks.extract import (
     ExtractBatch,
@@ -67,6 +69,12 @@ def _result_storage(store: Store) -> str:
 @task(name="ingest")
 def ingest_task(store: Store, source: str, run_id: str):
     return ingest_stage(store, source, run_id)
+
+
+@task(name="prune")
+def prune_task(store: Store, ingested: Any, run_id: str) -> dict[str, str]:
+    rejected = [r.doc_id for r in ingested.rejects]
+    return prune_stage(store, ingested.documents, rejected, run_id)
 
 
 @task(name="chunk")
@@ -270,9 +278,11 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
     params = {"source": str(Path(source).expanduser().resolve()), **s.to_dict()}
     params["extractor"] = s.resolved_extractor()
     with st.write_lock(run_id), task_runner(s) as runner:
+        begin(st)
         run = start_run(st, run_id, "build", params)
         try:
             ingested, n_new_docs = ingest_task(st, source, run_id)
+            pruned = prune_task(st, ingested, run_id) if s.prune else {}
             chunks, n_new_chunks = chunk_task(st, ingested.documents, s, run_id)
             extracted, extractor_fp = _extract_all(runner, st, s, chunks, run_id)
             recovered = recover_task(st, chunks, extractor_fp, s.tau, run_id)
@@ -289,6 +299,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "run_id": run_id,
             "documents": len(ingested.documents),
             "documents_new": n_new_docs,
+            "documents_pruned": len(pruned),
             "rejects": len(ingested.rejects),
             "chunks": len(chunks),
             "chunks_new": n_new_chunks,
@@ -319,6 +330,15 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "kv_fp": kv.get("kv_fp", ""),
             "embedder_fp": index.get("embedder_fp", ""),
         }
+        # The commit point: one atomic write publishes the index versions, the settings and
+        # this run's rows (storage/publish.py); a build killed before it changed nothing.
+        publish(
+            st,
+            run_id,
+            "build",
+            s.to_dict() | {"extractor": params["extractor"]},
+            index=s.index or bool(pruned),
+        )
         finish_run(
             st,
             run,
@@ -326,9 +346,6 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             fingerprints=fingerprints,
             counts=summary,
             cost_usd=extracted.cost_usd,
-        )
-        st.write_settings(
-            {k: v for k, v in s.to_dict().items()} | {"extractor": params["extractor"]}
         )
         create_table_artifact(
             table=[{"measure": k, "value": str(v)} for k, v in summary.items()],

@@ -84,6 +84,12 @@ def build(
     concurrency: Annotated[
         int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
     ] = None,
+    prune: Annotated[
+        bool | None,
+        typer.Option(
+            "--prune", help="Tombstone the store's documents that are absent from SOURCE."
+        ),
+    ] = None,
     runner: Annotated[
         str | None,
         typer.Option(help="Where tasks run: default (this process) | dask | ray."),
@@ -127,6 +133,7 @@ def build(
                 "chunk_size": chunk_size,
                 "tau": tau,
                 "concurrency": concurrency,
+                "prune": prune,
                 "runner": runner,
                 "runner_address": runner_address,
                 "workers": workers,
@@ -567,6 +574,57 @@ def watch(
         console.print("no changed documents")
 
 
+@app.command()
+def delete(
+    doc_ids: Annotated[list[str], typer.Argument(help="Ids of the documents to delete.")],
+    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+) -> None:
+    """Delete documents: tombstoned in the tables, gone from the index (their KV is reclaimed
+    by `coinrag gc`). An id that is not a live document fails the whole command."""
+    from flows.maintenance import delete_documents
+    from storage.store import StoreLocked
+    from tasks.delete import UnknownDocuments
+
+    try:
+        deleted = delete_documents(str(store), doc_ids)
+    except (UnknownDocuments, StoreLocked, FileNotFoundError) as exc:
+        _fail(str(exc), 1)
+    for doc_id, version in deleted.items():
+        Console().print(f"deleted {doc_id} (version {version})")
+
+
+@app.command()
+def gc(
+    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only report what would be reclaimed.")
+    ] = False,
+) -> None:
+    """Reclaim space: KV entries no live chunk uses, old index versions, leftovers of killed
+    writes. Takes the store's write lock."""
+    from flows.maintenance import gc_counts, gc_store
+    from storage.store import StoreLocked
+
+    try:
+        report = gc_store(str(store), dry_run=dry_run)
+    except (StoreLocked, FileNotFoundError) as exc:
+        _fail(str(exc), 1)
+    counts = gc_counts(report)
+    verb = "would reclaim" if dry_run else "reclaimed"
+    table = Table(title=f"coinrag gc ({verb})")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in counts.items():
+        if key != "kv":
+            table.add_row(key, str(value))
+    Console().print(table)
+    Console().print(
+        f"{verb} {counts['kv_entries_dropped']} KV entries, "
+        f"{counts['index_versions_removed']} index versions, "
+        f"{counts['temp_paths_removed']} leftovers: {counts['bytes_reclaimed']} bytes"
+    )
+
+
 def _print_summary(summary: dict) -> None:
     table = Table(title=f"coinrag build {summary['run_id']}")
     table.add_column("measure")
@@ -580,6 +638,9 @@ def _print_summary(summary: dict) -> None:
 def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    # Prefect's temporary API server gets 20 s to start by default: too little on a loaded
+    # machine (seen: a build failing with "Timed out while attempting to connect").
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     try:
         app()
     except KeyboardInterrupt:

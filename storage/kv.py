@@ -1293,6 +1293,119 @@ class KvStore:
             shutil.rmtree(path, ignore_errors=True)
         return removed
 
+    def reclaim(self, live: set[str], run_id: str, dry_run: bool = False) -> KvReclaim:
+        """Drop the entries whose content_key is not in ``live``; return what was (or, with
+        ``dry_run``, would be) reclaimed. The caller holds the store's write lock.
+
+        Shards are written once and never modified, so a shard holding dead entries is dealt
+        with whole: 1. the live entries of a partly dead shard are read (sha256-checked) and
+        written to new shards exactly as the build writes them (written whole, read back and
+        verified, renamed, then their manifest rows appended: the new rows supersede the old
+        ones); 2. the ``kv_manifest`` files holding rows of this kv_fp that are no longer
+        current and live are rewritten without them (new file first, then the old one goes);
+        3. shard folders no manifest row points to any more, and ``.tmp-`` leftovers, are
+        removed. A crash between steps leaves valid entries only: at worst duplicate manifest
+        rows (identical) or orphan folders, which the next ``gc`` removes. An entry that fails
+        its check while being moved is dropped (the kv stage rebuilds it when it is needed).
+        """
+        from storage.tables import rewrite_rows
+
+        out = KvReclaim(kv_fp=self.kv_fp)
+        manifest = self.manifest(refresh=True)
+        by_shard: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        for ck, row in manifest.items():
+            _, name, slot = parse_location(row.location)
+            by_shard[name].append((slot, ck))
+        dead = {ck for ck in manifest if ck not in live}
+        out.entries_dropped = len(dead)
+        out.entries_live = len(manifest) - len(dead)
+        out.logical_bytes_dropped = sum(manifest[ck].bytes for ck in dead)
+        moving: list[str] = []
+        for _name, slots in sorted(by_shard.items()):
+            n_dead = sum(ck in dead for _, ck in slots)
+            if n_dead and n_dead < len(slots):
+                out.shards_compacted += 1
+                moving += [ck for _, ck in sorted(slots) if ck not in dead]
+        out.entries_moved = len(moving)
+        if dry_run:
+            gone = {name for name, slots in by_shard.items() if all(ck in dead for _, ck in slots)}
+            unreferenced = [p for p in self.garbage() if p.name not in by_shard]
+            out.bytes_freed = sum(_tree_bytes(self.root / n) for n in gone) + sum(
+                _tree_bytes(p) for p in unreferenced
+            )
+            out.folders_removed = len(gone) + len(unreferenced)
+            return out
+        before = self.write_stats.disk_bytes
+        step = self.layout.slots_per_shard
+        for start in range(0, len(moving), step):
+            group = []
+            for ck in moving[start : start + step]:
+                row = manifest[ck]
+                try:
+                    kv = self.read_entry(ck, verify=True)
+                except (CorruptKvEntry, MissingKvEntry):
+                    out.entries_corrupt += 1
+                    continue
+                group.append((_EntryRef(row.chunk_id, ck, row.tokens), kv))
+            if group:
+                self.write_entries(group, run_id)  # type: ignore[arg-type]
+        out.bytes_written = self.write_stats.disk_bytes - before
+        current = self.manifest()
+        keep = {row.location for ck, row in current.items() if ck in live}
+        prefix = self.kv_fp + "/"
+        out.manifest_rows_dropped = rewrite_rows(
+            self.store,
+            KvManifestRow,
+            lambda loc: not loc.startswith(prefix) or loc in keep,
+            "location",
+            run_id,
+            "gc",
+        )
+        self._manifest = None
+        for path in self.garbage():
+            out.bytes_freed += _tree_bytes(path)
+            out.folders_removed += 1
+            self._shards.pop(path.name, None)
+            shutil.rmtree(path, ignore_errors=True)
+        return out
+
+
+@dataclass
+class KvReclaim:
+    """What :meth:`KvStore.reclaim` did for one kv_fp (bytes are bytes on disk)."""
+
+    kv_fp: str
+    entries_live: int = 0
+    entries_dropped: int = 0  # content_keys no live chunk references
+    logical_bytes_dropped: int = 0
+    entries_moved: int = 0  # live entries copied out of partly dead shards
+    entries_corrupt: int = 0  # failed their check while being moved: dropped
+    shards_compacted: int = 0
+    manifest_rows_dropped: int = 0
+    folders_removed: int = 0  # shard folders and .tmp- leftovers
+    bytes_freed: int = 0
+    bytes_written: int = 0  # new shards of moved entries
+
+    @property
+    def bytes_reclaimed(self) -> int:
+        return self.bytes_freed - self.bytes_written
+
+
+@dataclass(frozen=True)
+class _EntryRef:
+    """What :meth:`KvStore.write_entries` reads of a chunk, for an entry being moved."""
+
+    chunk_id: str
+    content_key: str
+    n_tokens: int
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (or of the file itself)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,6 +47,44 @@ def append_rows(store: Store, rows: Sequence[Any], run_id: str, stage: str) -> P
     final = directory / name
     tmp = directory / f".{name}.tmp"
     pq.write_table(rows_to_arrow(rows, record), tmp, compression="zstd")
+    os.replace(tmp, final)
+    return final
+
+
+def rewrite_rows(
+    store: Store,
+    record: type,
+    keep: Callable[[Any], bool],
+    column: str,
+    run_id: str,
+    stage: str,
+) -> int:
+    """Compaction: drop the rows whose ``column`` value fails ``keep``; return how many.
+
+    The only code that removes rows (``gc``, under the store's write lock). A file with rows to
+    drop is replaced by a new file of its kept rows (written under a temporary name and renamed
+    into place first, then the old file is removed), so a reader or a crash sees each kept row
+    at least once; at worst a row twice, never none.
+    """
+    dropped = 0
+    for path in table_files(store, record):
+        table = pq.read_table(path, schema=arrow_schema(record))
+        mask = [bool(keep(v)) for v in table.column(column).to_pylist()]
+        if all(mask):
+            continue
+        kept = table.filter(pa.array(mask, type=pa.bool_()))
+        dropped += table.num_rows - kept.num_rows
+        if kept.num_rows:
+            _write_file(path.parent, kept, run_id, stage)
+        path.unlink()
+    return dropped
+
+
+def _write_file(directory: Path, table: pa.Table, run_id: str, stage: str) -> Path:
+    name = f"{safe_component(run_id)}.{safe_component(stage)}.{uuid.uuid4().hex[:8]}.parquet"
+    final = directory / name
+    tmp = directory / f".{name}.tmp"
+    pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, final)
     return final
 
