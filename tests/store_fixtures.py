@@ -1,0 +1,48 @@
+"""Helpers shared by the incremental-build, deletion, gc and crash tests: small real models
+saved to folders (so builds load them exactly as users' models) and JSONL corpora."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def save_tiny_llama(path: Path, tokenizer: Any, seed: int) -> Path:
+    """A random-weight 2-layer Llama with ``tokenizer`` (SmolLM2's), saved as a model folder.
+
+    Two seeds give two generation models with one tokenizer: another ``model_fp``, the same
+    ``tokenizer_fp`` (so the same chunks and content keys).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    path.mkdir(parents=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def sample_docs(sample_corpus: Path, n: int | None = None) -> list[dict[str, Any]]:
+    """The first ``n`` records of the bundled sample corpus (all if None)."""
+    lines = sample_corpus.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines[:n] if line.strip()]
+
+
+def write_corpus(path: Path, docs: list[dict[str, Any]]) -> Path:
+    """Write records as a JSONL source; return its path."""
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    return path
