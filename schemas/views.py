@@ -25,7 +25,7 @@ PRODUCERS = ("tokenizer_fp", "chunker_fp", "extractor_fp", "tau", "model_fp", "e
 # Views that are a table's own columns, filtered to the current state.
 SAME_AS_TABLE: dict[str, type] = {
     "latest_runs": RunRow,  # one row per run: its last state (the end row once written)
-    "live_documents": DocumentRow,  # latest version per doc_id, minus deleted documents
+    "live_documents": DocumentRow,  # the live row per doc_id: storage.corpus.live_events
     "kv_entries": KvManifestRow,  # valid KV entries: latest manifest row per (kv_fp, content_key)
 }
 

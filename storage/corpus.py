@@ -68,10 +68,12 @@ def _order(run_id: str, committed: dict[str, RunOrder], uncommitted: set[str]) -
     return (_BEFORE_ALL, run_id)  # no runs row: a stage run on its own, or an older store
 
 
-def live_versions(store: Store) -> dict[str, str]:
-    """``doc_id -> doc_version`` of every live document (reads three narrow columns)."""
+def live_events(store: Store) -> dict[str, tuple[str, str]]:
+    """``doc_id -> (doc_version, run_id)`` of every live document: its live version and the
+    run whose version row made it live (the latest committed event; reads three narrow columns
+    of ``documents`` and two of ``deletions``). Every reader of "live" derives from this."""
     committed, uncommitted = run_states(store)
-    latest: dict[str, tuple[RunOrder, str | None]] = {}
+    latest: dict[str, tuple[RunOrder, str | None, str]] = {}
 
     def see(doc_id: str, version: str | None, run_id: str) -> None:
         order = _order(run_id, committed, uncommitted)
@@ -79,7 +81,7 @@ def live_versions(store: Store) -> dict[str, str]:
             return
         cur = latest.get(doc_id)
         if cur is None or cur[0] <= order:
-            latest[doc_id] = (order, version)
+            latest[doc_id] = (order, version, run_id)
 
     docs = read_table(store, DocumentRow, columns=["doc_id", "doc_version", "run_id"])
     for doc_id, version, run_id in zip(*docs.to_pydict().values(), strict=True):
@@ -87,23 +89,28 @@ def live_versions(store: Store) -> dict[str, str]:
     dels = read_table(store, DeletionRow, columns=["doc_id", "run_id"])
     for doc_id, run_id in zip(*dels.to_pydict().values(), strict=True):
         see(doc_id, None, run_id)
-    return {d: v for d, (_, v) in sorted(latest.items()) if v is not None}
+    return {d: (v, r) for d, (_, v, r) in sorted(latest.items()) if v is not None}
+
+
+def live_versions(store: Store) -> dict[str, str]:
+    """``doc_id -> doc_version`` of every live document (sorted by id)."""
+    return {d: v for d, (v, _) in live_events(store).items()}
 
 
 def live_documents(store: Store, doc_ids: Iterable[str] | None = None) -> dict[str, DocumentRow]:
     """``doc_id -> DocumentRow`` of the live version of each live document (sorted by id);
     with ``doc_ids``, only those (ids that are not live are simply absent)."""
-    versions = live_versions(store)
+    events = live_events(store)
     if doc_ids is not None:
         wanted = set(doc_ids)
-        versions = {d: v for d, v in versions.items() if d in wanted}
-    if not versions:
+        events = {d: e for d, e in events.items() if d in wanted}
+    if not events:
         return {}
-    wanted_versions = pc.field("doc_version").isin(sorted(set(versions.values())))
+    wanted_versions = pc.field("doc_version").isin(sorted({v for v, _ in events.values()}))
     rows = read_rows(store, DocumentRow, filter=wanted_versions)
     out: dict[str, DocumentRow] = {}
-    for row in rows:
-        if versions.get(row.doc_id) == row.doc_version:
+    for row in rows:  # the row of the live event (one version may have rows of several runs)
+        if events.get(row.doc_id) == (row.doc_version, row.run_id):
             out.setdefault(row.doc_id, row)
     return dict(sorted(out.items()))
 

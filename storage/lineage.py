@@ -8,11 +8,15 @@ document version -> chunk -> nugget -> KV entry -> index row -> cartridge, train
 ```
 
 in either direction. The views and their columns are defined in ``schemas/views.py``; the index
-tables are read through :class:`storage.index.LanceIndex` (every column but ``vector``) and
-registered as Arrow tables ``index_chunks``, ``index_nuggets``, ``index_documents``.
+tables are read through :class:`storage.index.LanceIndex` at the versions the last completed run
+published (every column but ``vector``, as searches see them) and registered as Arrow tables
+``index_chunks``, ``index_nuggets``, ``index_documents``. Which documents are live is not
+decided here: ``live_documents`` is :func:`storage.corpus.live_events` (committed runs only,
+tombstones), registered as a table and joined to ``documents``.
 
 Read-only: nothing here takes the store's write lock or writes a file, so it works while a
-build runs (a build's Parquet files appear whole, by rename; LanceDB reads a consistent version).
+build runs (a build's Parquet files appear whole, by rename; its rows and index versions count
+once it publishes, like every other reader's).
 :func:`run_query` accepts one SELECT statement (``WITH``, ``DESCRIBE``, ``SUMMARIZE`` included)
 and refuses anything else.
 """
@@ -27,6 +31,7 @@ import pyarrow as pa
 
 from schemas.tables import INDEX_TABLES, TABLES, arrow_schema, column_names
 from schemas.views import PRODUCERS, SAME_AS_TABLE, VIEWS, CurrentProducer
+from storage.corpus import live_events
 from storage.store import Store
 from storage.tables import connect_duckdb
 
@@ -52,33 +57,15 @@ def _run_order_desc(alias: str) -> str:
     return f"{started} DESC NULLS LAST, {alias}.run_id DESC"
 
 
-def _live_documents_sql() -> str:
-    """Latest version per doc_id, minus documents whose latest event is a tombstone.
-
-    A version's last appearance is the later of its ingest row and its index row (the index's
-    ``documents`` table is upserted with the version each build saw), so a document edited back
-    to an earlier text is live in that earlier version again.
-    """
-    doc = TABLES["documents"]
-    seen = (
-        "SELECT doc_id, doc_version, run_id FROM documents UNION ALL "
-        "SELECT i.doc_id, i.doc_version, i.run_id FROM index_documents i "
-        "WHERE EXISTS (SELECT 1 FROM documents d "
-        "WHERE d.doc_id = i.doc_id AND d.doc_version = i.doc_version)"
-    )
-    events = f"SELECT doc_id, doc_version, run_id, false AS deleted FROM ({seen})"
-    if "deletions" in TABLES:
-        events += " UNION ALL SELECT doc_id, doc_version, run_id, true FROM deletions"
-    latest = (
-        f"SELECT doc_id, doc_version, deleted FROM ({events}) e "
-        f"QUALIFY row_number() OVER (PARTITION BY doc_id ORDER BY {_run_order_desc('e')}) = 1"
-    )
-    return (
-        f"SELECT {_cols(doc, 'd')} FROM documents d "
-        f"JOIN ({latest}) l ON l.doc_id = d.doc_id AND l.doc_version = d.doc_version "
-        "WHERE NOT l.deleted "
-        "QUALIFY row_number() OVER (PARTITION BY d.doc_id ORDER BY d.run_id) = 1"
-    )
+# Live documents are defined once, in storage/corpus.py (committed runs only, tombstones, run
+# order); open_lineage registers its answer as _live_keys (doc_id, doc_version, run_id: the row
+# that made each document live) and this view only fetches those rows.
+_LIVE_KEYS = "_live_keys"
+_LIVE_DOCUMENTS = (
+    f"SELECT {_cols(TABLES['documents'], 'd')} FROM documents d JOIN {_LIVE_KEYS} l "
+    "ON l.doc_id = d.doc_id AND l.doc_version = d.doc_version AND l.run_id = d.run_id "
+    "QUALIFY row_number() OVER (PARTITION BY d.doc_id) = 1"  # a row written twice (gc crash)
+)
 
 
 _KV_FP = "split_part({a}.location, '/', 1)"
@@ -132,7 +119,7 @@ _SQL: dict[str, str] = {
         f"SELECT {_cols(TABLES['runs'], 'r')} FROM runs r QUALIFY row_number() OVER "
         "(PARTITION BY r.run_id ORDER BY r.ended_at DESC NULLS LAST) = 1"
     ),
-    "live_documents": _live_documents_sql(),
+    "live_documents": _LIVE_DOCUMENTS,
     "kv_entries": (
         f"SELECT {_cols(TABLES['kv_manifest'], 'k')} FROM kv_manifest k "
         f"QUALIFY row_number() OVER (PARTITION BY {_KV_FP.format(a='k')}, k.content_key "
@@ -274,11 +261,15 @@ _SQL["current_producers"] = f"SELECT {_cols(CurrentProducer)} FROM _current_prod
 
 
 def _register_index(con: duckdb.DuckDBPyConnection, store: Store) -> None:
-    """``index_<name>``: the LanceDB index rows, every column but the vector."""
-    from storage.index import LanceIndex
+    """``index_<name>``: the published LanceDB index rows (the versions ``[published]`` of
+    ``STORE/coinrag.toml`` names, as searches read them), every column but the vector; empty
+    tables when nothing is published yet."""
+    from storage.index import IndexNotBuilt, LanceIndex
 
-    meta = LanceIndex.read_meta(store)
-    index = LanceIndex(store, meta) if meta is not None else None
+    try:
+        index: LanceIndex | None = LanceIndex.open(store)
+    except IndexNotBuilt:
+        index = None
     for name, record in INDEX_TABLES.items():
         columns = [c for c in column_names(record) if c != "vector"]
         if index is not None:
@@ -286,6 +277,22 @@ def _register_index(con: duckdb.DuckDBPyConnection, store: Store) -> None:
         else:
             data = arrow_schema(record).empty_table().select(columns)
         con.register(f"index_{name}", data)
+
+
+def _register_live(con: duckdb.DuckDBPyConnection, store: Store) -> None:
+    """``_live_keys``: :func:`storage.corpus.live_events` as (doc_id, doc_version, run_id)."""
+    events = live_events(store)
+    schema = arrow_schema(TABLES["documents"])
+    fields = [schema.field(n) for n in ("doc_id", "doc_version", "run_id")]
+    data = pa.table(
+        [
+            list(events),
+            [v for v, _ in events.values()],
+            [r for _, r in events.values()],
+        ],
+        schema=pa.schema(fields),
+    )
+    con.register(_LIVE_KEYS, data)
 
 
 def _register_current(con: duckdb.DuckDBPyConnection, current: Mapping[str, str]) -> None:
@@ -316,6 +323,7 @@ def open_lineage(
         raise LineageError(f"{store.root} is not a coinrag store (no tables/ folder)")
     con = connect_duckdb(store)
     _register_index(con, store)
+    _register_live(con, store)
     _register_current(con, current or {})
     for name, record in VIEWS.items():
         if name not in SAME_AS_TABLE and "_live_chunks" not in _created(con):

@@ -14,8 +14,10 @@ from typer.testing import CliRunner
 
 from flows.build import build_flow
 from flows.cli import app
+from schemas.keys import new_run_id
 from schemas.tables import (
     ChunkRow,
+    DocumentRow,
     ExtractionCallRow,
     KvManifestRow,
     NuggetRow,
@@ -24,10 +26,13 @@ from schemas.tables import (
     column_names,
 )
 from schemas.views import PRODUCERS, VIEWS
+from storage.corpus import live_documents, live_versions
+from storage.index import LanceIndex
 from storage.kv import parse_location
 from storage.lineage import LineageError, open_lineage, run_query, walk
+from storage.runs import finish_run, start_run
 from storage.store import Store
-from storage.tables import read_rows
+from storage.tables import append_rows, read_rows, replace_fields
 from tasks.extractors.rules import RULES_VERSION
 from tasks.fingerprints import current_producers, store_settings
 
@@ -149,6 +154,70 @@ def test_live_documents_take_the_edit(built, con) -> None:
     n_live = sum(c.doc_version in live_versions for c in chunks)
     flags = _rows(con, "SELECT live, count(*) AS n FROM lineage_chunks GROUP BY live")
     assert {r["live"]: r["n"] for r in flags} == {True: n_live, False: len(chunks) - n_live}
+
+
+def _live_in_lineage(store: Store) -> dict[str, tuple[str, str]]:
+    """``doc_id -> (doc_version, run_id)`` of lineage's ``live_documents``."""
+    rows = _rows(open_lineage(store), "SELECT doc_id, doc_version, run_id FROM live_documents")
+    return {r["doc_id"]: (r["doc_version"], r["run_id"]) for r in rows}
+
+
+def _corpus_live(store: Store) -> dict[str, tuple[str, str]]:
+    return {d: (r.doc_version, r.run_id) for d, r in live_documents(store).items()}
+
+
+def test_live_documents_follow_the_corpus_after_delete_and_killed_build(built, tmp_path) -> None:
+    """lineage's live_documents is storage.corpus's answer: after `coinrag delete`, while a
+    killed build's rows (a run that never completed) sit in the tables and in the index's
+    unpublished versions, and after a later committed run reads the deleted document again."""
+    shutil.copytree(built["store"], tmp_path / "store")
+    st = Store.at(tmp_path / "store")
+    gone, edited = built["trained"][1], built["edited"]
+    deleted = CliRunner().invoke(app, ["delete", gone, "--store", str(st.root)])
+    assert deleted.exit_code == 0, deleted.output
+    after_delete = _corpus_live(st)
+    assert gone not in after_delete and len(after_delete) == 4
+    assert _live_in_lineage(st) == after_delete
+    assert {d: v for d, (v, _) in after_delete.items()} == live_versions(st)
+    con = open_lineage(st)
+    assert not _rows(con, "SELECT * FROM lineage_chunks WHERE doc_id = $d AND live", d=gone)
+    (cartridge,) = _rows(con, "SELECT live FROM lineage_cartridges WHERE doc_id = $d", d=gone)
+    assert cartridge["live"] is False
+    assert not any(r["live"] for r in walk(con, "doc", gone)["document"].to_pylist())
+
+    # A killed build: its run row stays `running`; it read a new version of `edited` and the
+    # deleted document again, and took `edited` out of the index's latest versions.
+    killed = new_run_id("build")
+    start_run(st, killed, "build", {})
+    by_id = {r.doc_id: r for r in read_rows(st, DocumentRow)}
+    new_text = by_id[edited].text + " Killed before it finished."
+    append_rows(
+        st,
+        [
+            replace_fields(by_id[edited], doc_version="dv-killed", text=new_text, run_id=killed),
+            replace_fields(by_id[gone], run_id=killed),
+        ],
+        killed,
+        "ingest",
+    )
+    LanceIndex.open_latest(st).delete_documents([edited])
+    assert _corpus_live(st) == after_delete
+    assert _live_in_lineage(st) == after_delete
+    con = open_lineage(st)
+    index_docs = _rows(con, "SELECT doc_id, doc_version FROM index_documents")
+    assert {r["doc_id"]: r["doc_version"] for r in index_docs} == live_versions(st)
+    doc_walk = walk(con, "doc", edited)["document"].to_pylist()
+    assert [r["doc_version"] for r in doc_walk if r["live"]] == [after_delete[edited][0]]
+
+    # A committed run reads the deleted document again (the same version): live again, from
+    # that run's row, not the killed run's nor the first build's.
+    readd = new_run_id("build")
+    run = start_run(st, readd, "build", {})
+    append_rows(st, [replace_fields(by_id[gone], run_id=readd)], readd, "ingest")
+    finish_run(st, run, "completed")
+    back = _corpus_live(st)
+    assert back[gone] == (by_id[gone].doc_version, readd)
+    assert _live_in_lineage(st) == back
 
 
 def test_walk_down_from_a_document(built) -> None:
