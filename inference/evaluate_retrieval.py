@@ -110,7 +110,8 @@ def evaluate_retrieval(
 ) -> pa.Table:
     """Recall of gold documents for each mode and (kc, k); write the outputs; return the table.
 
-    Only questions with gold ``doc_ids`` count (a file without any raises ``ValueError``).
+    Only questions with gold ``doc_ids`` count (a file without any raises ``ValueError``). On an
+    index without nuggets (extractor ``none``) only the ``chunks`` mode runs.
     ``embedder`` defaults to the store's; a different one than the index's is refused.
     """
     from inference.embedders import load_embedder
@@ -133,6 +134,10 @@ def evaluate_retrieval(
         raise FileNotFoundError(f"{store.root} is not a coinrag store (run coinrag build first)")
     settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
     retriever = Retriever(store, load_embedder(embedder or settings.embedder))
+    if retriever.index.count("nuggets") == 0:  # e.g. built with extractor "none"
+        modes = [m for m in modes if m == "chunks"]
+        if not modes:
+            raise ValueError(f"{store.root}: the index holds no nuggets; use the chunks mode")
     retriever.chunks_only(questions[0].question, kc=1)  # warm-up: lazy loads, untimed
 
     rows: list[dict[str, Any]] = []

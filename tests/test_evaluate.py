@@ -280,3 +280,9 @@ def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
                                 str(tmp_path / "y"), "--limit", "1"])  # fmt: skip
     assert no_kv.exit_code == 1
     assert "no KV" in no_kv.output
+
+    # the same store rebuilt without nuggets (extractor none): only the chunks mode runs
+    build_flow(str(src), str(store), {"extractor": "none", "kv": False})
+    only_chunks = evaluate_retrieval(store, questions, tmp_path / "r2", kcs=(2,), ks=(2,))
+    assert only_chunks.column("mode").to_pylist() == ["chunks"]
+    assert only_chunks.column("recall").to_pylist() == [rows[("chunks", 2, 0)]["recall"]]
