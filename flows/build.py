@@ -11,6 +11,8 @@ computes only the rest, so rebuilding an unchanged corpus makes no LLM call.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from functools import partial
 from hashlib import sha256
@@ -268,6 +270,22 @@ def _embed_all(
     return _embed_index(store, chunks, documents, settings, extractor_fp, run_id, parts)
 
 
+class StageClock:
+    """Wall seconds per build stage: ``with clock("kv"): ...`` adds to ``clock.seconds["kv"]``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            elapsed = time.monotonic() - started
+            self.seconds[stage] = round(self.seconds.get(stage, 0.0) + elapsed, 3)
+
+
 @flow(name="coinrag-build")
 def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build (or update) STORE from SOURCE; return the summary counts."""
@@ -280,18 +298,26 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
     with st.write_lock(run_id), task_runner(s) as runner:
         begin(st)
         run = start_run(st, run_id, "build", params)
+        clock = StageClock()
         try:
-            ingested, n_new_docs = ingest_task(st, source, run_id)
-            pruned = prune_task(st, ingested, run_id) if s.prune else {}
-            chunks, n_new_chunks = chunk_task(st, ingested.documents, s, run_id)
-            extracted, extractor_fp = _extract_all(runner, st, s, chunks, run_id)
-            recovered = recover_task(st, chunks, extractor_fp, s.tau, run_id)
-            kv = _kv_all(runner, st, chunks, s, run_id) if s.kv else {}
-            index = (
-                _embed_all(runner, st, chunks, ingested.documents, s, extractor_fp, run_id)
-                if s.index
-                else {}
-            )
+            with clock("ingest"):
+                ingested, n_new_docs = ingest_task(st, source, run_id)
+            with clock("prune"):
+                pruned = prune_task(st, ingested, run_id) if s.prune else {}
+            with clock("chunk"):
+                chunks, n_new_chunks = chunk_task(st, ingested.documents, s, run_id)
+            with clock("extract"):
+                extracted, extractor_fp = _extract_all(runner, st, s, chunks, run_id)
+            with clock("recover"):
+                recovered = recover_task(st, chunks, extractor_fp, s.tau, run_id)
+            with clock("kv"):
+                kv = _kv_all(runner, st, chunks, s, run_id) if s.kv else {}
+            with clock("embed_index"):
+                index = (
+                    _embed_all(runner, st, chunks, ingested.documents, s, extractor_fp, run_id)
+                    if s.index
+                    else {}
+                )
         except BaseException as exc:
             finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
             raise
@@ -320,6 +346,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "kv_disk_bytes": kv.get("disk_bytes", 0),
             "embedded": index.get("embedded", 0),
             "embeddings_cached": index.get("cached", 0),
+            "stage_seconds": clock.seconds,
         }
         fingerprints = {
             "tokenizer_fp": chunks[0].tokenizer_fp if chunks else "",

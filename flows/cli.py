@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(
@@ -32,7 +33,8 @@ def _root() -> None:
 
 
 def _fail(message: str, code: int = 1) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    # soft_wrap: never break an error line (paths stay whole, copyable and greppable)
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -630,7 +632,10 @@ def _print_summary(summary: dict) -> None:
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        if key not in ("run_id", "rejected"):
+        if isinstance(value, dict):  # stage_seconds: one row per stage
+            for name, sub in value.items():
+                table.add_row(f"{key}.{name}", str(sub))
+        elif key not in ("run_id", "rejected"):
             table.add_row(key, str(value))
     Console().print(table)
 

@@ -34,6 +34,10 @@ def test_rules_build_then_unchanged_rebuild_does_no_work(tmp_path, sample_corpus
     first = build_flow(str(src), str(store), {"extractor": "rules"})
     assert first["documents_new"] == 4 and first["chunks_new"] == first["chunks"] >= 4
     assert first["extract_ok"] == first["chunks"] and first["nuggets_exact"] > 10
+    stages = ["ingest", "prune", "chunk", "extract", "recover", "kv", "embed_index"]
+    assert list(first["stage_seconds"]) == stages
+    assert all(v >= 0 for v in first["stage_seconds"].values())
+    assert first["stage_seconds"]["embed_index"] > 0  # the default build embeds
     second = build_flow(str(src), str(store), {"extractor": "rules"})
     assert second["documents_new"] == 0 and second["chunks_new"] == 0
     assert second["extract_requested"] == 0 and second["extract_cached"] == first["chunks"]
@@ -47,6 +51,11 @@ def test_rules_build_then_unchanged_rebuild_does_no_work(tmp_path, sample_corpus
         "GROUP BY 1 ORDER BY 1"
     ).fetchall()
     assert runs == [("completed", 2), ("running", 2)]
+    recorded = con.execute(
+        f"SELECT counts_json FROM read_parquet('{tables}/runs/*.parquet') "
+        f"WHERE status = 'completed' AND run_id = '{first['run_id']}'"
+    ).fetchone()[0]
+    assert json.loads(recorded)["stage_seconds"] == first["stage_seconds"]
     for nugget in read_rows(Store.at(store), NuggetRow):
         assert nugget.run_id == first["run_id"] and nugget.extractor_fp.startswith("extractor-")
 

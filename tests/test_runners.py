@@ -97,7 +97,7 @@ def _assert_same_assets(built: Path, reference: Path) -> None:
 
 
 def _check_summary(summary: dict[str, Any], reference: dict[str, Any]) -> None:
-    volatile = {"run_id", "rejected"}
+    volatile = {"run_id", "rejected", "stage_seconds"}
     assert {k: v for k, v in summary.items() if k not in volatile} == {
         k: v for k, v in reference.items() if k not in volatile
     }
