@@ -25,9 +25,10 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from prefect.filesystems import LocalFileSystem
 from prefect.task_runners import TaskRunner
+from prefect.utilities.annotations import quote
 
 from flows.runners import task_runner
 from flows.scaleout import embed_on_workers, kv_on_workers
@@ -68,18 +69,18 @@ def _result_storage(store: Store) -> str:
     return f"local-file-system/{name}"
 
 
-@task(name="ingest")
+@task(name="ingest", cache_policy=NO_CACHE)
 def ingest_task(store: Store, source: str, run_id: str):
     return ingest_stage(store, source, run_id)
 
 
-@task(name="prune")
+@task(name="prune", cache_policy=NO_CACHE)
 def prune_task(store: Store, ingested: Any, run_id: str) -> dict[str, str]:
     rejected = [r.doc_id for r in ingested.rejects]
     return prune_stage(store, ingested.documents, rejected, run_id)
 
 
-@task(name="chunk")
+@task(name="chunk", cache_policy=NO_CACHE)
 def chunk_task(store: Store, documents: list, settings: BuildSettings, run_id: str):
     tokenizer = load_tokenizer(settings.model)
     return chunk_stage(
@@ -105,12 +106,12 @@ def extract_task(
     return run_extraction(make_extractor(settings, str(store.prefect_dir)), requests, run_id)
 
 
-@task(name="recover")
+@task(name="recover", cache_policy=NO_CACHE)
 def recover_task(store: Store, chunks: list, extractor_fp: str, tau: float, run_id: str):
     return recover_stage(store, chunks, answered_ok(store, extractor_fp), extractor_fp, tau, run_id)
 
 
-@task(name="kv")
+@task(name="kv", cache_policy=NO_CACHE)
 def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) -> dict[str, Any]:
     from inference.models import load_shared_model
     from inference.prompt import RagPrompt
@@ -142,7 +143,7 @@ def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) ->
     return {"model_fp": loaded.model_fp, **counts.as_dict()}
 
 
-@task(name="embed-index")
+@task(name="embed-index", cache_policy=NO_CACHE)
 def embed_task(
     store: Store,
     chunks: list,
@@ -249,7 +250,7 @@ def _kv_all(
     """The KV stage: in the flow process (default runner), else one task per group of chunks
     on the runner's workers (flows/scaleout.py); the same entries either way."""
     if settings.runner == "default":
-        return kv_task(store, chunks, settings, run_id)
+        return kv_task(store, quote(chunks), settings, run_id)
     return kv_on_workers(runner, store, chunks, settings, run_id)
 
 
@@ -265,7 +266,7 @@ def _embed_all(
     """Embed + index: one task in the flow process (default runner), else the flow writes the
     cache and index while one task per part of the texts computes vectors on the workers."""
     if settings.runner == "default":
-        return embed_task(store, chunks, documents, settings, extractor_fp, run_id)
+        return embed_task(store, quote(chunks), quote(documents), settings, extractor_fp, run_id)
     parts = partial(embed_on_workers, runner, settings)
     return _embed_index(store, chunks, documents, settings, extractor_fp, run_id, parts)
 
@@ -303,13 +304,13 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             with clock("ingest"):
                 ingested, n_new_docs = ingest_task(st, source, run_id)
             with clock("prune"):
-                pruned = prune_task(st, ingested, run_id) if s.prune else {}
+                pruned = prune_task(st, quote(ingested), run_id) if s.prune else {}
             with clock("chunk"):
-                chunks, n_new_chunks = chunk_task(st, ingested.documents, s, run_id)
+                chunks, n_new_chunks = chunk_task(st, quote(ingested.documents), s, run_id)
             with clock("extract"):
                 extracted, extractor_fp = _extract_all(runner, st, s, chunks, run_id)
             with clock("recover"):
-                recovered = recover_task(st, chunks, extractor_fp, s.tau, run_id)
+                recovered = recover_task(st, quote(chunks), extractor_fp, s.tau, run_id)
             with clock("kv"):
                 kv = _kv_all(runner, st, chunks, s, run_id) if s.kv else {}
             with clock("embed_index"):
