@@ -38,6 +38,40 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+# Build settings as options, declared once: `build` and `serve` both take them (None: the
+# [build] table of --config, else the default).
+ExtractorOption = Annotated[
+    str | None,
+    typer.Option(
+        help="openai | openai-batch | local | rules | none "
+        "(default: openai if OPENAI_API_KEY is set, else local)."
+    ),
+]
+LlmModelOption = Annotated[
+    str | None, typer.Option("--llm-model", help="LLM for extraction (default gpt-4o-mini).")
+]
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Generation model whose tokenizer chunks: a folder, a .gguf file, or "
+        "'smollm2' (default, the packaged SmolLM2-135M-Instruct)."
+    ),
+]
+EmbedderOption = Annotated[
+    str | None,
+    typer.Option(help="'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder."),
+]
+ConfigOption = Annotated[
+    Path | None, typer.Option(help="TOML file with a [build] table of the same settings.")
+]
+ChunkerOption = Annotated[str | None, typer.Option(help="fixed (default) | sentence | content")]
+ChunkSizeOption = Annotated[int | None, typer.Option(help="Tokens per chunk (default 512).")]
+TauOption = Annotated[float | None, typer.Option(help="Fuzzy recovery threshold (default 0.7).")]
+ConcurrencyOption = Annotated[
+    int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
+]
+
+
 @app.command()
 def build(
     source: Annotated[
@@ -50,42 +84,15 @@ def build(
     store: Annotated[
         Path, typer.Option("--store", help="The store directory (created if absent).")
     ],
-    extractor: Annotated[
-        str | None,
-        typer.Option(
-            help="openai | openai-batch | local | rules | none "
-            "(default: openai if OPENAI_API_KEY is set, else local)."
-        ),
-    ] = None,
-    llm_model: Annotated[
-        str | None, typer.Option("--llm-model", help="LLM for extraction (default gpt-4o-mini).")
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="Generation model whose tokenizer chunks: a folder, a .gguf file, or "
-            "'smollm2' (default, the packaged SmolLM2-135M-Instruct)."
-        ),
-    ] = None,
-    embedder: Annotated[
-        str | None,
-        typer.Option(
-            help="'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder."
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None, typer.Option(help="TOML file with a [build] table of the same settings.")
-    ] = None,
-    chunker: Annotated[
-        str | None, typer.Option(help="fixed (default) | sentence | content")
-    ] = None,
-    chunk_size: Annotated[int | None, typer.Option(help="Tokens per chunk (default 512).")] = None,
-    tau: Annotated[
-        float | None, typer.Option(help="Fuzzy recovery threshold (default 0.7).")
-    ] = None,
-    concurrency: Annotated[
-        int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
-    ] = None,
+    extractor: ExtractorOption = None,
+    llm_model: LlmModelOption = None,
+    model: ModelOption = None,
+    embedder: EmbedderOption = None,
+    config: ConfigOption = None,
+    chunker: ChunkerOption = None,
+    chunk_size: ChunkSizeOption = None,
+    tau: TauOption = None,
+    concurrency: ConcurrencyOption = None,
     prune: Annotated[
         bool | None,
         typer.Option(
@@ -486,21 +493,15 @@ def serve(
     train_out: Annotated[
         Path | None, typer.Option("--train-out", help="Folder of the fine-tuned model.")
     ] = None,
-    config: Annotated[
-        Path | None, typer.Option(help="TOML file with a [build] table of build settings.")
-    ] = None,
-    extractor: Annotated[
-        str | None, typer.Option(help="openai | openai-batch | local | rules | none")
-    ] = None,
-    llm_model: Annotated[
-        str | None, typer.Option("--llm-model", help="LLM for extraction.")
-    ] = None,
-    model: Annotated[str | None, typer.Option(help="Generation model (tokenizer, KV).")] = None,
-    embedder: Annotated[str | None, typer.Option(help="'minilm' or a BGE-M3 folder.")] = None,
-    chunker: Annotated[str | None, typer.Option(help="fixed | sentence | content")] = None,
-    chunk_size: Annotated[int | None, typer.Option(help="Tokens per chunk.")] = None,
-    tau: Annotated[float | None, typer.Option(help="Fuzzy recovery threshold.")] = None,
-    concurrency: Annotated[int | None, typer.Option(help="Simultaneous LLM requests.")] = None,
+    config: ConfigOption = None,
+    extractor: ExtractorOption = None,
+    llm_model: LlmModelOption = None,
+    model: ModelOption = None,
+    embedder: EmbedderOption = None,
+    chunker: ChunkerOption = None,
+    chunk_size: ChunkSizeOption = None,
+    tau: TauOption = None,
+    concurrency: ConcurrencyOption = None,
 ) -> None:
     """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
 
