@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,7 @@ import pyarrow.compute as pc
 
 from inference.embedders import Embedder
 from schemas.keys import CODE_VERSION, text_hash
-from schemas.tables import ChunkRow, EmbeddingRow, NuggetRow
+from schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow
 from storage.index import LanceIndex
 from storage.store import Store
 from storage.tables import append_rows, read_table
@@ -88,6 +88,21 @@ def _doc_metadata(doc: Any) -> dict[str, Any]:
         return metadata
     raw = getattr(doc, "metadata_json", None)
     return json.loads(raw) if raw else {}
+
+
+def index_columns(
+    table: str, rows: Sequence[Any], embedder_fp: str, run_id: str, **computed: list[Any]
+) -> dict[str, list[Any]]:
+    """The plain columns of index ``table`` (``schemas.tables.INDEX_TABLES``; all but the
+    vector) for ``rows``: ``computed`` ones as given (one value per row), ``embedder_fp`` and
+    ``run_id`` the same on every row, each other the rows' attribute of that name."""
+    given = {"embedder_fp": [embedder_fp] * len(rows), "run_id": [run_id] * len(rows)}
+    given.update(computed)
+    return {
+        f.name: given[f.name] if f.name in given else [getattr(r, f.name) for r in rows]
+        for f in fields(INDEX_TABLES[table])
+        if f.name != "vector"
+    }
 
 
 def document_title(doc: Any) -> str:
@@ -269,47 +284,28 @@ def embed_stage(
     if new_chunks:
         data = index.build_table(
             "chunks",
-            {
-                "chunk_id": [c.chunk_id for c in new_chunks],
-                "doc_id": [c.doc_id for c in new_chunks],
-                "doc_version": [c.doc_version for c in new_chunks],
-                "content_key": [c.content_key for c in new_chunks],
-                "text": chunk_texts,
-                "n_tokens": [c.n_tokens for c in new_chunks],
-                "embedder_fp": [fp] * len(new_chunks),
-                "run_id": [run_id] * len(new_chunks),
-            },
+            index_columns("chunks", new_chunks, fp, run_id),
             matrix(keys["chunks"]),
         )
         counts.chunks_written = index.upsert("chunks", data)
     if new_nuggets:
         data = index.build_table(
             "nuggets",
-            {
-                "nugget_id": [n.nugget_id for n in new_nuggets],
-                "chunk_id": [n.chunk_id for n in new_nuggets],
-                "doc_id": [n.doc_id for n in new_nuggets],
-                "doc_version": [n.doc_version for n in new_nuggets],
-                "content_key": [n.content_key for n in new_nuggets],
-                "text": [n.text for n in new_nuggets],
-                "tok_start": [n.tok_start for n in new_nuggets],
-                "tok_end": [n.tok_end for n in new_nuggets],
-                "embedder_fp": [fp] * len(new_nuggets),
-                "run_id": [run_id] * len(new_nuggets),
-            },
+            index_columns("nuggets", new_nuggets, fp, run_id),
             matrix(keys["nuggets"]),
         )
         counts.nuggets_written = index.upsert("nuggets", data)
     if new_docs:
         data = index.build_table(
             "documents",
-            {
-                "doc_id": [d.doc_id for d in new_docs],
-                "doc_version": [_doc_version(d) for d in new_docs],
-                "title": [document_title(d) for d in new_docs],
-                "embedder_fp": [fp] * len(new_docs),
-                "run_id": [run_id] * len(new_docs),
-            },
+            index_columns(
+                "documents",
+                new_docs,
+                fp,
+                run_id,
+                doc_version=[_doc_version(d) for d in new_docs],
+                title=[document_title(d) for d in new_docs],
+            ),
             matrix(keys["docs"]),
         )
         counts.documents_written = index.upsert("documents", data)
