@@ -191,9 +191,10 @@ def _embed_index(
 
 def _extract_all(
     runner: TaskRunner, store: Store, settings: BuildSettings, chunks: list, run_id: str
-) -> tuple[ExtractCounts, str]:
+) -> tuple[ExtractCounts, str, str]:
     """Send every unanswered chunk text to the extractor, one task per batch on ``runner``;
-    write each batch's rows here, in batch order, with progress."""
+    write each batch's rows here, in batch order, with progress. Return the counts, the
+    extractor's fingerprint and its prompt version."""
     logger = get_run_logger()
     extractor = make_extractor(settings, str(store.prefect_dir))
     fp = extractor.fingerprint
@@ -241,7 +242,7 @@ def _extract_all(
         )
         if progress_id:
             update_progress_artifact(progress_id, progress=100.0 * done / len(pending))
-    return total, fp
+    return total, fp, extractor.prompt_version
 
 
 def _kv_all(
@@ -308,7 +309,9 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             with clock("chunk"):
                 chunks, n_new_chunks = chunk_task(st, quote(ingested.documents), s, run_id)
             with clock("extract"):
-                extracted, extractor_fp = _extract_all(runner, st, s, chunks, run_id)
+                extracted, extractor_fp, prompt_version = _extract_all(
+                    runner, st, s, chunks, run_id
+                )
             with clock("recover"):
                 recovered = recover_task(st, quote(chunks), extractor_fp, s.tau, run_id)
             with clock("kv"):
@@ -353,7 +356,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "tokenizer_fp": chunks[0].tokenizer_fp if chunks else "",
             "chunker_fp": chunker_fingerprint(s.chunker, s.chunk_size),
             "extractor_fp": extractor_fp,
-            "prompt_version": make_extractor(s, str(st.prefect_dir)).prompt_version,
+            "prompt_version": prompt_version,
             "model_fp": kv.get("model_fp", ""),
             "kv_fp": kv.get("kv_fp", ""),
             "embedder_fp": index.get("embedder_fp", ""),
