@@ -62,7 +62,7 @@ EmbedderOption = Annotated[
     typer.Option(help="'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder."),
 ]
 ConfigOption = Annotated[
-    Path | None, typer.Option(help="TOML file with a [build] table of the same settings.")
+    Path | None, typer.Option(help="TOML file with a \\[build] table of the same settings.")
 ]
 ChunkerOption = Annotated[str | None, typer.Option(help="fixed (default) | sentence | content")]
 ChunkSizeOption = Annotated[int | None, typer.Option(help="Tokens per chunk (default 512).")]
