@@ -73,6 +73,13 @@ def _alive(family: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+def _ctrl_c_enabled() -> None:
+    """In the child, before exec: SIGINT back to its default, so Python turns Ctrl-C into
+    KeyboardInterrupt even when the tests run as a background job of a non-interactive shell
+    (such a shell starts them with SIGINT ignored, and children inherit the ignore)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(proc: subprocess.Popen, timeout: float) -> tuple[int | None, list[str]]:
     """Ctrl-C ``proc`` (SIGINT, again after ``timeout / 2``) and wait; then SIGKILL whatever of
     its tree is left.
@@ -154,6 +161,7 @@ def server(tmp_path_factory) -> Iterator[dict[str, Any]]:
             stderr=subprocess.STDOUT,
             env=env,
             cwd=REPO,
+            preexec_fn=_ctrl_c_enabled,
         )
     try:
         _wait_for(
@@ -257,6 +265,7 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
             stderr=subprocess.STDOUT,
             env=env,
             cwd=tmp_path,
+            preexec_fn=_ctrl_c_enabled,
         )
     try:
         dep = _wait_for(
