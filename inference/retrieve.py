@@ -25,6 +25,7 @@ returned as selected, and the assembler decides whether to merge overlapping spa
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,8 +122,12 @@ class Retriever:
         vector = self.embedder.embed_queries([question])[0]
         return vector, (time.perf_counter() - t) * 1000.0
 
-    def _chunks(self, vector: np.ndarray, kc: int) -> list[ChunkHit]:
-        rows = self.index.search_chunks(vector, kc, embedder_fp=self.embedder.fingerprint)
+    def _chunks(
+        self, vector: np.ndarray, kc: int, doc_ids: Sequence[str] | None = None
+    ) -> list[ChunkHit]:
+        rows = self.index.search_chunks(
+            vector, kc, embedder_fp=self.embedder.fingerprint, doc_ids=doc_ids
+        )
         return [
             ChunkHit(
                 chunk_id=r["chunk_id"],
@@ -136,11 +141,16 @@ class Retriever:
             for i, r in enumerate(rows)
         ]
 
-    def two_stage(self, question: str, kc: int = 5, k: int = 10) -> RetrievalResult:
-        """CoinRAG: top-``kc`` chunks, then the top-``k`` nuggets inside them (see module doc)."""
+    def two_stage(
+        self, question: str, kc: int = 5, k: int = 10, doc_ids: Sequence[str] | None = None
+    ) -> RetrievalResult:
+        """CoinRAG: top-``kc`` chunks, then the top-``k`` nuggets inside them (see module doc).
+
+        ``doc_ids``: stage 1 ranks only these documents' chunks (training restricts retrieval
+        to an example's own documents)."""
         vector, embed_ms = self._embed(question)
         t = time.perf_counter()
-        hits = self._chunks(vector, kc)
+        hits = self._chunks(vector, kc, doc_ids)
         nuggets = self.index.search_nuggets(
             vector, k, [h.chunk_id for h in hits], embedder_fp=self.embedder.fingerprint
         )

@@ -514,10 +514,23 @@ class LanceIndex:
         rows.sort(key=lambda r: -r["score"])
         return rows
 
-    def search_chunks(self, vector: np.ndarray, k: int, *, embedder_fp: str) -> list[dict]:
-        """Top-``k`` chunks by cosine similarity, best first (dicts with ``score``)."""
+    def search_chunks(
+        self,
+        vector: np.ndarray,
+        k: int,
+        *,
+        embedder_fp: str,
+        doc_ids: Sequence[str] | None = None,
+    ) -> list[dict]:
+        """Top-``k`` chunks by cosine similarity, best first (dicts with ``score``).
+
+        ``doc_ids``: only these documents' chunks (a prefiltered exact search, so it returns
+        ``min(k, their chunks)``)."""
         cols = ["chunk_id", "doc_id", "doc_version", "content_key", "text", "n_tokens"]
-        return self._search("chunks", vector, k, embedder_fp, cols)
+        if doc_ids is None:
+            return self._search("chunks", vector, k, embedder_fp, cols)
+        where = f"doc_id IN ({_sql_list(dict.fromkeys(doc_ids))})"
+        return self._search("chunks", vector, k, embedder_fp, cols, where=where, exact=True)
 
     def search_nuggets(
         self,

@@ -21,7 +21,6 @@ from training.nuggets import (
     make_plans,
     raft_drop,
     run_training,
-    two_stage_within,
     write_documents,
 )
 
@@ -194,7 +193,7 @@ def test_training_context_equals_inference_context(built, parts, monkeypatch):
     frozen = ContextBuilder(parts["store"], loaded.model, prompt, "frozen", parts["kv"])
     live = ContextBuilder(parts["store"], loaded.model, prompt, "live")
     for ex in built["ex"]:
-        ret = two_stage_within(parts["ret"], ex.question, ex.doc_ids, kc=2, k=4)
+        ret = parts["ret"].two_stage(ex.question, kc=2, k=4, doc_ids=ex.doc_ids)
         assert ret.evidence
         engine.run(ex.question, "coinrag", ret)
         n_query = len(prompt.query_ids(ex.question))
@@ -218,7 +217,7 @@ def _grads(parts, mode: str, lora: bool = False):
     prompt = parts["prompt"]
     b = ContextBuilder(parts["store"], net, prompt, mode, parts["kv"] if mode == "frozen" else None)
     q, a = prompt.query_ids("Who founded Zorvath?"), [1, 2, 3]
-    ev = two_stage_within(parts["ret"], "Who founded Zorvath?", ["zorvath"], 2, 4).evidence
+    ev = parts["ret"].two_stage("Who founded Zorvath?", 2, 4, doc_ids=["zorvath"]).evidence
     ctx, total = b.build(ev, len(q))
     loss = answer_loss_sum(net, ctx, total, q, a)
     loss.backward()

@@ -73,7 +73,7 @@ import torch
 
 from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
 from inference.prompt import RagPrompt
-from inference.retrieve import ChunkHit, Evidence, RetrievalResult, Retriever, order_nuggets
+from inference.retrieve import Evidence, Retriever
 from inference.rope import RopeSpec
 from schemas.keys import canonical_json
 from schemas.tables import ChunkRow
@@ -294,41 +294,6 @@ def write_documents(examples: Sequence[QAExample], path: str | os.PathLike[str])
 # ------------------------------------------------------------------------------------- retrieval
 
 
-def two_stage_within(
-    retriever: Retriever, question: str, doc_ids: Sequence[str], kc: int = 5, k: int = 10
-) -> RetrievalResult:
-    """:meth:`Retriever.two_stage` restricted to ``doc_ids``: stage 1 ranks only those
-    documents' chunks (a prefiltered exact search, so it returns ``min(kc, their chunks)``),
-    stage 2 and the ordering are the retriever's own (:func:`order_nuggets`).
-    """
-    t0 = time.perf_counter()
-    vector = retriever.embedder.embed_queries([question])[0]
-    t1 = time.perf_counter()
-    fp = retriever.embedder.fingerprint
-    ids = ", ".join("'" + str(d).replace("'", "''") + "'" for d in dict.fromkeys(doc_ids))
-    cols = ["chunk_id", "doc_id", "doc_version", "content_key", "text", "n_tokens"]
-    # LanceIndex.search_chunks has no filter; its _search does (the same call, plus `where`).
-    rows = retriever.index._search(
-        "chunks", vector, kc, fp, cols, where=f"doc_id IN ({ids})", exact=True
-    )
-    hits = [
-        ChunkHit(
-            chunk_id=r["chunk_id"],
-            doc_id=r["doc_id"],
-            content_key=r["content_key"],
-            n_tokens=int(r["n_tokens"]),
-            text=r["text"],
-            score=float(r["score"]),
-            rank=i,
-        )
-        for i, r in enumerate(rows)
-    ]
-    nuggets = retriever.index.search_nuggets(vector, k, [h.chunk_id for h in hits], embedder_fp=fp)
-    evidence = order_nuggets(nuggets, {h.chunk_id: h.rank for h in hits})
-    search_ms = (time.perf_counter() - t1) * 1000.0
-    return RetrievalResult("two_stage", evidence, hits, (t1 - t0) * 1000.0, search_ms)
-
-
 def raft_drop(seed: int, epoch: int, index: int, p: float) -> bool:
     """Whether example ``index`` loses its gold evidence in ``epoch`` (probability ``p``)."""
     return random.Random(f"raft:{seed}:{epoch}:{index}").random() < p
@@ -370,7 +335,7 @@ def make_plans(
         if prompt.n_prefix + len(q) + len(a) > cfg.max_length:
             counts["skipped_too_long"] += 1
             continue
-        ret = two_stage_within(retriever, ex.question, ex.doc_ids, cfg.kc, cfg.k)
+        ret = retriever.two_stage(ex.question, cfg.kc, cfg.k, doc_ids=ex.doc_ids)
         if not ret.evidence:
             counts["no_evidence"] += 1
         gold = set(ex.gold_doc_ids)
