@@ -64,7 +64,7 @@ def _extract_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 def _result_storage(store: Store) -> str:
     """Slug of a LocalFileSystem block under STORE/.prefect/results (saved on the API)."""
-    name = "coinrag-results-" + sha256(str(store.root).encode()).hexdigest()[:12]
+    name = "coinrag-results-" + sha256(store.url.encode()).hexdigest()[:12]
     LocalFileSystem(basepath=str(store.prefect_dir / "results")).save(name, overwrite=True)
     return f"local-file-system/{name}"
 

@@ -136,7 +136,7 @@ def latest_documents(store: Store, doc_ids: Sequence[str] | None = None) -> list
         return [latest[d] for d in sorted(latest)]
     missing = [d for d in doc_ids if d not in latest]
     if missing:
-        raise KeyError(f"documents not in the store {store.root}: {', '.join(missing[:10])}")
+        raise KeyError(f"documents not in the store {store}: {', '.join(missing[:10])}")
     return [latest[d] for d in dict.fromkeys(doc_ids)]
 
 
@@ -327,6 +327,7 @@ def _run_pipeline(
 ) -> dict[str, Any]:
     s = CartridgeSettings(**(settings or {}))
     st = Store.at(store).init()
+    st.require_local("training cartridges")
     flow_name = "selfstudy" if max_steps is None else "train-cartridges"
     run_id = new_run_id(flow_name)
     params = {"doc_ids": doc_ids, "max_steps": max_steps, **s.to_dict()}
@@ -336,7 +337,7 @@ def _run_pipeline(
         try:
             docs = latest_documents(st, doc_ids)
             if not docs:
-                raise ValueError(f"the store {st.root} has no documents: run coinrag build first")
+                raise ValueError(f"the store {st} has no documents: run coinrag build first")
             loaded = _model(s.model, s.device)
             questions, q_counts, gen_fp = selfstudy_task(st, docs, s, loaded, run_id)
             answers, t_counts = teacher_task(st, docs, questions, s, loaded, run_id)

@@ -82,7 +82,10 @@ def build(
         ),
     ],
     store: Annotated[
-        Path, typer.Option("--store", help="The store directory (created if absent).")
+        str,
+        typer.Option(
+            "--store", help="The store: a folder (created if absent) or s3://bucket/prefix."
+        ),
     ],
     extractor: ExtractorOption = None,
     llm_model: LlmModelOption = None,
@@ -172,7 +175,7 @@ def build(
 @app.command()
 def query(
     question: Annotated[str, typer.Argument(help="The question.")],
-    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
     method: Annotated[
         str, typer.Option(help="coinrag | turborag | standard | cartridge")
     ] = "coinrag",
@@ -229,7 +232,7 @@ def eval_cmd(
     questions: Annotated[
         Path, typer.Argument(help="JSONL: question, answers (list), optional doc_ids (gold).")
     ],
-    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
     out: Annotated[Path, typer.Option("--out", help="Folder for results, plots.")],
     methods: Annotated[
         list[str] | None, typer.Option("--methods", help="Methods (default: all three).")
@@ -302,13 +305,13 @@ def _cartridge_answer(
     from inference.methods import Answer, MissingAssets
     from inference.models import load_model
     from inference.retrieve import Retriever
-    from schemas.settings import load_settings
+    from schemas.settings import settings_from_toml
     from storage.store import Store
 
     store = Store.at(store_path)
     if not store.exists():
-        raise MissingAssets(f"{store.root} is not a coinrag store (run coinrag build first)")
-    settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
+        raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
+    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
     loaded = load_model(model or settings.model, device=settings.device)
     retriever = None if oracle_doc else Retriever(store, load_embedder(settings.embedder))
     rag = CartridgeRag(store, loaded, retriever=retriever)
@@ -343,7 +346,7 @@ def _cartridge_answer(
 
 @app.command()
 def lineage(
-    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
     sql: Annotated[
         str | None, typer.Argument(help="One SELECT over the lineage views and the tables.")
     ] = None,
@@ -375,7 +378,7 @@ def lineage(
         _fail("--csv prints one table: use it with SQL or --stale (--json for a walk)", 2)
     st = Store.at(store)
     if not st.exists():
-        _fail(f"{st.root} is not a coinrag store (run coinrag build first)", 1)
+        _fail(f"{st} is not a coinrag store (run coinrag build first)", 1)
     out = Console()
     if modes == 0:
         lin.print_views(out)
@@ -389,7 +392,7 @@ def lineage(
     except LineageError as exc:
         _fail(str(exc), 1 if walks else 2)
     except (OSError, ValueError) as exc:  # settings or producers of --stale that cannot load
-        _fail(f"cannot compute the current producers from {st.settings_path}: {exc}", 1)
+        _fail(f"cannot compute the current producers from {st.uri(st.settings_path)}: {exc}", 1)
     if walks:
         if json_out:
             print(lin.to_json(sections))
@@ -410,7 +413,7 @@ app.add_typer(train_app, name="train")
 
 @train_app.command("cartridges")
 def train_cartridges_cmd(
-    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
     docs: Annotated[
         list[str] | None, typer.Option("--docs", help="Document ids (default: all).")
     ] = None,
@@ -438,7 +441,7 @@ def train_cartridges_cmd(
 
 @train_app.command("nuggets")
 def train_nuggets_cmd(
-    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
     data: Annotated[Path, typer.Option("--data", help="JSONL of QA examples.")],
     out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned model.")],
     mode: Annotated[str, typer.Option(help="live (default) | frozen")] = "live",
@@ -479,7 +482,10 @@ def serve(
         str, typer.Argument(help="What to build (as for `coinrag build`), or 'sample'.")
     ],
     store: Annotated[
-        Path, typer.Option("--store", help="The store directory (created if absent).")
+        str,
+        typer.Option(
+            "--store", help="The store: a folder (created if absent) or s3://bucket/prefix."
+        ),
     ],
     cron: Annotated[
         str | None,
@@ -510,6 +516,7 @@ def serve(
     """
     from infra.build_deployment import make_serve_deployments, serve_build
     from schemas.settings import SettingsError, load_settings
+    from storage.store import Store
 
     source = str(SAMPLE) if source == "sample" else source
     if not Path(source).expanduser().exists():
@@ -532,7 +539,7 @@ def serve(
         settings = load_settings(config, overrides)
         deployments = make_serve_deployments(
             str(Path(source).expanduser().resolve()),
-            str(store.expanduser().resolve()),
+            Store.at(store).url,
             settings.to_dict(),
             cron=cron,
             name=name,
@@ -550,7 +557,7 @@ def serve(
 @app.command()
 def watch(
     source: Annotated[str, typer.Argument(help="The source a served build deployment builds.")],
-    store: Annotated[Path, typer.Option("--store", help="Its store.")],
+    store: Annotated[str, typer.Option("--store", help="Its store (folder or s3:// URL).")],
     interval: Annotated[float, typer.Option(help="Seconds between checks.")] = 30.0,
     once: Annotated[bool, typer.Option("--once", help="Check once and exit.")] = False,
 ) -> None:
@@ -580,7 +587,7 @@ def watch(
 @app.command()
 def delete(
     doc_ids: Annotated[list[str], typer.Argument(help="Ids of the documents to delete.")],
-    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
 ) -> None:
     """Delete documents: tombstoned in the tables, gone from the index (their KV is reclaimed
     by `coinrag gc`). An id that is not a live document fails the whole command."""
@@ -598,7 +605,7 @@ def delete(
 
 @app.command()
 def gc(
-    store: Annotated[Path, typer.Option("--store", help="A built store.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Only report what would be reclaimed.")
     ] = False,

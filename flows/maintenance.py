@@ -29,7 +29,7 @@ def delete_documents(store: str, doc_ids: list[str]) -> dict[str, str]:
     """
     st = Store.at(store)
     if not st.exists():
-        raise FileNotFoundError(f"{st.root} is not a coinrag store")
+        raise FileNotFoundError(f"{st} is not a coinrag store")
     run_id = new_run_id("delete")
     with st.write_lock(run_id):
         run = start_run(st, run_id, "delete", {"doc_ids": list(doc_ids)})
@@ -47,7 +47,7 @@ def gc_store(store: str, dry_run: bool = False) -> GcReport:
     """Reclaim dead KV entries, old index versions and leftovers of killed writes."""
     st = Store.at(store)
     if not st.exists():
-        raise FileNotFoundError(f"{st.root} is not a coinrag store")
+        raise FileNotFoundError(f"{st} is not a coinrag store")
     run_id = new_run_id("gc")
     with st.write_lock(run_id):
         run = start_run(st, run_id, "gc", {"dry_run": dry_run})

@@ -32,7 +32,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from schemas.keys import new_run_id
-from schemas.settings import load_settings
+from schemas.settings import settings_from_toml
 from storage.runs import finish_run, start_run
 from storage.store import Store
 from training.nuggets import TrainConfig, file_sha256, load_examples, run_training, write_documents
@@ -56,7 +56,7 @@ def train_task(
 
 def _build_settings(st: Store, overrides: dict[str, Any] | None) -> dict[str, Any]:
     """The store's recorded build settings (defaults if none), then ``overrides``."""
-    base = load_settings(st.settings_path if st.settings_path.is_file() else None)
+    base = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
     return {**base.to_dict(), **(overrides or {})}
 
 
@@ -86,6 +86,7 @@ def train_nuggets_flow(
         **{**(settings or {}), "mode": mode, "lora": lora, "max_steps": max_steps}
     ).validate()
     st = Store.at(store)
+    st.require_local("coinrag train")
     data_path = str(Path(data).expanduser().resolve())
     data_sha = file_sha256(data_path)
     examples = load_data_task(data_path)
@@ -104,7 +105,7 @@ def train_nuggets_flow(
         logger.info("building %d training documents into %s", n_docs, st.root)
         build_summary = build_flow(str(docs_source), str(st.root), build_settings)
     elif not st.exists():
-        raise FileNotFoundError(f"{st.root} is not a coinrag store and the data has no documents")
+        raise FileNotFoundError(f"{st} is not a coinrag store and the data has no documents")
 
     run_id = new_run_id("train")
     params = {

@@ -116,7 +116,7 @@ def evaluate_retrieval(
     """
     from inference.embedders import load_embedder
     from inference.retrieve import Retriever
-    from schemas.settings import load_settings
+    from schemas.settings import settings_from_toml
     from storage.store import Store
 
     bad = [m for m in modes if m not in MODES]
@@ -131,13 +131,13 @@ def evaluate_retrieval(
         raise ValueError(f"{questions_path}: no question has gold doc_ids")
     store = Store.at(store_path)
     if not store.exists():
-        raise FileNotFoundError(f"{store.root} is not a coinrag store (run coinrag build first)")
-    settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
+        raise FileNotFoundError(f"{store} is not a coinrag store (run coinrag build first)")
+    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
     retriever = Retriever(store, load_embedder(embedder or settings.embedder))
     if retriever.index.count("nuggets") == 0:  # e.g. built with extractor "none"
         modes = [m for m in modes if m == "chunks"]
         if not modes:
-            raise ValueError(f"{store.root}: the index holds no nuggets; use the chunks mode")
+            raise ValueError(f"{store}: the index holds no nuggets; use the chunks mode")
     retriever.chunks_only(questions[0].question, kc=1)  # warm-up: lazy loads, untimed
 
     rows: list[dict[str, Any]] = []

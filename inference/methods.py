@@ -87,7 +87,7 @@ class RagEngine:
             self.prefix_kv, prefix_ids = self.kv.read_prefix()
         except (MissingKvEntry, FileNotFoundError) as exc:
             raise MissingAssets(
-                f"store {store.root} has no KV for model {loaded.model_fp}: run "
+                f"store {store} has no KV for model {loaded.model_fp}: run "
                 "`coinrag build SOURCE --store ...` with this model first"
             ) from exc
         if prefix_ids != self.prompt.prefix_ids:
@@ -106,12 +106,12 @@ class RagEngine:
         """Load everything for ``store_path``; model and embedder default to the store's."""
         from inference.embedders import load_embedder
         from inference.models import load_model
-        from schemas.settings import load_settings
+        from schemas.settings import settings_from_toml
 
         store = Store.at(store_path)
         if not store.exists():
-            raise MissingAssets(f"{store.root} is not a coinrag store (run coinrag build first)")
-        settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
+            raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
+        settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
         loaded = load_model(model or settings.model, device=settings.device)
         emb = load_embedder(embedder or settings.embedder)
         return cls(store, loaded, emb, max_new_tokens=max_new_tokens)

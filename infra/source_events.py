@@ -21,6 +21,8 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
+from storage.store import Store
+
 SOURCE_CHANGED_EVENT = "coinrag.source.changed"
 
 
@@ -49,7 +51,7 @@ def emit_source_changed(source: str, store: str, doc_ids: list[str]) -> Any:
         resource={
             "prefect.resource.id": source_resource_id(source),
             "prefect.resource.name": source_path(source),
-            "coinrag.store": str(Path(store).expanduser().resolve()),
+            "coinrag.store": Store.at(store).url,
         },
         payload={"doc_ids": list(doc_ids), "n_changed": len(doc_ids)},
     )

@@ -131,23 +131,34 @@ def load_settings(
     config_path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
 ) -> BuildSettings:
     """Defaults, then the ``[build]`` table of a TOML file, then non-None ``overrides``."""
-    values: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    origin = "defaults"
     if config_path is not None:
         path = Path(config_path)
+        origin = str(path)
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise SettingsError(f"config file {path} does not exist") from exc
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"config file {path} is not valid TOML: {exc}") from exc
-        table = data.get("build", data)
-        unknown = sorted(set(table) - set(setting_names()))
-        if unknown:
-            raise SettingsError(
-                f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
-                f"known: {', '.join(setting_names())}"
-            )
-        values.update(table)
+    return settings_from_toml(data, origin, overrides)
+
+
+def settings_from_toml(
+    data: dict[str, Any], origin: str, overrides: dict[str, Any] | None = None
+) -> BuildSettings:
+    """Defaults, then the ``[build]`` table of parsed TOML (``origin`` names it in errors; a
+    table without ``[build]`` is taken whole), then non-None ``overrides``."""
+    values: dict[str, Any] = {}
+    table = data.get("build", data)
+    unknown = sorted(set(table) - set(setting_names()))
+    if unknown:
+        raise SettingsError(
+            f"config file {origin}: unknown setting(s) {', '.join(unknown)}; "
+            f"known: {', '.join(setting_names())}"
+        )
+    values.update(table)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return BuildSettings(**values).validate()

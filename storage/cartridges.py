@@ -194,7 +194,7 @@ class CartridgeStore:
         root = store.cartridges_dir(model_fp)
         if not (root / "zarr.json").is_file():
             raise MissingCartridge(
-                f"no cartridges for model {model_fp} in {store.root}: train them first "
+                f"no cartridges for model {model_fp} in {store}: train them first "
                 "(coinrag train cartridges)"
             )
         ident = zarr.open_group(store=LocalStore(root, read_only=True), mode="r").attrs[_ATTR]

@@ -17,10 +17,9 @@ Parquet tables are not touched, except ``kv_manifest`` rows of dropped entries.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import PurePath
 
 import pyarrow.compute as pc
 
@@ -97,28 +96,23 @@ def _indexes(store: Store) -> Iterable[LanceIndex]:
 def kv_fps(store: Store) -> list[str]:
     """The KV stores under ``STORE/kv/`` (one folder per kv_fp)."""
     root = store.root / "kv"
-    if not root.is_dir():
+    names = store.list_names(root)
+    return [n for n in names if not n.startswith(".") and store.is_file(root / n / "zarr.json")]
+
+
+def temp_leftovers(store: Store) -> list[PurePath]:
+    """Temporary files and folders of killed writes (the KV stores' own are in ``reclaim``).
+    An object store writes no temporary files outside the KV stores (each file is one PUT)."""
+    if not store.is_local:
         return []
-    return sorted(p.name for p in root.iterdir() if (p / "zarr.json").is_file())
-
-
-def temp_leftovers(store: Store) -> list[Path]:
-    """Temporary files and folders of killed writes (the KV stores' own are in ``reclaim``)."""
-    root = store.root
+    root = store.require_local("temporary files")
     found = list(root.glob("coinrag.toml.tmp*"))
     found += root.glob("tables/*/.*.tmp")
     found += root.glob("kv/.tmp-*")
     found += root.glob("cartridges/*/.tmp-*")
     found += root.glob("index/*.json.tmp")
+    found += root.glob("index/*.json.tmp-*")
     return sorted(set(found))
-
-
-def _bytes(path: Path) -> int:
-    if not path.exists():
-        return 0
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcReport:
@@ -130,15 +124,12 @@ def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcRepor
         report.kv.append(KvStore.open(store, kv_fp).reclaim(live, run_id, dry_run=dry_run))
     latest = LanceIndex.open_latest(store)
     if latest is not None:
-        before = _bytes(store.index_dir)
+        before = store.tree_bytes(store.index_dir)
         report.index_versions_removed = latest.prune_versions(dry_run=dry_run)
-        report.index_bytes_freed = max(0, before - _bytes(store.index_dir))
+        report.index_bytes_freed = max(0, before - store.tree_bytes(store.index_dir))
     for path in temp_leftovers(store):
         report.temp_paths_removed += 1
-        report.temp_bytes_freed += _bytes(path)
+        report.temp_bytes_freed += store.tree_bytes(path)
         if not dry_run:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            store.remove(path)
     return report

@@ -43,12 +43,14 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from schemas.tables import INDEX_TABLES, arrow_schema
+from storage.location import lance_storage_options
 from storage.store import Store
 
 META_FILE = "coinrag-index.json"
@@ -162,8 +164,13 @@ class LanceIndex:
         self.store = store
         self.meta = meta
         self.versions = dict(versions) if versions is not None else None
-        store.index_dir.mkdir(parents=True, exist_ok=True)
-        self.db = lancedb.connect(str(store.index_dir))
+        if store.is_local:
+            Path(store.index_dir).mkdir(parents=True, exist_ok=True)
+            self.db = lancedb.connect(str(store.index_dir))
+        else:
+            self.db = lancedb.connect(
+                store.uri(store.index_dir), storage_options=lance_storage_options(store.scheme)
+            )
         self._tables: dict[str, Any] = {}
         self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
 
@@ -171,10 +178,10 @@ class LanceIndex:
 
     @staticmethod
     def read_meta(store: Store) -> IndexMeta | None:
-        path = store.index_dir / META_FILE
-        if not path.is_file():
+        try:
+            data = json.loads(store.read_bytes(store.index_dir / META_FILE).decode("utf-8"))
+        except FileNotFoundError:
             return None
-        data = json.loads(path.read_text(encoding="utf-8"))
         return IndexMeta(
             embedder_fp=data["embedder_fp"],
             dim=int(data["dim"]),
@@ -184,9 +191,7 @@ class LanceIndex:
 
     def _write_meta(self) -> None:
         path = self.store.index_dir / META_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(self.meta.to_json(), encoding="utf-8")
-        os.replace(tmp, path)
+        self.store.write_bytes_atomic(path, self.meta.to_json().encode("utf-8"))
 
     @classmethod
     def open(cls, store: Store) -> LanceIndex:
@@ -200,8 +205,8 @@ class LanceIndex:
             state = published.get("index")
             if not state:
                 raise IndexNotBuilt(
-                    f"no published retrieval index in {store.index_dir}: no build of this "
-                    "store with the embed stage has completed yet"
+                    f"no published retrieval index in {store.uri(store.index_dir)}: no build of "
+                    "this store with the embed stage has completed yet"
                 )
             meta = IndexMeta(
                 embedder_fp=state["embedder_fp"],
@@ -212,7 +217,8 @@ class LanceIndex:
         meta = cls.read_meta(store)
         if meta is None:
             raise IndexNotBuilt(
-                f"no retrieval index in {store.index_dir}: run `coinrag build` with the embed stage"
+                f"no retrieval index in {store.uri(store.index_dir)}: "
+                "run `coinrag build` with the embed stage"
             )
         return cls(store, meta)
 
@@ -255,7 +261,7 @@ class LanceIndex:
         reset = False
         if meta is not None and meta.embedder_fp != embedder_fp:
             if not reset_on_mismatch:
-                raise EmbedderMismatch(meta.embedder_fp, embedder_fp, str(store.index_dir))
+                raise EmbedderMismatch(meta.embedder_fp, embedder_fp, store.uri(store.index_dir))
             reset = True
         if meta is None or reset:
             index = cls(store, IndexMeta(embedder_fp, int(dim), embedder_name, {}))
@@ -313,7 +319,9 @@ class LanceIndex:
     def check(self, embedder_fp: str, vector: np.ndarray | None = None) -> None:
         """Refuse a query (or write) from another embedder, or a vector of the wrong size."""
         if embedder_fp != self.meta.embedder_fp:
-            raise EmbedderMismatch(self.meta.embedder_fp, embedder_fp, str(self.store.index_dir))
+            raise EmbedderMismatch(
+                self.meta.embedder_fp, embedder_fp, self.store.uri(self.store.index_dir)
+            )
         if vector is not None and np.asarray(vector).shape[-1] != self.meta.dim:
             raise ValueError(
                 f"query vector has {np.asarray(vector).shape[-1]} dims, index {self.dim}"

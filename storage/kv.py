@@ -76,8 +76,15 @@ same prefix through the same model give the same KV. Entries are keyed by the ch
 ``content_key``, so the same tokens in another document reuse the entry. Opening the KV of
 another fingerprint raises :class:`KvFingerprintMismatch` naming both.
 
-On object stores the same layout holds with one object per shard; the rename becomes "upload
-the shard, then its zarr.json", which is atomic per object.
+Object stores (``s3://``)
+------------------------
+The same layout, one object per file. A shard is encoded and verified in a local temporary
+folder exactly as above, then uploaded to ``.tmp-<uuid>/`` (data file first, ``zarr.json``
+last) and read back (crc32c of the whole data file against the local one); publishing copies it
+to ``shard-NNNNNN/`` (server-side copies, data first, ``zarr.json`` last) and removes the staged
+objects. A shard is never valid before its manifest rows exist, so a crash between the copies
+leaves an orphan prefix that ``gc`` removes, as a crash before a rename does on disk. Reads go
+through Zarr's ``FsspecStore`` (s3fs): a nugget's slice is a ranged GET of its blocks.
 """
 
 from __future__ import annotations
@@ -88,12 +95,13 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import google_crc32c  # zarr's crc32c codec uses it (a dependency of zarr)
@@ -102,10 +110,11 @@ import torch
 import zarr
 from zarr.codecs import Crc32cCodec
 from zarr.core.sync import sync as _zarr_sync
-from zarr.storage import LocalStore, WrapperStore
+from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
 from schemas.keys import CODE_VERSION, fingerprint
 from schemas.tables import ChunkRow, KvManifestRow
+from storage.location import zarr_storage_options
 from storage.store import Store
 
 LAYOUT_VERSION = 1
@@ -430,10 +439,11 @@ def _read_file(path: Path, buf: np.ndarray, direct: bool) -> int:
 # ---------------------------------------------------------------------------- I/O accounting
 
 
-class _CountingStore(WrapperStore[LocalStore]):
-    """A read-only LocalStore wrapper that counts the data bytes it returns (not metadata)."""
+class _CountingStore(WrapperStore[Any]):
+    """A read-only store wrapper (LocalStore or FsspecStore) that counts the data bytes it
+    returns (not metadata)."""
 
-    def __init__(self, store: LocalStore) -> None:
+    def __init__(self, store: Any) -> None:
         super().__init__(store)
         self.data_bytes = 0
         self.data_gets = 0
@@ -563,9 +573,9 @@ class KvStore:
         self.store = store
         self.layout = layout
         self.kv_fp = layout.kv_fp
-        self.root: Path = store.kv_dir(self.kv_fp)
+        self.root: PurePath = store.kv_dir(self.kv_fp)  # a Path for a local store
         self.fsync = fsync
-        self._reader = _CountingStore(LocalStore(self.root, read_only=True))
+        self._reader = _CountingStore(_zarr_store(store, self.root, read_only=True))
         self._shards: dict[str, _Shard] = {}
         self._manifest: dict[str, KvManifestRow] | None = None
         self._max_manifest_shard = -1
@@ -597,8 +607,12 @@ class KvStore:
         ``direct_io`` (True: O_DIRECT shard writes where the file system supports them).
         """
         root = store.kv_dir(layout.kv_fp)
-        if (root / "zarr.json").is_file():
+        if store.is_file(root / "zarr.json"):
             return cls.open(store, layout.kv_fp, layout, **options)
+        if not store.is_local:  # one PUT of zarr.json: atomic
+            zarr.create_group(store=_zarr_store(store, root), attributes={_ATTR: layout.identity()})
+            return cls.open(store, layout.kv_fp, layout, **options)
+        root = Path(root)
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = root.parent / f".tmp-{layout.kv_fp}-{uuid.uuid4().hex[:8]}"
         zarr.create_group(store=LocalStore(tmp), attributes={_ATTR: layout.identity()})
@@ -623,9 +637,11 @@ class KvStore:
         was built for ``kv_fp``.
         """
         root = store.kv_dir(kv_fp)
-        if not (root / "zarr.json").is_file():
-            raise FileNotFoundError(f"no KV store for {kv_fp} at {root} (run the kv stage)")
-        group = zarr.open_group(store=LocalStore(root, read_only=True), mode="r")
+        if not store.is_file(root / "zarr.json"):
+            raise FileNotFoundError(
+                f"no KV store for {kv_fp} at {store.uri(root)} (run the kv stage)"
+            )
+        group = zarr.open_group(store=_zarr_store(store, root, read_only=True), mode="r")
         stored = dict(group.attrs.get(_ATTR) or {})
         if not stored:
             raise KvError(f"{root} is not a coinrag KV store (no {_ATTR} attributes)")
@@ -701,9 +717,7 @@ class KvStore:
 
     def shard_names(self) -> list[str]:
         """Shard folders on disk (verified and renamed into place), in write order."""
-        if not self.root.is_dir():
-            return []
-        names = [p.name for p in self.root.iterdir() if _SHARD_RE.match(p.name) and p.is_dir()]
+        names = [n for n in self.store.list_names(self.root) if _SHARD_RE.match(n)]
         return sorted(names, key=lambda n: int(n.removeprefix("shard-")))
 
     def _shard(self, name: str) -> _Shard:
@@ -711,7 +725,7 @@ class KvStore:
         thousands of shards must not open thousands of Zarr arrays); the array opens lazily."""
         shard = self._shards.get(name)
         if shard is None:
-            meta = json.loads((self.root / name / "zarr.json").read_text(encoding="utf-8"))
+            meta = json.loads(self.store.read_bytes(self.root / name / "zarr.json"))
             attrs = dict(meta.get("attributes", {}).get(_ATTR) or {})
             (sharding,) = meta["codecs"]
             shard = _Shard(
@@ -732,12 +746,17 @@ class KvStore:
         """Why the shard's files are not as written (missing, truncated, grown), or None."""
         for rel, size in shard.files.items():
             try:
-                actual = os.stat(self.root / shard.name / rel).st_size
+                actual = self._size(self.root / shard.name / rel)
             except FileNotFoundError:
                 return f"data file {shard.name}/{rel} is missing"
             if actual != size:
                 return f"data file {shard.name}/{rel} has {actual} bytes, {size} were written"
         return None
+
+    def _size(self, path: PurePath) -> int:
+        if self.store.is_local:
+            return os.stat(path).st_size
+        return int(self.store.fs.size(str(path)))
 
     def _resolve(
         self, content_key: str, file_checks: dict[str, str | None] | None = None
@@ -996,7 +1015,12 @@ class KvStore:
         width = max(block, -(-max(tokens) // block) * block)
         shape = (len(group), *lay.entry_shape(width))
         checksums = [entry_checksum(v) for v in views]
-        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        tmp_name = f".tmp-{uuid.uuid4().hex}"
+        if self.store.is_local:
+            tmp = Path(self.root) / tmp_name
+        else:  # encoded and verified here, then uploaded (see the module doc)
+            scratch = Path(tempfile.mkdtemp(prefix="coinrag-shard-"))
+            tmp = scratch / tmp_name
         attrs: dict[str, Any] = {
             "kv_fp": self.kv_fp,
             "content_keys": [chunk.content_key for chunk, _ in group],
@@ -1011,14 +1035,23 @@ class KvStore:
                 files, t1 = self._write_with_zarr(tmp, views, shape, attrs)
             else:
                 files, t1 = self._write_direct(tmp, views, shape, attrs)
-            if self.fsync:
+            if self.fsync and self.store.is_local:
                 _fsync_tree(tmp)
+            if not self.store.is_local:
+                try:
+                    _upload_folder(self.store, tmp, self.root / tmp_name)
+                except BaseException:
+                    self.store.remove(self.root / tmp_name)
+                    raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            if not self.store.is_local:
+                shutil.rmtree(tmp.parent, ignore_errors=True)
         return StagedShard(
             kv_fp=self.kv_fp,
-            tmp_name=tmp.name,
+            tmp_name=tmp_name,
             chunk_ids=tuple(chunk.chunk_id for chunk, _ in group),
             content_keys=tuple(chunk.content_key for chunk, _ in group),
             tokens=tuple(tokens),
@@ -1038,12 +1071,15 @@ class KvStore:
         from storage.tables import append_rows
 
         tmp = self.root / staged.tmp_name
-        if not tmp.is_dir():
-            raise KvError(f"staged shard {tmp} is missing (was it written on another machine?)")
+        if not self.store.is_file(tmp / "zarr.json"):
+            raise KvError(
+                f"staged shard {self.store.uri(tmp)} is missing "
+                "(was it written on another machine's local disk?)"
+            )
         try:
             name = self._rename_into_place(tmp)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.store.remove(tmp)
             raise
         lay = self.layout
         st = self.write_stats
@@ -1187,8 +1223,15 @@ class KvStore:
             raise KvError(f"shard {tmp.name} does not read back as written")
         return attrs["files"], t1
 
-    def _rename_into_place(self, tmp: Path) -> str:
+    def _rename_into_place(self, tmp: PurePath) -> str:
         number = self._next_shard_number()
+        if not self.store.is_local:
+            while self.store.list_names(self.root / f"shard-{number:06d}"):
+                number += 1
+            name = f"shard-{number:06d}"
+            _copy_folder(self.store, tmp, self.root / name)
+            self.store.remove(tmp)
+            return name
         while True:
             name = f"shard-{number:06d}"
             try:
@@ -1213,7 +1256,7 @@ class KvStore:
             raise ValueError(f"prefix KV has shape {tuple(prefix_kv.shape)}, expected {expected}")
         if prefix_kv.dtype != self.layout.torch_dtype:
             raise ValueError(f"prefix KV is {prefix_kv.dtype}, layout is {self.layout.dtype}")
-        if (self.root / _PREFIX / "zarr.json").is_file():
+        if self.has_prefix():
             _, stored_ids = self.read_prefix()
             if stored_ids != ids:
                 raise KvFingerprintMismatch(
@@ -1221,7 +1264,10 @@ class KvStore:
                 )
             return
         stored = to_storage(prefix_kv)
-        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        if self.store.is_local:
+            tmp = Path(self.root) / f".tmp-{uuid.uuid4().hex}"
+        else:
+            tmp = Path(tempfile.mkdtemp(prefix="coinrag-prefix-")) / "prefix"
         try:
             array = zarr.create_array(
                 store=LocalStore(tmp),
@@ -1244,6 +1290,9 @@ class KvStore:
             back = zarr.open_array(store=LocalStore(tmp, read_only=True), mode="r")[...]
             if not np.array_equal(back, stored):
                 raise KvError("prefix KV does not read back as written")
+            if not self.store.is_local:
+                _upload_folder(self.store, tmp, self.root / _PREFIX)
+                return
             if self.fsync:
                 _fsync_tree(tmp)
             try:
@@ -1252,10 +1301,10 @@ class KvStore:
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                     raise
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp if self.store.is_local else tmp.parent, ignore_errors=True)
 
     def has_prefix(self) -> bool:
-        return (self.root / _PREFIX / "zarr.json").is_file()
+        return self.store.is_file(self.root / _PREFIX / "zarr.json")
 
     def read_prefix(self) -> tuple[torch.Tensor, list[int]]:
         """``(C_p, prefix_ids)``: ``(layers, 2, kv_heads, |p|, head_dim)``, sha256-checked."""
@@ -1276,21 +1325,20 @@ class KvStore:
 
     # ------------------------------------------------------------------ garbage
 
-    def garbage(self) -> list[Path]:
+    def garbage(self) -> list[PurePath]:
         """Folders no current manifest row points to: orphan and superseded shards, ``.tmp-``
         leftovers of killed writes."""
         live = {parse_location(r.location)[1] for r in self.manifest(refresh=True).values()}
         out = [self.root / n for n in self.shard_names() if n not in live]
-        if self.root.is_dir():
-            out += sorted(p for p in self.root.iterdir() if p.name.startswith(".tmp-"))
+        out += [self.root / n for n in self.store.list_names(self.root) if n.startswith(".tmp-")]
         return out
 
-    def gc(self) -> list[Path]:
+    def gc(self) -> list[PurePath]:
         """Remove :meth:`garbage` (the caller holds the store's write lock); return it."""
         removed = self.garbage()
         for path in removed:
             self._shards.pop(path.name, None)
-            shutil.rmtree(path, ignore_errors=True)
+            self.store.remove(path)
         return removed
 
     def reclaim(self, live: set[str], run_id: str, dry_run: bool = False) -> KvReclaim:
@@ -1330,8 +1378,8 @@ class KvStore:
         if dry_run:
             gone = {name for name, slots in by_shard.items() if all(ck in dead for _, ck in slots)}
             unreferenced = [p for p in self.garbage() if p.name not in by_shard]
-            out.bytes_freed = sum(_tree_bytes(self.root / n) for n in gone) + sum(
-                _tree_bytes(p) for p in unreferenced
+            out.bytes_freed = sum(self.store.tree_bytes(self.root / n) for n in gone) + sum(
+                self.store.tree_bytes(p) for p in unreferenced
             )
             out.folders_removed = len(gone) + len(unreferenced)
             return out
@@ -1363,10 +1411,10 @@ class KvStore:
         )
         self._manifest = None
         for path in self.garbage():
-            out.bytes_freed += _tree_bytes(path)
+            out.bytes_freed += self.store.tree_bytes(path)
             out.folders_removed += 1
             self._shards.pop(path.name, None)
-            shutil.rmtree(path, ignore_errors=True)
+            self.store.remove(path)
         return out
 
 
@@ -1400,11 +1448,42 @@ class _EntryRef:
     n_tokens: int
 
 
-def _tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (or of the file itself)."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def _zarr_store(store: Store, path: PurePath, read_only: bool = False) -> Any:
+    """The Zarr store of a folder of ``store``: a LocalStore, or an FsspecStore (async s3fs)."""
+    if store.is_local:
+        return LocalStore(path, read_only=read_only)
+    return FsspecStore.from_url(
+        store.uri(path), storage_options=zarr_storage_options(store.scheme), read_only=read_only
+    )
+
+
+def _upload_order(files: Iterable[PurePath]) -> list[PurePath]:
+    """Data files before metadata: a folder's ``zarr.json`` lands last, so a folder whose
+    metadata can be read has all its data."""
+    return sorted(files, key=lambda p: (p.name == "zarr.json", str(p)))
+
+
+def _upload_folder(store: Store, local: Path, remote: PurePath) -> None:
+    """Upload every file under ``local`` to ``remote`` (data first, ``zarr.json`` last) and
+    read each data file back: its crc32c must be the local file's."""
+    fs = store.fs
+    for path in _upload_order(p for p in local.rglob("*") if p.is_file()):
+        rel = path.relative_to(local).as_posix()
+        data = path.read_bytes()
+        fs.pipe_file(str(remote / rel), data)
+        if path.name != "zarr.json":
+            back = fs.cat_file(str(remote / rel))
+            if google_crc32c.value(bytes(back)) != google_crc32c.value(data):
+                raise KvError(f"{store.uri(remote / rel)} does not read back as uploaded")
+
+
+def _copy_folder(store: Store, src: PurePath, dst: PurePath) -> None:
+    """Server-side copy of every object under ``src`` to ``dst`` (data first, ``zarr.json``
+    last)."""
+    fs = store.fs
+    files = [PurePath(p) for p in fs.find(str(src))]
+    for path in _upload_order(files):
+        fs.copy(str(path), str(dst / path.relative_to(src)))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The store: a directory the user owns, its layout, and the one-writer lock.
+"""The store: a directory (or object-storage prefix) the user owns, its layout, the lock.
 
 ```
 STORE/
@@ -12,11 +12,24 @@ STORE/
   .prefect/               Prefect task-cache records of this store
   .lock                   held by the one writing build
 ```
+
+A store is a local folder (the default) or an object-storage URL, ``s3://bucket/prefix``
+(``storage/location.py``: credentials from the environment only). For both, ``Store.fs`` is
+an fsspec file system and the ``*_dir`` paths are paths on it: a ``pathlib.Path`` for a local
+store, a ``PurePosixPath`` ``bucket/prefix/...`` for an object store (``Store.uri`` turns one
+into the URL that LanceDB and DuckDB take). Local stores keep their fast paths (rename,
+O_DIRECT, flock); object stores replace each rename by a single PUT or a copy, as the modules
+that write say.
+
+Prefect's own task-cache records (``.prefect/``) are local working state: for an object store
+they live in ``$COINRAG_CACHE/stores/<hash of the URL>/.prefect`` on the machine that runs
+the build (losing them costs nothing: every stage finds its done work in the tables).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -25,12 +38,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
+
+from storage.location import object_filesystem, split_store_url
 
 
 class StoreLocked(RuntimeError):
     """Another process holds the store's write lock."""
+
+
+class LocalStoreRequired(RuntimeError):
+    """An operation that needs a local store was asked of an object store."""
+
+
+_LOCKS: dict[str, Any] = {}  # url -> the ObjectLock this process holds on an object store
 
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -49,49 +71,168 @@ def safe_component(name: str) -> str:
 
 @dataclass(frozen=True)
 class Store:
-    """Paths of one store. Creating the object touches nothing; :meth:`init` makes the folders."""
+    """Paths of one store. Creating the object touches nothing; :meth:`init` makes the folders.
 
-    root: Path
+    ``root``: the store's folder (an absolute ``Path``) or, for an object store, its
+    ``bucket/prefix`` (a ``PurePosixPath``) on the file system of ``scheme`` (``"s3"``).
+    """
+
+    root: PurePath
+    scheme: str = ""
 
     @classmethod
     def at(cls, path: str | os.PathLike[str]) -> Store:
-        return cls(Path(path).expanduser().resolve())
+        """The store at a local path or an object-storage URL (``s3://bucket/prefix``)."""
+        scheme, rest = split_store_url(os.fspath(path))
+        if scheme:
+            return cls(PurePosixPath(rest), scheme)
+        return cls(Path(rest).expanduser().resolve())
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def is_local(self) -> bool:
+        return not self.scheme
+
+    @property
+    def url(self) -> str:
+        """The store as the user names it: a local path or ``s3://bucket/prefix``."""
+        return self.uri(self.root)
+
+    def uri(self, path: PurePath) -> str:
+        """A path of this store as a URL (what LanceDB and DuckDB take)."""
+        return str(path) if self.is_local else f"{self.scheme}://{path}"
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec file system the store's paths live on."""
+        if self.is_local:
+            from fsspec.implementations.local import LocalFileSystem
+
+            return LocalFileSystem()
+        return object_filesystem(self.scheme)
+
+    def require_local(self, what: str) -> Path:
+        """The local folder, or :class:`LocalStoreRequired` naming ``what`` needs one."""
+        if not self.is_local:
+            raise LocalStoreRequired(
+                f"{what} needs a local store; {self.url} is in object storage (there, coinrag "
+                "supports build, delete, gc, lineage, ask, eval and watch)"
+            )
+        return Path(self.root)
 
     def init(self) -> Store:
-        for sub in ("tables", "kv", "index", "cartridges", "models", "reports"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        if self.is_local:
+            for sub in ("tables", "kv", "index", "cartridges", "models", "reports"):
+                (Path(self.root) / sub).mkdir(parents=True, exist_ok=True)
+        # Object stores have no folders: a prefix exists once an object is written under it.
         return self
 
     def exists(self) -> bool:
-        return (self.root / "tables").is_dir()
+        if self.is_local:
+            return (Path(self.root) / "tables").is_dir()
+        return bool(self.list_names(self.root / "tables")) or self.is_file(self.settings_path)
 
-    def table_dir(self, table: str) -> Path:
+    # -------------------------------------------------------------- file operations (both)
+
+    def is_file(self, path: PurePath) -> bool:
+        if self.is_local:
+            return Path(path).is_file()
+        return bool(self.fs.isfile(str(path)))
+
+    def list_names(self, folder: PurePath) -> list[str]:
+        """Names of the entries directly under ``folder`` (files and folders), sorted; empty if
+        it does not exist."""
+        if self.is_local:
+            folder = Path(folder)
+            return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        try:
+            found = self.fs.ls(str(folder), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(PurePosixPath(p).name for p in found if p.rstrip("/") != str(folder))
+
+    def read_bytes(self, path: PurePath) -> bytes:
+        return Path(path).read_bytes() if self.is_local else bytes(self.fs.cat_file(str(path)))
+
+    def write_bytes_atomic(self, path: PurePath, data: bytes) -> None:
+        """Replace ``path`` with ``data`` in one step: a reader sees the old object or the new
+        one. Local: a temporary file renamed into place; object store: one PUT (atomic per
+        object)."""
+        if self.is_local:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(str(path), data)
+
+    def remove(self, path: PurePath) -> None:
+        """Remove a file or a folder with everything under it (nothing if it is missing)."""
+        if self.is_local:
+            import shutil
+
+            path = Path(path)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            return
+        try:
+            self.fs.rm(str(path), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def tree_bytes(self, path: PurePath) -> int:
+        """Bytes of the files under ``path`` (or of the file itself); 0 if missing."""
+        if self.is_local:
+            path = Path(path)
+            if not path.exists():
+                return 0
+            if path.is_file():
+                return path.stat().st_size
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        try:
+            return int(self.fs.du(str(path), total=True))
+        except FileNotFoundError:
+            return 0
+
+    # -------------------------------------------------------------- layout
+
+    def table_dir(self, table: str) -> PurePath:
         return self.root / "tables" / safe_component(table)
 
-    def kv_dir(self, kv_fp: str) -> Path:
+    def kv_dir(self, kv_fp: str) -> PurePath:
         return self.root / "kv" / safe_component(kv_fp)
 
     @property
-    def index_dir(self) -> Path:
+    def index_dir(self) -> PurePath:
         return self.root / "index"
 
     def cartridges_dir(self, model_fp: str) -> Path:
-        return self.root / "cartridges" / safe_component(model_fp)
+        return self.require_local("training cartridges") / "cartridges" / safe_component(model_fp)
 
     @property
     def reports_dir(self) -> Path:
-        return self.root / "reports"
+        return self.require_local("writing reports into the store") / "reports"
 
     @property
     def models_dir(self) -> Path:
-        return self.root / "models"
+        return self.require_local("training models") / "models"
 
     @property
     def prefect_dir(self) -> Path:
-        return self.root / ".prefect"
+        """Prefect's task-cache records of this store (always a local folder, see above)."""
+        if self.is_local:
+            return Path(self.root) / ".prefect"
+        cache = Path(os.environ.get("COINRAG_CACHE", Path.home() / ".cache" / "coinrag"))
+        digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        return cache / "stores" / digest / ".prefect"
 
     @property
-    def settings_path(self) -> Path:
+    def settings_path(self) -> PurePath:
         return self.root / "coinrag.toml"
 
     def write_settings(
@@ -114,17 +255,20 @@ class Store:
         for name, table in tables.items():
             if table is not None:
                 lines += _toml_table(name, table)
-        tmp = self.settings_path.with_suffix(f".toml.tmp-{os.getpid()}")
-        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        os.replace(tmp, self.settings_path)
+        held = _LOCKS.get(self.url)
+        if held is not None:
+            held.check()  # an object store's lease: never publish after losing it
+        self.write_bytes_atomic(self.settings_path, ("\n".join(lines) + "\n").encode("utf-8"))
 
     def read_toml(self) -> dict[str, Any]:
         """``STORE/coinrag.toml`` as a dict (empty if it does not exist yet)."""
         import tomllib
 
-        if not self.settings_path.is_file():
+        try:
+            data = self.read_bytes(self.settings_path)
+        except FileNotFoundError:
             return {}
-        return tomllib.loads(self.settings_path.read_text(encoding="utf-8"))
+        return tomllib.loads(data.decode("utf-8"))
 
     def published(self) -> dict[str, Any] | None:
         """What the last completed build (or deletion) published, or None if nothing has been
@@ -135,11 +279,16 @@ class Store:
     def write_lock(self, run_id: str) -> Iterator[None]:
         """Hold ``STORE/.lock`` for the duration; a second writer gets :class:`StoreLocked`.
 
-        An OS-level lock (flock): it is released when the holder dies, so a killed build never
-        leaves the store locked.
+        Local: an OS-level lock (flock), released when the holder dies, so a killed build never
+        leaves the store locked. Object store: a lease object (``storage/object_lock.py``):
+        created conditionally, kept by a heartbeat, taken over once its holder is silent.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / ".lock"
+        if not self.is_local:
+            with self._object_lock(run_id):
+                yield
+            return
+        Path(self.root).mkdir(parents=True, exist_ok=True)
+        path = Path(self.root) / ".lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
@@ -147,7 +296,7 @@ class Store:
             except BlockingIOError:
                 holder = Path(path).read_text(encoding="utf-8", errors="replace").strip()
                 raise StoreLocked(
-                    f"store {self.root} is being written by another build ({holder or 'unknown'}); "
+                    f"store {self.url} is being written by another build ({holder or 'unknown'}); "
                     "wait for it to finish, or stop it"
                 ) from None
             os.ftruncate(fd, 0)
@@ -156,6 +305,25 @@ class Store:
             yield
         finally:
             os.close(fd)
+
+    @contextmanager
+    def _object_lock(self, run_id: str) -> Iterator[None]:
+        from storage.object_lock import LockContention, ObjectLock, holder_info
+
+        lock = ObjectLock(self.fs, str(self.root / ".lock"), holder_info(run_id))
+        try:
+            lock.acquire()
+        except LockContention as exc:
+            raise StoreLocked(
+                f"store {self.url} is being written by another build ({exc.holder}); "
+                "wait for it to finish, or stop it"
+            ) from None
+        _LOCKS[self.url] = lock
+        try:
+            yield
+        finally:
+            _LOCKS.pop(self.url, None)
+            lock.release()
 
 
 def _toml_table(name: str, table: dict[str, Any]) -> list[str]:

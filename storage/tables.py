@@ -1,18 +1,20 @@
 """Parquet tables under ``STORE/tables/<table>/``: append-only writes, reads, DuckDB views.
 
 Each stage of each run appends its own files (``<run_id>.<stage>.<n>.parquet``), written under a
-temporary name and renamed into place, so a reader never sees half a file and a killed run loses
-at most the file it was writing. The current state of the corpus is computed by readers (latest
+temporary name and renamed into place (in an object store: one PUT of the whole file, atomic per
+object), so a reader never sees half a file and a killed run loses at most the file it was
+writing. The current state of the corpus is computed by readers (latest
 version per id), never by rewriting files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 import duckdb
@@ -33,7 +35,7 @@ def rows_to_arrow(rows: Sequence[Any], record: type) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=schema)
 
 
-def append_rows(store: Store, rows: Sequence[Any], run_id: str, stage: str) -> Path | None:
+def append_rows(store: Store, rows: Sequence[Any], run_id: str, stage: str) -> PurePath | None:
     """Append rows (all of one record type) as a new Parquet file; return its path.
 
     Nothing is written for an empty sequence.
@@ -41,14 +43,9 @@ def append_rows(store: Store, rows: Sequence[Any], run_id: str, stage: str) -> P
     if not rows:
         return None
     record = type(rows[0])
-    directory = store.table_dir(table_name(record))
-    directory.mkdir(parents=True, exist_ok=True)
-    name = f"{safe_component(run_id)}.{safe_component(stage)}.{uuid.uuid4().hex[:8]}.parquet"
-    final = directory / name
-    tmp = directory / f".{name}.tmp"
-    pq.write_table(rows_to_arrow(rows, record), tmp, compression="zstd")
-    os.replace(tmp, final)
-    return final
+    return _write_file(
+        store, store.table_dir(table_name(record)), rows_to_arrow(rows, record), run_id, stage
+    )
 
 
 def rewrite_rows(
@@ -68,32 +65,40 @@ def rewrite_rows(
     """
     dropped = 0
     for path in table_files(store, record):
-        table = pq.read_table(path, schema=arrow_schema(record))
+        table = pq.read_table(str(path), schema=arrow_schema(record), filesystem=_arrow_fs(store))
         mask = [bool(keep(v)) for v in table.column(column).to_pylist()]
         if all(mask):
             continue
         kept = table.filter(pa.array(mask, type=pa.bool_()))
         dropped += table.num_rows - kept.num_rows
         if kept.num_rows:
-            _write_file(path.parent, kept, run_id, stage)
-        path.unlink()
+            _write_file(store, path.parent, kept, run_id, stage)
+        store.remove(path)
     return dropped
 
 
-def _write_file(directory: Path, table: pa.Table, run_id: str, stage: str) -> Path:
+def _write_file(
+    store: Store, directory: PurePath, table: pa.Table, run_id: str, stage: str
+) -> PurePath:
     name = f"{safe_component(run_id)}.{safe_component(stage)}.{uuid.uuid4().hex[:8]}.parquet"
     final = directory / name
-    tmp = directory / f".{name}.tmp"
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, final)
+    if store.is_local:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tmp = Path(directory) / f".{name}.tmp"
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, final)
+    else:
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer, compression="zstd")
+        store.fs.pipe_file(str(final), buffer.getvalue())
     return final
 
 
-def table_files(store: Store, record: type) -> list[Path]:
+def table_files(store: Store, record: type) -> list[PurePath]:
+    """The table's Parquet files (not temporary ones), sorted by name."""
     directory = store.table_dir(table_name(record))
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.glob("*.parquet") if not p.name.startswith("."))
+    names = store.list_names(directory)
+    return [directory / n for n in names if n.endswith(".parquet") and not n.startswith(".")]
 
 
 def read_table(
@@ -105,8 +110,18 @@ def read_table(
     if not files:
         empty = schema.empty_table()
         return empty.select(list(columns)) if columns else empty
-    dataset = ds.dataset([str(f) for f in files], schema=schema, format="parquet")
+    dataset = ds.dataset(
+        [str(f) for f in files],
+        schema=schema,
+        format="parquet",
+        filesystem=_arrow_fs(store),
+    )
     return dataset.to_table(columns=list(columns) if columns else None, filter=filter)
+
+
+def _arrow_fs(store: Store) -> Any:
+    """What pyarrow reads the store's files with: its own local I/O, or the fsspec one."""
+    return None if store.is_local else store.fs
 
 
 def read_rows(store: Store, record: type[R], filter: Any = None) -> list[R]:
@@ -130,11 +145,13 @@ def connect_duckdb(store: Store, tables: Iterable[str] | None = None) -> duckdb.
     the schema always binds.
     """
     con = duckdb.connect(":memory:")
+    if not store.is_local:
+        con.register_filesystem(store.fs)  # DuckDB reads s3:// paths through s3fs
     for name in tables or TABLES:
         record = TABLES[name]
         files = table_files(store, record)
         if files:
-            listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+            listing = ", ".join("'" + store.uri(f).replace("'", "''") + "'" for f in files)
             con.execute(
                 f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{listing}], union_by_name=true)"
             )

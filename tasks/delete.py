@@ -60,7 +60,7 @@ def delete_stage(store: Store, doc_ids: Sequence[str], run_id: str) -> dict[str,
         shown = ", ".join(repr(d) for d in unknown[:10])
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         raise UnknownDocuments(
-            f"not a live document of {store.root}: {shown}{more}; nothing was deleted"
+            f"not a live document of {store}: {shown}{more}; nothing was deleted"
         )
     chosen = {d: live[d] for d in wanted}
     record_tombstones(store, chosen, "deleted", run_id)

@@ -10,15 +10,14 @@ config; about a second for MiniLM).
 
 from __future__ import annotations
 
-from schemas.settings import BuildSettings, load_settings
+from schemas.settings import BuildSettings, settings_from_toml
 from schemas.views import PRODUCERS
 from storage.store import Store
 
 
 def store_settings(store: Store) -> BuildSettings:
     """The settings recorded in ``STORE/coinrag.toml`` (defaults where it has none)."""
-    path = store.settings_path
-    return load_settings(path if path.is_file() else None)
+    return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
 
 
 def current_producers(settings: BuildSettings) -> dict[str, str]:

@@ -860,14 +860,14 @@ def run_training(
     ``OUT/checkpoints`` is removed once the model is saved unless ``keep_checkpoints``."""
     from inference.embedders import load_embedder
     from inference.models import load_model, model_fingerprint, weights_sha256
-    from schemas.settings import load_settings
+    from schemas.settings import settings_from_toml
     from storage.index import LanceIndex
     from tasks.kv import _pad_id, kv_layout
 
     cfg.validate()
     logger = logger or log
     store = Store.at(store_path)
-    settings = load_settings(store.settings_path if store.settings_path.is_file() else None)
+    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
     base_ref = model or settings.model
     examples = list(examples) if examples is not None else load_examples(data)
     data_sha = file_sha256(data)
