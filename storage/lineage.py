@@ -91,16 +91,30 @@ _RECOVERIES = (
 _LATEST_FIRST = "ORDER BY r.started_at DESC NULLS LAST, {a}.run_id DESC"
 
 # Internal views (not part of schemas/views.py): the current assets the other views refer to.
-# - _live_chunks: chunks of live document versions, of the latest chunking (tokenizer, chunker)
-#   of that version: a rebuild with another chunk size supersedes the older chunks;
-# - _live_nuggets: nuggets of live chunks from the latest recovery (extractor, tau) of the chunk.
+# - _last_build: the producers of the last *completed* build (from runs: its fingerprints and
+#   its tau parameter); a build that failed or is still running does not decide what is live;
+# - _live_chunks: chunks of live document versions, of the last completed build's chunking
+#   (tokenizer, chunker) where the version has chunks of it, else of its latest chunking: a
+#   rebuild with another chunk size supersedes the older chunks once it completes;
+# - _live_nuggets: nuggets of live chunks from the last completed build's recovery (extractor,
+#   tau) where the chunk has one, else from its latest recovery.
 _HELPERS: dict[str, str] = {
+    "_last_build": """
+        SELECT json_extract_string(r.fingerprints_json, '$.tokenizer_fp') || '|'
+                 || json_extract_string(r.fingerprints_json, '$.chunker_fp') AS chunking,
+               json_extract_string(r.fingerprints_json, '$.extractor_fp') AS extractor_fp,
+               TRY_CAST(json_extract_string(r.parameters_json, '$.tau') AS DOUBLE) AS tau
+        FROM latest_runs r WHERE r.flow = 'build' AND r.status = 'completed'
+        ORDER BY r.ended_at DESC NULLS LAST, r.run_id DESC LIMIT 1""",
     "_live_chunks": f"""
         SELECT * EXCLUDE (chunking, latest) FROM (
           SELECT c.*, c.tokenizer_fp || '|' || c.chunker_fp AS chunking,
                  first_value(c.tokenizer_fp || '|' || c.chunker_fp) OVER
-                   (PARTITION BY c.doc_version {_LATEST_FIRST.format(a="c")}) AS latest
+                   (PARTITION BY c.doc_version
+                    ORDER BY (c.tokenizer_fp || '|' || c.chunker_fp = b.chunking) DESC NULLS LAST,
+                    {_LATEST_FIRST.format(a="c").removeprefix("ORDER BY ")}) AS latest
           FROM ({_UNIQUE_CHUNKS}) c LEFT JOIN latest_runs r ON r.run_id = c.run_id
+          LEFT JOIN _last_build b ON true
           WHERE EXISTS (SELECT 1 FROM live_documents l WHERE l.doc_version = c.doc_version))
         WHERE chunking = latest""",
     "_live_nuggets": f"""
@@ -108,8 +122,11 @@ _HELPERS: dict[str, str] = {
                          (PARTITION BY nugget_id, extractor_fp, tau ORDER BY run_id) = 1) n
         JOIN (SELECT v.chunk_id, v.extractor_fp, v.tau FROM {_RECOVERIES} v
               LEFT JOIN latest_runs r ON r.run_id = v.run_id
+              LEFT JOIN _last_build b ON true
               QUALIFY row_number() OVER
-                (PARTITION BY v.chunk_id {_LATEST_FIRST.format(a="v")}) = 1) lr
+                (PARTITION BY v.chunk_id
+                 ORDER BY (v.extractor_fp = b.extractor_fp AND v.tau = b.tau) DESC NULLS LAST,
+                 {_LATEST_FIRST.format(a="v").removeprefix("ORDER BY ")}) = 1) lr
           ON lr.chunk_id = n.chunk_id AND lr.extractor_fp = n.extractor_fp AND lr.tau = n.tau
         WHERE n.chunk_id IN (SELECT chunk_id FROM _live_chunks)""",
 }
@@ -320,13 +337,13 @@ def open_lineage(
     ``stale_assets`` are empty.
     """
     if not store.exists():
-        raise LineageError(f"{store.root} is not a coinrag store (no tables/ folder)")
+        raise LineageError(f"{store} is not a coinrag store (no tables/ folder)")
     con = connect_duckdb(store)
     _register_index(con, store)
     _register_live(con, store)
     _register_current(con, current or {})
     for name, record in VIEWS.items():
-        if name not in SAME_AS_TABLE and "_live_chunks" not in _created(con):
+        if name not in SAME_AS_TABLE and "_last_build" not in _created(con):
             for helper, sql in _HELPERS.items():
                 con.execute(f"CREATE VIEW {helper} AS {sql}")
         expected = column_names(record)

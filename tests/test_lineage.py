@@ -220,6 +220,51 @@ def test_live_documents_follow_the_corpus_after_delete_and_killed_build(built, t
     assert _live_in_lineage(st) == back
 
 
+def test_only_a_completed_build_changes_which_chunks_and_nuggets_are_live(built, tmp_path) -> None:
+    """A killed build that cut the live documents with another chunker and recovered nuggets
+    with another extractor changes nothing live; once a build with those producers completes,
+    its chunks and nuggets are the live ones."""
+    shutil.copytree(built["store"], tmp_path / "store")
+    st = Store.at(tmp_path / "store")
+    live_chunks = "SELECT chunk_id FROM lineage_chunks WHERE live ORDER BY 1"
+    live_nuggets = "SELECT nugget_id FROM lineage_nuggets WHERE live ORDER BY 1"
+    con = open_lineage(st)
+    chunks_before, nuggets_before = _rows(con, live_chunks), _rows(con, live_nuggets)
+    assert chunks_before and nuggets_before
+    ids = {r["chunk_id"] for r in chunks_before}
+    chunks = [c for c in read_rows(st, ChunkRow) if c.chunk_id in ids]
+    chunks = list({c.chunk_id: c for c in chunks}.values())
+    nuggets = [n for n in read_rows(st, NuggetRow) if n.chunk_id in ids]
+
+    other = new_run_id("build")
+    run = start_run(st, other, "build", {})
+    append_rows(
+        st,
+        [
+            replace_fields(c, chunk_id=c.chunk_id + "-k", chunker_fp="chunker-k", run_id=other)
+            for c in chunks
+        ],
+        other,
+        "chunk",
+    )
+    append_rows(
+        st,
+        [replace_fields(n, extractor_fp="extractor-k", run_id=other) for n in nuggets],
+        other,
+        "recover",
+    )
+    con = open_lineage(st)
+    assert _rows(con, live_chunks) == chunks_before
+    assert _rows(con, live_nuggets) == nuggets_before
+
+    fps = json.loads(
+        next(r for r in read_rows(st, RunRow) if r.status == "completed").fingerprints_json
+    )
+    finish_run(st, run, "completed", fingerprints=fps | {"chunker_fp": "chunker-k"})
+    con = open_lineage(st)
+    assert {r["chunk_id"] for r in _rows(con, live_chunks)} == {c + "-k" for c in ids}
+
+
 def test_walk_down_from_a_document(built) -> None:
     result = _cli("--store", str(built["store"]), "--doc", built["edited"], "--json")
     assert result.exit_code == 0, result.output
