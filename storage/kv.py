@@ -577,6 +577,7 @@ class KvStore:
         self.fsync = fsync
         self._reader = _CountingStore(_zarr_store(store, self.root, read_only=True))
         self._shards: dict[str, _Shard] = {}
+        self._shards_checked: set[str] = set()  # object stores: shards whose files checked out
         self._manifest: dict[str, KvManifestRow] | None = None
         self._max_manifest_shard = -1
         self.write_stats = WriteStats()
@@ -764,7 +765,9 @@ class KvStore:
         """The row, its opened shard and slot; raises CorruptKvEntry on a cheap failed check.
 
         ``file_checks`` caches the per-shard file check (shard name -> problem or None) across
-        calls that run together.
+        calls that run together. On an object store a passed check is also remembered for the
+        life of this object (objects are written once, and the check is a HEAD request per
+        shard: a round trip per read otherwise); a shard removed later fails its read instead.
         """
         row = self._row(content_key)
         _, name, slot = parse_location(row.location)
@@ -779,10 +782,14 @@ class KvStore:
             raise CorruptKvEntry(content_key, row.location, "token count differs from manifest")
         if file_checks is not None and name in file_checks:
             problem = file_checks[name]
+        elif name in self._shards_checked:
+            problem = None
         else:
             problem = self._check_shard_files(shard)
             if file_checks is not None:
                 file_checks[name] = problem
+            if problem is None and not self.store.is_local:
+                self._shards_checked.add(name)
         if problem:
             raise CorruptKvEntry(content_key, row.location, problem)
         return row, shard, slot
@@ -1338,6 +1345,7 @@ class KvStore:
         removed = self.garbage()
         for path in removed:
             self._shards.pop(path.name, None)
+            self._shards_checked.discard(path.name)
             self.store.remove(path)
         return removed
 
@@ -1414,6 +1422,7 @@ class KvStore:
             out.bytes_freed += self.store.tree_bytes(path)
             out.folders_removed += 1
             self._shards.pop(path.name, None)
+            self._shards_checked.discard(path.name)
             self.store.remove(path)
         return out
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from storage.tables import read_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
+REPO = Path(__file__).resolve().parent.parent
 BUCKET = "coinrag-test"
 SECRET = "s3-secret-never-logged-0123456789"
 
@@ -253,3 +258,85 @@ def test_dask_workers_stage_kv_shards_into_the_bucket(tmp_path, s3, sample_corpu
         assert torch.equal(remote_kv.read_entry(ck), local_kv.read_entry(ck)), ck
     assert remote_kv.garbage() == []
     assert not [o for o in s3.find(f"{BUCKET}/stores/dask") if "/.tmp-" in o]
+
+
+def test_killed_build_on_s3_keeps_the_published_version_and_its_lease_expires(
+    tmp_path, s3, sample_corpus, tiny_model, minilm, monkeypatch
+):
+    """SIGKILL a build while it writes KV into the bucket: readers keep the previous version;
+    the dead build's lease refuses the next writer until it expires (COINRAG_LOCK_TTL_S), then
+    the next build takes it over and finishes the work, reusing the shards the killed one
+    published."""
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.setenv("COINRAG_LOCK_TTL_S", "12")  # heartbeats every 3 s
+    docs = sample_docs(sample_corpus)
+    src = write_corpus(tmp_path / "docs.jsonl", docs)
+    url = f"s3://{BUCKET}/stores/crash"
+    st = Store.at(url)
+    settings = {"extractor": "rules", "model": str(tiny_model), "chunk_size": 16}
+    first = build_flow(str(src), url, settings)
+    v1 = live_versions(st)
+    v1_chunks = set(LanceIndex.open(st).columns("chunks", ["chunk_id"]).column(0).to_pylist())
+
+    write_corpus(src, [{**d, "text": "Revised entry. " + d["text"]} for d in docs])
+    manifest = f"{BUCKET}/stores/crash/tables/kv_manifest"
+    seen_before = set(s3.ls(manifest, detail=False))
+    script = (
+        "import json, sys\n"
+        "from flows.build import build_flow\n"
+        "build_flow(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))\n"
+    )
+    env = dict(os.environ) | {
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(src), url, json.dumps(settings)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if set(s3.ls(manifest, detail=False)) - seen_before:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the build ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # The dead build's lease still stands (refreshed at most 3 s before the kill): refused.
+    with pytest.raises(StoreLocked, match="heartbeat"):
+        with st.write_lock("too-early"):
+            pass
+
+    # Readers see the previous version, whole.
+    assert st.published()["run_id"] == first["run_id"]
+    assert live_versions(st) == v1
+    assert set(LanceIndex.open(st).columns("chunks", ["chunk_id"]).column(0).to_pylist()) == (
+        v1_chunks
+    )
+    answer = RagEngine.open(url, max_new_tokens=2).answer(docs[2]["text"][:120], kc=3, k=6)
+    assert answer.evidence and {e["chunk_id"] for e in answer.evidence} <= v1_chunks
+
+    # Once the lease has expired, the next build takes it over and finishes the work.
+    assert s3.exists(f"{BUCKET}/stores/crash/.lock")
+    time.sleep(max(0.0, 12.5 - (time.monotonic() - killed_at)))
+    killed_keys = {
+        r.content_key for r in read_rows(st, KvManifestRow) if r.run_id != first["run_id"]
+    }
+    resumed = build_flow(str(src), url, settings)
+    assert killed_keys and resumed["chunks_new"] == 0 and resumed["extract_requested"] == 0
+    assert resumed["kv_reused"] >= len(killed_keys)
+    assert st.published()["run_id"] == resumed["run_id"]
+    assert not set(live_versions(st).values()) & set(v1.values())
+    kv = KvStore.open(st, kv_fps(st)[0])
+    assert all(kv.verify_entry(ck) for ck in kv.manifest(refresh=True))
+    assert not s3.exists(f"{BUCKET}/stores/crash/.lock")
