@@ -561,10 +561,11 @@ def watch(
     interval: Annotated[float, typer.Option(help="Seconds between checks.")] = 30.0,
     once: Annotated[bool, typer.Option("--once", help="Check once and exit.")] = False,
 ) -> None:
-    """Emit `coinrag.source.changed` (Prefect event) when SOURCE holds documents STORE lacks.
+    """Emit `coinrag.source.changed` (Prefect event) when SOURCE holds documents STORE lacks
+    or STORE holds live documents SOURCE no longer has.
 
-    A deployment served by `coinrag serve` for SOURCE rebuilds on that event. Needs
-    PREFECT_API_URL.
+    A deployment served by `coinrag serve` for SOURCE rebuilds on that event (and drops the
+    removed documents when its settings have prune = true). Needs PREFECT_API_URL.
     """
     from infra.source_events import watch_source
     from tasks.ingest import SourceError
@@ -573,14 +574,19 @@ def watch(
     if interval <= 0:
         _fail("--interval must be > 0", 2)
 
-    def report(ids: list[str]) -> None:
-        console.print(f"coinrag.source.changed: {len(ids)} document(s): {', '.join(ids[:10])}")
+    def report(ids: list[str], removed: list[str]) -> None:
+        text = f"coinrag.source.changed: {len(ids)} document(s): {', '.join(ids[:10])}"
+        if removed:
+            text += f"; {len(removed)} removed: {', '.join(removed[:10])}"
+        console.print(text, soft_wrap=True, markup=False)
 
     try:
-        changed = watch_source(source, str(store), interval=interval, once=once, report=report)
+        changed, removed = watch_source(
+            source, str(store), interval=interval, once=once, report=report
+        )
     except (SourceError, RuntimeError) as exc:
         _fail(str(exc), 1)
-    if not changed:
+    if not changed and not removed:
         console.print("no changed documents")
 
 

@@ -1,4 +1,4 @@
-"""The ``coinrag.source.changed`` Prefect event: a source holds documents the store lacks.
+"""The ``coinrag.source.changed`` Prefect event: a source differs from its store.
 
 Event (one per detected change set)::
 
@@ -6,11 +6,14 @@ Event (one per detected change set)::
     resource: {"prefect.resource.id": "coinrag.source.<sha256(abs source path)[:16]>",
                "prefect.resource.name": "<abs source path>",
                "coinrag.store": "<abs store path>"}
-    payload:  {"doc_ids": [...changed or new document ids...], "n_changed": N}
+    payload:  {"doc_ids": [...changed or new document ids...], "n_changed": N,
+               "removed_doc_ids": [...live in the store, gone from the source...],
+               "n_removed": M}
 
 The build deployment of ``infra/build_deployment.py`` has a trigger on this event for its
 source's resource id, so a watcher (``coinrag watch``) makes the server start an incremental
-build. Only ids reach the event, never document text.
+build (removed documents leave the store when the deployment's settings have ``prune = true``;
+otherwise the event only reports them). Only ids reach the event, never document text.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ def source_resource_id(source: str) -> str:
     return "coinrag.source." + sha256(source_path(source).encode()).hexdigest()[:16]
 
 
-def emit_source_changed(source: str, store: str, doc_ids: list[str]) -> Any:
-    """Emit ``coinrag.source.changed`` for ``doc_ids``; return the Event (None if not sent).
+def emit_source_changed(
+    source: str, store: str, doc_ids: list[str], removed: list[str] | None = None
+) -> Any:
+    """Emit ``coinrag.source.changed`` for changed ``doc_ids`` and ``removed`` ids; return the
+    Event (None if not sent).
 
     Needs ``PREFECT_API_URL`` (events go to that server); raises ``RuntimeError`` without it.
     """
@@ -53,7 +59,12 @@ def emit_source_changed(source: str, store: str, doc_ids: list[str]) -> Any:
             "prefect.resource.name": source_path(source),
             "coinrag.store": Store.at(store).url,
         },
-        payload={"doc_ids": list(doc_ids), "n_changed": len(doc_ids)},
+        payload={
+            "doc_ids": list(doc_ids),
+            "n_changed": len(doc_ids),
+            "removed_doc_ids": list(removed or []),
+            "n_removed": len(removed or []),
+        },
     )
 
 
@@ -62,27 +73,28 @@ def watch_source(
     store: str,
     interval: float = 30.0,
     once: bool = False,
-    report: Callable[[list[str]], None] | None = None,
-) -> list[str]:
-    """Poll SOURCE every ``interval`` seconds; emit an event when its change set is new.
+    report: Callable[[list[str], list[str]], None] | None = None,
+) -> tuple[list[str], list[str]]:
+    """Poll SOURCE every ``interval`` seconds; emit an event when its delta (changed ids,
+    removed ids) is new.
 
-    The same set of changed ids is announced once (the build it triggers empties it); a
-    different set is announced again. ``once``: check a single time and return the ids.
-    Runs until interrupted otherwise.
+    The same delta is announced once (the build it triggers empties it); a different one is
+    announced again. ``once``: check a single time and return ``(changed, removed)``. Runs
+    until interrupted otherwise.
     """
     from prefect.events.worker import EventsWorker
 
-    from tasks.changes import source_changes
+    from tasks.changes import source_delta
 
-    announced: list[str] = []
+    announced: tuple[list[str], list[str]] = ([], [])
     while True:
-        changed = source_changes(source, store)
-        if changed and changed != announced:
-            emit_source_changed(source, store, changed)
+        changed, removed = delta = source_delta(source, store)
+        if (changed or removed) and delta != announced:
+            emit_source_changed(source, store, changed, removed)
             EventsWorker.drain_all()
             if report:
-                report(changed)
-        announced = changed
+                report(changed, removed)
+        announced = delta
         if once:
-            return changed
+            return delta
         time.sleep(interval)

@@ -1,8 +1,9 @@
-"""Which documents of a source the store has not built yet (new ids or changed text/metadata).
+"""How a source differs from its store: documents not built yet, and documents removed.
 
 A document is *changed* when its current version (``keys.doc_version`` of its text and
-metadata) is not among the versions in the store's ``documents`` table. Rejected records and
-documents removed from the source are not reported here (deletion is its own stage).
+metadata) is not among the versions in the store's ``documents`` table. A document is
+*removed* when it is live in the store (``storage.corpus``) but its id is no longer in the
+source; a build with ``--prune`` (``prune = true``) tombstones it. Rejected records are neither.
 """
 
 from __future__ import annotations
@@ -19,6 +20,32 @@ def changed_doc_ids(documents: Iterable[SourceDocument], known_versions: set[str
     Example: versions {a: v1, b: v2} against known {v1} -> ``["b"]``.
     """
     return [d.doc_id for d in documents if d.version not in known_versions]
+
+
+def removed_doc_ids(documents: Iterable[SourceDocument], live_ids: Iterable[str]) -> list[str]:
+    """Ids in ``live_ids`` that no document of the source has, sorted.
+
+    Example: source {a, b} against live {a, c} -> ``["c"]``.
+    """
+    present = {d.doc_id for d in documents}
+    return sorted(set(live_ids) - present)
+
+
+def source_delta(source: str | Path, store_path: str | Path) -> tuple[list[str], list[str]]:
+    """``(changed, removed)`` ids of SOURCE against the store at ``store_path`` (see the
+    module doc); reads the source once. Raises :class:`tasks.ingest.SourceError` when SOURCE
+    cannot be read."""
+    from schemas.tables import DocumentRow
+    from storage.corpus import live_versions
+    from storage.store import Store
+    from storage.tables import column_values
+
+    store = Store.at(store_path)
+    documents = ingest(source).documents
+    if not store.exists():
+        return changed_doc_ids(documents, set()), []
+    known = column_values(store, DocumentRow, "doc_version")
+    return changed_doc_ids(documents, known), removed_doc_ids(documents, live_versions(store))
 
 
 def source_changes(source: str | Path, store_path: str | Path) -> list[str]:

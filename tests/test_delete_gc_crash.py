@@ -31,6 +31,7 @@ from storage.index import LanceIndex
 from storage.kv import KvStore
 from storage.store import Store
 from storage.tables import read_rows
+from tasks.changes import source_delta
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -110,8 +111,10 @@ def test_delete_prune_gc_and_readd(tmp_path, sample_corpus, tiny_model, minilm):
     again = runner.invoke(app, ["delete", gone, "--store", str(store)])
     assert again.exit_code == 1 and "not a live document" in again.output
 
-    # --prune: live documents absent from SOURCE are tombstoned and leave the index.
+    # --prune: live documents absent from SOURCE are tombstoned and leave the index. Before,
+    # the watcher's delta reports the one live document the source lost (not the deleted one).
     write_corpus(src, [d for d in docs if d["id"] not in (gone, pruned)])
+    assert source_delta(src, store) == ([], [pruned])
     result = runner.invoke(
         app,
         [
@@ -133,6 +136,7 @@ def test_delete_prune_gc_and_readd(tmp_path, sample_corpus, tiny_model, minilm):
     assert tombs == {gone: "deleted", pruned: "pruned"}
     assert set(live_versions(st)) == {d["id"] for d in docs} - {gone, pruned}
     assert all(pruned not in ids for ids in index_doc_ids(st).values())
+    assert source_delta(src, store) == ([], [])
 
     # gc: the dead documents' KV entries go (bytes reclaimed), every other entry stays readable.
     chunks = read_rows(st, ChunkRow)
