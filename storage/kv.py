@@ -84,7 +84,8 @@ last) and read back (crc32c of the whole data file against the local one); publi
 to ``shard-NNNNNN/`` (server-side copies, data first, ``zarr.json`` last) and removes the staged
 objects. A shard is never valid before its manifest rows exist, so a crash between the copies
 leaves an orphan prefix that ``gc`` removes, as a crash before a rename does on disk. Reads go
-through Zarr's ``FsspecStore`` (s3fs): a nugget's slice is one ranged GET of the shard index and one per block.
+through Zarr's ``FsspecStore`` (s3fs): a nugget's slice costs one ranged GET of the shard index
+and one per block.
 """
 
 from __future__ import annotations
