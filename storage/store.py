@@ -48,7 +48,7 @@ class StoreLocked(RuntimeError):
     """Another process holds the store's write lock."""
 
 
-class LocalStoreRequired(RuntimeError):
+class LocalStoreRequired(ValueError):
     """An operation that needs a local store was asked of an object store."""
 
 
@@ -118,7 +118,7 @@ class Store:
         if not self.is_local:
             raise LocalStoreRequired(
                 f"{what} needs a local store; {self.url} is in object storage (there, coinrag "
-                "supports build, delete, gc, lineage, ask, eval and watch)"
+                "supports build, delete, gc, lineage, query, eval, serve and watch)"
             )
         return Path(self.root)
 
@@ -255,9 +255,7 @@ class Store:
         for name, table in tables.items():
             if table is not None:
                 lines += _toml_table(name, table)
-        held = _LOCKS.get(self.url)
-        if held is not None:
-            held.check()  # an object store's lease: never publish after losing it
+        self.check_write_lock()
         self.write_bytes_atomic(self.settings_path, ("\n".join(lines) + "\n").encode("utf-8"))
 
     def read_toml(self) -> dict[str, Any]:
@@ -268,12 +266,24 @@ class Store:
             data = self.read_bytes(self.settings_path)
         except FileNotFoundError:
             return {}
-        return tomllib.loads(data.decode("utf-8"))
+        try:
+            return tomllib.loads(data.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.uri(self.settings_path)} is not valid TOML: {exc}") from exc
 
     def published(self) -> dict[str, Any] | None:
         """What the last completed build (or deletion) published, or None if nothing has been
         published yet (a store written by stages alone, or by an older coinrag)."""
         return self.read_toml().get("published")
+
+    def check_write_lock(self) -> None:
+        """Before a commit point on an object store whose lease this process holds: renew the
+        lease if half of it is gone, and raise ``storage.object_lock.LockLost`` if it was lost
+        (taken over by another writer): never publish after losing it. Nothing to do for local
+        stores (flock is held until the process ends) or when this process holds no lease."""
+        held = _LOCKS.get(self.url)
+        if held is not None:
+            held.check()
 
     @contextmanager
     def write_lock(self, run_id: str) -> Iterator[None]:
