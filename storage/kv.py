@@ -116,6 +116,7 @@ from zarr.storage import FsspecStore, LocalStore, WrapperStore
 from schemas.keys import CODE_VERSION, fingerprint
 from schemas.tables import ChunkRow, KvManifestRow
 from storage.location import zarr_storage_options
+from storage.object_lock import precondition_failed
 from storage.store import Store
 
 LAYOUT_VERSION = 1
@@ -766,14 +767,19 @@ class KvStore:
         return int(self.store.fs.size(str(path)))
 
     def _resolve(
-        self, content_key: str, file_checks: dict[str, str | None] | None = None
+        self,
+        content_key: str,
+        file_checks: dict[str, str | None] | None = None,
+        ranged: bool = False,
     ) -> tuple[KvManifestRow, _Shard, int]:
         """The row, its opened shard and slot; raises CorruptKvEntry on a cheap failed check.
 
         ``file_checks`` caches the per-shard file check (shard name -> problem or None) across
-        calls that run together. On an object store a passed check is also remembered for the
-        life of this object (objects are written once, and the check is a HEAD request per
-        shard: a round trip per read otherwise); a shard removed later fails its read instead.
+        calls that run together. ``ranged``: the caller reads with :meth:`_gather_ranges`, which
+        fails on a missing object (Zarr would read zeros); then, on an object store, a passed
+        check of a shard in that format is remembered for the life of this object (objects are
+        written once, and the check is a HEAD request per shard: a round trip per read
+        otherwise), and a shard removed later fails its read instead.
         """
         row = self._row(content_key)
         _, name, slot = parse_location(row.location)
@@ -788,13 +794,13 @@ class KvStore:
             raise CorruptKvEntry(content_key, row.location, "token count differs from manifest")
         if file_checks is not None and name in file_checks:
             problem = file_checks[name]
-        elif name in self._shards_checked:
+        elif ranged and name in self._shards_checked:
             problem = None
         else:
             problem = self._check_shard_files(shard)
             if file_checks is not None:
                 file_checks[name] = problem
-            if problem is None and not self.store.is_local:
+            if problem is None and not self.store.is_local and shard.direct:
                 self._shards_checked.add(name)
         if problem:
             raise CorruptKvEntry(content_key, row.location, problem)
@@ -858,7 +864,7 @@ class KvStore:
         file_checks: dict[str, str | None] = {}
         for i, (ck, s, e) in enumerate(requests):
             if ck not in resolved:
-                resolved[ck] = self._resolve(ck, file_checks)
+                resolved[ck] = self._resolve(ck, file_checks, ranged=True)
             row, shard, slot = resolved[ck]
             if not 0 <= s <= e <= row.tokens:
                 raise IndexError(f"slice [{s}, {e}) out of range for {ck} ({row.tokens} tokens)")
@@ -1355,7 +1361,8 @@ class KvStore:
     def _rename_into_place(self, tmp: PurePath) -> str:
         number = self._next_shard_number()
         if not self.store.is_local:
-            while self.store.list_names(self.root / f"shard-{number:06d}"):
+            self.store.check_write_lock()
+            while not _claim(self.store, self.root / f"shard-{number:06d}" / _CLAIM):
                 number += 1
             name = f"shard-{number:06d}"
             _copy_folder(self.store, tmp, self.root / name)
@@ -1625,6 +1632,23 @@ def _upload_folder(store: Store, local: Path, remote: PurePath) -> None:
             back = fs.cat_file(str(remote / rel))
             if google_crc32c.value(bytes(back)) != google_crc32c.value(data):
                 raise KvError(f"{store.uri(remote / rel)} does not read back as uploaded")
+
+
+_CLAIM = ".claim"  # object stores: created (conditionally) before a shard is copied into place
+
+
+def _claim(store: Store, path: PurePath) -> bool:
+    """Create ``path`` only if it does not exist (``If-None-Match: *``): True if we created it.
+    A shard number is claimed this way, so two writers (one of them fenced off too late) never
+    copy into one shard folder."""
+    bucket, _, key = str(path).partition("/")
+    try:
+        store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"", IfNoneMatch="*")
+    except OSError as exc:
+        if precondition_failed(exc):
+            return False
+        raise
+    return True
 
 
 def _copy_folder(store: Store, src: PurePath, dst: PurePath) -> None:
