@@ -38,6 +38,16 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def _require_local(store: str, what: str) -> None:
+    """Fail (exit 1) before any work when ``what`` is asked of an object store."""
+    from storage.store import LocalStoreRequired, Store
+
+    try:
+        Store.at(store).require_local(what)
+    except (LocalStoreRequired, ValueError) as exc:
+        _fail(str(exc), 1)
+
+
 # Build settings as options, declared once: `build` and `serve` both take them (None: the
 # [build] table of --config, else the default).
 ExtractorOption = Annotated[
@@ -309,6 +319,7 @@ def _cartridge_answer(
     from storage.store import Store
 
     store = Store.at(store_path)
+    store.require_local("query --method cartridge")
     if not store.exists():
         raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
     settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
@@ -431,6 +442,7 @@ def train_cartridges_cmd(
 
     if max_steps < 1:
         _fail("--max-steps must be >= 1", 2)
+    _require_local(store, "coinrag train cartridges")
     extra = {"generator": generator} if generator else {}
     try:
         summary = train_cartridges(str(store), docs or None, max_steps, **extra)
@@ -459,6 +471,7 @@ def train_nuggets_cmd(
 
     if mode not in ("live", "frozen"):
         _fail(f"--mode {mode!r} is not one of live, frozen", 2)
+    _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
     try:
@@ -660,11 +673,16 @@ def main() -> None:
     # Prefect's temporary API server gets 20 s to start by default: too little on a loaded
     # machine (seen: a build failing with "Timed out while attempting to connect").
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from storage.store import LocalStoreRequired
+
     try:
         app()
     except KeyboardInterrupt:
         console.print("interrupted")
         sys.exit(130)
+    except LocalStoreRequired as exc:  # e.g. training asked of an s3:// store
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,18 @@ def changed_doc_ids(documents: Iterable[SourceDocument], known_versions: set[str
     return [d.doc_id for d in documents if d.version not in known_versions]
 
 
-def removed_doc_ids(documents: Iterable[SourceDocument], live_ids: Iterable[str]) -> list[str]:
-    """Ids in ``live_ids`` that no document of the source has, sorted.
+def removed_doc_ids(
+    documents: Iterable[SourceDocument],
+    live_ids: Iterable[str],
+    rejected_ids: Iterable[str | None] = (),
+) -> list[str]:
+    """Ids in ``live_ids`` that no document of the source has, sorted. A record of the source
+    that was rejected this time (``rejected_ids``) still names its document: not removed (a
+    ``--prune`` build keeps it too).
 
     Example: source {a, b} against live {a, c} -> ``["c"]``.
     """
-    present = {d.doc_id for d in documents}
+    present = {d.doc_id for d in documents} | {i for i in rejected_ids if i is not None}
     return sorted(set(live_ids) - present)
 
 
@@ -41,11 +47,13 @@ def source_delta(source: str | Path, store_path: str | Path) -> tuple[list[str],
     from storage.tables import column_values
 
     store = Store.at(store_path)
-    documents = ingest(source).documents
+    read = ingest(source)
     if not store.exists():
-        return changed_doc_ids(documents, set()), []
+        return changed_doc_ids(read.documents, set()), []
     known = column_values(store, DocumentRow, "doc_version")
-    return changed_doc_ids(documents, known), removed_doc_ids(documents, live_versions(store))
+    rejected = [r.doc_id for r in read.rejects]
+    removed = removed_doc_ids(read.documents, live_versions(store), rejected)
+    return changed_doc_ids(read.documents, known), removed
 
 
 def source_changes(source: str | Path, store_path: str | Path) -> list[str]:
