@@ -32,7 +32,7 @@ from storage.gc import kv_fps
 from storage.index import LanceIndex
 from storage.kv import CorruptKvEntry, KvLayout, KvStore
 from storage.location import StoreUrlError, object_filesystem, split_store_url
-from storage.object_lock import ObjectLock
+from storage.object_lock import LockContention, LockLost, ObjectLock
 from storage.store import LocalStoreRequired, Store, StoreLocked
 from storage.tables import read_rows
 
@@ -103,6 +103,10 @@ def test_store_urls():
     )
     with pytest.raises(LocalStoreRequired, match="training cartridges needs a local store"):
         st.cartridges_dir("m")
+    for command in (["train", "cartridges"], ["query", "q", "--method", "cartridge"]):
+        result = CliRunner().invoke(app, [*command, "--store", "s3://bucket/stores/a"])
+        assert result.exit_code == 1 and "needs a local store" in result.output, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 def rows(st: Store, record: type, key: str) -> list[dict]:
@@ -223,18 +227,39 @@ def test_object_lock_lease_takeover_and_fencing(s3):
     first.acquire()
     second = ObjectLock(s3, path, "second", ttl_s=1.0)
     time.sleep(1.6)  # the heartbeat (every ttl/4) keeps the lease fresh
-    with pytest.raises(Exception, match="first"):
+    with pytest.raises(LockContention, match="first"):
         second.acquire()
+    first.check()  # still ours: a commit point may go ahead
     first._stop.set()  # the holder freezes: no more heartbeats
     first._thread.join()
     time.sleep(1.3)
     second.acquire()  # the lease expired: taken over
     assert json.loads(s3.cat_file(path))["holder"] == "second"
-    with pytest.raises(OSError):  # the old holder's conditional write is fenced off
-        first._put(IfMatch=str(first.etag))
+    with pytest.raises(LockLost):  # the frozen holder wakes up: its renewal is refused
+        first.check()
     first.release()  # does not delete the new holder's lock
     assert json.loads(s3.cat_file(path))["holder"] == "second"
+    # A write of ours whose response was lost (the object changed, our ETag did not): kept.
+    bucket, _, key = path.partition("/")
+    s3.call_s3("put_object", Bucket=bucket, Key=key, Body=second._body(), IfMatch=second.etag)
+    second._sent_at = 0.0  # force a renewal at the next commit point
+    second.check()
     second.release()
+    assert not s3.exists(path)
+
+
+def test_object_lock_honours_the_holders_ttl(s3):
+    """A contender with a short ttl still waits for the holder's longer one."""
+    path = f"{BUCKET}/locks/ttl.lock"
+    holder = ObjectLock(s3, path, "slow holder", ttl_s=6.0)
+    holder.acquire()
+    holder._stop.set()  # no heartbeat for a while (it beats every 1.5 s when alive)
+    holder._thread.join()
+    time.sleep(1.2)
+    with pytest.raises(LockContention, match="slow holder"):
+        ObjectLock(s3, path, "hasty", ttl_s=0.5).acquire()
+    holder._stop.clear()
+    holder.release()
     assert not s3.exists(path)
 
 
@@ -340,6 +365,11 @@ def test_killed_build_on_s3_keeps_the_published_version_and_its_lease_expires(
     kv = KvStore.open(st, kv_fps(st)[0])
     assert all(kv.verify_entry(ck) for ck in kv.manifest(refresh=True))
     assert not s3.exists(f"{BUCKET}/stores/crash/.lock")
+    # What the killed build left half-done (a staged shard, a claimed number) goes with gc.
+    done = CliRunner().invoke(app, ["gc", "--store", url])
+    assert done.exit_code == 0, done.output
+    assert KvStore.open(st, kv_fps(st)[0]).garbage() == []
+    assert not [o for o in s3.find(f"{BUCKET}/stores/crash") if "/.tmp-" in o]
 
 
 def _synthetic_chunk(i: int, n: int) -> ChunkRow:

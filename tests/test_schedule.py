@@ -399,3 +399,13 @@ def test_source_changes(tmp_path, sample_corpus):
     source = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
     assert source_changes(source, tmp_path / "no-store") == ["alpha", "beta"]
     assert len(source_changes(sample_corpus, tmp_path / "no-store")) == 11
+
+
+def test_removed_doc_ids_keep_rejected_records():
+    from types import SimpleNamespace
+
+    from tasks.changes import removed_doc_ids
+
+    docs = [SimpleNamespace(doc_id="a"), SimpleNamespace(doc_id="b")]
+    assert removed_doc_ids(docs, ["a", "c", "r"]) == ["c", "r"]
+    assert removed_doc_ids(docs, ["a", "c", "r"], rejected_ids=["r", None]) == ["c"]
