@@ -46,3 +46,29 @@ def write_corpus(path: Path, docs: list[dict[str, Any]]) -> Path:
     """Write records as a JSONL source; return its path."""
     path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
     return path
+
+
+def synthetic_chunk(i: int, n: int) -> Any:
+    """A chunk row of ``n`` tokens with no text (KV store tests: only ids and sizes matter)."""
+    from schemas.tables import ChunkRow
+
+    return ChunkRow(
+        chunk_id=f"ch-{i}",
+        doc_id="d",
+        doc_version="dv",
+        ordinal=i,
+        text="",
+        n_tokens=n,
+        char_start=0,
+        char_end=0,
+        tok_start=0,
+        tok_end=n,
+        token_ids=[],
+        token_spans=[],
+        content_key=f"ck-{i:04d}",
+        text_hash="th",
+        tokenizer_fp="tok",
+        chunker_fp="chunker",
+        run_id="r",
+        code_version="v",
+    )

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from store_fixtures import synthetic_chunk
 
 from inference.models import LoadedModel, tokenizer_fingerprint
 from inference.prompt import RagPrompt
 from schemas.keys import fingerprint
-from schemas.tables import ChunkRow, KvManifestRow
+from schemas.tables import KvManifestRow
 from storage.kv import (
     CorruptKvEntry,
     KvFingerprintMismatch,
@@ -270,29 +271,6 @@ def test_smollm2_oracle(tmp_path, smollm2, smollm2_tokenizer, prompt, text, dtyp
 
 
 # ---------------------------------------------------------------------------- shard encoding
-
-
-def synthetic_chunk(i: int, n: int) -> ChunkRow:
-    return ChunkRow(
-        chunk_id=f"ch-{i}",
-        doc_id="d",
-        doc_version="dv",
-        ordinal=i,
-        text="",
-        n_tokens=n,
-        char_start=0,
-        char_end=0,
-        tok_start=0,
-        tok_end=n,
-        token_ids=[],
-        token_spans=[],
-        content_key=f"ck-{i:04d}",
-        text_hash="th",
-        tokenizer_fp="tok",
-        chunker_fp="chunker",
-        run_id="r",
-        code_version="v",
-    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_fixtures import sample_docs, save_tiny_llama, write_corpus
+from store_fixtures import sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from typer.testing import CliRunner
 
 from flows.build import build_flow
@@ -372,29 +372,6 @@ def test_killed_build_on_s3_keeps_the_published_version_and_its_lease_expires(
     assert not [o for o in s3.find(f"{BUCKET}/stores/crash") if "/.tmp-" in o]
 
 
-def _synthetic_chunk(i: int, n: int) -> ChunkRow:
-    return ChunkRow(
-        chunk_id=f"ch-{i}",
-        doc_id="d",
-        doc_version="dv",
-        ordinal=i,
-        text="",
-        n_tokens=n,
-        char_start=0,
-        char_end=0,
-        tok_start=0,
-        tok_end=n,
-        token_ids=[],
-        token_spans=[],
-        content_key=f"ck-{i:04d}",
-        text_hash="th",
-        tokenizer_fp="tok",
-        chunker_fp="chunker",
-        run_id="r",
-        code_version="v",
-    )
-
-
 @pytest.mark.parametrize("encoder", ["direct", "zarr"])
 def test_kv_slices_from_s3_are_the_written_tensors(s3, encoder):
     """KV slices read from the bucket (ranged GETs decoded by coinrag; shards written by Zarr's
@@ -405,7 +382,7 @@ def test_kv_slices_from_s3_are_the_written_tensors(s3, encoder):
     lengths = [37, 40, 5, 33, 16, 64, 1]
     torch.manual_seed(0)
     entries = [
-        (_synthetic_chunk(i, n), torch.randn(layers, 2, heads, n, dim).to(torch.bfloat16))
+        (synthetic_chunk(i, n), torch.randn(layers, 2, heads, n, dim).to(torch.bfloat16))
         for i, n in enumerate(lengths)
     ]
     layout = KvLayout(
