@@ -83,9 +83,11 @@ folder exactly as above, then uploaded to ``.tmp-<uuid>/`` (data file first, ``z
 last) and read back (crc32c of the whole data file against the local one); publishing copies it
 to ``shard-NNNNNN/`` (server-side copies, data first, ``zarr.json`` last) and removes the staged
 objects. A shard is never valid before its manifest rows exist, so a crash between the copies
-leaves an orphan prefix that ``gc`` removes, as a crash before a rename does on disk. Reads go
-through Zarr's ``FsspecStore`` (s3fs): a nugget's slice costs one ranged GET of the shard index
-and one per block.
+leaves an orphan prefix that ``gc`` removes, as a crash before a rename does on disk. Shard
+numbers are claimed with a conditional create (``.claim``). Slices (``read_slices``) are ranged
+GETs issued at once, one per slice, decoded here with each block's crc32c checked (the shard
+index is fetched once per reader); whole entries and the prefix are read through Zarr's
+``FsspecStore`` (s3fs).
 """
 
 from __future__ import annotations
@@ -742,7 +744,7 @@ class KvStore:
                 block_tokens=int(sharding["configuration"]["chunk_shape"][4]),
                 opener=self._open_shard_array,
                 shape=tuple(int(n) for n in meta["shape"]),
-                direct=_is_direct_format(meta, sharding),
+                direct=_is_direct_format(meta, sharding) and _DATA_KEY in attrs.get("files", {}),
             )
             self._shards[name] = shard
         return shard
