@@ -7,6 +7,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+# The shape of every small random-weight model the tests build (2 layers, 4 query heads sharing
+# 2 KV heads; head dim 16 unless a test sets head_dim): each test adds its architecture,
+# vocabulary and RoPE settings.
+TINY_DIMS: dict[str, int] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 
 def save_tiny_llama(path: Path, tokenizer: Any, seed: int) -> Path:
     """A random-weight 2-layer Llama with ``tokenizer`` (SmolLM2's), saved as a model folder.
@@ -19,11 +30,7 @@ def save_tiny_llama(path: Path, tokenizer: Any, seed: int) -> Path:
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         max_position_embeddings=4096,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

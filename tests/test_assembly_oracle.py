@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from inference.assemble import KvSlice, assemble_context, from_cache, to_dynamic_cache
@@ -27,11 +28,7 @@ from inference.rope import RopeSpec
 LOGIT_ATOL_FP32 = 2e-4
 
 _SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    **TINY_DIMS,
     vocab_size=500,
     max_position_embeddings=4096,
 )

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_openai_server import Action, FakeOpenAI
+from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from inference.assemble import from_cache
@@ -95,11 +96,7 @@ def _one_thread():
 
 def _tiny(kind: str, vocab: int) -> torch.nn.Module:
     small = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         vocab_size=vocab,
         max_position_embeddings=2048,
         initializer_range=0.2,

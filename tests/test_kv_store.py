@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_fixtures import synthetic_chunk
+from store_fixtures import TINY_DIMS, synthetic_chunk
 
 from inference.models import LoadedModel, tokenizer_fingerprint
 from inference.prompt import RagPrompt
@@ -89,11 +89,7 @@ def tiny(arch: str, dtype: torch.dtype, tokenizer) -> LoadedModel:
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
     config = config_cls(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         max_position_embeddings=4096,
     )
     torch.manual_seed(1234)

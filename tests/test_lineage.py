@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_openai_server import Action, FakeOpenAI
+from store_fixtures import TINY_DIMS
 from typer.testing import CliRunner
 
 from flows.build import build_flow
@@ -51,11 +52,7 @@ def _tiny_model(path: Path, tokenizer, seed: int) -> Path:
     torch.manual_seed(seed)
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         max_position_embeddings=2048,
         eos_token_id=tokenizer.eos_token_id,
     )

@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+from store_fixtures import TINY_DIMS
 
 from tasks.extractors.base import ExtractionRequest
 from tasks.extractors.local import (
@@ -172,11 +173,7 @@ def random_llama(tokenizer):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         max_position_embeddings=2048,
     )
     model = AutoModelForCausalLM.from_config(config).eval()

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from store_fixtures import TINY_DIMS
 from transformers import (
     AutoModelForCausalLM,
     GPTJConfig,
@@ -63,11 +64,7 @@ SLICE = (5, 17)  # sub-slice of the encoded tokens that is moved
 MOVES = [(7, 0), (7, 3000), (3000, 5), (2500, 2600)]
 
 _BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
+    **TINY_DIMS,
     vocab_size=1000,
     pad_token_id=0,
     bos_token_id=1,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from store_fixtures import TINY_DIMS
 
 from training.nuggets import (
     ContextBuilder,
@@ -65,11 +66,7 @@ def tiny_model(tmp_path_factory, smollm2_tokenizer) -> Path:
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=len(smollm2_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         max_position_embeddings=2048,
         tie_word_embeddings=False,  # embedding rows get gradient only from input tokens
         eos_token_id=smollm2_tokenizer.eos_token_id,
