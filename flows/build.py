@@ -15,21 +15,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from functools import partial
-from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import (
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
-from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
-from prefect.filesystems import LocalFileSystem
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner
 from prefect.utilities.annotations import quote
 
+from flows.progress import ProgressLog, result_with_ticks
 from flows.runners import task_runner
 from flows.scaleout import embed_on_workers, kv_on_workers
 from inference.models import load_tokenizer, tokenizer_fingerprint
@@ -44,29 +39,16 @@ from tasks.embed import EmbedParts
 from tasks.extract import (
     ExtractBatch,
     ExtractCounts,
+    ExtractionWriter,
     answered_ok,
     pending_requests,
-    publish_extraction,
     run_extraction,
+    stage_result,
 )
 from tasks.extractors.base import ExtractionRequest
 from tasks.extractors.factory import make_extractor
 from tasks.ingest import ingest_stage
 from tasks.nuggets import current_nuggets, recover_stage
-
-
-def _extract_cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    """Content-hash cache key: the extractor's fingerprint and the texts' hashes."""
-    keys = ",".join(r.key for r in parameters["requests"])
-    digest = sha256(keys.encode()).hexdigest()[:32]
-    return f"extract-rows-{parameters['extractor_fp']}-{digest}"  # cached value: ExtractBatch
-
-
-def _result_storage(store: Store) -> str:
-    """Slug of a LocalFileSystem block under STORE/.prefect/results (saved on the API)."""
-    name = "coinrag-results-" + sha256(store.url.encode()).hexdigest()[:12]
-    LocalFileSystem(basepath=str(store.prefect_dir / "results")).save(name, overwrite=True)
-    return f"local-file-system/{name}"
 
 
 @task(name="ingest", cache_policy=NO_CACHE)
@@ -94,16 +76,19 @@ def chunk_task(store: Store, documents: list, settings: BuildSettings, run_id: s
     )
 
 
-@task(name="extract", retries=2, retry_delay_seconds=5, tags=["llm-endpoint"])
+# No Prefect cache: the `extractions` table is the response cache, and a cached task result
+# would hide the failures it records from the next build (issue 12).
+@task(
+    name="extract", retries=2, retry_delay_seconds=5, tags=["llm-endpoint"], cache_policy=NO_CACHE
+)
 def extract_task(
-    store: Store,
-    settings: BuildSettings,
-    extractor_fp: str,
-    requests: list[ExtractionRequest],
-    run_id: str,
+    store: Store, settings: BuildSettings, requests: list[ExtractionRequest], run_id: str
 ) -> ExtractBatch:
-    """One batch's rows, computed wherever the task runner puts it; the flow writes them."""
-    return run_extraction(make_extractor(settings, str(store.prefect_dir)), requests, run_id)
+    """One batch, computed wherever the task runner puts it: each answer staged in the store as
+    it arrives (a kill loses none), all of them returned; the flow writes the tables."""
+    extractor = make_extractor(settings, str(store.prefect_dir))
+    staged = partial(stage_result, store, extractor, run_id)
+    return run_extraction(extractor, requests, run_id, staged)
 
 
 @task(name="recover", cache_policy=NO_CACHE)
@@ -172,9 +157,7 @@ def _embed_index(
     embedder = load_embedder(settings.embedder)
     nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, settings.tau)
 
-    def progress(done: int, total: int) -> None:
-        logger.info("embed: %d/%d texts", done, total)
-
+    progress = ProgressLog(logger, "embed", "texts", 0)
     counts = embed_stage(
         store,
         chunks,
@@ -182,7 +165,7 @@ def _embed_index(
         documents,
         embedder,
         run_id,
-        progress,
+        progress.update,
         part_size=settings.embed_batch_size,
         embed_parts=embed_parts,
     )
@@ -192,56 +175,44 @@ def _embed_index(
 def _extract_all(
     runner: TaskRunner, store: Store, settings: BuildSettings, chunks: list, run_id: str
 ) -> tuple[ExtractCounts, str, str]:
-    """Send every unanswered chunk text to the extractor, one task per batch on ``runner``;
-    write each batch's rows here, in batch order, with progress. Return the counts, the
-    extractor's fingerprint and its prompt version."""
+    """Send every unanswered chunk text to the extractor, one task per batch on ``runner``.
+
+    Answers a killed build staged are written first (never asked again); then the flow writes
+    the answers as the tasks stage them, reporting progress per answered chunk text. Return the
+    counts, the extractor's fingerprint and its prompt version."""
     logger = get_run_logger()
     extractor = make_extractor(settings, str(store.prefect_dir))
     fp = extractor.fingerprint
+    total = ExtractCounts()
+    writer = ExtractionWriter(store, run_id, total)
+    kept = writer.flush()
+    if kept:
+        logger.info("extract: kept %d answer(s) an interrupted build had received", kept)
     pending = pending_requests(chunks, answered_ok(store, fp))
-    total = ExtractCounts(requested=len(pending))
+    total.requested = len(pending)
     total.cached = len({c.text_hash for c in chunks}) - len(pending)
+    if pending:
+        logger.info(
+            "extract: %d chunk texts to ask %s %s (%d answered before)",
+            len(pending),
+            extractor.backend,
+            extractor.llm_model,
+            total.cached,
+        )
     size = len(pending) if extractor.backend == "openai-batch" else settings.extract_batch_size
-    task_fn = extract_task.with_options(
-        cache_policy=CacheKeyFnPolicy(cache_key_fn=_extract_cache_key).configure(
-            key_storage=store.prefect_dir / "cache"
-        ),
-        persist_result=True,
-        result_storage=_result_storage(store),
-    )
-    progress_id = (
-        create_progress_artifact(progress=0.0, description="extraction") if pending else None
-    )
-    started = time.monotonic()
+    progress = ProgressLog(logger, "extract", "chunk texts", len(pending), artifact="extraction")
     batches = [pending[i : i + size] for i in range(0, len(pending), max(size, 1))]
     futures = [
         runner.submit(
-            task_fn,
-            {
-                "store": store,
-                "settings": settings,
-                "extractor_fp": fp,
-                "requests": batch,
-                "run_id": run_id,
-            },
+            extract_task,
+            {"store": store, "settings": settings, "requests": batch, "run_id": run_id},
         )
         for batch in batches
     ]
-    done = 0
-    for batch, future in zip(batches, futures, strict=True):
-        publish_extraction(store, future.result(), run_id, total)
-        done += len(batch)
-        rate = (time.monotonic() - started) / done
-        logger.info(
-            "extract: %d/%d chunk texts (%.0f%%), %.2f s each, about %.0f s left",
-            done,
-            len(pending),
-            100 * done / len(pending),
-            rate,
-            rate * (len(pending) - done),
-        )
-        if progress_id:
-            update_progress_artifact(progress_id, progress=100.0 * done / len(pending))
+    for future in futures:
+        batch = result_with_ticks(future, lambda: progress.update(writer.answered()))
+        writer.flush(batch)
+        progress.update(writer.answered())
     return total, fp, extractor.prompt_version
 
 
@@ -370,6 +341,9 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             s.to_dict() | {"extractor": params["extractor"]},
             index=s.index or bool(pruned),
         )
+        # Work that failed but may succeed when asked again (the next build retries it): the
+        # run is committed, and its row says what is missing.
+        failures = [line for line in (extracted.failure_line(),) if line]
         finish_run(
             st,
             run,
@@ -377,6 +351,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             fingerprints=fingerprints,
             counts=summary,
             cost_usd=extracted.cost_usd,
+            error="; ".join(failures) or None,
         )
         create_table_artifact(
             table=[{"measure": k, "value": str(v)} for k, v in summary.items()],
@@ -384,5 +359,8 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             description=f"coinrag build {run_id}",
         )
         logger.info("build %s done: %s", run_id, summary)
+        for line in failures:
+            logger.warning("%s; the next build retries them", line)
         summary["rejected"] = [asdict(r) for r in ingested.rejects]
+        summary["failures"] = failures
         return summary

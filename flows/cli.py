@@ -1,7 +1,10 @@
 """The ``coinrag`` command line.
 
 Exit codes: 0 done; 1 failed (nothing or not everything was built: the message says why);
-2 usage error (unknown option, bad value); 3 built, but some documents were rejected (listed).
+2 usage error (unknown option, bad value); 3 built, but some documents were rejected (listed);
+4 built, but some work failed and is retried by the next build (e.g. chunk texts the LLM
+endpoint did not answer: one ``error:`` line each). A build with both rejects and failed work
+exits 4 (and prints both).
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ def _root() -> None:
     """coinrag: the offline asset factory for KV-cache-reuse RAG."""
 
 
-def _fail(message: str, code: int = 1) -> None:
+def _error(message: str) -> None:
     # soft_wrap: never break an error line (paths stay whole, copyable and greppable)
     console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    _error(message)
     raise typer.Exit(code)
 
 
@@ -176,10 +183,15 @@ def build(
     except (SourceError, StoreLocked) as exc:
         _fail(str(exc), 1)
     _print_summary(summary)
-    if summary["rejected"]:
-        for r in summary["rejected"]:
-            console.print(f"[yellow]rejected[/] {r['doc_id'] or '-'}: {r['reason']}: {r['detail']}")
-        _fail(f"{len(summary['rejected'])} document(s) rejected (see the rejects table)", 3)
+    rejected, failures = summary["rejected"], summary["failures"]
+    for r in rejected:
+        console.print(f"[yellow]rejected[/] {r['doc_id'] or '-'}: {r['reason']}: {r['detail']}")
+    if rejected:
+        _error(f"{len(rejected)} document(s) rejected (see the rejects table)")
+    for line in failures:
+        _error(f"{line}; run coinrag build again to retry them")
+    if failures or rejected:
+        raise typer.Exit(4 if failures else 3)
 
 
 @app.command()
@@ -662,7 +674,7 @@ def _print_summary(summary: dict) -> None:
         if isinstance(value, dict):  # stage_seconds: one row per stage
             for name, sub in value.items():
                 table.add_row(f"{key}.{name}", str(sub))
-        elif key not in ("run_id", "rejected"):
+        elif key not in ("run_id", "rejected", "failures"):
             table.add_row(key, str(value))
     Console().print(table)
 

@@ -8,10 +8,11 @@
   KV. Entries of every kv_fp are collected (KV of another model stays as long as its chunks are
   live: switching back costs nothing).
 - **LanceDB versions** older than the published one (``LanceIndex.prune_versions``).
-- **Leftovers of killed writes**: ``.tmp-`` folders, ``.*.tmp`` Parquet files, temporary
-  settings files.
+- **Leftovers of killed writes**: ``.tmp-`` folders, ``.*.tmp`` Parquet files (of tables and of
+  ``staging/``), temporary settings files.
 
-Parquet tables are not touched, except ``kv_manifest`` rows of dropped entries.
+Parquet tables are not touched, except ``kv_manifest`` rows of dropped entries; staged rows
+(``STORE/staging/``: LLM answers a killed build received) are kept for the next build.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def temp_leftovers(store: Store) -> list[PurePath]:
     root = store.require_local("temporary files")
     found = list(root.glob("coinrag.toml.tmp*"))
     found += root.glob("tables/*/.*.tmp")
+    found += root.glob("staging/*/.*.tmp")
     found += root.glob("kv/.tmp-*")
     found += root.glob("cartridges/*/.tmp-*")
     found += root.glob("index/*.json.tmp")

@@ -4,12 +4,13 @@
 STORE/
   coinrag.toml            settings the store was last built with (never secrets)
   tables/<table>/         Parquet, one schema per table in schemas/tables.py
+  staging/<table>/        rows written as they were computed, not yet moved into the table
   kv/<kv_fp>/             Zarr: per-chunk K/V of one generation model and prompt prefix
   index/                  LanceDB: chunks, nuggets, documents
   cartridges/<model_fp>/  Zarr: trained cartridges
   models/                 models written by training flows
   reports/                plots and evaluation results
-  .prefect/               Prefect task-cache records of this store
+  .prefect/               local working state of builds (the Batch API's submitted batches)
   .lock                   held by the one writing build
 ```
 
@@ -21,9 +22,10 @@ into the URL that LanceDB and DuckDB take). Local stores keep their fast paths (
 O_DIRECT, flock); object stores replace each rename by a single PUT or a copy, as the modules
 that write say.
 
-Prefect's own task-cache records (``.prefect/``) are local working state: for an object store
-they live in ``$COINRAG_CACHE/stores/<hash of the URL>/.prefect`` on the machine that runs
-the build (losing them costs nothing: every stage finds its done work in the tables).
+The builds' local working state (``.prefect/``: the Batch API's submitted batch ids): for an
+object store it lives in ``$COINRAG_CACHE/stores/<hash of the URL>/.prefect`` on the machine that
+runs the build (losing it costs at most a resubmitted batch: every stage finds its done work in
+the tables).
 """
 
 from __future__ import annotations
@@ -204,6 +206,11 @@ class Store:
     def table_dir(self, table: str) -> PurePath:
         return self.root / "tables" / safe_component(table)
 
+    def staging_dir(self, table: str) -> PurePath:
+        """Rows computed (by a worker, maybe) but not yet in the table: ``STORE/staging/<table>``
+        (``storage.tables.stage_rows``); the store's writer moves them in."""
+        return self.root / "staging" / safe_component(table)
+
     def kv_dir(self, kv_fp: str) -> PurePath:
         return self.root / "kv" / safe_component(kv_fp)
 
@@ -224,7 +231,7 @@ class Store:
 
     @property
     def prefect_dir(self) -> Path:
-        """Prefect's task-cache records of this store (always a local folder, see above)."""
+        """Local working state of this store's builds (always a local folder, see above)."""
         if self.is_local:
             return Path(self.root) / ".prefect"
         cache = Path(os.environ.get("COINRAG_CACHE", Path.home() / ".cache" / "coinrag"))

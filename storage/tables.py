@@ -5,6 +5,10 @@ temporary name and renamed into place (in an object store: one PUT of the whole 
 object), so a reader never sees half a file and a killed run loses at most the file it was
 writing. The current state of the corpus is computed by readers (latest
 version per id), never by rewriting files.
+
+Rows that must be on disk before the writer can take them (an LLM answer, as it arrives, from
+any worker) are *staged*: written the same way under ``STORE/staging/<table>/`` and moved into
+the table later by the one writer (:func:`stage_rows`), many staged files into one table file.
 """
 
 from __future__ import annotations
@@ -46,6 +50,45 @@ def append_rows(store: Store, rows: Sequence[Any], run_id: str, stage: str) -> P
     return _write_file(
         store, store.table_dir(table_name(record)), rows_to_arrow(rows, record), run_id, stage
     )
+
+
+def stage_rows(store: Store, rows: Sequence[Any], run_id: str, stage: str) -> PurePath | None:
+    """Write rows (all of one record type) as one staged file under ``STORE/staging/<table>/``:
+    on disk at once, but not part of the table (no reader sees them) until the store's writer
+    moves them in (:func:`read_files` them, :func:`append_rows` them, then remove the staged
+    files). For rows computed where the table must not be written (a worker of a distributed
+    task runner) or one at a time (one file per LLM answer); the writer merges many staged files
+    into one table file. Nothing is written for an empty sequence."""
+    if not rows:
+        return None
+    record = type(rows[0])
+    return _write_file(
+        store, store.staging_dir(table_name(record)), rows_to_arrow(rows, record), run_id, stage
+    )
+
+
+def staged_files(store: Store, record: type, run_id: str | None = None) -> list[PurePath]:
+    """The staged files of a table (of one run's, with ``run_id``), sorted by name."""
+    directory = store.staging_dir(table_name(record))
+    prefix = f"{safe_component(run_id)}." if run_id is not None else ""
+    return [
+        directory / n
+        for n in store.list_names(directory)
+        if n.endswith(".parquet") and not n.startswith(".") and n.startswith(prefix)
+    ]
+
+
+def read_files(store: Store, record: type[R], files: Sequence[PurePath]) -> list[R]:
+    """The rows of some Parquet files of ``record``'s schema (staged or table files)."""
+    if not files:
+        return []
+    dataset = ds.dataset(
+        [str(f) for f in files],
+        schema=arrow_schema(record),
+        format="parquet",
+        filesystem=_arrow_fs(store),
+    )
+    return [record(**row) for row in dataset.to_table().to_pylist()]
 
 
 def rewrite_rows(

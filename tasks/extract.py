@@ -4,21 +4,34 @@ The response cache is the ``extractions`` table keyed by ``(text_hash, extractor
 answered ``ok`` by this extractor (same LLM, prompt version, decoding settings) is never sent
 again, in this build or any later one. Failed answers are recorded as ``failed`` (with the error)
 and retried by the next build. Every call is ledgered in ``extraction_calls``.
+
+Each answer is on disk as soon as it arrives (``stage_result``, a staged file per answer, written
+wherever the task runs); the flow process, the store's one writer, moves staged answers into
+the tables (:class:`ExtractionWriter`) while it waits, when a task returns, and at the start of
+the next build for what a killed one left. So a build killed after N answers resumes asking only
+for the rest, and no other cache (Prefect's) stands between a failed answer and its retry.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow.compute as pc
 
 from schemas.keys import CODE_VERSION
 from schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow
 from storage.store import Store
-from storage.tables import append_rows, read_rows
-from tasks.extractors.base import CallRecord, ExtractionRequest, ExtractionResult, Extractor
+from storage.tables import append_rows, read_files, read_rows, stage_rows, staged_files
+from tasks.extractors.base import (
+    CallRecord,
+    ExtractionRequest,
+    ExtractionResult,
+    Extractor,
+    ResultFn,
+)
 
 
 @dataclass
@@ -31,6 +44,16 @@ class ExtractCounts:
     tokens_in: int = 0
     tokens_out: int = 0
     cost_usd: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)  # failure reason -> failed answers
+
+    def failure_line(self) -> str | None:
+        """One line on what failed (the commonest reason), or None if nothing did."""
+        if not self.failed:
+            return None
+        reason = max(self.errors, key=lambda e: self.errors[e]) if self.errors else "unknown"
+        if len(reason) > 160:
+            reason = reason[:157] + "..."
+        return f"{self.failed} of {self.requested} chunk texts could not be extracted ({reason})"
 
 
 def answered_ok(store: Store, extractor_fp: str) -> dict[str, ExtractionRow]:
@@ -127,48 +150,96 @@ def run_extraction(
     extractor: Extractor,
     requests: Sequence[ExtractionRequest],
     run_id: str,
-    progress: Callable[[int], None] | None = None,
+    on_result: ResultFn | None = None,
 ) -> ExtractBatch:
-    """Ask the extractor about one batch of requests; write nothing."""
-    results = extractor.extract(requests, progress)
+    """Ask the extractor about one batch of requests; write nothing (``on_result`` may)."""
+    results = extractor.extract(requests, on_result)
     return ExtractBatch(*result_rows(results, extractor, run_id))
 
 
-def publish_extraction(
-    store: Store, batch: ExtractBatch, run_id: str, counts: ExtractCounts
-) -> None:
-    """Append a batch's ledger rows, then its answers (the writer of the store calls this).
+def stage_result(store: Store, extractor: Extractor, run_id: str, result: ExtractionResult) -> None:
+    """Put one finished result on disk at once, wherever it was computed: its ledger rows, then
+    its answer, as staged files (``storage.tables.stage_rows``) that :class:`ExtractionWriter`
+    moves into the tables. A build killed after this loses nothing it paid for."""
+    answers, calls = result_rows([result], extractor, run_id)
+    stage_rows(store, calls, run_id, "extract-calls")
+    stage_rows(store, answers, run_id, "extract")
 
-    A batch computed by an earlier run (a Prefect cache hit) may already be in the tables, if
-    that run got to write it: rows already there (same call_id; same text_hash and run_id) are
-    not written twice. ``counts`` gets the batch's answers and the calls made by ``run_id``.
+
+def _answer_key(row: ExtractionRow) -> tuple[str, str, str]:
+    return (row.text_hash, row.extractor_fp, row.run_id)
+
+
+def _call_key(row: ExtractionCallRow) -> str:
+    return row.call_id
+
+
+class ExtractionWriter:
+    """The store writer's side of the stage: moves answers and ledger rows into the tables,
+    each exactly once, and counts this run's.
+
+    Rows arrive twice: staged, one file per result as it finished (``stage_result``, run by the
+    task wherever it runs; also what a killed build left), and in the batches the tasks return
+    (the fallback if staging failed). :meth:`flush` appends what is new (an answer is
+    ``(text_hash, extractor_fp, run_id)``, a ledger row its ``call_id``; rows of another run are
+    checked against the tables, since a build killed between appending and removing its staged
+    files leaves both) as one file per table, then removes the staged files it read.
     """
-    answers, calls = batch.answers, batch.calls
-    earlier = sorted(({r.run_id for r in answers} | {c.run_id for c in calls}) - {run_id})
-    if earlier:
-        in_earlier = pc.field("run_id").isin(earlier)
-        have_calls = {c.call_id for c in read_rows(store, ExtractionCallRow, filter=in_earlier)}
-        have = {(a.text_hash, a.run_id) for a in read_rows(store, ExtractionRow, filter=in_earlier)}
-        calls = [c for c in calls if c.call_id not in have_calls]
-        answers = [a for a in answers if (a.text_hash, a.run_id) not in have]
-    append_rows(store, calls, run_id, "extract-calls")
-    append_rows(store, answers, run_id, "extract")
-    mine = [c for c in batch.calls if c.run_id == run_id]
-    counts.ok += sum(a.status == "ok" for a in batch.answers)
-    counts.failed += sum(a.status != "ok" for a in batch.answers)
-    counts.calls += len(mine)
-    counts.tokens_in += sum(c.tokens_in for c in mine)
-    counts.tokens_out += sum(c.tokens_out for c in mine)
-    counts.cost_usd += sum(c.cost_usd for c in mine)
 
+    def __init__(self, store: Store, run_id: str, counts: ExtractCounts) -> None:
+        self.store, self.run_id, self.counts = store, run_id, counts
+        self._written: dict[type, set[Any]] = {ExtractionRow: set(), ExtractionCallRow: set()}
+        self._own_answers = 0
 
-def extract_requests(
-    store: Store,
-    extractor: Extractor,
-    requests: Sequence[ExtractionRequest],
-    run_id: str,
-    counts: ExtractCounts,
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Run one batch of requests and append its answers and ledger rows (both, or neither)."""
-    publish_extraction(store, run_extraction(extractor, requests, run_id, progress), run_id, counts)
+    def answered(self) -> int:
+        """This run's answers so far (ok or failed): written, or staged and not yet moved."""
+        return self._own_answers + len(staged_files(self.store, ExtractionRow, self.run_id))
+
+    def flush(self, batch: ExtractBatch | None = None) -> int:
+        """Move the staged rows of every run and ``batch``'s rows into the tables; return how
+        many answers were written."""
+        call_files = staged_files(self.store, ExtractionCallRow)
+        answer_files = staged_files(self.store, ExtractionRow)
+        calls = read_files(self.store, ExtractionCallRow, call_files)
+        answers = read_files(self.store, ExtractionRow, answer_files)
+        if batch is not None:
+            calls += batch.calls
+            answers += batch.answers
+        calls = self._unwritten(ExtractionCallRow, calls, _call_key)
+        answers = self._unwritten(ExtractionRow, answers, _answer_key)
+        append_rows(self.store, calls, self.run_id, "extract-calls")
+        append_rows(self.store, answers, self.run_id, "extract")
+        for path in call_files + answer_files:
+            self.store.remove(path)
+        self._count(
+            [a for a in answers if a.run_id == self.run_id],
+            [c for c in calls if c.run_id == self.run_id],
+        )
+        return len(answers)
+
+    def _unwritten(self, record: type, rows: list[Any], key: Callable[[Any], Any]) -> list[Any]:
+        written = self._written[record]
+        others = sorted({r.run_id for r in rows} - {self.run_id})
+        if others:
+            in_tables = read_rows(self.store, record, filter=pc.field("run_id").isin(others))
+            written |= {key(r) for r in in_tables}
+        fresh = []
+        for row in rows:
+            if key(row) not in written:
+                written.add(key(row))
+                fresh.append(row)
+        return fresh
+
+    def _count(self, answers: list[ExtractionRow], calls: list[ExtractionCallRow]) -> None:
+        counts = self.counts
+        self._own_answers += len(answers)
+        counts.ok += sum(a.status == "ok" for a in answers)
+        for a in answers:
+            if a.status != "ok":
+                counts.failed += 1
+                reason = a.error or "no reason given"
+                counts.errors[reason] = counts.errors.get(reason, 0) + 1
+        counts.calls += len(calls)
+        counts.tokens_in += sum(c.tokens_in for c in calls)
+        counts.tokens_out += sum(c.tokens_out for c in calls)
+        counts.cost_usd += sum(c.cost_usd for c in calls)

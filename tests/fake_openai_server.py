@@ -18,6 +18,9 @@ Failure injection, per test:
   JSON) consumed by the next chat requests (optionally only those whose passage contains a
   string);
 - :attr:`FakeOpenAI.reject_formats`: ``response_format`` types answered with a 400;
+- :attr:`FakeOpenAI.hold_after` ``= n``: every chat request after the first ``n`` waits, unanswered,
+  until :meth:`FakeOpenAI.release` (or the server stops): a client killed while waiting got
+  exactly ``n`` answers;
 - :meth:`FakeOpenAI.plan_batch` queues a :class:`BatchPlan` per created batch: the statuses shown
   on successive polls, the final status (completed, failed, expired with partial output,
   cancelled), shuffled output order, malformed or failing lines.
@@ -141,6 +144,9 @@ class FakeOpenAI:
         self.fixed_usage: tuple[int, int] | None = None
         self.in_flight = 0
         self.max_in_flight = 0
+        self.hold_after: int | None = None  # chat requests after this many wait for release()
+        self._released = threading.Event()
+        self._chat_seen = 0
         self.files: dict[str, dict[str, Any]] = {}
         self.batches: dict[str, dict[str, Any]] = {}
         self._chat_scripts: list[tuple[str | None, deque[Action]]] = []
@@ -194,6 +200,10 @@ class FakeOpenAI:
         """Queue actions for the next chat requests (whose passage contains ``match``)."""
         with self._lock:
             self._chat_scripts.append((match, deque(actions)))
+
+    def release(self) -> None:
+        """Let the chat requests held by :attr:`hold_after` go on (and any later ones)."""
+        self._released.set()
 
     def plan_batch(self, *plans: BatchPlan) -> None:
         """Queue the behaviour of the next created batches (default: a normal completion)."""
@@ -277,7 +287,11 @@ class FakeOpenAI:
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self._chat_seen += 1
+            held = self.hold_after is not None and self._chat_seen > self.hold_after
         try:
+            while held and not (self._released.is_set() or self._stop.is_set()):
+                self._released.wait(0.05)
             if self.latency_s:
                 self._stop.wait(self.latency_s)
             messages = body.get("messages") or []

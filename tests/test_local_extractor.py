@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from store_fixtures import TINY_DIMS
 
-from tasks.extractors.base import ExtractionRequest
+from tasks.extractors.base import ExtractionRequest, ExtractionResult
 from tasks.extractors.local import (
     BOUNDARIES,
     LocalConstrainedExtractor,
@@ -229,12 +229,12 @@ def test_one_bad_passage_fails_alone(random_llama) -> None:
 
     texts = [PASSAGES[0], "BAD passage here, with words.", PASSAGES[1]]
     reqs = [ExtractionRequest(f"k{i}", t) for i, t in enumerate(texts)]
-    done: list[int] = []
-    results = Flaky(random_llama, batch_size=4).extract(reqs, progress=done.append)
+    done: list[ExtractionResult] = []
+    results = Flaky(random_llama, batch_size=4).extract(reqs, on_result=done.append)
     assert [r.status for r in results] == ["ok", "failed", "ok"]
     assert "boom" in (results[1].error or "") and results[1].calls[0].status == "error"
     assert results[0].candidates and results[2].candidates
-    assert sum(done) == 3
+    assert sorted(r.key for r in done) == ["k0", "k1", "k2"]
 
 
 # ---------------------------------------------------------------------------------------------

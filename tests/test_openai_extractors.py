@@ -77,21 +77,23 @@ def _statuses(result: ExtractionResult) -> list[str]:
 def test_chat_happy_path(fake: FakeOpenAI, client: openai.OpenAI) -> None:
     reqs = _requests()
     reqs.append(reqs[1])  # the same text twice: asked once, answered twice
-    seen: list[int] = []
+    seen: list[ExtractionResult] = []
     lock = threading.Lock()
 
-    def progress(n: int) -> None:
+    def on_result(result: ExtractionResult) -> None:
         with lock:
-            seen.append(n)
+            seen.append(result)
 
     ex = _chat(client, concurrency=4)
-    results = ex.extract(reqs, progress)
+    results = ex.extract(reqs, on_result)
 
     assert [r.key for r in results] == [r.key for r in reqs]
     assert all(r.status == "ok" and r.error is None for r in results)
     for req, res in zip(reqs, results, strict=True):
         assert res.candidates == _expected(req.text)
-    assert sum(seen) == len(reqs)
+    # Once per distinct text, as it finished, with its ledger.
+    assert sorted(r.key for r in seen) == sorted(r.key for r in reqs[: len(TEXTS)])
+    assert all(len(r.calls) == 1 and r.status == "ok" for r in seen)
     assert len(fake.chat_requests()) == len(TEXTS)  # the duplicate was not asked again
     assert results[-1].calls == [] and len(results[1].calls) == 1
     for res in results[: len(TEXTS)]:
@@ -284,7 +286,7 @@ def test_batch_happy_path_over_several_polls(
     caplog.set_level(logging.INFO, logger="tasks.extractors.openai_batch")
     fake.fixed_usage = (1000, 200)
     reqs = _requests()
-    seen: list[int] = []
+    seen: list[ExtractionResult] = []
     ex = _batch(client)
     results = ex.extract(reqs, seen.append)
 
@@ -296,7 +298,9 @@ def test_batch_happy_path_over_several_polls(
         assert call.status == "ok" and call.attempt == 1
         assert call.custom_id == custom_id_for(req.key, 1) and call.batch_id
         assert call.cost_usd == pytest.approx(1000 * 0.075e-6 + 200 * 0.30e-6)
-    assert sum(seen) == len(reqs)
+    # Once per distinct text, as it finished, with its ledger.
+    assert sorted(r.key for r in seen) == sorted(r.key for r in reqs[: len(TEXTS)])
+    assert all(len(r.calls) == 1 and r.status == "ok" for r in seen)
     assert len(fake.received("POST", "/v1/files")) == 1
     assert len(fake.received("POST", "/v1/batches")) == 1
     assert len(fake.received("GET", "/v1/batches/")) >= 3

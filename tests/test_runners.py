@@ -112,6 +112,7 @@ def test_dask_local_cluster_builds_the_same_assets(tmp_path, corpus, default_bui
     # Nothing left half-published: every shard folder is in the manifest, no staged leftovers.
     (kv_dir,) = (store / "kv").iterdir()
     assert KvStore.open(Store.at(store), kv_dir.name).garbage() == []
+    assert not list((store / "staging").rglob("*.parquet"))  # answers staged by workers moved in
     again = build_flow(str(corpus), str(store), SETTINGS | {"runner": "dask", "workers": 2})
     assert again["kv_computed"] == 0 and again["embedded"] == 0 and again["extract_requested"] == 0
 

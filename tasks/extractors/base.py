@@ -9,10 +9,14 @@ hands only the rest to :meth:`Extractor.extract`. Backends: ``openai`` (chat com
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,35 @@ class ExtractionResult:
     calls: list[CallRecord] = field(default_factory=list)
 
 
-ProgressFn = Callable[[int], None]  # called with the number of requests just finished
+ResultFn = Callable[[ExtractionResult], None]
+"""Called with each finished result (candidates or failure, with its ledger), as it finishes."""
+
+
+class ResultReporter:
+    """Hands each key's final result to a :data:`ResultFn` once, from any thread.
+
+    A failing callback is logged, never raised: the result still comes back from
+    :meth:`Extractor.extract`, so a callback (e.g. one persisting answers early) cannot lose it.
+    """
+
+    def __init__(self, on_result: ResultFn | None) -> None:
+        self._on_result = on_result
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, result: ExtractionResult) -> None:
+        if self._on_result is None:
+            return
+        with self._lock:
+            if result.key in self._seen:
+                return
+            self._seen.add(result.key)
+            try:
+                self._on_result(result)
+            except Exception as exc:  # noqa: BLE001 - the result is returned anyway
+                log.warning(
+                    "result callback failed for %s: %s: %s", result.key, type(exc).__name__, exc
+                )
 
 
 class Extractor(Protocol):
@@ -68,7 +100,10 @@ class Extractor(Protocol):
         ...
 
     def extract(
-        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+        self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
     ) -> list[ExtractionResult]:
-        """One result per request, in the same order. Must not raise for one bad chunk."""
+        """One result per request, in the same order. Must not raise for one bad chunk.
+
+        ``on_result(result)``: once per distinct key, as soon as its result is final (its
+        ledger complete), from any thread (wrap it in :class:`ResultReporter`)."""
         ...

@@ -55,7 +55,8 @@ from tasks.extractors.base import (
     CallRecord,
     ExtractionRequest,
     ExtractionResult,
-    ProgressFn,
+    ResultFn,
+    ResultReporter,
 )
 from tasks.extractors.rules import WordSpans, segment_words
 
@@ -669,7 +670,7 @@ class LocalConstrainedExtractor:
         return machines, [len(p) for p in prompts], time.perf_counter() - t0
 
     def extract(
-        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+        self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
     ) -> list[ExtractionResult]:
         """One result per request, in order. Passages are batched by similar length.
 
@@ -679,6 +680,7 @@ class LocalConstrainedExtractor:
         if requests:
             self.loaded  # noqa: B018 - load (or fail) once, before any chunk is attempted
         results: dict[int, ExtractionResult] = {}
+        report = ResultReporter(on_result)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].text))
         for b in range(0, len(order), self.batch_size):
             idx = order[b : b + self.batch_size]
@@ -701,8 +703,8 @@ class LocalConstrainedExtractor:
                         [req.text[s:e] for s, e in m.char_spans()],
                         calls=[self._record(req, started, p_len, m.n_generated, wall / len(idx))],
                     )
-            if progress is not None:
-                progress(len(idx))
+            for i in idx:
+                report(results[i])
         return [results[i] for i in range(len(requests))]
 
     def _one(self, req: ExtractionRequest) -> ExtractionResult:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas.keys import fingerprint
-from tasks.extractors.base import ExtractionRequest, ExtractionResult, ProgressFn
+from tasks.extractors.base import ExtractionRequest, ExtractionResult, ResultFn, ResultReporter
 
 
 class NoExtractor:
@@ -24,10 +24,11 @@ class NoExtractor:
         return fingerprint("extractor", {"backend": self.backend})
 
     def extract(
-        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+        self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
     ) -> list[ExtractionResult]:
         """One empty ``ok`` result per request, in order."""
         results = [ExtractionResult(req.key, "ok") for req in requests]
-        if progress is not None and results:
-            progress(len(results))
+        report = ResultReporter(on_result)
+        for result in results:
+            report(result)
         return results

@@ -45,7 +45,13 @@ from typing import Any, TypeVar
 import openai
 
 from schemas.keys import sha256_hex
-from tasks.extractors.base import CallRecord, ExtractionRequest, ExtractionResult, ProgressFn
+from tasks.extractors.base import (
+    CallRecord,
+    ExtractionRequest,
+    ExtractionResult,
+    ResultFn,
+    ResultReporter,
+)
 from tasks.extractors.openai_chat import (
     MODE_JSON_SCHEMA,
     MODE_PROMPT,
@@ -199,9 +205,11 @@ class OpenAIBatchExtractor:
     # ----------------------------------------------------------------------- the run
 
     def extract(
-        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+        self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
     ) -> list[ExtractionResult]:
-        """One result per request, in order; ``progress(n)`` as requests finish."""
+        """One result per request, in order; ``on_result(result)`` for each key as soon as it
+        is settled: the ok answers of a batch when its output is collected, the leftovers after
+        the last round."""
         if not requests:
             return []
         unique, where = group_requests(requests)
@@ -209,13 +217,12 @@ class OpenAIBatchExtractor:
         calls: dict[str, list[CallRecord]] = {key: [] for key in unique}
         last_error: dict[str, str] = {}
         done: dict[str, ExtractionResult] = {}
+        report = ResultReporter(on_result)
 
         def finished(keys: list[str]) -> None:
-            if progress is not None and keys:
-                try:
-                    progress(sum(len(where[k]) for k in keys))
-                except Exception as exc:
-                    log.warning("progress callback failed: %s", describe_error(exc))
+            for key in keys:  # a settled key gets no more calls: its ledger is complete
+                done[key].calls = list(calls[key])
+                report(done[key])
 
         recorded = [
             job for job in self._load_state() if any(k in unique for k in job.custom_ids.values())
@@ -265,8 +272,6 @@ class OpenAIBatchExtractor:
             )
             log.warning("%s failed: %s", key, done[key].error)
         finished(leftovers)
-        for key, result in done.items():
-            result.calls = calls[key]
         return spread_results(len(requests), where, done)
 
     # ----------------------------------------------------------------------- submitting

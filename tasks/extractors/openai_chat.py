@@ -40,7 +40,13 @@ from typing import Any
 import openai
 
 from schemas.keys import fingerprint as _fingerprint
-from tasks.extractors.base import CallRecord, ExtractionRequest, ExtractionResult, ProgressFn
+from tasks.extractors.base import (
+    CallRecord,
+    ExtractionRequest,
+    ExtractionResult,
+    ResultFn,
+    ResultReporter,
+)
 from tasks.extractors.pricing import call_cost
 from tasks.extractors.prompt import (
     PROMPT_VERSION,
@@ -320,14 +326,14 @@ class OpenAIChatExtractor:
             return self._mode
 
     def extract(
-        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+        self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
     ) -> list[ExtractionResult]:
-        """One result per request, in order; ``progress(n)`` as requests finish."""
+        """One result per request, in order; ``on_result(result)`` as each key finishes."""
         if not requests:
             return []
         self._fatal = None
         unique, where = group_requests(requests)
-        progress_lock = threading.Lock()
+        report = ResultReporter(on_result)
 
         def run(req: ExtractionRequest) -> ExtractionResult:
             try:
@@ -336,12 +342,7 @@ class OpenAIChatExtractor:
                 msg = describe_error(exc, self._secrets)
                 log.error("extraction of %s crashed: %s", req.key, msg)
                 result = ExtractionResult(key=req.key, status="failed", error=msg)
-            if progress is not None:
-                with progress_lock:
-                    try:
-                        progress(len(where[req.key]))
-                    except Exception as exc:
-                        log.warning("progress callback failed: %s", describe_error(exc))
+            report(result)
             return result
 
         workers = min(self.concurrency, len(unique))

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from schemas.keys import fingerprint
-from tasks.extractors.base import ExtractionRequest, ExtractionResult, ProgressFn
+from tasks.extractors.base import ExtractionRequest, ExtractionResult, ResultFn, ResultReporter
 
 RULES_VERSION = "rules-v1"
 
@@ -242,10 +242,11 @@ class RulesExtractor:
         return [text[s:e] for s, e in self.char_spans(text)]
 
     def extract(
-        self, requests: Sequence[ExtractionRequest], progress: ProgressFn | None = None
+        self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
     ) -> list[ExtractionResult]:
         """One result per request, in order; a failure on one text is recorded, not raised."""
         results = []
+        report = ResultReporter(on_result)
         for req in requests:
             try:
                 results.append(ExtractionResult(req.key, "ok", self.spans(req.text)))
@@ -253,8 +254,7 @@ class RulesExtractor:
                 results.append(
                     ExtractionResult(req.key, "failed", error=f"{type(exc).__name__}: {exc}")
                 )
-            if progress is not None:
-                progress(1)
+            report(results[-1])
         return results
 
 
