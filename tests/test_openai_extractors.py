@@ -360,8 +360,20 @@ def test_batch_expired_keeps_partial_output_and_resubmits_the_rest(
 ) -> None:
     fake.plan_batch(BatchPlan(final="expired", processed_fraction=0.5))
     reqs = _requests(TEXTS[:4])
-    results = _batch(client).extract(reqs)
+    reported: list[tuple[str, int, list[str]]] = []  # (key, uploads so far, its ledger)
+
+    def on_result(result: ExtractionResult) -> None:
+        reported.append((result.key, len(fake.uploaded_lines()), _statuses(result)))
+
+    results = _batch(client).extract(reqs, on_result)
     assert len(results) == 4 and all(r.status == "ok" for r in results)
+    # The answers of the expired batch are handed over (to be persisted) before round 2 starts.
+    assert reported == [
+        (reqs[0].key, 1, ["ok"]),
+        (reqs[1].key, 1, ["ok"]),
+        (reqs[2].key, 2, ["expired", "ok"]),
+        (reqs[3].key, 2, ["expired", "ok"]),
+    ]
     assert [_statuses(r) for r in results] == [["ok"], ["ok"], ["expired", "ok"], ["expired", "ok"]]
     for req, res in zip(reqs, results, strict=True):
         assert res.candidates == _expected(req.text)
