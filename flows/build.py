@@ -87,7 +87,7 @@ def extract_task(
     """One batch, computed wherever the task runner puts it: each answer staged in the store as
     it arrives (a kill loses none), all of them returned; the flow writes the tables."""
     extractor = make_extractor(settings, str(store.prefect_dir))
-    staged = partial(stage_result, store, extractor, run_id)
+    staged = partial(stage_result, store, extractor, run_id) if extractor.stage_answers else None
     return run_extraction(extractor, requests, run_id, staged)
 
 

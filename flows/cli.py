@@ -586,13 +586,16 @@ def watch(
     interval: Annotated[float, typer.Option(help="Seconds between checks.")] = 30.0,
     once: Annotated[bool, typer.Option("--once", help="Check once and exit.")] = False,
 ) -> None:
-    """Emit `coinrag.source.changed` (Prefect event) when SOURCE holds documents STORE lacks
-    or STORE holds live documents SOURCE no longer has.
+    """Emit `coinrag.source.changed` (Prefect event) when SOURCE holds documents a build would
+    (re)build (new, edited, or deleted from STORE) or STORE holds live documents SOURCE no
+    longer has.
 
     A deployment served by `coinrag serve` for SOURCE rebuilds on that event (and drops the
-    removed documents when its settings have prune = true). Needs PREFECT_API_URL.
+    removed documents when its settings have prune = true). Needs PREFECT_API_URL; exits 1 when
+    the server does not confirm it received the event.
     """
     from infra.source_events import watch_source
+    from tasks.changes import deleted_doc_ids
     from tasks.ingest import SourceError
 
     source = str(SAMPLE) if source == "sample" else source
@@ -601,6 +604,12 @@ def watch(
 
     def report(ids: list[str], removed: list[str]) -> None:
         text = f"coinrag.source.changed: {len(ids)} document(s): {', '.join(ids[:10])}"
+        back = deleted_doc_ids(str(store), ids)
+        if back:
+            text += (
+                f" ({len(back)} deleted from the store but still in SOURCE: a build brings "
+                f"them back: {', '.join(back[:10])})"
+            )
         if removed:
             text += f"; {len(removed)} removed: {', '.join(removed[:10])}"
         console.print(text, soft_wrap=True, markup=False)

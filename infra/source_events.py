@@ -14,10 +14,14 @@ The build deployment of ``infra/build_deployment.py`` has a trigger on this even
 source's resource id, so a watcher (``coinrag watch``) makes the server start an incremental
 build (removed documents leave the store when the deployment's settings have ``prune = true``;
 otherwise the event only reports them). Only ids reach the event, never document text.
+"Changed" includes documents deleted from the store that the source still holds: a build
+brings them back (``tasks.changes``). An event is reported sent only once the server has
+confirmed it (:func:`emit_source_changed`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from hashlib import sha256
@@ -39,20 +43,31 @@ def source_resource_id(source: str) -> str:
     return "coinrag.source." + sha256(source_path(source).encode()).hexdigest()[:16]
 
 
+class EventNotDelivered(RuntimeError):
+    """The Prefect API did not confirm that it received an event (unreachable, refusing)."""
+
+
 def emit_source_changed(
     source: str, store: str, doc_ids: list[str], removed: list[str] | None = None
 ) -> Any:
-    """Emit ``coinrag.source.changed`` for changed ``doc_ids`` and ``removed`` ids; return the
-    Event (None if not sent).
+    """Send ``coinrag.source.changed`` for changed ``doc_ids`` and ``removed`` ids to the Prefect
+    API and wait until the server has it; return the Event.
 
-    Needs ``PREFECT_API_URL`` (events go to that server); raises ``RuntimeError`` without it.
+    Needs ``PREFECT_API_URL`` (``RuntimeError`` without it). Unlike ``prefect.events.emit_event``
+    (a background worker that logs and drops what it cannot send), this sends on its own
+    websocket and waits for the server's answer to a ping sent after the event (the events
+    client's checkpoint): :class:`EventNotDelivered` if the server cannot be reached or does
+    not answer.
     """
-    from prefect.events import emit_event
+    from prefect.events import Event
+    from prefect.events.clients import get_events_client
     from prefect.settings import PREFECT_API_URL
+    from prefect.utilities.asyncutils import run_coro_as_sync
 
-    if not PREFECT_API_URL.value():
+    api_url = PREFECT_API_URL.value()
+    if not api_url:
         raise RuntimeError("PREFECT_API_URL is not set: events need a running Prefect server")
-    return emit_event(
+    event = Event(
         event=SOURCE_CHANGED_EVENT,
         resource={
             "prefect.resource.id": source_resource_id(source),
@@ -67,6 +82,28 @@ def emit_source_changed(
         },
     )
 
+    async def deliver() -> None:
+        # checkpoint_every=1: emit() pings after sending and waits for the pong, so a return
+        # means the server read the event off the socket.
+        async with get_events_client(reconnection_attempts=2, checkpoint_every=1) as client:
+            await client.emit(event)
+
+    # Prefect's own warning says what ours says, less precisely: one line is enough.
+    client_log = logging.getLogger("prefect.events.clients")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)
+    try:
+        run_coro_as_sync(deliver())
+    except Exception as exc:  # noqa: BLE001 - any failure means: not delivered
+        raise EventNotDelivered(
+            f"could not deliver {SOURCE_CHANGED_EVENT} to the Prefect API at {api_url} "
+            f"({type(exc).__name__}: {exc}); is the server running (python "
+            "infra/prefect_server.py) and PREFECT_API_URL right?"
+        ) from exc
+    finally:
+        client_log.setLevel(level)
+    return event
+
 
 def watch_source(
     source: str,
@@ -80,10 +117,9 @@ def watch_source(
 
     The same delta is announced once (the build it triggers empties it); a different one is
     announced again. ``once``: check a single time and return ``(changed, removed)``. Runs
-    until interrupted otherwise.
+    until interrupted otherwise; raises :class:`EventNotDelivered` when the server does not
+    confirm an event (the caller says so and stops: nothing is announced that was not sent).
     """
-    from prefect.events.worker import EventsWorker
-
     from tasks.changes import source_delta
 
     announced: tuple[list[str], list[str]] = ([], [])
@@ -91,7 +127,6 @@ def watch_source(
         changed, removed = delta = source_delta(source, store)
         if (changed or removed) and delta != announced:
             emit_source_changed(source, store, changed, removed)
-            EventsWorker.drain_all()
             if report:
                 report(changed, removed)
         announced = delta

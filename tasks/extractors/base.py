@@ -93,6 +93,9 @@ class Extractor(Protocol):
     backend: str  # openai | openai-batch | local | rules | none
     llm_model: str
     prompt_version: str  # version of the prompt (or rules) in the fingerprint; "" for none
+    # An answer costs money or model time: the build stages each one as it arrives, so that a
+    # kill loses none (False: answers are recomputed in milliseconds, staging would cost more).
+    stage_answers: bool
 
     @property
     def fingerprint(self) -> str:

@@ -536,6 +536,7 @@ class LocalConstrainedExtractor:
     """
 
     backend = "local"
+    stage_answers = True
     prompt_version = LOCAL_PROMPT_VERSION
 
     def __init__(

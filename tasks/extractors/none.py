@@ -16,6 +16,7 @@ class NoExtractor:
     """Returns ``ok`` with an empty candidate list for every request."""
 
     backend = "none"
+    stage_answers = False
     llm_model = "none"
     prompt_version = ""
 

@@ -142,6 +142,7 @@ class OpenAIBatchExtractor:
     """Extract nuggets with the Batch API; resubmits what fails; resumable via ``state_path``."""
 
     backend = "openai-batch"
+    stage_answers = True
     prompt_version = PROMPT_VERSION
 
     def __init__(

@@ -271,6 +271,7 @@ class OpenAIChatExtractor:
     """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
 
     backend = "openai"
+    stage_answers = True
     prompt_version = PROMPT_VERSION
 
     def __init__(

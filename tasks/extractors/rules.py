@@ -163,6 +163,7 @@ class RulesExtractor:
     """
 
     backend = "rules"
+    stage_answers = False
     llm_model = "none"
     prompt_version = RULES_VERSION  # the segmentation rules stand where a prompt would
 
