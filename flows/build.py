@@ -261,7 +261,9 @@ class StageClock:
 
 @flow(name="coinrag-build")
 def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Build (or update) STORE from SOURCE; return the summary counts."""
+    """Build (or update) STORE from SOURCE; return the summary counts, with ``rejected`` (the
+    rejected records) and ``failures`` (one line per kind of work that failed and that the next
+    build retries, e.g. chunk texts the extractor could not answer; empty when all was built)."""
     s = BuildSettings(**(settings or {})).validate()
     st = Store.at(store).init()
     run_id = new_run_id("build")
