@@ -431,3 +431,32 @@ def test_kv_slices_from_s3_are_the_written_tensors(s3, encoder):
     with pytest.raises(CorruptKvEntry):
         for chunk, _ in entries[:3]:
             fresh.read_slices([(chunk.content_key, 0, chunk.n_tokens)])
+
+
+def test_staged_answers_move_into_an_object_store_table_once(s3) -> None:
+    """LLM answers staged one object each (as a worker writes them) are moved into the table by
+    the writer, each once, and the staged objects removed; a second writer (the next build) finds
+    nothing left to move."""
+    from datetime import UTC, datetime
+
+    from schemas.tables import ExtractionCallRow, ExtractionRow
+    from storage.tables import staged_files
+    from tasks.extract import ExtractCounts, ExtractionWriter, stage_result
+    from tasks.extractors.base import CallRecord, ExtractionResult
+    from tasks.extractors.rules import RulesExtractor
+
+    st = Store.at(f"s3://{BUCKET}/staging-test")
+    run_id = "build-20260101T000000-staging"
+    for i in range(3):
+        call = CallRecord(f"call-{i}", f"th-{i}", 1, "ok", 10, 5, 0.001, 12.0, datetime.now(UTC))
+        result = ExtractionResult(f"th-{i}", "ok", [f"nugget {i}"], calls=[call])
+        stage_result(st, RulesExtractor(), run_id, result)
+    assert len(staged_files(st, ExtractionRow, run_id)) == 3
+    counts = ExtractCounts(requested=3)
+    writer = ExtractionWriter(st, run_id, counts)
+    assert writer.answered() == 3
+    assert writer.flush() == 3 and counts.ok == 3 and counts.calls == 3
+    assert staged_files(st, ExtractionRow) == [] and staged_files(st, ExtractionCallRow) == []
+    assert sorted(r.text_hash for r in read_rows(st, ExtractionRow)) == ["th-0", "th-1", "th-2"]
+    assert len(read_rows(st, ExtractionCallRow)) == 3
+    assert ExtractionWriter(st, "build-next", ExtractCounts()).flush() == 0
