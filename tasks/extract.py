@@ -5,11 +5,12 @@ answered ``ok`` by this extractor (same LLM, prompt version, decoding settings) 
 again, in this build or any later one. Failed answers are recorded as ``failed`` (with the error)
 and retried by the next build. Every call is ledgered in ``extraction_calls``.
 
-Each answer is on disk as soon as it arrives (``stage_result``, a staged file per answer, written
-wherever the task runs); the flow process, the store's one writer, moves staged answers into
-the tables (:class:`ExtractionWriter`) while it waits, when a task returns, and at the start of
-the next build for what a killed one left. So a build killed after N answers resumes asking only
-for the rest, and no other cache (Prefect's) stands between a failed answer and its retry.
+Each answer of an extractor with ``stage_answers`` (LLM endpoints, local models) is on disk as
+soon as it arrives (``stage_result``, a staged file per answer, written wherever the task runs);
+the flow process, the store's one writer, counts them while it waits (progress) and moves them
+into the tables (:class:`ExtractionWriter`) when a task returns, and at the start of the next
+build for what a killed one left. So a build killed after N answers resumes asking only for the
+rest, and no other cache (Prefect's) stands between a failed answer and its retry.
 """
 
 from __future__ import annotations
