@@ -206,3 +206,48 @@ def test_progress_lines_are_rate_limited_with_percent_and_eta() -> None:
     assert lines[1] == "extract: 5/50 chunk texts (10%), 1.50 s each, about 68 s left"
     assert lines[-1] == "extract: 50/50 chunk texts (100%), 1.50 s each, done in 75 s"
     assert len(lines) == 1 + 50 * 1.5 // 6 + 1  # one every 4 updates (6 s), the first, the last
+
+
+@pytest.mark.slow
+def test_dask_workers_stage_answers_the_flow_writes_once(
+    tmp_path, sample_corpus, monkeypatch
+) -> None:
+    """Item 13 on a distributed runner: the answers are staged by the Dask workers as they
+    arrive (seen on disk while the endpoint holds the next request), and the flow process alone
+    writes them into the tables, each once."""
+    import threading
+
+    from flows.build import build_flow
+
+    src, store = _corpus(tmp_path, sample_corpus), tmp_path / "store"
+    settings = {"extractor": "openai", "chunk_size": 64, "kv": False, "index": False}
+    settings |= {"runner": "dask", "workers": 2, "extract_batch_size": 3, "concurrency": 1}
+    staged_dir = store / "staging" / "extractions"
+    with FakeOpenAI(api_key=API_KEY) as fake:
+        monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        make_extractor.cache_clear()
+        fake.hold_after = 2
+        done: dict = {}
+        build = threading.Thread(
+            target=lambda: done.update(build_flow(str(src), str(store), settings))
+        )
+        build.start()
+        try:
+            deadline = time.monotonic() + 240
+            while len(list(staged_dir.glob("*.parquet"))) < 2:  # staged by a worker, held
+                assert build.is_alive() and time.monotonic() < deadline
+                time.sleep(0.2)
+            assert not read_rows(Store.at(store), ExtractionRow)  # not in the table yet
+        finally:
+            fake.release()
+            build.join(300)
+        make_extractor.cache_clear()
+        n = _texts(store)
+        assert done["extract_ok"] == n == len(fake.chat_requests())
+    st = Store.at(store)
+    answers = read_rows(st, ExtractionRow)
+    assert len(answers) == len({a.text_hash for a in answers}) == n
+    calls = read_rows(st, ExtractionCallRow)
+    assert len(calls) == len({c.call_id for c in calls}) == n
+    assert not list((store / "staging").rglob("*.parquet"))
