@@ -273,7 +273,7 @@ def _kv_all(
     problems = kv.get("problems", {})  # stored entries (or C_p) that failed their check
     logger = get_run_logger()
     for key, problem in list(problems.items())[:20]:
-        logger.warning("kv: rebuilding %s: %s", key, problem)
+        logger.warning("kv: %s failed its check, recomputed: %s", key, problem)
     if len(problems) > 20:
         logger.warning("kv: ... and %d more entries rebuilt", len(problems) - 20)
     return kv

@@ -170,10 +170,11 @@ def build(
 
     from flows.build import build_flow
     from storage.store import StoreLocked
+    from tasks.kv_space import KvSpaceError
 
     try:
         summary = build_flow(source=source, store=str(store), settings=settings.to_dict())
-    except (SourceError, StoreLocked) as exc:
+    except (SourceError, StoreLocked, KvSpaceError) as exc:
         _fail(str(exc), 1)
     _print_summary(summary)
     if summary["rejected"]:

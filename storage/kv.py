@@ -474,7 +474,7 @@ def _read_problem(exc: BaseException) -> str:
     """A failed read as a short reason (Zarr's checksum error quotes raw bytes: not in a
     message a user reads)."""
     if "checksum" in str(exc).lower():
-        return "read failed: a crc32c does not match (a block or the shard index)"
+        return "read failed: a crc32c does not match"
     return f"read failed: {exc}"
 
 

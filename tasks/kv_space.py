@@ -41,7 +41,7 @@ class KvSpaceError(RuntimeError):
     def __init__(self, estimate: KvSpaceEstimate, where: str) -> None:
         self.estimate = estimate
         e = estimate
-        keep = f" and keep kv_min_free_bytes {e.min_free_bytes:,}" if e.min_free_bytes else ""
+        keep = f" (kv_min_free_bytes keeps {e.min_free_bytes:,} free)" if e.min_free_bytes else ""
         super().__init__(
             f"not enough disk space for the KV cache: {e.entries:,} new chunk entries "
             f"({e.tokens:,} tokens x {e.token_bytes:,} bytes per token, {e.dtype}) project "
