@@ -190,6 +190,12 @@ def test_flipped_byte_query_says_which_chunk_and_build_repairs_it(built, tmp_pat
     assert victim.chunk_id in line and victim.doc_id in line and "corrupt" in line
     assert "block 0 fails its crc32c" in line
 
+    # `coinrag verify` finds the same entry without building anything.
+    checked = CliRunner().invoke(app, ["verify", "--store", str(store)])
+    assert checked.exit_code == 1
+    corrupt = [line for line in checked.output.splitlines() if line.startswith("corrupt:")]
+    assert len(corrupt) == 1 and victim.chunk_id in corrupt[0] and "crc32c" in corrupt[0]
+
     # The line says what to run: run exactly that (the store's last source and settings).
     command = line.split("`")[1].split()
     assert command[:2] == ["coinrag", "build"] and str(store) in command
@@ -204,6 +210,8 @@ def test_flipped_byte_query_says_which_chunk_and_build_repairs_it(built, tmp_pat
         assert torch.equal(repaired.read_entry(ck), original), ck  # bit for bit
     code, output = query(store, len(chunks))
     assert code == 0, output
+    checked = CliRunner().invoke(app, ["verify", "--store", str(store), "--level", "sha256"])
+    assert checked.exit_code == 0 and "0 corrupt" in checked.output, checked.output
 
 
 @pytest.mark.usefixtures("prefect_harness")
