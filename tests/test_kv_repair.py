@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import pytest
@@ -34,29 +34,54 @@ from storage.tables import read_rows
 DATA_FILE = "c/0/0/0/0/0/0"  # a shard array's one Zarr shard (the whole array)
 
 
-def shard_index(kv: KvStore, name: str) -> tuple[np.ndarray, Path]:
+def shard_index(kv: KvStore, name: str) -> tuple[np.ndarray, PurePath]:
     """A shard's index, read here per the Zarr v3 sharding spec: at the end of the data file,
     uint64 ``(offset, nbytes)`` per inner chunk in C order over the chunk grid, then a crc32c.
     Returns ``(slots, blocks, 2)`` and the data file's path."""
-    meta = json.loads((Path(kv.root) / name / "zarr.json").read_text())
+    meta = json.loads(kv.store.read_bytes(kv.root / name / "zarr.json"))
     shape = meta["shape"]  # (slots, layers, 2, kv_heads, width, head_dim)
     block = meta["codecs"][0]["configuration"]["chunk_shape"][4]
     slots, blocks = shape[0], shape[4] // block
-    path = Path(kv.root) / name / DATA_FILE
-    raw = path.read_bytes()[-(slots * blocks * 16 + 4) : -4]
+    path = kv.root / name / DATA_FILE
+    raw = kv.store.read_bytes(path)[-(slots * blocks * 16 + 4) : -4]
     return np.frombuffer(raw, dtype="<u8").reshape(slots, blocks, 2), path
 
 
-def flip(path: Path, offset: int) -> None:
-    with path.open("r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
+def flip(store: Store, path: PurePath, offset: int) -> None:
+    """Flip one bit of a file of the store (``offset`` < 0: from its end)."""
+    data = bytearray(store.read_bytes(path))
+    data[offset] ^= 0x01
+    store.write_bytes_atomic(path, bytes(data))
 
 
-@pytest.mark.parametrize("encoder", ["direct", "zarr"])
-def test_crc32c_check_finds_flipped_bytes_that_stat_misses(tmp_path: Path, encoder: str) -> None:
+@pytest.fixture(scope="module")
+def s3_root():
+    """A bucket on a moto S3 server on 127.0.0.1 (the AWS variables point at it)."""
+    from moto.server import ThreadedMotoServer
+
+    from storage.location import object_filesystem
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", "kv-repair-test")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "kv-repair-secret")
+        mp.setenv("AWS_REGION", "us-east-1")
+        mp.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        object_filesystem.cache_clear()
+        object_filesystem("s3").mkdir("kv-repair")
+        yield "s3://kv-repair"
+        object_filesystem.cache_clear()
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    "where, encoder", [("local", "direct"), ("local", "zarr"), ("s3", "direct")]
+)
+def test_crc32c_check_finds_flipped_bytes_that_stat_misses(
+    tmp_path: Path, request, where: str, encoder: str
+) -> None:
     lengths = [40, 40, 33, 40, 9]  # two shards of 3 and 2 slots; short entries are padded
     layout = KvLayout(
         model_fp="model-x",
@@ -68,7 +93,8 @@ def test_crc32c_check_finds_flipped_bytes_that_stat_misses(tmp_path: Path, encod
         block_tokens=8,
         slots_per_shard=3,
     )
-    store = Store.at(tmp_path / "store").init()
+    root = f"{request.getfixturevalue('s3_root')}/{encoder}" if where == "s3" else tmp_path
+    store = Store.at(root).init()
     kv = KvStore.create(store, layout, encoder=encoder)
     torch.manual_seed(0)
     entries = [
@@ -83,7 +109,7 @@ def test_crc32c_check_finds_flipped_bytes_that_stat_misses(tmp_path: Path, encod
     # A flipped byte inside block 2 of slot 1 (entry 1) of the first shard.
     first = parse_location(kv.manifest()[keys[1]].location)[1]
     index, path = shard_index(kv, first)
-    flip(path, int(index[1, 2, 0]) + 17)
+    flip(store, path, int(index[1, 2, 0]) + 17)
     fresh = KvStore.open(store, layout.kv_fp)
     assert fresh.entry_problems(keys, "stat") == {}  # same size: invisible to stat
     problems = fresh.entry_problems(keys, "crc32c")
@@ -94,7 +120,7 @@ def test_crc32c_check_finds_flipped_bytes_that_stat_misses(tmp_path: Path, encod
     # A flipped byte in the second shard's index: both of its entries are bad.
     second = parse_location(kv.manifest()[keys[3]].location)[1]
     _, path = shard_index(kv, second)
-    flip(path, path.stat().st_size - 10)
+    flip(store, path, -10)
     fresh = KvStore.open(store, layout.kv_fp)
     problems = fresh.entry_problems(keys, "crc32c")
     assert set(problems) == {keys[1], keys[3], keys[4]}
@@ -182,7 +208,7 @@ def test_flipped_byte_query_says_which_chunk_and_build_repairs_it(built, tmp_pat
     victim = chunks[0]
     row = kv.manifest()[victim.content_key]
     index, path = shard_index(kv, parse_location(row.location)[1])
-    flip(path, int(index[parse_location(row.location)[2], 0, 0]) + 100)
+    flip(st, path, int(index[parse_location(row.location)[2], 0, 0]) + 100)
 
     code, output = query(store, len(chunks))
     line = one_error_line(output)
@@ -225,7 +251,7 @@ def test_truncated_shard_and_corrupt_prefix_are_rebuilt(built, tmp_path):
     os.truncate(data, data.stat().st_size - 1000)
     prefix_dir = Path(kv.root) / "prefix"
     (prefix_file,) = (p for p in prefix_dir.rglob("*") if p.is_file() and p.name != "zarr.json")
-    flip(prefix_file, 40)
+    flip(st, prefix_file, 40)
 
     n_chunks = len(read_rows(st, ChunkRow))
     code, output = query(store, n_chunks)
