@@ -210,10 +210,15 @@ class RagEngine:
             except MissingKvEntry as exc:
                 raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
             except CorruptKvEntry as exc:
-                e = next(e for e in retrieval.evidence if e.content_key == exc.content_key)
-                raise CorruptAssets(
-                    self.store, f"chunk {e.chunk_id} (document {e.doc_id})", exc
-                ) from exc
+                what = next(
+                    (
+                        f"chunk {e.chunk_id} (document {e.doc_id})"
+                        for e in retrieval.evidence
+                        if e.content_key == exc.content_key
+                    ),
+                    f"entry {exc.content_key}",
+                )
+                raise CorruptAssets(self.store, what, exc) from exc
             t1 = time.perf_counter()
             manifest = self.kv.manifest()
             slices = [

@@ -409,9 +409,8 @@ def repair_prefix_kv(
     kv: KvStore, counts: KvCounts, compute: Callable[[], torch.Tensor], prefix_ids: Sequence[int]
 ) -> bool:
     """Recompute (``compute()``: ``C_p`` of ``prefix_ids``) and replace a stored ``C_p`` that
-    fails its check.
-    True when every stored entry must be rebuilt: the recomputed ``C_p`` is not bit for bit the
-    one they were computed against. Sets ``counts.prefix_repaired``."""
+    fails its check. True when every stored entry must be rebuilt: the recomputed ``C_p`` is
+    not bit for bit the one they were computed against. Sets ``counts.prefix_repaired``."""
     problem = kv.corrupt_prefix()
     if problem is None:
         return False
