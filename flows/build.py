@@ -96,6 +96,21 @@ def recover_task(store: Store, chunks: list, extractor_fp: str, tau: float, run_
     return recover_stage(store, chunks, answered_ok(store, extractor_fp), extractor_fp, tau, run_id)
 
 
+@task(name="kv-space", cache_policy=NO_CACHE)
+def kv_space_task(store: Store, chunks: list, settings: BuildSettings) -> None:
+    """Refuse the build (``tasks.kv_space.KvSpaceError``) before extraction when the KV it
+    would add does not fit on the store's file system."""
+    from tasks.kv_space import check_kv_space
+
+    estimate = check_kv_space(store, chunks, settings, load_tokenizer(settings.model))
+    get_run_logger().info(
+        "kv: %d new entries, %d bytes projected, %s bytes free",
+        estimate.entries,
+        estimate.projected_bytes,
+        "not checked (object store)" if estimate.free_bytes is None else estimate.free_bytes,
+    )
+
+
 @task(name="kv", cache_policy=NO_CACHE)
 def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) -> dict[str, Any]:
     from inference.models import load_shared_model
@@ -124,6 +139,7 @@ def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) ->
         run_id,
         batch_size=settings.kv_batch_size,
         progress=progress,
+        check=settings.kv_verify,
     )
     return {"model_fp": loaded.model_fp, **counts.as_dict()}
 
@@ -222,8 +238,16 @@ def _kv_all(
     """The KV stage: in the flow process (default runner), else one task per group of chunks
     on the runner's workers (flows/scaleout.py); the same entries either way."""
     if settings.runner == "default":
-        return kv_task(store, quote(chunks), settings, run_id)
-    return kv_on_workers(runner, store, chunks, settings, run_id)
+        kv = kv_task(store, quote(chunks), settings, run_id)
+    else:
+        kv = kv_on_workers(runner, store, chunks, settings, run_id)
+    problems = kv.get("problems", {})  # stored entries (or C_p) that failed their check
+    logger = get_run_logger()
+    for key, problem in list(problems.items())[:20]:
+        logger.warning("kv: %s failed its check, recomputed: %s", key, problem)
+    if len(problems) > 20:
+        logger.warning("kv: ... and %d more entries rebuilt", len(problems) - 20)
+    return kv
 
 
 def _embed_all(
@@ -281,6 +305,8 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
                 pruned = prune_task(st, quote(ingested), run_id) if s.prune else {}
             with clock("chunk"):
                 chunks, n_new_chunks = chunk_task(st, quote(ingested.documents), s, run_id)
+                if s.kv and s.kv_space_check:  # before any LLM call or forward pass
+                    kv_space_task(st, quote(chunks), s)
             with clock("extract"):
                 extracted, extractor_fp, prompt_version = _extract_all(
                     runner, st, s, chunks, run_id

@@ -177,10 +177,11 @@ def build(
 
     from flows.build import build_flow
     from storage.store import StoreLocked
+    from tasks.kv_space import KvSpaceError
 
     try:
         summary = build_flow(source=source, store=str(store), settings=settings.to_dict())
-    except (SourceError, StoreLocked) as exc:
+    except (SourceError, StoreLocked, KvSpaceError) as exc:
         _fail(str(exc), 1)
     _print_summary(summary)
     rejected, failures = summary["rejected"], summary["failures"]
@@ -673,6 +674,42 @@ def gc(
         f"{counts['index_versions_removed']} index versions, "
         f"{counts['temp_paths_removed']} leftovers: {counts['bytes_reclaimed']} bytes"
     )
+
+
+@app.command()
+def verify(
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
+    level: Annotated[
+        str,
+        typer.Option(help="crc32c (every block, default) | stat (file sizes) | sha256 (entries)."),
+    ] = "crc32c",
+) -> None:
+    """Check every stored KV entry (and prompt-prefix KV); list the corrupt ones with their
+    chunk and document. Read-only. Exit 1 if any is corrupt: `coinrag build` repairs them."""
+    from flows.verify import verify_store
+    from inference.methods import repair_command
+    from schemas.settings import KV_VERIFY_LEVELS
+    from storage.store import Store
+
+    if level not in KV_VERIFY_LEVELS:
+        _fail(f"--level {level!r} is not one of {', '.join(KV_VERIFY_LEVELS)}", 2)
+    try:
+        report = verify_store(str(store), level)
+    except FileNotFoundError as exc:
+        _fail(str(exc), 1)
+    out = Console()
+    for bad in report.corrupt:
+        what = f"chunk {bad.chunk_id} (document {bad.doc_id})" if bad.chunk_id else bad.content_key
+        out.print(f"corrupt: {what}: {bad.problem}", soft_wrap=True, markup=False)
+    out.print(
+        f"checked {report.entries} KV entries ({report.logical_bytes:,} bytes) in "
+        f"{report.kv_stores} KV store(s) at level {level} in {report.seconds:.1f} s: "
+        f"{len(report.corrupt)} corrupt",
+        soft_wrap=True,
+    )
+    if report.corrupt:
+        command = repair_command(Store.at(store))
+        _fail(f"{len(report.corrupt)} corrupt KV entries: {command} recomputes them", 1)
 
 
 def _print_summary(summary: dict) -> None:

@@ -56,12 +56,13 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
     loaded = load_shared_model(settings.model, settings.device)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     layout = kv_layout(loaded, prompt)
-    has_prefix = KvStore(store, layout).has_prefix()  # a read: the flow creates the store
+    kv = KvStore(store, layout)  # reads only: the flow creates the store
+    usable = kv.has_prefix() and kv.corrupt_prefix() is None
     return KvPrep(
         layout=layout,
         tokenizer_fp=loaded.tokenizer_fp,
         prefix_ids=tuple(prompt.prefix_ids),
-        prefix_kv=None if has_prefix else compute_prefix_kv(loaded.model, prompt.prefix_ids),
+        prefix_kv=None if usable else compute_prefix_kv(loaded.model, prompt.prefix_ids),
     )
 
 
@@ -82,7 +83,14 @@ def kv_on_workers(
     runner: TaskRunner, store: Store, chunks: list[ChunkRow], settings: BuildSettings, run_id: str
 ) -> dict[str, Any]:
     """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
-    from tasks.kv import KvCounts, count_batches, kv_groups, plan_kv, stored_prefix_kv
+    from tasks.kv import (
+        KvCounts,
+        count_batches,
+        kv_groups,
+        plan_kv,
+        repair_prefix_kv,
+        stored_prefix_kv,
+    )
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -92,7 +100,13 @@ def kv_on_workers(
     if prep.prefix_kv is not None and not kv.has_prefix():
         kv.write_prefix(prep.prefix_kv, prep.prefix_ids)
     counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
-    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts)
+    rebuild: set[str] = set()
+    fresh_prefix = prep.prefix_kv
+    if fresh_prefix is not None and repair_prefix_kv(
+        kv, counts, lambda: fresh_prefix, prep.prefix_ids
+    ):
+        rebuild = set(kv.manifest(refresh=True))
+    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, settings.kv_verify, rebuild)
     stored_prefix_kv(kv, prep.prefix_ids)  # the stored C_p is this prompt's
     groups = kv_groups(todo, settings.kv_batch_size, prep.layout.slots_per_shard)
     with kv_placement(settings):

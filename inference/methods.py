@@ -29,15 +29,45 @@ from inference.prompt import RagPrompt
 from inference.retrieve import RetrievalResult, Retriever
 from inference.rope import RopeSpec
 from schemas.tables import ChunkRow
-from storage.kv import KvStore, MissingKvEntry
+from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
 from storage.store import Store
-from storage.tables import read_table
+from storage.tables import read_rows, read_table
 
 METHODS = ("coinrag", "turborag", "standard")
 
 
 class MissingAssets(RuntimeError):
     """The store lacks what a method needs (KV, index): the message says which build step."""
+
+
+class CorruptAssets(MissingAssets):
+    """A stored KV entry (or the prompt prefix's) failed its check: never served; the message
+    names the chunk and document and the build that recomputes it."""
+
+    def __init__(self, store: Store, what: str, exc: CorruptKvEntry) -> None:
+        super().__init__(
+            f"the KV of {what} is corrupt ({exc.reason}, at kv/{exc.location}): "
+            f"{repair_command(store)} recomputes it"
+        )
+
+
+def repair_command(store: Store) -> str:
+    """The build that repairs a store's KV: its last SOURCE, with the settings it was built with
+    (``STORE/coinrag.toml``, for a local store)."""
+    import json
+
+    from schemas.tables import RunRow
+
+    source = "SOURCE"
+    try:
+        runs = [r for r in read_rows(store, RunRow) if (r.flow, r.status) == ("build", "completed")]
+        if runs:
+            last = max(runs, key=lambda r: r.started_at)
+            source = json.loads(last.parameters_json).get("source") or source
+    except Exception:  # unreadable runs: the generic form still says what to run
+        pass
+    config = f" --config {store.uri(store.settings_path)}" if store.is_local else ""
+    return f"`coinrag build {source} --store {store.url}{config}`"
 
 
 @dataclass
@@ -85,6 +115,8 @@ class RagEngine:
             layout = kv_layout(loaded, self.prompt)
             self.kv = KvStore.open(store, layout.kv_fp, layout)
             self.prefix_kv, prefix_ids = self.kv.read_prefix()
+        except CorruptKvEntry as exc:
+            raise CorruptAssets(store, "the prompt prefix", exc) from exc
         except (MissingKvEntry, FileNotFoundError) as exc:
             raise MissingAssets(
                 f"store {store} has no KV for model {loaded.model_fp}: run "
@@ -177,6 +209,16 @@ class RagEngine:
                 blocks = self.kv.read_slices(requests)
             except MissingKvEntry as exc:
                 raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
+            except CorruptKvEntry as exc:
+                what = next(
+                    (
+                        f"chunk {e.chunk_id} (document {e.doc_id})"
+                        for e in retrieval.evidence
+                        if e.content_key == exc.content_key
+                    ),
+                    f"entry {exc.content_key}",
+                )
+                raise CorruptAssets(self.store, what, exc) from exc
             t1 = time.perf_counter()
             manifest = self.kv.manifest()
             slices = [

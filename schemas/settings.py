@@ -27,6 +27,7 @@ from typing import Any
 EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
+KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
 
 
 class SettingsError(ValueError):
@@ -62,6 +63,11 @@ class BuildSettings:
     runner_address: str = ""  # Dask scheduler / Ray address; "" = a local cluster of `workers`
     workers: int = 2  # worker processes of the local Dask/Ray cluster
     kv_resources: str = ""  # e.g. "GPU=1": only workers offering these take the KV tasks
+    # KV safety (README "The KV cache"): what a reused entry is checked with before the build
+    # counts it valid, and the disk-space check before extraction.
+    kv_verify: str = "crc32c"  # crc32c (every block of reused entries) | stat | sha256
+    kv_space_check: bool = True  # refuse a build whose new KV does not fit on the store's disk
+    kv_min_free_bytes: int = 0  # bytes the new KV must leave free on that disk
 
     def resolved_extractor(self) -> str:
         """The extractor to use: the setting, else openai when a key is set, else local."""
@@ -99,6 +105,12 @@ class BuildSettings:
                 f"runner_address {self.runner_address!r} needs runner dask or ray, not default"
             )
         parse_resources(self.kv_resources)
+        if self.kv_verify not in KV_VERIFY_LEVELS:
+            raise SettingsError(
+                f"kv_verify {self.kv_verify!r} is not one of {', '.join(KV_VERIFY_LEVELS)}"
+            )
+        if self.kv_min_free_bytes < 0:
+            raise SettingsError(f"kv_min_free_bytes must be >= 0, got {self.kv_min_free_bytes}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

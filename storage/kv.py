@@ -127,12 +127,15 @@ DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_SHARD_BYTES = 64 * 2**20  # target size of a shard (slots_per_shard is derived from it)
 MIN_SLOTS_PER_SHARD = 4
 MAX_SLOTS_PER_SHARD = 64
+# A shard's zarr.json and its seven folders (c/0/0/0/0/0/0), in file-system blocks.
+SHARD_OVERHEAD_BYTES = 8 * 4096
 
 _ATTR = "coinrag_kv"
 # Key of a shard array's only data file: the "default" chunk key encoding ("c" + "/"-joined
 # coordinates) of chunk (0, 0, 0, 0, 0, 0), as the Zarr v3 spec defines it.
 _DATA_KEY = "c/0/0/0/0/0/0"
 _PREFIX = "prefix"
+KV_CHECK_LEVELS = ("stat", "crc32c", "sha256", "full")  # "full": sha256
 _SHARD_RE = re.compile(r"^shard-(\d{6,})$")
 _LOCATION_RE = re.compile(r"^(?P<kv_fp>[^/#]+)/(?P<shard>shard-\d{6,})#slot-(?P<slot>\d+)$")
 
@@ -257,14 +260,42 @@ class KvLayout:
             "axes": list(AXES),
         }
 
+    def disk_bytes(self, tokens: Sequence[int]) -> int:
+        """Bytes on disk of the shards that entries of these token counts become, written as
+        the KV stage writes them (longest first, ``slots_per_shard`` per shard): each entry's
+        blocks (its tokens rounded up to ``block_tokens``, plus a 4-byte crc32c per block), each
+        shard's index (16 bytes per slot and block of its widest entry, plus a crc32c) and its
+        metadata and folders (:data:`SHARD_OVERHEAD_BYTES`, a few file-system blocks).
+
+        E.g. float32 SmolLM2-135M (30 layers, 3 KV heads, dim 64: 46,080 bytes per token) and
+        2 entries of 512 tokens: 2 x 32 blocks x 737,284 bytes + 1,028 + overhead = ~45 MiB.
+        """
+        ordered = sorted((int(t) for t in tokens), reverse=True)
+        block = self.block_tokens
+        per_block = block * self.token_bytes + 4
+        total = 0
+        for start in range(0, len(ordered), self.slots_per_shard):
+            shard = ordered[start : start + self.slots_per_shard]
+            width_blocks = max(1, -(-shard[0] // block))
+            total += sum(-(-t // block) for t in shard) * per_block
+            total += len(shard) * width_blocks * 16 + 4 + SHARD_OVERHEAD_BYTES
+        return total
+
     @classmethod
     def for_model(cls, model: Any, model_fp: str, prefix_sha: str, **kwargs: Any) -> KvLayout:
         """The layout of a transformers causal LM (dims from its config, dtype from its weights)."""
-        config = model.config.get_text_config(decoder=True)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return cls.for_config(model.config, model_fp, prefix_sha, dtype, **kwargs)
+
+    @classmethod
+    def for_config(
+        cls, config: Any, model_fp: str, prefix_sha: str, dtype: str, **kwargs: Any
+    ) -> KvLayout:
+        """The layout of a transformers model config (no weights loaded) and a dtype."""
+        config = config.get_text_config(decoder=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         return cls(
             model_fp=model_fp,
             prefix_sha=prefix_sha,
@@ -287,6 +318,22 @@ def parse_location(location: str) -> tuple[str, str, int]:
 def _location_order(location: str) -> tuple[int, int]:
     _, shard, slot = parse_location(location)
     return int(shard.removeprefix("shard-")), slot
+
+
+def kv_free_bytes(store: Store) -> int | None:
+    """Bytes free on the file system that holds ``STORE/kv/`` (the nearest existing folder on
+    the way there); None for an object store, which has no such limit to check."""
+    if not store.is_local:
+        return None
+    path = Path(store.root) / "kv"
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def stored_content_keys(store: Store, layout: KvLayout) -> set[str]:
+    """The content_keys with a manifest row under ``layout``'s kv_fp (no shard is read)."""
+    return set(KvStore(store, layout).manifest())
 
 
 # ---------------------------------------------------------------------------- tensors <-> bytes
@@ -397,6 +444,38 @@ def encode_shard(
     crc = google_crc32c.value(index_bytes)
     out[body + index.nbytes :] = np.array([crc], dtype="<u4").view(np.uint8)
     return out
+
+
+def _index_bytes(slots: int, width: int, block: int) -> int:
+    """Bytes of a shard's index: uint64 ``(offset, nbytes)`` per slot and block, then a crc32c."""
+    return slots * (width // block) * 16 + 4
+
+
+def _parse_index(raw: Any, slots: int, width: int, block: int) -> np.ndarray | None:
+    """A shard index read from the end of its file -> ``(slots, width / block, 2)`` uint64
+    ``(offset, nbytes)``, or None when it fails its crc32c (or has the wrong size)."""
+    body, crc = raw[:-4], int.from_bytes(bytes(raw[-4:]), "little")
+    if len(raw) != _index_bytes(slots, width, block) or google_crc32c.value(body) != crc:
+        return None
+    return np.frombuffer(body, dtype="<u8").reshape(slots, width // block, 2).copy()
+
+
+def _block_problem(chunk: Any, b: int, expected: int) -> str | None:
+    """Why inner chunk ``b`` (its payload, then the payload's crc32c) is not as written, or None.
+    ``expected``: its size (payload bytes + 4)."""
+    if len(chunk) != expected:
+        return f"block {b} has {len(chunk)} bytes, expected {expected}"
+    if google_crc32c.value(chunk[:-4]) != int.from_bytes(bytes(chunk[-4:]), "little"):
+        return f"block {b} fails its crc32c"
+    return None
+
+
+def _read_problem(exc: BaseException) -> str:
+    """A failed read as a short reason (Zarr's checksum error quotes raw bytes: not in a
+    message a user reads)."""
+    if "checksum" in str(exc).lower():
+        return "read failed: a crc32c does not match"
+    return f"read failed: {exc}"
 
 
 def _shard_size(entries: Sequence[np.ndarray], width: int, block: int) -> int:
@@ -822,7 +901,8 @@ class KvStore:
         try:
             stored = shard.array[slot, :, :, :, : row.tokens, :]
         except Exception as exc:
-            raise CorruptKvEntry(content_key, row.location, f"read failed: {exc}") from exc
+            problem = self._diagnose(shard, slot, exc)
+            raise CorruptKvEntry(content_key, row.location, problem) from exc
         stored = np.ascontiguousarray(stored)
         if verify and entry_checksum(stored) != row.checksum:
             raise CorruptKvEntry(content_key, row.location, "sha256 differs from the manifest")
@@ -941,7 +1021,8 @@ class KvStore:
             if isinstance(result, BaseException):
                 ck = requests[plan.requests[0]][0]
                 row = resolved[ck][0]
-                raise CorruptKvEntry(ck, row.location, f"read failed: {result}") from result
+                problem = self._diagnose(self._shards[plan.shard], plan.slot, result)
+                raise CorruptKvEntry(ck, row.location, problem) from result
         return [np.asarray(r) for r in results]
 
     def _gather_ranges(
@@ -980,18 +1061,15 @@ class KvStore:
                 slots, width = shard.shape[0], shard.shape[4]
                 size = shard.files[_DATA_KEY]
                 paths.append(str(self.root / shard.name / _DATA_KEY))
-                starts.append(size - (slots * (width // shard.block_tokens) * 16 + 4))
+                starts.append(size - _index_bytes(slots, width, shard.block_tokens))
                 ends.append(size)
             for shard, raw in zip(need_index, self._cat_ranges(paths, starts, ends), strict=True):
                 plan = next(plans[i] for i in direct if plans[i].shard == shard.name)
                 if isinstance(raw, BaseException):
                     raise fail(plan, f"read failed: {raw}") from raw
-                body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
-                if google_crc32c.value(body) != crc:
+                shard.index = _parse_index(raw, shard.shape[0], shard.shape[4], shard.block_tokens)
+                if shard.index is None:
                     raise fail(plan, "the shard index fails its crc32c")
-                slots, width = shard.shape[0], shard.shape[4]
-                shape = (slots, width // shard.block_tokens, 2)
-                shard.index = np.frombuffer(body, dtype="<u8").reshape(shape)
         ranges: list[tuple[int, list[tuple[int, int, int]]]] = []  # (plan, [(block, off, n)])
         paths, starts, ends = [], [], []
         for i in direct:
@@ -1034,10 +1112,9 @@ class KvStore:
             for b, _, n in group:
                 chunk = raw[at : at + n]
                 at += n
-                if len(chunk) != n or n != payload * block + 4:
-                    raise fail(plan, f"block {b} has {len(chunk)} bytes, expected {n}")
-                if google_crc32c.value(chunk[:-4]) != int.from_bytes(chunk[-4:], "little"):
-                    raise fail(plan, f"block {b} fails its crc32c")
+                problem = _block_problem(chunk, b, payload * block + 4)
+                if problem:
+                    raise fail(plan, problem)
                 values = np.frombuffer(chunk[:-4], dtype=dtype).reshape(
                     lay.layers, 2, lay.kv_heads, block, lay.head_dim
                 )
@@ -1060,28 +1137,135 @@ class KvStore:
     # ------------------------------------------------------------------ checks
 
     def invalid_entries(self, content_keys: Iterable[str], level: str = "stat") -> set[str]:
-        """The keys (with a manifest row) whose entries fail a check.
+        """The keys (with a manifest row) whose entries fail a check (:meth:`entry_problems`)."""
+        return set(self.entry_problems(content_keys, level))
+
+    def entry_problems(self, content_keys: Iterable[str], level: str = "stat") -> dict[str, str]:
+        """key -> why its entry fails a check, for the keys (with a manifest row) that do.
 
         ``stat``: the shard folder and metadata are readable, the slot holds that key and the
         data files have the sizes they were written with (one stat per shard; finds deleted and
-        truncated shards). ``full``: also reads every entry and checks its sha256.
+        truncated shards). ``crc32c``: also reads each entry's blocks and the shard indexes and
+        checks their crc32c (finds flipped bytes; reads every byte of the entries once, at
+        crc32c's hardware speed). ``sha256`` (or ``full``): also reads every entry and checks
+        the manifest's sha256 (the strongest check; sha256 costs about 6x crc32c per byte).
         """
-        if level not in ("stat", "full"):
-            raise ValueError(f"unknown check level {level!r} (stat, full)")
-        bad: set[str] = set()
+        if level not in KV_CHECK_LEVELS:
+            raise ValueError(f"unknown check level {level!r} ({', '.join(KV_CHECK_LEVELS)})")
+        bad: dict[str, str] = {}
         file_checks: dict[str, str | None] = {}
         manifest = self.manifest()
+        slots: dict[str, dict[int, str]] = defaultdict(dict)  # shard -> slot -> key
         for ck in content_keys:
             if ck not in manifest:
                 continue
             try:
-                if level == "full":
+                if level in ("sha256", "full"):
                     self.read_entry(ck, verify=True)
                 else:
-                    self._resolve(ck, file_checks)
-            except CorruptKvEntry:
-                bad.add(ck)
+                    _, shard, slot = self._resolve(ck, file_checks)
+                    slots[shard.name][slot] = ck
+            except CorruptKvEntry as exc:
+                bad[ck] = f"{exc.reason} ({exc.location})"
+        if level == "crc32c":
+            for name, keys in slots.items():
+                for slot, problem in self._verify_slots(self._shards[name], keys).items():
+                    bad[keys[slot]] = f"{problem} ({manifest[keys[slot]].location})"
         return bad
+
+    def _verify_slots(self, shard: _Shard, slots: Iterable[int]) -> dict[int, str]:
+        """slot -> why its blocks are not as written (slots that check out are absent): the
+        shard index and each slot's stored blocks are read, and their crc32c checked. A shard
+        in another format than :func:`encode_shard`'s is read through Zarr (which checks each
+        block's crc32c)."""
+        slots = sorted(set(slots))
+        if not shard.direct:
+            problems = {}
+            for slot in slots:
+                try:
+                    shard.array[slot, :, :, :, : shard.tokens[slot], :]
+                except Exception as exc:
+                    problems[slot] = _read_problem(exc)
+            return problems
+        n_slots, width, block = shard.shape[0], shard.shape[4], shard.block_tokens
+        size = shard.files[_DATA_KEY]
+        ranges = [(size - _index_bytes(n_slots, width, block), size)]
+        try:
+            (raw,) = self._read_ranges(shard, ranges)
+        except OSError as exc:
+            return dict.fromkeys(slots, f"read failed: {exc}")
+        index = _parse_index(raw, n_slots, width, block)
+        if index is None:
+            return dict.fromkeys(slots, "the shard index fails its crc32c")
+        expected = block * self.layout.token_bytes + 4
+        groups: list[tuple[int, list[tuple[int, int, int]]]] = []  # (slot, [(block, off, n)])
+        for slot in slots:
+            stored = [(b, int(o), int(n)) for b, (o, n) in enumerate(index[slot]) if o != _EMPTY]
+            stored.sort(key=lambda item: item[1])
+            # blocks of one slot lie back to back (encode_shard); else one read per block
+            if all(stored[j + 1][1] == stored[j][1] + stored[j][2] for j in range(len(stored) - 1)):
+                groups.append((slot, stored))
+            else:
+                groups += [(slot, [item]) for item in stored]
+        groups = [(slot, group) for slot, group in groups if group]
+        # Object stores: every range requested at once; local: one slot's blocks at a time,
+        # into one reused buffer (memory: one entry, whatever the shard's size).
+        step = 1 if self.store.is_local else max(1, len(groups))
+        problems: dict[int, str] = {}
+        for first in range(0, len(groups), step):
+            part = groups[first : first + step]
+            try:
+                got = self._read_ranges(shard, [(g[0][1], g[-1][1] + g[-1][2]) for _, g in part])
+            except OSError as exc:
+                problems.update((slot, f"read failed: {exc}") for slot, _ in part)
+                continue
+            for (slot, group), raw in zip(part, got, strict=True):
+                at = 0
+                for b, _, n in group:
+                    problem = _block_problem(raw[at : at + n], b, expected)
+                    at += n
+                    if problem and slot not in problems:
+                        problems[slot] = problem
+        return problems
+
+    def _diagnose(self, shard: _Shard, slot: int, exc: BaseException) -> str:
+        """Why a read of ``slot`` failed: which block (or the index) fails its crc32c, found by
+        checking the slot's blocks (shards in :func:`encode_shard`'s format), else ``exc``."""
+        if shard.direct:
+            try:
+                problem = self._verify_slots(shard, [slot]).get(slot)
+            except Exception:  # the diagnosis is best effort: the read failed either way
+                problem = None
+            if problem:
+                return problem
+        return _read_problem(exc)
+
+    def _read_ranges(self, shard: _Shard, ranges: Sequence[tuple[int, int]]) -> list[Any]:
+        """Byte ranges ``[start, end)`` of a shard's data file (OSError when one cannot be read
+        whole). Local: into one reused buffer, so a range is valid until the next call."""
+        path = self.root / shard.name / _DATA_KEY
+        if not self.store.is_local:
+            paths = [str(path)] * len(ranges)
+            got = self._cat_ranges(paths, [a for a, _ in ranges], [b for _, b in ranges])
+            for raw in got:
+                if isinstance(raw, BaseException):
+                    raise OSError(f"{self.store.uri(path)}: {raw}")
+            return got
+        buf = self._buffer("check", sum(b - a for a, b in ranges))
+        out = []
+        at = 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for start, end in ranges:
+                view = buf[at : at + end - start]
+                n = os.preadv(fd, [memoryview(view)], start)
+                if n != end - start:
+                    raise OSError(f"{path}: read {n} of {end - start} bytes at {start}")
+                out.append(view)
+                at += end - start
+        finally:
+            os.close(fd)
+        return out
 
     # ------------------------------------------------------------------ writes
 
@@ -1454,12 +1638,52 @@ class KvStore:
         except FileNotFoundError as exc:
             raise MissingKvEntry(f"no prefix KV under {self.kv_fp}") from exc
         except Exception as exc:
-            raise CorruptKvEntry("prefix", location, f"read failed: {exc}") from exc
+            raise CorruptKvEntry("prefix", location, _read_problem(exc)) from exc
         if attrs.get("prefix_sha") != self.layout.prefix_sha:
             raise KvFingerprintMismatch(str(attrs.get("prefix_sha")), self.layout.prefix_sha)
         if entry_checksum(stored) != attrs.get("sha256"):
             raise CorruptKvEntry("prefix", location, "sha256 differs")
         return from_storage(stored, self.layout.dtype), [int(t) for t in attrs["prefix_ids"]]
+
+    def corrupt_prefix(self) -> str | None:
+        """Why the stored ``C_p`` fails its check (unreadable, a crc32c or its sha256), or
+        None when it checks out or none is stored."""
+        if not self.has_prefix():
+            return None
+        try:
+            self.read_prefix()
+        except MissingKvEntry:
+            return None
+        except CorruptKvEntry as exc:
+            return exc.reason
+        return None
+
+    def repair_prefix(self, prefix_kv: torch.Tensor, prefix_ids: Sequence[int]) -> bool:
+        """Replace a stored ``C_p`` that fails its check by ``prefix_kv`` (recomputed by the
+        caller, who holds the write lock). True when ``prefix_kv`` is bit for bit the prefix it
+        replaces (the sha256 and token ids the damaged copy's metadata recorded): then the
+        entries computed against it stay valid; otherwise the caller must rebuild them all.
+
+        The damaged folder is moved aside as a ``.tmp-`` leftover (``gc`` removes it) before
+        the new one is written."""
+        recorded: tuple[str, list[int]] | None = None
+        try:
+            meta = json.loads(self.store.read_bytes(self.root / _PREFIX / "zarr.json"))
+            attrs = meta["attributes"][_ATTR]
+            recorded = (str(attrs["sha256"]), [int(t) for t in attrs["prefix_ids"]])
+        except Exception:  # unreadable metadata: nothing to compare with
+            recorded = None
+        if self.store.is_local:
+            aside = Path(self.root) / f".tmp-corrupt-prefix-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(Path(self.root) / _PREFIX, aside)
+            except FileNotFoundError:
+                pass
+        else:
+            self.store.remove(self.root / _PREFIX)
+        self.write_prefix(prefix_kv, prefix_ids)
+        fresh = (entry_checksum(to_storage(prefix_kv)), [int(t) for t in prefix_ids])
+        return recorded == fresh
 
     # ------------------------------------------------------------------ garbage
 

@@ -29,11 +29,15 @@ standard RAG prompt. Only the chunk's part of the cache is stored (``storage/kv.
   batches (at most one shard in flight). A run killed mid-way loses at most the shard being
   written; the next run recomputes only the chunks without a valid manifest row. An unchanged
   rerun computes nothing.
-- Existing entries are checked at the level ``check``: ``stat`` (default: shard folders and file
-  sizes, one stat per shard: finds deleted and truncated shards), ``full`` (sha256 of every
-  entry: finds flipped bytes too) or ``none``. Entries that fail are rebuilt; the new manifest row
+- Existing entries are checked at the level ``check`` before they are reused: ``crc32c``
+  (default: shard folders and file sizes, then every block of every reused entry and each shard
+  index read and crc32c-checked: finds deleted and truncated shards and flipped bytes), ``stat``
+  (folders and sizes only, one stat per shard), ``sha256`` (every entry read and checked against
+  the manifest's sha256) or ``none``. Entries that fail are rebuilt; the new manifest row
   supersedes the old one. Pass ``rebuild=`` the content_keys a reader found corrupt
-  (:class:`storage.kv.CorruptKvEntry`) to rebuild just those.
+  (:class:`storage.kv.CorruptKvEntry`) to rebuild just those. A stored ``C_p`` that fails its
+  check is recomputed first (:func:`repair_prefix_kv`); if the recomputed one is not bit for bit
+  the damaged one, every entry is rebuilt against it.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class KvCounts:
     unique: int = 0  # distinct content_keys among them
     reused: int = 0  # already stored and valid
     rebuilt: int = 0  # had a manifest row that failed the check (or was named in `rebuild`)
+    problems: dict[str, str] = field(default_factory=dict)  # content_key -> why it failed
+    prefix_repaired: bool = False  # the stored C_p failed its check and was recomputed
     computed: int = 0  # entries computed and written by this run (includes `rebuilt`)
     forward_passes: int = 0  # batched model calls (the prefix's excluded)
     tokens: int = 0  # chunk tokens computed
@@ -207,7 +213,7 @@ def kv_stage(
     batch_size: int = 4,
     progress: ProgressFn | None = None,
     *,
-    check: str = "stat",
+    check: str = "crc32c",
     rebuild: Iterable[str] = (),
     slots_per_shard: int = 0,
     block_tokens: int = 16,
@@ -230,6 +236,9 @@ def kv_stage(
     counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
     secs = counts.seconds
 
+    ids = prompt.prefix_ids
+    if repair_prefix_kv(kv, counts, lambda: compute_prefix_kv(model, ids), ids):
+        rebuild = set(rebuild) | set(kv.manifest(refresh=True))
     todo = plan_kv(kv, chunks, getattr(loaded, "tokenizer_fp", None), counts, check, rebuild)
 
     t0 = time.perf_counter()
@@ -263,12 +272,13 @@ def plan_kv(
     chunks: Sequence[ChunkRow],
     tokenizer_fp: str | None,
     counts: KvCounts,
-    check: str = "stat",
+    check: str = "crc32c",
     rebuild: Iterable[str] = (),
 ) -> list[ChunkRow]:
     """The chunks (one per content_key) whose KV must be computed: no manifest row, or a row
-    that fails the ``check`` or is named in ``rebuild``. Fills ``counts`` (unique, reused,
-    rebuilt, seconds["check"]). Raises ValueError for a chunk cut by another tokenizer."""
+    that fails the ``check`` (``crc32c`` | ``stat`` | ``sha256`` | ``none``) or is named in
+    ``rebuild``. Fills ``counts`` (unique, reused, rebuilt, problems, seconds["check"]).
+    Raises ValueError for a chunk cut by another tokenizer."""
     unique: dict[str, ChunkRow] = {}
     for chunk in chunks:
         if tokenizer_fp is not None and chunk.tokenizer_fp != tokenizer_fp:
@@ -284,7 +294,9 @@ def plan_kv(
     stored = [ck for ck in unique if ck in manifest]
     bad = set(rebuild) & set(stored)
     if check != "none":
-        bad |= kv.invalid_entries(stored, level=check)
+        problems = kv.entry_problems(stored, level=check)
+        counts.problems.update(problems)
+        bad |= set(problems)
     counts.rebuilt = len(bad)
     counts.reused = len(stored) - len(bad)
     counts.seconds["check"] = time.perf_counter() - t0
@@ -391,6 +403,20 @@ def stored_prefix_kv(kv: KvStore, prefix_ids: Sequence[int]) -> torch.Tensor:
     if ids != list(prefix_ids):
         raise KvFingerprintMismatch(kv.kv_fp, kv.layout.prefix_sha, "stored prefix ids differ")
     return prefix_kv
+
+
+def repair_prefix_kv(
+    kv: KvStore, counts: KvCounts, compute: Callable[[], torch.Tensor], prefix_ids: Sequence[int]
+) -> bool:
+    """Recompute (``compute()``: ``C_p`` of ``prefix_ids``) and replace a stored ``C_p`` that
+    fails its check. True when every stored entry must be rebuilt: the recomputed ``C_p`` is
+    not bit for bit the one they were computed against. Sets ``counts.prefix_repaired``."""
+    problem = kv.corrupt_prefix()
+    if problem is None:
+        return False
+    counts.prefix_repaired = True
+    counts.problems["prefix"] = f"{problem} ({kv.kv_fp}/prefix)"
+    return not kv.repair_prefix(compute(), prefix_ids)
 
 
 def prefix_kv_of(kv: KvStore, model: Any, prompt: RagPrompt) -> torch.Tensor:
