@@ -27,6 +27,7 @@ from typing import Any
 EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
+RAG_METHODS = ("coinrag", "turborag", "standard")  # the methods of inference/methods.py
 
 
 class SettingsError(ValueError):
