@@ -5,19 +5,28 @@ Exit codes: 0 done; 1 failed (nothing or not everything was built: the message s
 4 built, but some work failed and is retried by the next build (e.g. chunk texts the LLM
 endpoint did not answer: one ``error:`` line each). A build with both rejects and failed work
 exits 4 (and prints both).
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): both unwind, leaving no process behind.
+
+What can be checked cheaply is checked before any work (``flows/preflight.py``: paths,
+models, keys, the lock), so a mistake costs a second and one ``error:`` line; an unexpected
+error is one ``error:`` line too, its traceback (and Prefect's) shown with ``--debug``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from flows.cli_lists import ListOptionsCommand
+from flows.preflight import Preflight
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -28,11 +37,22 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 SAMPLE = Path(__file__).parent / "sample" / "wiki_sample.jsonl"
+_DEBUG = {"on": False}  # --debug: tracebacks of unexpected errors, Prefect's included
+
+T = TypeVar("T")
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug", help="Show the traceback of an unexpected error (and Prefect's own)."
+        ),
+    ] = False,
+) -> None:
     """coinrag: the offline asset factory for KV-cache-reuse RAG."""
+    _DEBUG["on"] = debug
 
 
 def _error(message: str) -> None:
@@ -45,13 +65,67 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def _check(check: Callable[..., T], *args: Any) -> T:
+    """Run a check of ``flows/preflight.py``; its :class:`Preflight` becomes the error line."""
+    try:
+        return check(*args)
+    except Preflight as exc:
+        _fail(str(exc), exc.code)
+        raise  # unreachable: _fail exits
+
+
+def _prefect_run() -> None:
+    """Before a command's first flow run: Prefect's temporary server bound to this process
+    (``flows/prefect_api.py``), and Prefect's console tracebacks only with --debug."""
+    from flows.prefect_api import bind_temporary_server
+
+    if not _DEBUG["on"]:
+        _hide_prefect_tracebacks()
+    bind_temporary_server()
+
+
+def _hide_prefect_tracebacks() -> None:
+    """Prefect logs a failed flow or task with its traceback on the console: keep the
+    message, and say where the traceback is (records sent to the Prefect API keep it)."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and handler.formatter is not None:
+            handler.setFormatter(_WithoutTraceback(handler.formatter))
+
+
+class _WithoutTraceback:
+    """A log formatter that formats a record as ``inner`` does, without its traceback (the
+    API handler may have rendered it into the record already: ``exc_text``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def format(self, record: Any) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            text = self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+        if saved[0] is not None:
+            text += "  (its traceback: coinrag --debug ...)"
+        return text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def _require_local(store: str, what: str) -> None:
     """Fail (exit 1) before any work when ``what`` is asked of an object store."""
-    from storage.store import LocalStoreRequired, Store
+    from flows.preflight import store_at
+    from storage.store import LocalStoreRequired
 
     try:
-        Store.at(store).require_local(what)
-    except (LocalStoreRequired, ValueError) as exc:
+        _check(store_at, store).require_local(what)
+    except LocalStoreRequired as exc:
         _fail(str(exc), 1)
 
 
@@ -172,17 +246,26 @@ def build(
         )
     except SettingsError as exc:
         _fail(str(exc), 2)
-    if not Path(source).expanduser().exists():
-        _fail(f"source {source} does not exist", 1)
+    from flows import preflight
+
+    _check(preflight.source, source)
+    st = _check(preflight.store_to_write, store)
+    _check(preflight.build_settings, settings)
+    existed = st.is_local and Path(st.root).exists()
 
     from flows.build import build_flow
     from storage.store import StoreLocked
     from tasks.kv_space import KvSpaceError
 
+    _prefect_run()
     try:
         summary = build_flow(source=source, store=str(store), settings=settings.to_dict())
     except (SourceError, StoreLocked, KvSpaceError) as exc:
+        preflight.remove_skeleton(st, existed)
         _fail(str(exc), 1)
+    except BaseException:
+        preflight.remove_skeleton(st, existed)
+        raise
     _print_summary(summary)
     rejected, failures = summary["rejected"], summary["failures"]
     for r in rejected:
@@ -202,9 +285,9 @@ def query(
     method: Annotated[
         str, typer.Option(help="coinrag | turborag | standard | cartridge")
     ] = "coinrag",
-    kc: Annotated[int, typer.Option(help="Chunks retrieved in stage 1.")] = 4,
-    k: Annotated[int, typer.Option(help="Nuggets retrieved in stage 2 (coinrag).")] = 10,
-    max_new_tokens: Annotated[int, typer.Option(help="Upper bound on answer tokens.")] = 32,
+    kc: Annotated[int, typer.Option(min=1, help="Chunks retrieved in stage 1.")] = 4,
+    k: Annotated[int, typer.Option(min=1, help="Nuggets retrieved in stage 2 (coinrag).")] = 10,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Upper bound on answer tokens.")] = 32,
     model: Annotated[
         str | None, typer.Option(help="Generation model (default: the store's).")
     ] = None,
@@ -220,12 +303,24 @@ def query(
     """
     import json
 
-    from inference.methods import METHODS, MissingAssets, RagEngine
+    from flows import preflight
+    from inference.prompt import BlankQuestion, require_question
+    from schemas.settings import RAG_METHODS
 
-    if method not in (*METHODS, "cartridge"):
-        _fail(f"--method {method!r} is not one of {', '.join(METHODS)}, cartridge", 2)
-    if kc < 1 or k < 1 or max_new_tokens < 1:
-        _fail("--kc, --k and --max-new-tokens must be >= 1", 2)
+    if method not in (*RAG_METHODS, "cartridge"):
+        _fail(f"--method {method!r} is not one of {', '.join(RAG_METHODS)}, cartridge", 2)
+    try:
+        require_question(question)
+    except BlankQuestion as exc:
+        _fail(str(exc), 2)
+    if method == "cartridge":
+        _require_local(store, "query --method cartridge")
+    _check(preflight.built_store, store)
+    if model is not None:
+        _check(preflight.model, model)
+
+    from inference.methods import MissingAssets, RagEngine
+
     try:
         if method == "cartridge":
             result = _cartridge_answer(str(store), question, k, oracle_doc, model, max_new_tokens)
@@ -238,32 +333,49 @@ def query(
         print(json.dumps(result.to_json(), ensure_ascii=False))
         return
     out = Console()
-    out.print(f"[bold]{result.answer}[/]")
+    out.print(result.answer, style="bold", markup=False, highlight=False)
     out.print(
         f"method {result.method}, {result.active_tokens} context tokens, "
         + ", ".join(f"{name} {ms:.1f} ms" for name, ms in result.timings.items())
     )
     for e in result.evidence:
-        out.print(
-            f"  [dim]{e['doc_id']} {e['chunk_id'][:12]} [{e['tok_start']}:{e['tok_end']})[/] "
-            f"{e['text'].strip()[:100]}"
-        )
+        out.print(_evidence_line(e), highlight=False)
 
 
-@app.command("eval")
+def _evidence_line(e: dict[str, Any]) -> str:
+    """One line of evidence: a nugget or chunk (doc, chunk, token range, text) or, for the
+    cartridge method, a document and its cartridge."""
+    if "chunk_id" not in e:  # cartridge evidence: {doc_id, cartridge_id}
+        return f"  [dim]{escape(e['doc_id'])} cartridge {escape(e['cartridge_id'])}[/]"
+    return (
+        f"  [dim]{escape(e['doc_id'])} {e['chunk_id'][:12]} [{e['tok_start']}:{e['tok_end']})[/] "
+        f"{escape(e['text'].strip()[:100])}"
+    )
+
+
+@app.command("eval", cls=ListOptionsCommand)
 def eval_cmd(
     questions: Annotated[
-        Path, typer.Argument(help="JSONL: question, answers (list), optional doc_ids (gold).")
+        Path,
+        typer.Argument(
+            help="JSONL: question, answers (list), optional doc_ids (gold); the train nuggets "
+            "format (answer, gold_doc_ids or documents) is read too."
+        ),
     ],
     store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
     out: Annotated[Path, typer.Option("--out", help="Folder for results, plots.")],
     methods: Annotated[
-        list[str] | None, typer.Option("--methods", help="Methods (default: all three).")
+        list[str] | None,
+        typer.Option("--methods", help="Methods (default: all three): --methods coinrag standard"),
     ] = None,
-    kc: Annotated[list[int] | None, typer.Option("--kc", help="kc values to sweep.")] = None,
-    k: Annotated[list[int] | None, typer.Option("--k", help="k values to sweep.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Upper bound on answer tokens.")] = 32,
-    limit: Annotated[int | None, typer.Option(help="Only the first N questions.")] = None,
+    kc: Annotated[
+        list[int] | None, typer.Option("--kc", min=1, help="kc values to sweep: --kc 1 2 4")
+    ] = None,
+    k: Annotated[
+        list[int] | None, typer.Option("--k", min=1, help="k values to sweep: --k 5 10")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Upper bound on answer tokens.")] = 32,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N questions.")] = None,
     retrieval_only: Annotated[
         bool,
         typer.Option(
@@ -274,9 +386,23 @@ def eval_cmd(
 ) -> None:
     """Answer QUESTIONS with each method and (kc, k); write results.parquet, per-question rows,
     best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens).
-    With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead."""
+    With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead.
+    The report is printed on stdout, progress on stderr."""
+    from flows import preflight
+    from inference.evaluate import QuestionsError, load_questions
+    from schemas.settings import RAG_METHODS
+
+    bad = [m for m in methods or [] if m not in RAG_METHODS]
+    if bad:
+        _fail(f"--methods {' '.join(bad)}: not among {', '.join(RAG_METHODS)}", 2)
+    try:
+        load_questions(questions)  # every line checked before any model loads
+    except QuestionsError as exc:
+        _fail(str(exc), 2)
+    _check(preflight.output_folder, out, "--out")
+    _check(preflight.built_store, store)
+
     from inference.evaluate import evaluate
-    from inference.methods import METHODS, MissingAssets
 
     if retrieval_only:
         from inference.evaluate_retrieval import evaluate_retrieval, retrieval_text
@@ -295,15 +421,17 @@ def eval_cmd(
             _fail(str(exc), 1)
         except (EmbedderMismatch, ValueError) as exc:
             _fail(str(exc), 2)
-        Console().print(retrieval_text(table))
+        Console().print(retrieval_text(table), highlight=False, soft_wrap=True)
         return
+    from inference.methods import MissingAssets
+
     sweep = tuple((a, b) for a in (kc or [4]) for b in (k or [10]))
     try:
         evaluate(
             str(store),
             str(questions),
             str(out),
-            methods=tuple(methods or METHODS),
+            methods=tuple(methods or RAG_METHODS),
             sweep=sweep,
             max_new_tokens=max_new_tokens,
             limit=limit,
@@ -389,8 +517,8 @@ def lineage(
     chunk or document, or list stale assets. Without any of these: list the views. Read-only
     (works while a build runs)."""
     from flows import lineage as lin
+    from flows import preflight
     from storage.lineage import LineageError
-    from storage.store import Store
 
     walks = {k: v for k, v in {"nugget": nugget, "chunk": chunk, "doc": doc}.items() if v}
     modes = len(walks) + (sql is not None) + stale
@@ -400,9 +528,7 @@ def lineage(
         _fail("--json and --csv exclude each other", 2)
     if csv_out and walks:
         _fail("--csv prints one table: use it with SQL or --stale (--json for a walk)", 2)
-    st = Store.at(store)
-    if not st.exists():
-        _fail(f"{st} is not a coinrag store (run coinrag build first)", 1)
+    st = _check(preflight.built_store, store)
     out = Console()
     if modes == 0:
         lin.print_views(out)
@@ -435,13 +561,13 @@ train_app = typer.Typer(help="Training flows over a built store.", no_args_is_he
 app.add_typer(train_app, name="train")
 
 
-@train_app.command("cartridges")
+@train_app.command("cartridges", cls=ListOptionsCommand)
 def train_cartridges_cmd(
-    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
+    store: Annotated[str, typer.Option("--store", help="A built store (a local folder).")],
     docs: Annotated[
-        list[str] | None, typer.Option("--docs", help="Document ids (default: all).")
+        list[str] | None, typer.Option("--docs", help="Document ids (default: all): --docs a b")
     ] = None,
-    max_steps: Annotated[int, typer.Option(help="Training steps.")] = 200,
+    max_steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 200,
     generator: Annotated[
         str | None,
         typer.Option(help="Question generator: openai | local (default: openai if a key is set)."),
@@ -450,13 +576,21 @@ def train_cartridges_cmd(
     """Self-study data, then CAS cartridges (one trainable KV prefix per document)."""
     import json
 
+    from flows import preflight
+
+    if generator not in (None, "openai", "local"):
+        _fail(f"--generator {generator!r} is not one of openai, local", 2)
+    _require_local(store, "coinrag train cartridges")
+    st = _check(preflight.built_store, store)
+    if generator == "openai":
+        _check(preflight.openai_key, "--generator", generator)
+    _check(preflight.unlocked, st)
+
     from flows.cartridges import train_cartridges
     from storage.store import StoreLocked
 
-    if max_steps < 1:
-        _fail("--max-steps must be >= 1", 2)
-    _require_local(store, "coinrag train cartridges")
     extra = {"generator": generator} if generator else {}
+    _prefect_run()
     try:
         summary = train_cartridges(str(store), docs or None, max_steps, **extra)
     except (KeyError, ValueError, StoreLocked) as exc:
@@ -466,12 +600,21 @@ def train_cartridges_cmd(
 
 @train_app.command("nuggets")
 def train_nuggets_cmd(
-    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
-    data: Annotated[Path, typer.Option("--data", help="JSONL of QA examples.")],
+    store: Annotated[str, typer.Option("--store", help="A built store (a local folder).")],
+    data: Annotated[
+        Path,
+        typer.Option(
+            "--data",
+            help="JSONL of QA examples: question, answer, and documents or doc_ids (the eval "
+            "format, answers + doc_ids, is read too).",
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned model.")],
     mode: Annotated[str, typer.Option(help="live (default) | frozen")] = "live",
     lora: Annotated[bool, typer.Option("--lora", help="Train LoRA adapters (merged).")] = False,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after N optimizer steps.")] = None,
+    max_steps: Annotated[
+        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
+    ] = None,
     rebuild_kv: Annotated[
         bool, typer.Option("--rebuild-kv", help="Rebuild the store's KV for the new model.")
     ] = False,
@@ -479,14 +622,30 @@ def train_nuggets_cmd(
     """Nugget-aware fine-tuning on (C_ctx, question) -> answer, with the inference assembly."""
     import json
 
-    from flows.train import train_nuggets
-    from storage.store import StoreLocked
+    from flows import preflight
 
     if mode not in ("live", "frozen"):
         _fail(f"--mode {mode!r} is not one of live, frozen", 2)
     _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
+    from training.nuggets import DataError, load_examples
+
+    try:
+        examples = load_examples(data)  # every line checked before any model loads
+    except DataError as exc:
+        _fail(str(exc), 2)
+    _check(preflight.output_folder, out, "--out")
+    if any(ex.documents for ex in examples):  # its documents are built into the store first
+        st = _check(preflight.store_to_write, store)
+    else:
+        st = _check(preflight.built_store, store)
+    _check(preflight.unlocked, st)
+
+    from flows.train import train_nuggets
+    from storage.store import StoreLocked
+
+    _prefect_run()
     try:
         summary = train_nuggets(
             str(store),
@@ -540,13 +699,13 @@ def serve(
     Long-running (needs PREFECT_API_URL, see infra/prefect_server.py); Ctrl-C stops it and
     pauses its schedule. Deployment construction: infra/build_deployment.py.
     """
-    from infra.build_deployment import make_serve_deployments, serve_build
+    from flows import preflight
     from schemas.settings import SettingsError, load_settings
-    from storage.store import Store
 
     source = str(SAMPLE) if source == "sample" else source
-    if not Path(source).expanduser().exists():
-        _fail(f"source {source} does not exist", 1)
+    _check(preflight.prefect_api, "serve")
+    _check(preflight.source, source)
+    st = _check(preflight.store_to_write, store, False)
     if (train_data is None) != (train_out is None):
         _fail("--train-data and --train-out go together", 2)
     if train_data is not None and not train_data.is_file():
@@ -563,16 +722,23 @@ def serve(
     }
     try:
         settings = load_settings(config, overrides)
+    except SettingsError as exc:
+        _fail(str(exc), 2)
+    _check(preflight.build_settings, settings)
+
+    from infra.build_deployment import make_serve_deployments, serve_build
+
+    try:
         deployments = make_serve_deployments(
             str(Path(source).expanduser().resolve()),
-            Store.at(store).url,
+            st.url,
             settings.to_dict(),
             cron=cron,
             name=name,
             train_data=str(train_data.resolve()) if train_data else None,
             train_out=str(train_out.expanduser().resolve()) if train_out else None,
         )
-    except (SettingsError, ValueError) as exc:  # a bad cron is a ValueError too
+    except ValueError as exc:  # a bad cron
         _fail(str(exc), 2)
     try:
         serve_build(deployments)
@@ -595,13 +761,18 @@ def watch(
     removed documents when its settings have prune = true). Needs PREFECT_API_URL; exits 1 when
     the server does not confirm it received the event.
     """
-    from infra.source_events import watch_source
-    from tasks.changes import deleted_doc_ids
-    from tasks.ingest import SourceError
+    from flows import preflight
 
     source = str(SAMPLE) if source == "sample" else source
     if interval <= 0:
         _fail("--interval must be > 0", 2)
+    _check(preflight.prefect_api, "watch")
+    _check(preflight.source, source)
+    _check(preflight.store_to_write, store, False)
+
+    from infra.source_events import watch_source
+    from tasks.changes import deleted_doc_ids
+    from tasks.ingest import SourceError
 
     def report(ids: list[str], removed: list[str]) -> None:
         text = f"coinrag.source.changed: {len(ids)} document(s): {', '.join(ids[:10])}"
@@ -632,6 +803,10 @@ def delete(
 ) -> None:
     """Delete documents: tombstoned in the tables, gone from the index (their KV is reclaimed
     by `coinrag gc`). An id that is not a live document fails the whole command."""
+    from flows import preflight
+
+    _check(preflight.unlocked, _check(preflight.built_store, store))
+
     from flows.maintenance import delete_documents
     from storage.store import StoreLocked
     from tasks.delete import UnknownDocuments
@@ -653,6 +828,10 @@ def gc(
 ) -> None:
     """Reclaim space: KV entries no live chunk uses, old index versions, leftovers of killed
     writes. Takes the store's write lock."""
+    from flows import preflight
+
+    _check(preflight.unlocked, _check(preflight.built_store, store))
+
     from flows.maintenance import gc_counts, gc_store
     from storage.store import StoreLocked
 
@@ -686,6 +865,7 @@ def verify(
 ) -> None:
     """Check every stored KV entry (and prompt-prefix KV); list the corrupt ones with their
     chunk and document. Read-only. Exit 1 if any is corrupt: `coinrag build` repairs them."""
+    from flows import preflight
     from flows.verify import verify_store
     from inference.methods import repair_command
     from schemas.settings import KV_VERIFY_LEVELS
@@ -693,6 +873,7 @@ def verify(
 
     if level not in KV_VERIFY_LEVELS:
         _fail(f"--level {level!r} is not one of {', '.join(KV_VERIFY_LEVELS)}", 2)
+    _check(preflight.built_store, store)
     try:
         report = verify_store(str(store), level)
     except FileNotFoundError as exc:
@@ -731,8 +912,10 @@ def main() -> None:
     # Prefect's temporary API server gets 20 s to start by default: too little on a loaded
     # machine (seen: a build failing with "Timed out while attempting to connect").
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from flows.prefect_api import exit_on_sigterm
     from storage.store import LocalStoreRequired
 
+    exit_on_sigterm()  # SIGTERM unwinds like Ctrl-C: no orphan server, the run marked failed
     try:
         app()
     except KeyboardInterrupt:
@@ -740,6 +923,17 @@ def main() -> None:
         sys.exit(130)
     except LocalStoreRequired as exc:  # e.g. training asked of an s3:// store
         console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        sys.exit(1)
+    except Exception as exc:
+        if _DEBUG["on"] or "--debug" in sys.argv[1:]:
+            raise
+        # One line, whatever the error: the traceback is for --debug.
+        text = " ".join(str(exc).split()) or "(no message)"
+        console.print(
+            f"[bold red]error:[/] {escape(type(exc).__name__)}: {escape(text)} "
+            "(coinrag --debug ... shows the traceback)",
+            soft_wrap=True,
+        )
         sys.exit(1)
 
 

@@ -29,7 +29,7 @@ import torch
 from inference.assemble import to_dynamic_cache
 from inference.generate import prefill_and_decode
 from inference.models import LoadedModel
-from inference.prompt import RagPrompt
+from inference.prompt import RagPrompt, require_question
 from inference.rope import RopeSpec
 from schemas.tables import CartridgeManifestRow
 from storage.cartridges import CartridgeStore, MissingCartridge, version_order
@@ -143,7 +143,8 @@ class CartridgeRag:
         max_new_tokens: int = 32,
     ) -> CartridgeAnswer:
         """Answer with the cartridges of ``doc_ids`` (in that order), or of the retriever's top
-        ``k`` documents."""
+        ``k`` documents (``BlankQuestion``, a ValueError, for a blank question)."""
+        require_question(question)
         t0 = time.perf_counter()
         retrieve_ms = 0.0
         if doc_ids is None:

@@ -242,6 +242,21 @@ def _st_settings(path: Path) -> tuple[str | None, int | None]:
     return pooling, (int(max_len) if max_len else None)
 
 
+def locate_embedder(ref: str | os.PathLike[str] | None) -> Path:
+    """The folder ``ref`` names, checked without loading anything (what the CLI checks before
+    any work); :class:`EmbedderNotFound` naming the reference and what is accepted otherwise."""
+    if ref is None or str(ref) == DEFAULT_EMBEDDER:
+        return packaged_minilm_dir()
+    path = Path(ref).expanduser()
+    if not (path / "config.json").is_file():
+        raise EmbedderNotFound(
+            f"--embedder {str(ref)!r}: expected a local folder with config.json (a transformers "
+            f"encoder such as BGE-M3), or {DEFAULT_EMBEDDER!r} for the packaged default; "
+            "models are never downloaded"
+        )
+    return path
+
+
 def load_embedder(
     ref: str | os.PathLike[str] | None = None,
     *,
@@ -270,13 +285,7 @@ def load_embedder(
             batch_size=batch_size,
             device=device,
         )
-    path = Path(ref).expanduser()
-    if not (path / "config.json").is_file():
-        raise EmbedderNotFound(
-            f"--embedder {str(ref)!r}: expected a local folder with config.json (a transformers "
-            f"encoder such as BGE-M3), or {DEFAULT_EMBEDDER!r} for the packaged default; "
-            "models are never downloaded"
-        )
+    path = locate_embedder(ref)
     config = _read_json(path / "config.json")
     if _is_bge_m3(path, config):
         return FlagEmbedder(

@@ -43,7 +43,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-DEFAULT_METHODS = ("coinrag", "turborag", "standard")
+from schemas.settings import RAG_METHODS
+
+DEFAULT_METHODS = RAG_METHODS
 DEFAULT_SWEEP = ((4, 10),)
 DEFAULT_BUDGETS_MS = (100.0, 200.0, 500.0, 1000.0, 2000.0, math.inf)
 
@@ -128,12 +130,36 @@ def _str_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
+def _gold_doc_ids(obj: dict[str, Any], where: str) -> list[str] | None:
+    """Gold document ids: ``doc_ids`` (the eval format); in the ``train nuggets`` format,
+    ``gold_doc_ids``, else the ``gold`` documents of ``documents`` (all of them if none is
+    flagged), else ``doc_ids``."""
+    for name in ("gold_doc_ids", "doc_ids"):
+        if obj.get(name) is not None:
+            if not _str_list(obj[name]):
+                raise QuestionsError(f"{where}: {name!r} must be a list of strings if given")
+            return list(obj[name]) or None
+    docs = obj.get("documents")
+    if docs is None:
+        return None
+    if not isinstance(docs, list) or not all(
+        isinstance(d, dict) and isinstance(d.get("id"), str | int) for d in docs
+    ):
+        raise QuestionsError(f"{where}: 'documents' must be a list of objects with an id")
+    gold = [str(d["id"]) for d in docs if d.get("gold")]
+    return gold or [str(d["id"]) for d in docs] or None
+
+
 def load_questions(path: str | Path) -> list[Question]:
     """Read ``{"question": str, "answers": [str, ...], "doc_ids": [str, ...]?}`` lines.
 
-    Blank lines are skipped; any other malformed line raises :class:`QuestionsError` naming
-    ``path:line`` and what is wrong.
+    The ``coinrag train nuggets`` format is read too: ``"answer": str`` for ``answers``, and
+    gold documents from ``gold_doc_ids`` or ``documents`` (see :func:`_gold_doc_ids`).
+    Blank lines are skipped; any other malformed line (a blank question too) raises
+    :class:`QuestionsError` naming ``path:line`` and what is wrong.
     """
+    from inference.prompt import BlankQuestion, require_question
+
     path = Path(path)
     if not path.is_file():
         raise QuestionsError(f"{path}: no such questions file")
@@ -150,17 +176,20 @@ def load_questions(path: str | Path) -> list[Question]:
             if not isinstance(obj, dict):
                 raise QuestionsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             q = obj.get("question")
-            if not isinstance(q, str) or not q.strip():
-                raise QuestionsError(f"{where}: 'question' must be a non-empty string")
+            try:
+                require_question(q)  # type: ignore[arg-type]
+            except BlankQuestion:
+                raise QuestionsError(
+                    f"{where}: 'question' must be a non-empty string, got {q!r}"
+                ) from None
             answers = obj.get("answers")
+            if answers is None and isinstance(obj.get("answer"), str):
+                answers = [obj["answer"]]
             if not _str_list(answers) or not answers:
-                raise QuestionsError(f"{where}: 'answers' must be a non-empty list of strings")
-            doc_ids = obj.get("doc_ids")
-            if doc_ids is not None and not _str_list(doc_ids):
-                raise QuestionsError(f"{where}: 'doc_ids' must be a list of strings if given")
-            out.append(
-                Question(q.strip(), list(answers), list(doc_ids) if doc_ids else None, lineno)
-            )
+                raise QuestionsError(
+                    f"{where}: 'answers' must be a non-empty list of strings (or 'answer' a string)"
+                )
+            out.append(Question(q.strip(), list(answers), _gold_doc_ids(obj, where), lineno))
     if not out:
         raise QuestionsError(f"{path}: no questions")
     return out
@@ -358,7 +387,8 @@ def evaluate(
 
     ``limit``: use only the first ``limit`` questions. ``engine``: an already opened
     :class:`~inference.methods.RagEngine` (then ``store_path``, ``model`` and ``max_new_tokens``
-    are taken from it). ``quiet``: no progress bar and no printed tables.
+    are taken from it). ``quiet``: no progress bar and no printed tables. The tables go to
+    stdout, progress and log lines to stderr.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
@@ -468,8 +498,9 @@ def evaluate(
     pq.write_table(results, out / "results.parquet")
     pq.write_table(budgets, out / "best_under_budget.parquet")
     plot_results(results, out)
-    console.print(results_text(results), highlight=False, soft_wrap=True)
-    console.print(budget_text(budgets), highlight=False, soft_wrap=True)
+    report = Console(quiet=quiet)  # the report on stdout (as `coinrag query` prints answers)
+    report.print(results_text(results), highlight=False, soft_wrap=True)
+    report.print(budget_text(budgets), highlight=False, soft_wrap=True)
     console.log(
         f"wrote {out}/results.parquet, per_question.parquet, best_under_budget.parquet, PNGs"
     )

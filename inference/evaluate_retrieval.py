@@ -8,10 +8,11 @@ not built yet) and for sweeping ``kc`` / ``k`` cheaply. Per question with gold `
 - ``one_stage``: the documents of the top-``k`` nuggets over the whole nugget table (ablation).
 
 ``recall`` is the fraction of the question's gold documents among those documents (hit@kc with
-one gold document), the same measure as :func:`inference.evaluate.doc_recall`; for ``chunks``,
-``rank`` is the 1-based rank of the first chunk of a gold document among the top ``kc`` chunks
-(null when none is there), from which ``mrr`` (MRR@kc) is computed. ``search_ms`` is query
-embedding + index search.
+one gold document), the same measure as :func:`inference.evaluate.doc_recall`. ``rank`` is the
+1-based rank of the first retrieved item of a gold document (null when none is there): among
+the top ``kc`` chunks for ``chunks``, among the retrieved nuggets by score (best first) for the
+nugget modes; ``mrr`` is the mean of ``1 / rank`` (0 for none): MRR@kc for chunks, MRR@k for
+nuggets. ``search_ms`` is query embedding + index search.
 
 Outputs under ``out_dir``: ``retrieval.parquet`` (one row per mode and (kc, k): ``mode``, ``kc``,
 ``k``, ``recall``, ``mrr``, ``search_mean_ms``, ``search_p99_ms``, ``n``) and
@@ -38,7 +39,7 @@ RETRIEVAL_SCHEMA = pa.schema(
         ("kc", pa.int32()),  # 0: not applicable (one_stage)
         ("k", pa.int32()),  # 0: not applicable (chunks)
         ("recall", pa.float64()),
-        ("mrr", pa.float64()),  # chunks only: mean reciprocal rank of the first gold chunk
+        ("mrr", pa.float64()),  # mean reciprocal rank of the first gold chunk / nugget
         ("search_mean_ms", pa.float64()),
         ("search_p99_ms", pa.float64()),
         ("n", pa.int32()),
@@ -70,6 +71,13 @@ def first_gold_rank(chunk_doc_ids: Sequence[str], gold: Sequence[str]) -> int | 
     return None
 
 
+def nugget_rank(result: Any, gold: Sequence[str]) -> int | None:
+    """:func:`first_gold_rank` of a nugget result's evidence in score order (the evidence
+    itself is in assembly order: by chunk, then in-document order)."""
+    by_score = sorted(result.evidence, key=lambda e: -e.score)
+    return first_gold_rank([e.doc_id for e in by_score], gold)
+
+
 def aggregate_retrieval(rows: list[dict[str, Any]]) -> pa.Table:
     """Per-question rows -> one row per (mode, kc, k)."""
     groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
@@ -84,11 +92,7 @@ def aggregate_retrieval(rows: list[dict[str, Any]]) -> pa.Table:
                 "kc": kc,
                 "k": k,
                 "recall": float(np.mean([r["recall"] for r in rs])),
-                "mrr": (
-                    float(np.mean([1.0 / r["rank"] if r["rank"] else 0.0 for r in rs]))
-                    if mode == "chunks"
-                    else None
-                ),
+                "mrr": float(np.mean([1.0 / r["rank"] if r["rank"] else 0.0 for r in rs])),
                 "search_mean_ms": float(np.mean(ms)),
                 "search_p99_ms": p99(ms),
                 "n": len(rs),
@@ -169,9 +173,10 @@ def evaluate_retrieval(
             if "two_stage" in modes:
                 for kc in sorted(set(kcs)):
                     res = retriever.two_stage(q.question, kc=kc, k=k)
-                    row(qi, q, "two_stage", kc, k, res, None)
+                    row(qi, q, "two_stage", kc, k, res, nugget_rank(res, q.doc_ids or []))
             if "one_stage" in modes:
-                row(qi, q, "one_stage", 0, k, retriever.one_stage(q.question, k=k), None)
+                res = retriever.one_stage(q.question, k=k)
+                row(qi, q, "one_stage", 0, k, res, nugget_rank(res, q.doc_ids or []))
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

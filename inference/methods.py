@@ -25,15 +25,16 @@ import pyarrow.compute as pc
 
 from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
 from inference.generate import prefill_and_decode
-from inference.prompt import RagPrompt
+from inference.prompt import RagPrompt, require_question
 from inference.retrieve import RetrievalResult, Retriever
 from inference.rope import RopeSpec
+from schemas.settings import RAG_METHODS
 from schemas.tables import ChunkRow
 from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
 from storage.store import Store
 from storage.tables import read_rows, read_table
 
-METHODS = ("coinrag", "turborag", "standard")
+METHODS = RAG_METHODS
 
 
 class MissingAssets(RuntimeError):
@@ -68,6 +69,30 @@ def repair_command(store: Store) -> str:
         pass
     config = f" --config {store.uri(store.settings_path)}" if store.is_local else ""
     return f"`coinrag build {source} --store {store.url}{config}`"
+
+
+def _no_kv_message(store: Store, model_fp: str) -> str:
+    """Why a model cannot answer from ``store``: both fingerprints (the model asked for, the
+    models the store's KV was built by) and the two ways out."""
+    from storage.gc import kv_fps
+    from storage.kv import KvError
+
+    built: list[str] = []
+    for kv_fp in kv_fps(store):
+        try:
+            built.append(KvStore.open(store, kv_fp).layout.model_fp)
+        except (KvError, FileNotFoundError, KeyError):
+            continue
+    have = (
+        f"its KV was built by model {', '.join(sorted(set(built)))}"
+        if built
+        else "it holds no KV at all (built with kv = false?)"
+    )
+    return (
+        f"store {store} has no KV for model {model_fp}; {have}: query with the store's own "
+        "model (no --model), or run `coinrag build SOURCE --store ... --model ...` with this "
+        "model first"
+    )
 
 
 @dataclass
@@ -118,10 +143,7 @@ class RagEngine:
         except CorruptKvEntry as exc:
             raise CorruptAssets(store, "the prompt prefix", exc) from exc
         except (MissingKvEntry, FileNotFoundError) as exc:
-            raise MissingAssets(
-                f"store {store} has no KV for model {loaded.model_fp}: run "
-                "`coinrag build SOURCE --store ...` with this model first"
-            ) from exc
+            raise MissingAssets(_no_kv_message(store, loaded.model_fp)) from exc
         if prefix_ids != self.prompt.prefix_ids:
             raise MissingAssets("the stored prompt prefix differs from this prompt's")
         self.retriever = Retriever(store, embedder)
@@ -176,7 +198,9 @@ class RagEngine:
         return self.retriever.chunks_only(question, kc=kc)
 
     def answer(self, question: str, method: str = "coinrag", kc: int = 4, k: int = 10) -> Answer:
-        """Retrieve, then answer with ``method``."""
+        """Retrieve, then answer with ``method`` (``BlankQuestion``, a ValueError, for a blank
+        question)."""
+        require_question(question)
         if method not in METHODS:
             raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
         return self.run(question, method, self.retrieve(question, method, kc, k), kc=kc, k=k)

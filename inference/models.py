@@ -74,23 +74,32 @@ def file_sha256(path: Path) -> str:
     return digest
 
 
-def resolve_model_dir(ref: str | os.PathLike[str] | None) -> Path:
-    """A folder loadable by ``from_pretrained`` for ``ref``, converting a GGUF once if needed."""
+def locate_model(ref: str | os.PathLike[str] | None) -> Path:
+    """The GGUF file or model folder ``ref`` names, checked without loading or converting
+    anything (cheap: what the CLI checks before any work); :class:`ModelNotFound` naming the
+    reference and what is accepted otherwise."""
     if ref is None or str(ref) == DEFAULT_MODEL:
-        return convert_gguf(packaged_smollm2_gguf())
+        return packaged_smollm2_gguf()
     path = Path(ref).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
+        return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return convert_gguf(ggufs[0])
+            return ggufs[0]
+    what = "no such file or folder" if not path.exists() else "not a model"
     raise ModelNotFound(
-        f"--model {ref!r}: expected a folder with config.json (a transformers model), "
-        "a .gguf file, or 'smollm2' for the packaged default"
+        f"--model {str(ref)!r}: {what}; give a folder with config.json (a transformers "
+        f"model), a .gguf file, or {DEFAULT_MODEL!r} for the packaged default"
     )
+
+
+def resolve_model_dir(ref: str | os.PathLike[str] | None) -> Path:
+    """A folder loadable by ``from_pretrained`` for ``ref``, converting a GGUF once if needed."""
+    found = locate_model(ref)
+    return convert_gguf(found) if found.is_file() else found
 
 
 def convert_gguf(gguf: Path) -> Path:

@@ -28,6 +28,7 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
+RAG_METHODS = ("coinrag", "turborag", "standard")  # the methods of inference/methods.py
 
 
 class SettingsError(ValueError):

@@ -8,6 +8,11 @@
   KV. Entries of every kv_fp are collected (KV of another model stays as long as its chunks are
   live: switching back costs nothing).
 - **LanceDB versions** older than the published one (``LanceIndex.prune_versions``).
+- **A dry run** reports what the run would reclaim: for KV, the shards it would drop or
+  compact and the bytes of the new shards it would write (``KvStore.reclaim``); for LanceDB,
+  whose pruning tells its effect only by doing it, the pruning done on a scratch copy of the
+  index (:func:`index_dry_run`: files hard-linked, metadata copied; an object store's index is
+  downloaded to a local temporary folder).
 - **Leftovers of killed writes**: ``.tmp-`` folders, ``.*.tmp`` Parquet files (of tables and of
   ``staging/``), temporary settings files.
 
@@ -18,9 +23,13 @@ Parquet tables are not touched, except ``kv_manifest`` rows of dropped entries; 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 import pyarrow.compute as pc
 
@@ -40,7 +49,7 @@ class GcReport:
     live_content_keys: int = 0
     kv: list[KvReclaim] = field(default_factory=list)
     index_versions_removed: dict[str, int] = field(default_factory=dict)
-    index_bytes_freed: int = 0  # measured (0 on a dry run: Lance tells only by deleting)
+    index_bytes_freed: int = 0  # measured (on a dry run: on a scratch copy of the index)
     temp_paths_removed: int = 0
     temp_bytes_freed: int = 0
 
@@ -114,7 +123,53 @@ def temp_leftovers(store: Store) -> list[PurePath]:
     found += root.glob("cartridges/*/.tmp-*")
     found += root.glob("index/*.json.tmp")
     found += root.glob("index/*.json.tmp-*")
+    found += root.glob(f"{_SCRATCH}*")
     return sorted(set(found))
+
+
+_SCRATCH = ".gc-dry-run-"  # scratch copies of the index made by dry runs
+_IMMUTABLE = ("data", "_indices", "_deletions")  # Lance folders whose files are never rewritten
+
+
+def _scratch_copy(store: Store, scratch: Path) -> Store:
+    """A store at ``scratch`` holding a copy of ``store``'s index and ``coinrag.toml``. Local:
+    Lance's immutable files (data, index and deletion files, written once under unique names)
+    are hard links, the rest copies; object store: everything downloaded."""
+    index = scratch / "index"
+    if store.is_local:
+        src = Path(store.index_dir)
+        for path in src.rglob("*"):
+            if not path.is_file():
+                continue
+            rel = path.relative_to(src)
+            dst = index / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if any(part in _IMMUTABLE for part in rel.parts[:-1]):
+                os.link(path, dst)
+            else:
+                shutil.copy2(path, dst)
+    else:
+        store.fs.get(str(store.index_dir) + "/", str(index) + "/", recursive=True)
+    if store.is_file(store.settings_path):
+        (scratch / "coinrag.toml").write_bytes(store.read_bytes(store.settings_path))
+    return Store.at(scratch)
+
+
+def index_dry_run(store: Store) -> tuple[dict[str, int], int]:
+    """``(versions removed per table, bytes freed)`` that pruning the index would give,
+    measured by pruning a scratch copy (see the module doc); the store is not touched."""
+    base = store.root if store.is_local else Path(tempfile.gettempdir())
+    scratch = Path(base) / f"{_SCRATCH}{uuid.uuid4().hex}"
+    try:
+        copy = _scratch_copy(store, scratch)
+        index = LanceIndex.open_latest(copy)
+        if index is None:
+            return {}, 0
+        before = copy.tree_bytes(copy.index_dir)
+        removed = index.prune_versions()
+        return removed, max(0, before - copy.tree_bytes(copy.index_dir))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcReport:
@@ -125,9 +180,11 @@ def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcRepor
     for kv_fp in kv_fps(store):
         report.kv.append(KvStore.open(store, kv_fp).reclaim(live, run_id, dry_run=dry_run))
     latest = LanceIndex.open_latest(store)
-    if latest is not None:
+    if latest is not None and dry_run:
+        report.index_versions_removed, report.index_bytes_freed = index_dry_run(store)
+    elif latest is not None:
         before = store.tree_bytes(store.index_dir)
-        report.index_versions_removed = latest.prune_versions(dry_run=dry_run)
+        report.index_versions_removed = latest.prune_versions()
         report.index_bytes_freed = max(0, before - store.tree_bytes(store.index_dir))
     for path in temp_leftovers(store):
         report.temp_paths_removed += 1

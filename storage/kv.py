@@ -1738,16 +1738,22 @@ class KvStore:
                 out.shards_compacted += 1
                 moving += [ck for _, ck in sorted(slots) if ck not in dead]
         out.entries_moved = len(moving)
-        if dry_run:
-            gone = {name for name, slots in by_shard.items() if all(ck in dead for _, ck in slots)}
+        step = self.layout.slots_per_shard
+        if dry_run:  # what the run below frees and writes, assuming every moved entry verifies
+            dropped = {
+                name for name, slots in by_shard.items() if any(ck in dead for _, ck in slots)
+            }
             unreferenced = [p for p in self.garbage() if p.name not in by_shard]
-            out.bytes_freed = sum(self.store.tree_bytes(self.root / n) for n in gone) + sum(
+            out.bytes_freed = sum(self.store.tree_bytes(self.root / n) for n in dropped) + sum(
                 self.store.tree_bytes(p) for p in unreferenced
             )
-            out.folders_removed = len(gone) + len(unreferenced)
+            out.folders_removed = len(dropped) + len(unreferenced)
+            out.bytes_written = sum(
+                self._planned_shard_bytes([manifest[ck] for ck in moving[i : i + step]], run_id)
+                for i in range(0, len(moving), step)
+            )
             return out
-        before = self.write_stats.disk_bytes
-        step = self.layout.slots_per_shard
+        new_shards: set[str] = set()
         for start in range(0, len(moving), step):
             group = []
             for ck in moving[start : start + step]:
@@ -1759,8 +1765,9 @@ class KvStore:
                     continue
                 group.append((_EntryRef(row.chunk_id, ck, row.tokens), kv))
             if group:
-                self.write_entries(group, run_id)  # type: ignore[arg-type]
-        out.bytes_written = self.write_stats.disk_bytes - before
+                rows = self.write_entries(group, run_id)  # type: ignore[arg-type]
+                new_shards.update(parse_location(r.location)[1] for r in rows)
+        out.bytes_written = sum(self.store.tree_bytes(self.root / n) for n in new_shards)
         current = self.manifest()
         keep = {row.location for ck, row in current.items() if ck in live}
         prefix = self.kv_fp + "/"
@@ -1781,6 +1788,32 @@ class KvStore:
             self.store.remove(path)
         return out
 
+    def _planned_shard_bytes(self, rows: list[KvManifestRow], run_id: str) -> int:
+        """Bytes on disk of the shard :meth:`stage_shard` would write for these entries: its
+        data file (:func:`_shard_size`, from the token counts) and its ``zarr.json``
+        (rendered by Zarr in a scratch folder, with the attributes the real shard gets)."""
+        lay = self.layout
+        block = lay.block_tokens
+        tokens = [r.tokens for r in rows]
+        width = max(block, -(-max(tokens) // block) * block)
+        zero = np.zeros((), dtype=_STORAGE_DTYPES[lay.dtype])
+        shapes = [np.broadcast_to(zero, lay.entry_shape(t)) for t in tokens]  # no memory
+        data = _shard_size(shapes, width, block)
+        attrs = {  # as stage_shard writes them (tests/test_cli_store_commands.py compares)
+            "kv_fp": self.kv_fp,
+            "content_keys": [r.content_key for r in rows],
+            "tokens": tokens,
+            "sha256": [r.checksum for r in rows],
+            "run_id": run_id,
+            "block_tokens": block,
+            "encoder": self.encoder,
+            "files": {_DATA_KEY: data},
+        }
+        with tempfile.TemporaryDirectory(prefix="coinrag-gc-plan-") as scratch:
+            self._create_shard_array(Path(scratch), (len(rows), *lay.entry_shape(width)), attrs)
+            meta = (Path(scratch) / "zarr.json").stat().st_size
+        return data + meta
+
 
 @dataclass
 class KvReclaim:
@@ -1796,7 +1829,7 @@ class KvReclaim:
     manifest_rows_dropped: int = 0
     folders_removed: int = 0  # shard folders and .tmp- leftovers
     bytes_freed: int = 0
-    bytes_written: int = 0  # new shards of moved entries
+    bytes_written: int = 0  # new shards of moved entries (their folders: data + zarr.json)
 
     @property
     def bytes_reclaimed(self) -> int:

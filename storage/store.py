@@ -311,15 +311,39 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = Path(path).read_text(encoding="utf-8", errors="replace").strip()
-                raise StoreLocked(
-                    f"store {self.url} is being written by another build ({holder or 'unknown'}); "
-                    "wait for it to finish, or stop it"
-                ) from None
+                raise self._locked(path) from None
             os.ftruncate(fd, 0)
             info = f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}, since "
             os.write(fd, (info + datetime.now(UTC).isoformat()).encode())
             yield
+        finally:
+            os.close(fd)
+
+    def _locked(self, path: Path) -> StoreLocked:
+        holder = path.read_text(encoding="utf-8", errors="replace").strip()
+        return StoreLocked(
+            f"store {self.url} is being written by another build ({holder or 'unknown'}); "
+            "wait for it to finish, or stop it"
+        )
+
+    def check_unlocked(self) -> None:
+        """Raise :class:`StoreLocked` now if another process holds the write lock of this
+        local store (a probe: the lock is taken and dropped at once; the writer takes it for
+        real later). What the CLI checks before any work; an object store's lease is checked
+        when it is taken."""
+        if not self.is_local:
+            return
+        path = Path(self.root) / ".lock"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise self._locked(path) from None
+            fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
 

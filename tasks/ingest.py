@@ -7,14 +7,16 @@ line; other fields are kept as metadata), or a Parquet file with ``id`` and ``te
 never become paths.
 
 One bad document never stops the others: it becomes a :class:`Reject` with a reason
-(``empty_text``, ``invalid_utf8`` with file and byte offset, ``duplicate_id``, ``bad_record``).
+(``empty_text``, ``invalid_utf8`` with file and byte offset, ``duplicate_id``, ``bad_record``,
+e.g. an id holding a control character such as NUL).
 Only an unusable SOURCE (missing, unreadable, unknown format) raises :class:`SourceError`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import unicodedata
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,15 @@ class IngestResult:
     rejects: list[Reject] = field(default_factory=list)
 
 
+def _control_char(doc_id: str) -> str | None:
+    """The first control character of an id (NUL, newline, ...) as ``U+0000``, or None: ids
+    are shown, logged and passed on command lines, where such characters break or vanish."""
+    for ch in doc_id:
+        if unicodedata.category(ch) == "Cc":
+            return f"U+{ord(ch):04X}"
+    return None
+
+
 def _utf8_error(data: bytes, source: str, doc_id: str | None) -> Reject | None:
     try:
         data.decode("utf-8")
@@ -71,13 +82,21 @@ def _utf8_error(data: bytes, source: str, doc_id: str | None) -> Reject | None:
     return None
 
 
+def _text_files(root: Path) -> Iterator[Path]:
+    return (p for p in root.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+
+
 def _iter_folder(root: Path) -> Iterator[SourceDocument | Reject]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    files = sorted(_text_files(root))
     if not files:
         raise SourceError(f"{root} holds no .txt or .md files")
     for path in files:
         rel = path.relative_to(root)
         doc_id = rel.with_suffix("").as_posix()
+        bad = _control_char(doc_id)
+        if bad is not None:
+            yield Reject(str(path), None, "bad_record", f"{path}: name contains {bad}")
+            continue
         try:
             data = path.read_bytes()
         except OSError as exc:
@@ -130,6 +149,10 @@ def _from_record(obj: Any, where: str) -> Iterator[SourceDocument | Reject]:
         yield Reject(where, None, "bad_record", f"{where}: id must be a string or an integer")
         return
     doc_id = str(raw_id)
+    bad = _control_char(doc_id)
+    if bad is not None:
+        yield Reject(where, None, "bad_record", f"{where}: id contains the control character {bad}")
+        return
     if not isinstance(text, str):
         yield Reject(where, doc_id, "bad_record", f"{where}: text must be a string")
         return
@@ -151,22 +174,37 @@ def _iter_parquet(path: Path) -> Iterator[SourceDocument | Reject]:
         yield from _from_record(obj, f"{path}#row{i}")
 
 
-def iter_source(source: str | Path) -> Iterator[SourceDocument | Reject]:
-    """Documents and rejects of a source, in source order (no duplicate or emptiness checks)."""
-    path = Path(source).expanduser()
+def _reader(path: Path) -> Callable[[Path], Iterator[SourceDocument | Reject]]:
+    """The reader of a source path by its kind, or :class:`SourceError` naming what is
+    accepted. Reads nothing but the path's type and name."""
     if not path.exists():
         raise SourceError(f"source {path} does not exist")
     if path.is_dir():
-        return _iter_folder(path)
+        return _iter_folder
     if path.suffix in (".jsonl", ".ndjson"):
-        return _iter_jsonl(path)
+        return _iter_jsonl
     if path.suffix == ".parquet":
-        return _iter_parquet(path)
+        return _iter_parquet
     if path.suffix in TEXT_SUFFIXES:
         raise SourceError(f"{path} is a single file: pass the folder that holds it")
     raise SourceError(
-        f"source {path}: unknown format (expected a folder of .txt/.md, .jsonl or .parquet)"
+        f"source {path}: unknown format {path.suffix or '(no extension)'}; give a folder of "
+        ".txt/.md files, a .jsonl file, a .parquet file, or 'sample'"
     )
+
+
+def check_source(source: str | Path) -> None:
+    """Raise :class:`SourceError` now if ``source`` cannot be a source (missing, unknown
+    format, a folder without .txt/.md files): what the CLI checks before any work."""
+    path = Path(source).expanduser()
+    if _reader(path) is _iter_folder and not any(_text_files(path)):
+        raise SourceError(f"{path} holds no .txt or .md files")
+
+
+def iter_source(source: str | Path) -> Iterator[SourceDocument | Reject]:
+    """Documents and rejects of a source, in source order (no duplicate or emptiness checks)."""
+    path = Path(source).expanduser()
+    return _reader(path)(path)
 
 
 def ingest(source: str | Path) -> IngestResult:

@@ -41,3 +41,19 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def sample_corpus() -> Path:
     return REPO / "flows" / "sample" / "wiki_sample.jsonl"
+
+
+@pytest.fixture(scope="session")
+def sample_store(tmp_path_factory, sample_corpus: Path, prefect_harness) -> Path:
+    """A store built once per session from the first 5 sample documents (rules extractor, the
+    packaged SmolLM2: its KV, the LanceDB indexes). Tests read it, or rebuild it unchanged;
+    copy it to change it (``shutil.copytree``)."""
+    from flows.build import build_flow
+
+    root = tmp_path_factory.mktemp("sample-store")
+    src = root / "docs.jsonl"
+    src.write_text("".join(sample_corpus.read_text(encoding="utf-8").splitlines(True)[:5]))
+    store = root / "store"
+    summary = build_flow(str(src), str(store), {"extractor": "rules"})
+    assert summary["kv_computed"] == summary["chunks"] and summary["embedded"] > 0
+    return store

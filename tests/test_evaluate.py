@@ -257,7 +257,7 @@ def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
         assert rows[("chunks", kc, 0)]["recall"] == pytest.approx(sum(by_hand) / len(by_hand))
     assert rows[("chunks", 2, 0)]["recall"] >= rows[("chunks", 1, 0)]["recall"]
     assert 0.0 <= rows[("chunks", 1, 0)]["mrr"] <= 1.0
-    assert rows[("two_stage", 1, 2)]["mrr"] is None
+    assert all(0.0 <= r["mrr"] <= 1.0 for r in rows.values())  # every mode has its MRR
     per_q = pq.read_table(out / "retrieval_per_question.parquet").to_pylist()
     # two-stage evidence never leaves the chosen chunks' documents
     chunk_docs = {(r["qid"], r["kc"]): set(r["evidence_doc_ids"]) for r in per_q

@@ -211,9 +211,15 @@ def test_object_store_lifecycle_matches_a_local_store(
     dead = {c.content_key for c in chunks if c.doc_id == gone}
     dead -= {c.content_key for c in chunks if c.doc_id != gone}
     kv_bytes = s3.du(f"{BUCKET}/stores/e2e/kv", total=True)
+    dry = runner.invoke(app, ["gc", "--store", url, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert s3.du(f"{BUCKET}/stores/e2e/kv", total=True) == kv_bytes
     done = runner.invoke(app, ["gc", "--store", url])
     assert done.exit_code == 0, done.output
     assert f"reclaimed {len(dead)} KV entries" in done.output
+    # the dry run said what the run did: entries, index versions, leftovers and bytes
+    would = dry.output.split("would reclaim ")[-1].strip()
+    assert done.output.split("reclaimed ")[-1].strip() == would
     assert s3.du(f"{BUCKET}/stores/e2e/kv", total=True) < kv_bytes
     kv = KvStore.open(st, fp)
     assert not dead & set(kv.manifest(refresh=True))

@@ -181,9 +181,18 @@ def parse_example(obj: Any, where: str, line: int) -> QAExample:
     """Validate one JSON object (see :func:`load_examples`)."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for name in ("question", "answer"):
-        if not isinstance(obj.get(name), str) or not obj[name].strip():
-            raise DataError(f"{where}: {name!r} must be a non-empty string")
+    if not isinstance(obj.get("question"), str) or not obj["question"].strip():
+        raise DataError(f"{where}: 'question' must be a non-empty string")
+    answer = obj.get("answer")
+    if answer is None and "answers" in obj:  # the eval format: the first gold answer
+        answers = obj["answers"]
+        if not isinstance(answers, list) or not answers:
+            raise DataError(f"{where}: 'answers' must be a non-empty list of strings")
+        answer = answers[0]
+    if not isinstance(answer, str) or not answer.strip():
+        raise DataError(
+            f"{where}: 'answer' must be a non-empty string (or 'answers' a list of them)"
+        )
     has_docs, has_ids = "documents" in obj, "doc_ids" in obj
     if has_docs == has_ids:
         raise DataError(f"{where}: give exactly one of 'documents' or 'doc_ids'")
@@ -222,7 +231,7 @@ def parse_example(obj: Any, where: str, line: int) -> QAExample:
     return QAExample(
         line=line,
         question=obj["question"].strip(),
-        answer=obj["answer"].strip(),
+        answer=answer.strip(),
         doc_ids=tuple(doc_ids),
         gold_doc_ids=tuple(gold),
         documents=tuple(documents),
@@ -234,6 +243,9 @@ def load_examples(path: str | os.PathLike[str]) -> list[QAExample]:
     ``documents`` (``[{"id", "text", "gold"?}]``: gold and distractor passages) or ``doc_ids``
     (documents already in the store). Gold documents: ``gold_doc_ids`` or the ``gold`` flags;
     if neither is given, every document of the example is gold. Blank lines are skipped.
+
+    The ``coinrag eval`` format is read too: ``{"question", "answers": [...], "doc_ids":
+    [...]}`` trains on the first answer, retrieving inside (all gold) ``doc_ids``.
     Raises :class:`DataError` naming the line.
     """
     path = Path(path)

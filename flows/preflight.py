@@ -1,0 +1,182 @@
+"""What the CLI checks before any work: before a Prefect server starts, a model loads or a store
+folder is created. Each check is cheap (paths, names, the environment, a lock probe) and raises
+:class:`Preflight` with one line that names the thing and the fix, and the exit status.
+
+Exit statuses: 1 for something missing or busy (a file, a store, a key, a lock), 2 for a value
+that can never work (README, "Exit codes").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from schemas.settings import BuildSettings
+from storage.store import Store, StoreLocked
+
+OPENAI_EXTRACTORS = ("openai", "openai-batch")
+
+
+class Preflight(Exception):
+    """A problem found before any work; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def store_at(path: str) -> Store:
+    """The store ``path`` names (a bad URL: exit 2)."""
+    try:
+        return Store.at(path)
+    except ValueError as exc:
+        raise Preflight(f"--store {path}: {exc}", 2) from None
+
+
+def store_to_write(path: str, check_lock: bool = True) -> Store:
+    """A store a build may create or update: a folder (or a folder to create), never a file,
+    with a writable nearest existing folder above it; with ``check_lock``, not locked by
+    another writer."""
+    store = store_at(path)
+    if not store.is_local:
+        return store
+    root = Path(store.root)
+    if root.exists() and not root.is_dir():
+        raise Preflight(
+            f"--store {path} is a file, not a folder: give a folder (created if absent)"
+        )
+    existing = root
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise Preflight(f"--store {path}: {existing} is a file, so no folder can be made there")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise Preflight(f"--store {path}: {existing} is not writable by this user")
+    if check_lock:
+        unlocked(store)
+    return store
+
+
+def built_store(path: str) -> Store:
+    """A store a build has written (query, eval, train, delete, gc, lineage read it)."""
+    store = store_at(path)
+    if store.is_local and Path(store.root).is_file():
+        raise Preflight(f"--store {path} is a file, not a coinrag store (a folder)")
+    if not store.exists():
+        raise Preflight(
+            f"{store} is not a coinrag store: run coinrag build SOURCE --store {path} first"
+        )
+    return store
+
+
+def unlocked(store: Store) -> None:
+    """No other writer holds the store (commands that take its write lock)."""
+    try:
+        store.check_unlocked()
+    except StoreLocked as exc:
+        raise Preflight(str(exc)) from None
+
+
+def source(path: str) -> None:
+    """SOURCE exists and has a known format."""
+    from tasks.ingest import SourceError, check_source
+
+    try:
+        check_source(path)
+    except SourceError as exc:
+        raise Preflight(str(exc)) from None
+    except OSError as exc:
+        raise Preflight(f"source {path} is unreadable: {exc}") from None
+
+
+def model(ref: str | None) -> None:
+    """``--model`` names a model folder, a GGUF file, or the packaged default."""
+    from inference.models import ModelNotFound, locate_model
+
+    try:
+        locate_model(ref)
+    except ModelNotFound as exc:
+        raise Preflight(str(exc)) from None
+
+
+def embedder(ref: str | None) -> None:
+    """``--embedder`` names a local encoder folder or the packaged default."""
+    from inference.embedders import EmbedderNotFound, locate_embedder
+
+    try:
+        locate_embedder(ref)
+    except EmbedderNotFound as exc:
+        raise Preflight(str(exc)) from None
+
+
+def openai_key(option: str, value: str) -> None:
+    """An OpenAI-backed choice (``--extractor openai``, ``--generator openai``) needs a key."""
+    if not os.environ.get("OPENAI_API_KEY"):
+        raise Preflight(
+            f"{option} {value} needs OPENAI_API_KEY in the environment: export it "
+            f"(and OPENAI_BASE_URL for another endpoint), or choose another {option}"
+        )
+
+
+def device(name: str) -> None:
+    """A torch device this machine has (``cpu`` always; others need torch to say so)."""
+    if name == "cpu":
+        return
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise Preflight(f"--device {name!r} is not a torch device ({exc})", 2) from None
+    available = {
+        "cuda": torch.cuda.is_available(),
+        "mps": torch.backends.mps.is_available(),
+    }.get(dev.type, True)
+    if not available:
+        raise Preflight(f"--device {name}: this machine has no {dev.type} device; use cpu")
+
+
+def build_settings(settings: BuildSettings) -> None:
+    """What a build's settings name: the model, the embedder, the extractor's key, the device."""
+    model(settings.model)
+    if settings.index:
+        embedder(settings.embedder)
+    extractor = settings.resolved_extractor()
+    if extractor in OPENAI_EXTRACTORS:
+        openai_key("--extractor", extractor)
+    device(settings.device)
+
+
+def prefect_api(command: str) -> None:
+    """``serve`` and ``watch`` talk to a running Prefect server."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise Preflight(
+            f"coinrag {command} needs a running Prefect server: start one with "
+            "python infra/prefect_server.py --home DIR, then export the PREFECT_API_URL it prints"
+        )
+
+
+def output_folder(path: Path, option: str) -> None:
+    """An output folder (created if absent) is not a file."""
+    if path.exists() and not path.is_dir():
+        raise Preflight(f"{option} {path} is a file, not a folder")
+
+
+def remove_skeleton(store: Store, existed: bool) -> None:
+    """After a build that failed: remove the store folder it created if nothing but empty
+    folders (and the lock file) is in it, so a failed first build leaves no empty store."""
+    if existed or not store.is_local:
+        return
+    root = Path(store.root)
+    if not root.is_dir():
+        return
+    files: list[Any] = [p for p in root.rglob("*") if not p.is_dir() and p.name != ".lock"]
+    if files:
+        return
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
+        folder.rmdir()
+    (root / ".lock").unlink(missing_ok=True)
+    root.rmdir()
