@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner
 
 from flows.runners import kv_placement
+from inference.rope import ForwardFrequencies
 from schemas.settings import BuildSettings
 from schemas.tables import ChunkRow
 from storage.kv import KvLayout, KvStore, StagedShard
@@ -45,6 +46,7 @@ class KvPrep:
     tokenizer_fp: str
     prefix_ids: tuple[int, ...]
     prefix_kv: torch.Tensor | None  # C_p, when the store does not hold it yet
+    frequencies: ForwardFrequencies  # how the workers batch (tasks.kv.KvBatching)
 
 
 @task(name="kv-prepare", cache_policy=NO_CACHE)
@@ -62,6 +64,7 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
         tokenizer_fp=loaded.tokenizer_fp,
         prefix_ids=tuple(prompt.prefix_ids),
         prefix_kv=None if has_prefix else compute_prefix_kv(loaded.model, prompt.prefix_ids),
+        frequencies=ForwardFrequencies.from_config(loaded.model.config),
     )
 
 
@@ -82,7 +85,7 @@ def kv_on_workers(
     runner: TaskRunner, store: Store, chunks: list[ChunkRow], settings: BuildSettings, run_id: str
 ) -> dict[str, Any]:
     """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
-    from tasks.kv import KvCounts, count_batches, kv_groups, plan_kv, stored_prefix_kv
+    from tasks.kv import KvBatching, KvCounts, count_batches, kv_groups, plan_kv, stored_prefix_kv
 
     logger = get_run_logger()
     started = time.perf_counter()
@@ -95,6 +98,7 @@ def kv_on_workers(
     todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts)
     stored_prefix_kv(kv, prep.prefix_ids)  # the stored C_p is this prompt's
     groups = kv_groups(todo, settings.kv_batch_size, prep.layout.slots_per_shard)
+    batching = KvBatching(settings.kv_batch_size, len(prep.prefix_ids), prep.frequencies)
     with kv_placement(settings):
         futures = [
             runner.submit(
@@ -115,7 +119,7 @@ def kv_on_workers(
         staged, worker_secs = future.result()
         for shard in staged:
             counts.computed += len(kv.publish_shard(shard, run_id))
-        count_batches(counts, group, settings.kv_batch_size)
+        count_batches(counts, group, batching)
         for name, value in worker_secs.items():
             secs[name] = secs.get(name, 0.0) + value
         logger.info("kv: %d/%d chunks stored", counts.computed, len(todo))

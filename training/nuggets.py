@@ -74,7 +74,7 @@ import torch
 from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
 from inference.prompt import RagPrompt
 from inference.retrieve import Evidence, Retriever
-from inference.rope import RopeSpec
+from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from schemas.keys import canonical_json
 from schemas.tables import ChunkRow
 from storage.kv import KvStore
@@ -451,27 +451,39 @@ class ContextBuilder:
     def _encode_live(
         self, evidence: Sequence[Evidence]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The prefix's KV and each evidence chunk's KV after it, by the current model."""
+        """The prefix's KV and each evidence chunk's KV after it, by the current model, encoded
+        as the KV stage encodes them (``tasks.kv``): fresh rotary state per forward, and one
+        right-padded forward per run of chunks whose lengths give the same RoPE frequencies."""
         from tasks.kv import cache_to_kv, prefix_cache
 
         dec = decoder(self.model)
         dev = self.device
         ids = torch.tensor([list(self.prompt.prefix_ids)], dtype=torch.long, device=dev)
+        reset_rotary(self.model)
         out = dec(input_ids=ids, use_cache=True)
         prefix_kv = cache_to_kv(out.past_key_values)[0]
         chunk_ids = list(dict.fromkeys(e.chunk_id for e in evidence))
         if not chunk_ids:
             return prefix_kv, {}
         tokens = self.chunk_token_ids(chunk_ids)
-        width = max(len(tokens[c]) for c in chunk_ids)
-        rows = [tokens[c] + [self.pad_id] * (width - len(tokens[c])) for c in chunk_ids]
-        batch = torch.tensor(rows, dtype=torch.long, device=dev)
         p = prefix_kv.shape[-2]
-        positions = torch.arange(p, p + width, device=dev)[None].expand(len(rows), -1)
-        cache = prefix_cache(causal_lm(self.model), prefix_kv, len(rows))
-        out = dec(input_ids=batch, position_ids=positions, past_key_values=cache, use_cache=True)
-        kv = cache_to_kv(out.past_key_values, start=p)  # right padding: causal, so harmless
-        return prefix_kv, {c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(chunk_ids)}
+        lm = causal_lm(self.model)
+        frequencies = ForwardFrequencies.from_config(lm.config)
+        encoded: dict[str, torch.Tensor] = {}
+        for run in frequencies.batches([len(tokens[c]) for c in chunk_ids], p, len(chunk_ids)):
+            names = [chunk_ids[i] for i in run]
+            width = max(len(tokens[c]) for c in names)
+            rows = [tokens[c] + [self.pad_id] * (width - len(tokens[c])) for c in names]
+            batch = torch.tensor(rows, dtype=torch.long, device=dev)
+            positions = torch.arange(p, p + width, device=dev)[None].expand(len(rows), -1)
+            cache = prefix_cache(lm, prefix_kv, len(rows))
+            reset_rotary(self.model)
+            out = dec(
+                input_ids=batch, position_ids=positions, past_key_values=cache, use_cache=True
+            )
+            kv = cache_to_kv(out.past_key_values, start=p)  # right padding: causal, so harmless
+            encoded.update({c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(names)})
+        return prefix_kv, encoded
 
 
 def answer_loss_sum(
@@ -483,6 +495,7 @@ def answer_loss_sum(
     ids = torch.tensor([query_ids + answer_ids], dtype=torch.long, device=dev)
     positions = torch.arange(total, total + ids.shape[1], device=dev)[None]
     cache = to_dynamic_cache(ctx, lm.config)
+    reset_rotary(model)
     out = model(
         input_ids=ids,
         position_ids=positions,
