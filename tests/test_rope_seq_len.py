@@ -362,11 +362,26 @@ def test_rag_engine_answers_do_not_depend_on_earlier_queries(
     store = tmp_path / "store"
     settings = {"extractor": "rules", "model": str(model_dir), "chunk_size": 48}
     build_flow(str(source), str(store), settings)
-    engine = RagEngine.open(str(store), max_new_tokens=12)
+    engine = RagEngine.open(str(store), max_new_tokens=4)
+    # Observe the logits of every model call (the first of an answer is its query prefill):
+    # a random tiny model's greedy tokens barely depend on the context, its logits do.
+    calls: list[torch.Tensor] = []
+    hook = engine.model.lm_head.register_forward_hook(lambda m, a, out: calls.append(out[0, -1]))
     question = "Who directed 2001: A Space Odyssey?"
-    for method in ("turborag", "coinrag", "standard"):
-        small = engine.answer(question, method, kc=2, k=4)
-        engine.answer(question, method, kc=4, k=16)
-        again = engine.answer(question, method, kc=2, k=4)
-        assert again.evidence == small.evidence
-        assert again.token_ids == small.token_ids, method
+
+    def prefill_logits(method: str, kc: int, k: int):
+        calls.clear()
+        answer = engine.answer(question, method, kc=kc, k=k)
+        return answer, calls[0].clone()
+
+    try:
+        for method in ("turborag", "coinrag", "standard"):
+            small, logits = prefill_logits(method, 2, 4)
+            big, _ = prefill_logits(method, 4, 16)
+            assert big.active_tokens > small.active_tokens > 64
+            again, logits_again = prefill_logits(method, 2, 4)
+            assert again.evidence == small.evidence
+            assert torch.equal(logits_again, logits), method
+            assert again.token_ids == small.token_ids
+    finally:
+        hook.remove()
