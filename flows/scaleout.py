@@ -51,11 +51,16 @@ class KvPrep:
 
 @task(name="kv-prepare", cache_policy=NO_CACHE)
 def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
+    """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
+    KV decides), and the layout carries the result to the other workers."""
+    from inference.kv_dtype import resolve_kv_dtype
     from inference.models import load_shared_model
     from inference.prompt import RagPrompt
     from tasks.kv import compute_prefix_kv, kv_layout
 
-    loaded = load_shared_model(settings.model, settings.device)
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
+    get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
+    loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     layout = kv_layout(loaded, prompt)
     has_prefix = KvStore(store, layout).has_prefix()  # a read: the flow creates the store
@@ -75,7 +80,7 @@ def kv_group_task(
     from inference.models import load_shared_model
     from tasks.kv import stage_group_kv
 
-    loaded = load_shared_model(settings.model, settings.device)
+    loaded = load_shared_model(settings.model, settings.device, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
     prefix_kv, _ = kv.read_prefix()
     return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size)
@@ -131,7 +136,7 @@ def kv_on_workers(
     )
     secs.update(write=ws.encode_write_s, verify=ws.verify_s, manifest=ws.manifest_s)
     secs["total"] = time.perf_counter() - started
-    return {"model_fp": prep.layout.model_fp, **counts.as_dict()}
+    return {"model_fp": prep.layout.model_fp, "kv_dtype": prep.layout.dtype, **counts.as_dict()}
 
 
 @lru_cache(maxsize=1)

@@ -8,7 +8,11 @@ Layout contract (the same everywhere in coinrag; ``storage/kv.py`` stores exactl
   sits at position ``|p| + i``; a nugget slice ``[s, e)`` of it starts at ``|p| + s``;
 - the assembled context puts the slices after ``C_p`` in the order given, at contiguous
   positions: slice ``i`` starts at ``Δ_i = |p| + Σ_{j<i} (e_j - s_j)``. Only keys are rotated:
-  values do not depend on position.
+  values do not depend on position;
+- RoPE whose frequencies depend on the forward's length (dynamic, longrope): every key, ``C_p``'s
+  included, gets the frequencies of the forward the context stands for (``new_seq_len``: the
+  context plus the query prefilled after it), i.e. the layer-0 keys of the model's own forward
+  over the same tokens at the same positions (``tests/test_rope_seq_len.py``).
 
 The result is handed to the model as a ``transformers.DynamicCache`` (batch 1), built with
 ``DynamicCache(config=...)`` and ``.update(k, v, layer_idx)``.

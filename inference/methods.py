@@ -103,8 +103,10 @@ class RagEngine:
         embedder: str | None = None,
         max_new_tokens: int = 32,
     ) -> RagEngine:
-        """Load everything for ``store_path``; model and embedder default to the store's."""
+        """Load everything for ``store_path``; model and embedder default to the store's. The
+        model computes in the store's ``kv_dtype`` (the dtype its KV was built in)."""
         from inference.embedders import load_embedder
+        from inference.kv_dtype import resolve_kv_dtype
         from inference.models import load_model
         from schemas.settings import settings_from_toml
 
@@ -112,7 +114,8 @@ class RagEngine:
         if not store.exists():
             raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
         settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-        loaded = load_model(model or settings.model, device=settings.device)
+        dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
+        loaded = load_model(model or settings.model, device=settings.device, dtype=dtype)
         emb = load_embedder(embedder or settings.embedder)
         return cls(store, loaded, emb, max_new_tokens=max_new_tokens)
 

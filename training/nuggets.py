@@ -142,7 +142,9 @@ class TrainConfig:
         return self
 
     def resolved_dtype(self) -> str:
-        return self.dtype or ("float32" if self.device == "cpu" else "bfloat16")
+        from inference.models import default_dtype
+
+        return self.dtype or default_dtype(self.device)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -446,7 +448,8 @@ class ContextBuilder:
             ]
         total = p + sum(s.tokens for s in slices)
         ctx = assemble_context(prefix_kv, slices, self.spec, new_seq_len=total + n_query)
-        return ctx.to(self.device), total
+        dtype = next(self.model.parameters()).dtype  # stored KV may be in another dtype
+        return ctx.to(self.device, dtype=dtype), total
 
     def _encode_live(
         self, evidence: Sequence[Evidence]
@@ -854,6 +857,27 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 # ------------------------------------------------------------------------------------ end to end
 
 
+def _stored_kv_layout(loaded: Any, prompt: RagPrompt, settings: Any) -> tuple[str, Any]:
+    """``(kv_fp, layout)`` of the store's KV of ``loaded``'s weights: at the store's
+    ``kv_dtype``, which may differ from the dtype training computes in (the entries are then
+    cast when the context is assembled)."""
+    import dataclasses
+
+    from inference.kv_dtype import resolve_kv_dtype
+    from inference.models import model_fingerprint, weights_sha256
+    from tasks.kv import kv_layout
+
+    layout = kv_layout(loaded, prompt)
+    dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
+    if dtype != layout.dtype:
+        config = causal_lm(loaded.model).config
+        model_fp = model_fingerprint(
+            config, weights_sha256(loaded.model_dir), dtype, loaded.tokenizer_fp
+        )
+        layout = dataclasses.replace(layout, model_fp=model_fp, dtype=dtype)
+    return layout.kv_fp, layout
+
+
 def run_training(
     store_path: str | os.PathLike[str],
     data: str | os.PathLike[str],
@@ -875,7 +899,7 @@ def run_training(
     from inference.models import load_model, model_fingerprint, weights_sha256
     from schemas.settings import settings_from_toml
     from storage.index import LanceIndex
-    from tasks.kv import _pad_id, kv_layout
+    from tasks.kv import _pad_id
 
     cfg.validate()
     logger = logger or log
@@ -892,9 +916,8 @@ def run_training(
     plans, counts = make_plans(examples, retriever, prompt, loaded.tokenizer, cfg)
     prep_s = time.perf_counter() - t0
     kv = None
-    if cfg.mode == "frozen":
-        layout = kv_layout(loaded, prompt)
-        kv = KvStore.open(store, layout.kv_fp, layout)
+    if cfg.mode == "frozen":  # the store's KV, in the dtype it was built in (kv_dtype)
+        kv = KvStore.open(store, *_stored_kv_layout(loaded, prompt, settings))
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
     builder = ContextBuilder(store, net, prompt, cfg.mode, kv, _pad_id(loaded.tokenizer))
