@@ -449,7 +449,8 @@ def rerotate_keys(
             because the same positions get different frequencies depending on how long the
             forward was. Caveat (transformers' own behaviour): a rotary module that an earlier,
             longer forward has grown keeps the grown frequencies for lengths in
-            ``(max_position_embeddings, grown]``; this reproduces a fresh module.
+            ``(max_position_embeddings, grown]``; this reproduces a fresh module, which is
+            what coinrag's forwards run with (:func:`reset_rotary` before each sequence).
 
     Raises:
         UnsafeRerotation: dynamic / longrope without ``old_seq_len`` and ``new_seq_len``.

@@ -161,3 +161,46 @@ def test_auto_records_what_it_resolved_to(tmp_path: Path, corpus_and_model) -> N
     assert KvStore.open(Store.at(store), fps["kv_fp"]).layout.dtype == expected
     bad = CliRunner().invoke(app, ["build", str(source), "--store", str(store), "--kv-dtype", "q"])
     assert bad.exit_code == 2 and "kv_dtype 'q' is not one of" in bad.output
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_frozen_training_on_a_bf16_store_and_its_kv_rebuild(
+    tmp_path: Path, corpus_and_model
+) -> None:
+    """``train nuggets --mode frozen`` computes in float32 on the store's bfloat16 KV (cast at
+    assembly); the model_fp it records is the one the KV rebuild stores under, and the store
+    then answers with the new model at bfloat16."""
+    from flows.train import train_nuggets
+    from inference.methods import RagEngine
+
+    _, model = corpus_and_model
+    text = "Zorvath is a mountain town in Keldia. It was founded in 1724 by Ilsa Moren."
+    data = tmp_path / "qa.jsonl"
+    line = {"question": "Who founded Zorvath?", "answer": "Ilsa Moren"}
+    line["documents"] = [{"id": "zorvath", "text": text, "gold": True}]
+    data.write_text(json.dumps(line) + "\n")
+    store = tmp_path / "store"
+    s = train_nuggets(
+        store,
+        data,
+        tmp_path / "ft",
+        mode="frozen",
+        max_steps=1,
+        model=str(model),
+        build={"extractor": "rules", "chunk_size": 24, "kv_dtype": "bfloat16"},
+        rebuild_kv=True,
+        batch_size=1,
+        kc=1,
+        k=2,
+    )
+    assert s["steps"] == 1 and s["config"]["dtype"] is None  # trained in float32 (CPU)
+    rebuilt = [r for r in read_rows(Store.at(store), RunRow) if r.status == "completed"]
+    fps = json.loads(
+        next(r for r in rebuilt if r.run_id == s["kv_rebuild"]["run_id"]).fingerprints_json
+    )
+    assert fps["model_fp"] == s["model_fp"] != s["base_model_fp"]
+    assert KvStore.open(Store.at(store), fps["kv_fp"]).layout.dtype == "bfloat16"
+    engine = RagEngine.open(str(store), max_new_tokens=2)
+    assert engine.loaded.model_fp == s["model_fp"]
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    assert engine.answer("Who founded Zorvath?", "coinrag", kc=1, k=2).evidence

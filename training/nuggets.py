@@ -77,7 +77,7 @@ from inference.retrieve import Evidence, Retriever
 from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from schemas.keys import canonical_json
 from schemas.tables import ChunkRow
-from storage.kv import KvStore
+from storage.kv import KvLayout, KvStore
 from storage.store import Store
 from storage.tables import read_table
 
@@ -857,25 +857,23 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 # ------------------------------------------------------------------------------------ end to end
 
 
-def _stored_kv_layout(loaded: Any, prompt: RagPrompt, settings: Any) -> tuple[str, Any]:
-    """``(kv_fp, layout)`` of the store's KV of ``loaded``'s weights: at the store's
-    ``kv_dtype``, which may differ from the dtype training computes in (the entries are then
+def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, KvLayout]:
+    """``(model_fp, layout)`` of ``loaded``'s weights as the store computes KV: at the store's
+    ``kv_dtype``, which may differ from the dtype training computes in (stored entries are then
     cast when the context is assembled)."""
     import dataclasses
 
-    from inference.kv_dtype import resolve_kv_dtype
     from inference.models import model_fingerprint, weights_sha256
     from tasks.kv import kv_layout
 
-    layout = kv_layout(loaded, prompt)
-    dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-    if dtype != layout.dtype:
-        config = causal_lm(loaded.model).config
-        model_fp = model_fingerprint(
-            config, weights_sha256(loaded.model_dir), dtype, loaded.tokenizer_fp
-        )
-        layout = dataclasses.replace(layout, model_fp=model_fp, dtype=dtype)
-    return layout.kv_fp, layout
+    model_fp = model_fingerprint(
+        causal_lm(loaded.model).config,
+        weights_sha256(loaded.model_dir),
+        kv_dtype,
+        loaded.tokenizer_fp,
+    )
+    layout = dataclasses.replace(kv_layout(loaded, prompt), model_fp=model_fp, dtype=kv_dtype)
+    return model_fp, layout
 
 
 def run_training(
@@ -896,6 +894,7 @@ def run_training(
     that builds them first). Returns a summary with ``model_fp`` and ``base_model_fp``.
     ``OUT/checkpoints`` is removed once the model is saved unless ``keep_checkpoints``."""
     from inference.embedders import load_embedder
+    from inference.kv_dtype import resolve_kv_dtype
     from inference.models import load_model, model_fingerprint, weights_sha256
     from schemas.settings import settings_from_toml
     from storage.index import LanceIndex
@@ -915,13 +914,15 @@ def run_training(
     t0 = time.perf_counter()
     plans, counts = make_plans(examples, retriever, prompt, loaded.tokenizer, cfg)
     prep_s = time.perf_counter() - t0
-    kv = None
-    if cfg.mode == "frozen":  # the store's KV, in the dtype it was built in (kv_dtype)
-        kv = KvStore.open(store, *_stored_kv_layout(loaded, prompt, settings))
+    # Model fingerprints as this store computes KV (its kv_dtype): the base model's KV is what
+    # frozen mode reads, and --rebuild-kv stores the new model's under the model_fp recorded here.
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
+    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype)
+    kv = KvStore.open(store, layout.kv_fp, layout) if cfg.mode == "frozen" else None
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
     builder = ContextBuilder(store, net, prompt, cfg.mode, kv, _pad_id(loaded.tokenizer))
-    identity = {"data_sha256": data_sha, "base_model_fp": loaded.model_fp}
+    identity = {"data_sha256": data_sha, "base_model_fp": base_model_fp}
     result = train(
         net,
         builder,
@@ -937,14 +938,12 @@ def run_training(
     out_dir = Path(out)
     plot_losses(result.log, out_dir / "loss.png")
     lm = save_model(net, loaded.tokenizer, out_dir, cfg.lora)
-    model_fp = model_fingerprint(
-        lm.config, weights_sha256(out_dir), cfg.resolved_dtype(), loaded.tokenizer_fp
-    )
+    model_fp = model_fingerprint(lm.config, weights_sha256(out_dir), kv_dtype, loaded.tokenizer_fp)
     summary = {
         "model_dir": str(out_dir.resolve()),
         "model_fp": model_fp,
         "base_model": str(loaded.model_dir),
-        "base_model_fp": loaded.model_fp,
+        "base_model_fp": base_model_fp,
         "data": str(Path(data).resolve()),
         "data_sha256": data_sha,
         "config": cfg.to_dict(),
