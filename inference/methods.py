@@ -87,8 +87,9 @@ class RagEngine:
             self.prefix_kv, prefix_ids = self.kv.read_prefix()
         except (MissingKvEntry, FileNotFoundError) as exc:
             raise MissingAssets(
-                f"store {store} has no KV for model {loaded.model_fp}: run "
-                "`coinrag build SOURCE --store ...` with this model first"
+                f"store {store} has no KV for model {loaded.model_fp} in {layout.dtype}: run "
+                f"`coinrag build SOURCE --store ... --kv-dtype {layout.dtype}` with this model "
+                "first (or set kv_dtype in the store's coinrag.toml to the dtype it was built in)"
             ) from exc
         if prefix_ids != self.prompt.prefix_ids:
             raise MissingAssets("the stored prompt prefix differs from this prompt's")

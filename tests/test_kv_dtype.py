@@ -148,6 +148,15 @@ def test_bf16_and_fp32_stores_differ_in_kv_fp_and_both_answer(
             assert answer["evidence"] and answer["timings"]["kv_load"] > 0
     assert kv_fps["bfloat16"][0] != kv_fps["float32"][0]
     assert kv_fps["bfloat16"][1] != kv_fps["float32"][1]
+    # A store whose recorded kv_dtype is not the one its KV was built in (e.g. built before the
+    # setting existed, read with auto): one clear error naming the dtype and the way out.
+    toml = stores["float32"] / "coinrag.toml"
+    toml.write_text(toml.read_text().replace('kv_dtype = "float32"', 'kv_dtype = "bfloat16"'))
+    result = CliRunner().invoke(app, ["query", "q", "--store", str(stores["float32"])])
+    assert result.exit_code == 1
+    message = " ".join(result.output.split())
+    assert "no KV for model" in message and "in bfloat16" in message
+    assert "--kv-dtype bfloat16" in message
 
 
 @pytest.mark.usefixtures("prefect_harness")
