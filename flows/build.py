@@ -27,6 +27,7 @@ from prefect.utilities.annotations import quote
 from flows.progress import ProgressLog, result_with_ticks
 from flows.runners import task_runner
 from flows.scaleout import embed_on_workers, kv_on_workers
+from inference.kv_dtype import resolve_kv_dtype
 from inference.models import load_tokenizer, tokenizer_fingerprint
 from schemas.keys import new_run_id
 from schemas.settings import BuildSettings
@@ -118,7 +119,9 @@ def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) ->
     from tasks.kv import kv_stage
 
     logger = get_run_logger()
-    loaded = load_shared_model(settings.model, settings.device)
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
+    logger.info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
+    loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
     started = time.monotonic()
 
     def progress(done: int, total: int) -> None:
@@ -141,7 +144,7 @@ def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) ->
         progress=progress,
         check=settings.kv_verify,
     )
-    return {"model_fp": loaded.model_fp, **counts.as_dict()}
+    return {"model_fp": loaded.model_fp, "kv_dtype": kv_dtype.dtype, **counts.as_dict()}
 
 
 @task(name="embed-index", cache_policy=NO_CACHE)
@@ -324,6 +327,9 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
         except BaseException as exc:
             finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
             raise
+        # kv_dtype "auto" is resolved where the KV is computed (here when no KV was); record
+        # what it became, so readers load the model in the dtype of the stored KV.
+        params["kv_dtype"] = kv.get("kv_dtype") or resolve_kv_dtype(s.kv_dtype, s.device).dtype
         summary = {
             "run_id": run_id,
             "documents": len(ingested.documents),
@@ -347,6 +353,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "kv_reused": kv.get("reused", 0),
             "kv_rebuilt": kv.get("rebuilt", 0),
             "kv_disk_bytes": kv.get("disk_bytes", 0),
+            "kv_dtype": params["kv_dtype"],
             "embedded": index.get("embedded", 0),
             "embeddings_cached": index.get("cached", 0),
             "stage_seconds": clock.seconds,
@@ -366,7 +373,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             st,
             run_id,
             "build",
-            s.to_dict() | {"extractor": params["extractor"]},
+            s.to_dict() | {"extractor": params["extractor"], "kv_dtype": params["kv_dtype"]},
             index=s.index or bool(pruned),
         )
         # Work that failed but may succeed when asked again (the next build retries it): the
@@ -380,6 +387,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             counts=summary,
             cost_usd=extracted.cost_usd,
             error="; ".join(failures) or None,
+            parameters=params,
         )
         create_table_artifact(
             table=[{"measure": k, "value": str(v)} for k, v in summary.items()],

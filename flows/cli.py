@@ -161,6 +161,14 @@ TauOption = Annotated[float | None, typer.Option(help="Fuzzy recovery threshold 
 ConcurrencyOption = Annotated[
     int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
 ]
+KvDtypeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-dtype",
+        help="auto | float32 | bfloat16 | float16: dtype of the KV forward and of the stored "
+        "KV (default auto: bfloat16 where the device computes it natively, else float32).",
+    ),
+]
 
 
 @app.command()
@@ -217,6 +225,7 @@ def build(
     device: Annotated[
         str | None, typer.Option(help="Torch device of the generation model (default cpu).")
     ] = None,
+    kv_dtype: KvDtypeOption = None,
 ) -> None:
     """Build or update STORE from SOURCE: chunks, nuggets, and (later stages) KV and indexes."""
     from schemas.settings import SettingsError, load_settings
@@ -242,6 +251,7 @@ def build(
                 "workers": workers,
                 "kv_resources": kv_resources,
                 "device": device,
+                "kv_dtype": kv_dtype,
             },
         )
     except SettingsError as exc:
@@ -693,6 +703,7 @@ def serve(
     chunk_size: ChunkSizeOption = None,
     tau: TauOption = None,
     concurrency: ConcurrencyOption = None,
+    kv_dtype: KvDtypeOption = None,
 ) -> None:
     """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
 
@@ -719,6 +730,7 @@ def serve(
         "chunk_size": chunk_size,
         "tau": tau,
         "concurrency": concurrency,
+        "kv_dtype": kv_dtype,
     }
     try:
         settings = load_settings(config, overrides)

@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner
 
 from flows.runners import kv_placement
+from inference.rope import ForwardFrequencies
 from schemas.settings import BuildSettings
 from schemas.tables import ChunkRow
 from storage.kv import KvLayout, KvStore, StagedShard
@@ -45,15 +46,21 @@ class KvPrep:
     tokenizer_fp: str
     prefix_ids: tuple[int, ...]
     prefix_kv: torch.Tensor | None  # C_p, when the store does not hold it yet
+    frequencies: ForwardFrequencies  # how the workers batch (tasks.kv.KvBatching)
 
 
 @task(name="kv-prepare", cache_policy=NO_CACHE)
 def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
+    """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
+    KV decides), and the layout carries the result to the other workers."""
+    from inference.kv_dtype import resolve_kv_dtype
     from inference.models import load_shared_model
     from inference.prompt import RagPrompt
     from tasks.kv import compute_prefix_kv, kv_layout
 
-    loaded = load_shared_model(settings.model, settings.device)
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
+    get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
+    loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     layout = kv_layout(loaded, prompt)
     kv = KvStore(store, layout)  # reads only: the flow creates the store
@@ -63,6 +70,7 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
         tokenizer_fp=loaded.tokenizer_fp,
         prefix_ids=tuple(prompt.prefix_ids),
         prefix_kv=None if usable else compute_prefix_kv(loaded.model, prompt.prefix_ids),
+        frequencies=ForwardFrequencies.from_config(loaded.model.config),
     )
 
 
@@ -73,7 +81,7 @@ def kv_group_task(
     from inference.models import load_shared_model
     from tasks.kv import stage_group_kv
 
-    loaded = load_shared_model(settings.model, settings.device)
+    loaded = load_shared_model(settings.model, settings.device, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
     prefix_kv, _ = kv.read_prefix()
     return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size)
@@ -84,6 +92,7 @@ def kv_on_workers(
 ) -> dict[str, Any]:
     """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
     from tasks.kv import (
+        KvBatching,
         KvCounts,
         count_batches,
         kv_groups,
@@ -109,6 +118,7 @@ def kv_on_workers(
     todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, settings.kv_verify, rebuild)
     stored_prefix_kv(kv, prep.prefix_ids)  # the stored C_p is this prompt's
     groups = kv_groups(todo, settings.kv_batch_size, prep.layout.slots_per_shard)
+    batching = KvBatching(settings.kv_batch_size, len(prep.prefix_ids), prep.frequencies)
     with kv_placement(settings):
         futures = [
             runner.submit(
@@ -129,7 +139,7 @@ def kv_on_workers(
         staged, worker_secs = future.result()
         for shard in staged:
             counts.computed += len(kv.publish_shard(shard, run_id))
-        count_batches(counts, group, settings.kv_batch_size)
+        count_batches(counts, group, batching)
         for name, value in worker_secs.items():
             secs[name] = secs.get(name, 0.0) + value
         logger.info("kv: %d/%d chunks stored", counts.computed, len(todo))
@@ -141,7 +151,7 @@ def kv_on_workers(
     )
     secs.update(write=ws.encode_write_s, verify=ws.verify_s, manifest=ws.manifest_s)
     secs["total"] = time.perf_counter() - started
-    return {"model_fp": prep.layout.model_fp, **counts.as_dict()}
+    return {"model_fp": prep.layout.model_fp, "kv_dtype": prep.layout.dtype, **counts.as_dict()}
 
 
 @lru_cache(maxsize=1)

@@ -8,7 +8,11 @@ Layout contract (the same everywhere in coinrag; ``storage/kv.py`` stores exactl
   sits at position ``|p| + i``; a nugget slice ``[s, e)`` of it starts at ``|p| + s``;
 - the assembled context puts the slices after ``C_p`` in the order given, at contiguous
   positions: slice ``i`` starts at ``Δ_i = |p| + Σ_{j<i} (e_j - s_j)``. Only keys are rotated:
-  values do not depend on position.
+  values do not depend on position;
+- RoPE whose frequencies depend on the forward's length (dynamic, longrope): every key, ``C_p``'s
+  included, gets the frequencies of the forward the context stands for (``new_seq_len``: the
+  context plus the query prefilled after it), i.e. the layer-0 keys of the model's own forward
+  over the same tokens at the same positions (``tests/test_rope_seq_len.py``).
 
 The result is handed to the model as a ``transformers.DynamicCache`` (batch 1), built with
 ``DynamicCache(config=...)`` and ``.update(k, v, layer_idx)``.
@@ -56,29 +60,41 @@ def assemble_context(
         prefix_kv: ``(layers, 2, kv_heads, P, head_dim)``, encoded at positions ``0..P-1``.
         slices: in context order.
         spec: the model's RoPE.
-        new_seq_len: length of the forward whose cache this stands for (dynamic RoPE only;
-            defaults to the assembled length).
+        new_seq_len: length of the forward whose cache this stands for (dynamic / longrope
+            only; defaults to the assembled length): with the query prefilled after the
+            context, the context plus the query. Every key, ``C_p``'s included, gets the
+            frequencies a forward of that length uses, as the model's own forward over the
+            same tokens at the same positions gives them.
 
     Returns:
         ``(layers, 2, kv_heads, P + Σ n_i, head_dim)``, same dtype as ``prefix_kv``.
 
     >>> # two slices of 3 and 2 tokens after a 5-token prefix land at positions 5..7 and 8..9
     """
-    total = prefix_kv.shape[-2] + sum(s.tokens for s in slices)
+    n_prefix = prefix_kv.shape[-2]
+    total = n_prefix + sum(s.tokens for s in slices)
     seq_len = new_seq_len or total
     parts = [prefix_kv]
-    start = prefix_kv.shape[-2]
+    if spec.seq_len_dependent and not torch.equal(
+        spec.inv_freq_for(n_prefix), spec.inv_freq_for(seq_len)
+    ):
+        # C_p was encoded in a forward of its own length; a forward of length seq_len uses
+        # other frequencies (dynamic NTK above max_position_embeddings, longrope's long factors).
+        parts = [_rotated(KvSlice(prefix_kv, 0, n_prefix), 0, spec, seq_len)]
+    start = n_prefix
     for s in slices:
-        keys = s.kv[:, 0]
-        old = torch.arange(s.old_start, s.old_start + s.tokens)
-        new = torch.arange(start, start + s.tokens)
-        if s.old_start != start or spec.seq_len_dependent:
-            keys = rerotate_keys(
-                keys, old, new, spec, old_seq_len=s.old_seq_len, new_seq_len=seq_len
-            )
-        parts.append(torch.stack([keys.to(s.kv.dtype), s.kv[:, 1]], dim=1))
+        moved = s.old_start != start or spec.seq_len_dependent
+        parts.append(_rotated(s, start, spec, seq_len) if moved else s.kv)
         start += s.tokens
     return torch.cat(parts, dim=-2)
+
+
+def _rotated(s: KvSlice, start: int, spec: RopeSpec, seq_len: int) -> torch.Tensor:
+    """``s.kv`` with its keys moved to positions ``start..`` of a forward of length ``seq_len``."""
+    old = torch.arange(s.old_start, s.old_start + s.tokens)
+    new = torch.arange(start, start + s.tokens)
+    keys = rerotate_keys(s.kv[:, 0], old, new, spec, old_seq_len=s.old_seq_len, new_seq_len=seq_len)
+    return torch.stack([keys.to(s.kv.dtype), s.kv[:, 1]], dim=1)
 
 
 def to_dynamic_cache(kv: torch.Tensor, config: Any) -> Any:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from inference.rope import reset_rotary
+
 
 @dataclass
 class Generation:
@@ -48,14 +50,21 @@ def prefill_and_decode(
 ) -> Generation:
     """Prefill ``input_ids`` at positions ``context_len..`` after ``cache``; decode greedily.
 
+    The prefill starts from a fresh rotary state (``inference.rope.reset_rotary``), so it is
+    the forward a freshly loaded model computes, whatever this model object ran before; the
+    decode steps then continue as transformers' own ``generate`` does.
+
     Args:
-        cache: a transformers cache holding ``context_len`` tokens (mutated), or None.
+        cache: a transformers cache holding ``context_len`` tokens (mutated), or None. For
+            dynamic / longrope RoPE its keys must carry the frequencies of a forward of length
+            ``context_len + len(input_ids)`` (``assemble_context(new_seq_len=...)``).
         input_ids: the tokens to prefill (the query part; for standard RAG, everything).
         max_new_tokens: upper bound on generated tokens; stops early at an EOS token.
     """
     device = next(model.parameters()).device
     ids = torch.tensor([list(input_ids)], device=device)
     positions = torch.arange(context_len, context_len + ids.shape[1], device=device)[None]
+    reset_rotary(model)  # a new sequence: no frequencies grown by an earlier query (dynamic NTK)
     t0 = time.perf_counter()
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
     logits = out.logits[0, -1].float()

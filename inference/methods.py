@@ -71,27 +71,29 @@ def repair_command(store: Store) -> str:
     return f"`coinrag build {source} --store {store.url}{config}`"
 
 
-def _no_kv_message(store: Store, model_fp: str) -> str:
+def _no_kv_message(store: Store, model_fp: str, dtype: str) -> str:
     """Why a model cannot answer from ``store``: both fingerprints (the model asked for, the
-    models the store's KV was built by) and the two ways out."""
+    models the store's KV was built by, with their dtypes) and the ways out."""
     from storage.gc import kv_fps
     from storage.kv import KvError
 
-    built: list[str] = []
+    built: set[str] = set()
     for kv_fp in kv_fps(store):
         try:
-            built.append(KvStore.open(store, kv_fp).layout.model_fp)
+            layout = KvStore.open(store, kv_fp).layout
         except (KvError, FileNotFoundError, KeyError):
             continue
+        built.add(f"{layout.model_fp} ({layout.dtype})")
     have = (
-        f"its KV was built by model {', '.join(sorted(set(built)))}"
+        f"its KV was built by model {', '.join(sorted(built))}"
         if built
         else "it holds no KV at all (built with kv = false?)"
     )
     return (
-        f"store {store} has no KV for model {model_fp}; {have}: query with the store's own "
-        "model (no --model), or run `coinrag build SOURCE --store ... --model ...` with this "
-        "model first"
+        f"store {store} has no KV for model {model_fp} in {dtype}; {have}: query with the "
+        "store's own model (no --model), or run `coinrag build SOURCE --store ... --model ... "
+        f"--kv-dtype {dtype}` with this model first (or set kv_dtype in the store's coinrag.toml "
+        "to the dtype it was built in)"
     )
 
 
@@ -143,7 +145,7 @@ class RagEngine:
         except CorruptKvEntry as exc:
             raise CorruptAssets(store, "the prompt prefix", exc) from exc
         except (MissingKvEntry, FileNotFoundError) as exc:
-            raise MissingAssets(_no_kv_message(store, loaded.model_fp)) from exc
+            raise MissingAssets(_no_kv_message(store, loaded.model_fp, layout.dtype)) from exc
         if prefix_ids != self.prompt.prefix_ids:
             raise MissingAssets("the stored prompt prefix differs from this prompt's")
         self.retriever = Retriever(store, embedder)
@@ -157,8 +159,10 @@ class RagEngine:
         embedder: str | None = None,
         max_new_tokens: int = 32,
     ) -> RagEngine:
-        """Load everything for ``store_path``; model and embedder default to the store's."""
+        """Load everything for ``store_path``; model and embedder default to the store's. The
+        model computes in the store's ``kv_dtype`` (the dtype its KV was built in)."""
         from inference.embedders import load_embedder
+        from inference.kv_dtype import resolve_kv_dtype
         from inference.models import load_model
         from schemas.settings import settings_from_toml
 
@@ -166,7 +170,8 @@ class RagEngine:
         if not store.exists():
             raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
         settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-        loaded = load_model(model or settings.model, device=settings.device)
+        dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
+        loaded = load_model(model or settings.model, device=settings.device, dtype=dtype)
         emb = load_embedder(embedder or settings.embedder)
         return cls(store, loaded, emb, max_new_tokens=max_new_tokens)
 

@@ -214,20 +214,27 @@ def model_fingerprint(config: Any, weights_hash: str, dtype: str, tokenizer_fp: 
     )
 
 
-def reference_model_fingerprint(ref: str | os.PathLike[str] | None, device: str = "cpu") -> str:
-    """The ``model_fp`` :func:`load_model` gives ``ref`` on ``device``, without loading weights
-    (config, tokenizer and the cached weights hash only)."""
+def reference_model_fingerprint(
+    ref: str | os.PathLike[str] | None, device: str = "cpu", dtype: str | None = None
+) -> str:
+    """The ``model_fp`` :func:`load_model` gives ``ref`` on ``device`` (at ``dtype``), without
+    loading weights (config, tokenizer and the cached weights hash only)."""
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(ref)
     tok_fp = tokenizer_fingerprint(load_tokenizer(ref))
     config = AutoConfig.from_pretrained(model_dir)
-    return model_fingerprint(config, weights_sha256(model_dir), default_dtype(device), tok_fp)
+    dtype = dtype or default_dtype(device)
+    return model_fingerprint(config, weights_sha256(model_dir), dtype, tok_fp)
 
 
 def default_dtype(device: str) -> str:
-    """float32 on CPU (fastest there), bfloat16 on accelerators."""
-    return "float32" if device == "cpu" else "bfloat16"
+    """The dtype of a model loaded without one (the local extractor, cartridges): float32 on a
+    CPU (``cpu``, ``cpu:0``, ...), bfloat16 on accelerators. The KV model's dtype is the
+    ``kv_dtype`` setting instead (``inference/kv_dtype.py``)."""
+    from inference.kv_dtype import device_type
+
+    return "float32" if device_type(device) == "cpu" else "bfloat16"
 
 
 def load_model(
@@ -247,10 +254,15 @@ def load_model(
     return LoadedModel(model, tokenizer, model_dir, model_fp, tok_fp)
 
 
-@lru_cache(maxsize=2)
 def load_shared_model(
     ref: str | None, device: str = "cpu", dtype: str | None = None
 ) -> LoadedModel:
-    """:func:`load_model`, memoised per process: the build's extractor and KV stage share one
-    copy. For inference only (eval mode, never trained in place)."""
+    """:func:`load_model`, memoised per process and dtype: the build's extractor and KV stage
+    share one copy when they compute in the same dtype. For inference only (eval mode, never
+    trained in place)."""
+    return _load_shared_model(ref, device, dtype or default_dtype(device))
+
+
+@lru_cache(maxsize=2)
+def _load_shared_model(ref: str | None, device: str, dtype: str) -> LoadedModel:
     return load_model(ref, device=device, dtype=dtype)

@@ -35,10 +35,12 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 __all__ = [
+    "ForwardFrequencies",
     "RopeSpec",
     "UnsafeRerotation",
     "UnsupportedRope",
     "rerotate_keys",
+    "reset_rotary",
     "shift_keys",
 ]
 
@@ -235,6 +237,127 @@ class RopeSpec:
         return cached
 
 
+def _rope_parameter_sets(config: Any) -> list[dict[str, Any]]:
+    """The rope parameter dicts of a config: one, or one per layer type."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if params and "rope_type" not in params and "type" not in params:
+        return [dict(v) for v in params.values() if isinstance(v, dict)]
+    return [params]
+
+
+@dataclass(frozen=True)
+class ForwardFrequencies:
+    """Which RoPE frequencies a freshly initialised transformers rotary embedding uses for one
+    forward, as a function of that forward's length ``seq_len`` (its largest position id + 1).
+
+    Only ``dynamic`` and ``longrope`` depend on it (``transformers.modeling_rope_utils.
+    dynamic_rope_update``): dynamic NTK keeps its init frequencies up to
+    ``max_position_embeddings`` and above that computes them from ``seq_len`` itself; longrope
+    uses its short factors up to ``original_max_position_embeddings`` and its long factors
+    above. A right-padded batch is one forward of length ``|p| + longest chunk``: its shorter
+    rows get the frequencies of that length, not of their own (see :meth:`key`).
+
+    Works from the config alone (any architecture, also those :class:`RopeSpec` refuses), so the
+    KV stage can batch by it. Picklable (it travels to scale-out workers).
+
+    Attributes:
+        thresholds: per rope parameter set (one, or one per layer type): ``(rope_type,
+            threshold)`` with threshold the length above which that type changes frequencies
+            (None for types that never do).
+    """
+
+    thresholds: tuple[tuple[str, int | None], ...]
+
+    @classmethod
+    def from_config(cls, config: Any) -> ForwardFrequencies:
+        out = []
+        for params in _rope_parameter_sets(config):
+            rope_type = str(params.get("rope_type", params.get("type", "default")))
+            threshold = None
+            if "dynamic" in rope_type:  # as dynamic_rope_update tests it
+                threshold = int(config.max_position_embeddings)
+            elif rope_type == "longrope":
+                original = params.get("original_max_position_embeddings") or getattr(
+                    config, "original_max_position_embeddings", None
+                )
+                threshold = int(original)
+            out.append((rope_type, threshold))
+        return cls(tuple(out))
+
+    @property
+    def seq_len_dependent(self) -> bool:
+        return any(t is not None for _, t in self.thresholds)
+
+    def key(self, seq_len: int) -> tuple[int, ...]:
+        """Equal keys <=> forwards of these lengths use the same frequencies (in a fresh module).
+
+        >>> f = ForwardFrequencies((("dynamic", 64),))
+        >>> f.key(35) == f.key(64), f.key(65) == f.key(85)
+        (True, False)
+        """
+        out = []
+        for rope_type, threshold in self.thresholds:
+            if threshold is None:
+                out.append(0)
+            elif rope_type == "longrope":
+                out.append(int(seq_len > threshold))
+            else:  # dynamic: one frequency set per length above the threshold
+                out.append(int(seq_len) if seq_len > threshold else 0)
+        return tuple(out)
+
+    def batches(self, lengths: Sequence[int], offset: int, batch_size: int) -> list[range]:
+        """Cut items ``0..len(lengths)-1`` (in that order) into consecutive runs of at most
+        ``batch_size`` items whose forwards at ``offset + length`` use the same frequencies, so
+        that right-padding a run to its longest item gives every item the keys it gets alone.
+
+        >>> ForwardFrequencies((("dynamic", 64),)).batches([80, 80, 70, 30, 20], 5, 4)
+        [range(0, 2), range(2, 3), range(3, 5)]
+        """
+        runs: list[range] = []
+        start = 0
+        for i in range(1, len(lengths) + 1):
+            if (
+                i == len(lengths)
+                or i - start == batch_size
+                or self.key(offset + lengths[i]) != self.key(offset + lengths[start])
+            ):
+                runs.append(range(start, i))
+                start = i
+        return runs
+
+
+def reset_rotary(model: Any) -> None:
+    """Put every dynamic-NTK rotary embedding of ``model`` back into its initial state.
+
+    transformers' ``dynamic_rope_update`` keeps state between forwards: a forward longer than
+    ``max_position_embeddings`` grows ``inv_freq`` (and ``max_seq_len_cached``) and the grown
+    frequencies stay for every later forward of a length in ``(max_position_embeddings,
+    grown]``; only a forward shorter than ``max_position_embeddings`` resets them. So what a
+    forward computes would depend on what the same model object computed before (an earlier
+    query, a longer chunk). Call this before a forward that starts a new sequence (the prefix,
+    a KV batch, a query prefill, a training example); the decode steps that continue a sequence
+    keep transformers' own behaviour. Longrope needs no reset (it sets its frequencies on every
+    forward); the other types have no state.
+    """
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        if not hasattr(module, "original_max_seq_len"):
+            continue
+        types = rope_type.items() if isinstance(rope_type, dict) else [(None, rope_type)]
+        for layer_type, kind in types:
+            if not isinstance(kind, str) or "dynamic" not in kind:
+                continue
+            prefix = "" if layer_type is None else f"{layer_type}_"
+            original = getattr(module, f"{prefix}original_inv_freq", None)
+            grown = getattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+            if not isinstance(original, torch.Tensor) or grown == module.original_max_seq_len:
+                continue  # never grown, or reset by transformers itself: inv_freq is the init one
+            # As transformers' own reset (which also leaves attention_scaling alone: dynamic
+            # NTK's is 1.0 before and after growth).
+            module.register_buffer(f"{prefix}inv_freq", original, persistent=False)
+            setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+
+
 def _as_positions(positions: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
     pos = torch.as_tensor(positions)
     if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
@@ -326,7 +449,8 @@ def rerotate_keys(
             because the same positions get different frequencies depending on how long the
             forward was. Caveat (transformers' own behaviour): a rotary module that an earlier,
             longer forward has grown keeps the grown frequencies for lengths in
-            ``(max_position_embeddings, grown]``; this reproduces a fresh module.
+            ``(max_position_embeddings, grown]``; this reproduces a fresh module, which is
+            what coinrag's forwards run with (:func:`reset_rotary` before each sequence).
 
     Raises:
         UnsafeRerotation: dynamic / longrope without ``old_seq_len`` and ``new_seq_len``.

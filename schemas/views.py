@@ -20,7 +20,18 @@ from datetime import datetime
 from schemas.tables import DocumentRow, KvManifestRow, RunRow
 
 # The producers whose current value decides staleness (the names of ``current_producers`` rows).
-PRODUCERS = ("tokenizer_fp", "chunker_fp", "extractor_fp", "tau", "model_fp", "embedder_fp")
+# ``model_fp`` is the generation model as it computes the KV (at ``kv_dtype``);
+# ``cartridge_model_fp`` the same model as cartridges are trained and served with (at its
+# default dtype, ``inference.models.default_dtype``): the two differ when the dtypes do.
+PRODUCERS = (
+    "tokenizer_fp",
+    "chunker_fp",
+    "extractor_fp",
+    "tau",
+    "model_fp",
+    "cartridge_model_fp",
+    "embedder_fp",
+)
 
 # Views that are a table's own columns, filtered to the current state.
 SAME_AS_TABLE: dict[str, type] = {

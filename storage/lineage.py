@@ -233,10 +233,12 @@ _STALE_SOURCES: tuple[tuple[str, str, str, str, str, tuple[str, ...]], ...] = (
         "cartridge_id",
         "doc_version",
         "lineage_cartridges",
-        ("model_fp",),
+        ("cartridge_model_fp",),
     ),
 )
 _SQL_TYPES = {str: "VARCHAR", float: "DOUBLE", int: "BIGINT"}
+# The column an asset records a producer in, where it is not the producer's own name.
+_PRODUCER_COLUMN = {"cartridge_model_fp": "model_fp"}
 
 
 def _stale_sql() -> str:
@@ -245,18 +247,19 @@ def _stale_sql() -> str:
         for producer in producers:
             if producer not in PRODUCERS:
                 raise KeyError(f"{producer} is not in schemas.views.PRODUCERS")
-            cur = f"CAST(p.current AS {_producer_type(producer)})"
+            col = _PRODUCER_COLUMN.get(producer, producer)
+            cur = f"CAST(p.current AS {_producer_type(col)})"
             sibling = (
                 ""
                 if siblings == "(SELECT NULL)"
                 else f"AND NOT EXISTS (SELECT 1 FROM {siblings} s "
-                f"WHERE s.{key} = a.{key} AND s.{producer} = {cur})"
+                f"WHERE s.{key} = a.{key} AND s.{col} = {cur})"
             )
             parts.append(
                 f"SELECT '{asset}', CAST(a.{id_col} AS VARCHAR), a.doc_id, '{producer}', "
-                f"CAST(a.{producer} AS VARCHAR), p.current, a.run_id FROM {relation} a "
+                f"CAST(a.{col} AS VARCHAR), p.current, a.run_id FROM {relation} a "
                 f"JOIN current_producers p ON p.producer = '{producer}' "
-                f"WHERE a.{producer} <> {cur} {sibling}"
+                f"WHERE a.{col} <> {cur} {sibling}"
             )
     return " UNION ALL ".join(parts)
 

@@ -40,11 +40,16 @@ def finish_run(
     counts: dict[str, Any] | None = None,
     cost_usd: float = 0.0,
     error: str | None = None,
+    parameters: dict[str, Any] | None = None,
 ) -> RunRow:
-    """Record the end of a run (``completed`` or ``failed``)."""
+    """Record the end of a run (``completed`` or ``failed``); ``parameters`` replaces the
+    start row's where the run resolved a setting (e.g. ``kv_dtype = "auto"``)."""
     row = replace(
         started,
         status=status,
+        parameters_json=(
+            started.parameters_json if parameters is None else canonical_json(parameters)
+        ),
         ended_at=datetime.now(UTC),
         fingerprints_json=canonical_json(fingerprints or {}),
         counts_json=canonical_json(counts or {}),

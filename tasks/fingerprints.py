@@ -26,6 +26,7 @@ def current_producers(settings: BuildSettings) -> dict[str, str]:
     ``tau`` is the recovery threshold as text (``"0.7"``).
     """
     from inference.embedders import load_embedder
+    from inference.kv_dtype import resolve_kv_dtype
     from inference.models import load_tokenizer, reference_model_fingerprint, tokenizer_fingerprint
     from tasks.chunk import chunker_fingerprint
     from tasks.extractors.factory import make_extractor
@@ -35,7 +36,12 @@ def current_producers(settings: BuildSettings) -> dict[str, str]:
         "chunker_fp": chunker_fingerprint(settings.chunker, settings.chunk_size),
         "extractor_fp": make_extractor(settings).fingerprint,
         "tau": str(settings.tau),
-        "model_fp": reference_model_fingerprint(settings.model, settings.device),
+        "model_fp": reference_model_fingerprint(
+            settings.model,
+            settings.device,
+            resolve_kv_dtype(settings.kv_dtype, settings.device).dtype,
+        ),
+        "cartridge_model_fp": reference_model_fingerprint(settings.model, settings.device),
         "embedder_fp": load_embedder(settings.embedder).fingerprint,
     }
     assert tuple(values) == PRODUCERS, "keep PRODUCERS and this function in step"

@@ -8,13 +8,19 @@ standard RAG prompt. Only the chunk's part of the cache is stored (``storage/kv.
 
 - ``C_p`` is computed once and stored; a later run reads it back and computes against the stored
   copy, so every entry of a kv_fp was computed against the same bits of ``C_p``.
-- Batching: chunks are sorted by length (stable, so document order among equal lengths; most
-  chunks have exactly ``chunk_size`` tokens) and batched; a batch with shorter chunks is right-
-  padded. Right padding leaves the real tokens' KV unchanged because attention is causal: a
-  real token never attends to a later (padding) token, and positions start at ``|p|`` for every
-  row. Numerically a batched forward equals the one-by-one forward up to float rounding (other
-  matmul shapes round differently in the last bits; ``tests/test_kv_store.py`` states the
-  tolerance).
+- Batching (:class:`KvBatching`): chunks are sorted by length (stable, so document order among
+  equal lengths; most chunks have exactly ``chunk_size`` tokens) and batched; a batch with
+  shorter chunks is right-padded. Right padding leaves the real tokens' KV unchanged because
+  attention is causal: a real token never attends to a later (padding) token, and positions
+  start at ``|p|`` for every row, *provided the RoPE frequencies do not depend on the forward's
+  length*. For ``dynamic`` and ``longrope`` they do (a padded batch is one forward of length
+  ``|p| + longest``), so a batch only holds chunks whose own lengths give the same frequencies
+  (``inference.rope.ForwardFrequencies``): in practice every chunk of one length, or every chunk
+  below the threshold. Every forward starts from a fresh rotary state
+  (``inference.rope.reset_rotary``: dynamic NTK would otherwise keep frequencies grown by an
+  earlier, longer forward). So each stored entry is what ``forward(chunk, past_key_values=C_p)``
+  gives alone, bit for bit with batch size 1, and up to float rounding in a batch (other matmul
+  shapes round differently in the last bits; ``tests/test_kv_store.py`` states the tolerance).
   ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
   the cache it is given).
 - Units of work (:func:`kv_groups`): the sorted chunks are cut into groups of whole shards
@@ -51,6 +57,7 @@ from typing import Any
 import torch
 
 from inference.prompt import RagPrompt
+from inference.rope import ForwardFrequencies, reset_rotary
 from schemas.tables import ChunkRow, KvManifestRow
 from storage.kv import KvFingerprintMismatch, KvLayout, KvStore, StagedShard
 from storage.store import Store
@@ -122,6 +129,7 @@ def compute_prefix_kv(model: Any, prefix_ids: Sequence[int]) -> torch.Tensor:
     """``C_p``: the KV of the prompt prefix alone, ``(layers, 2, kv_heads, |p|, head_dim)``."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)
+    reset_rotary(model)
     with torch.inference_mode():
         out = _decoder(model)(input_ids=ids, use_cache=True)
     return cache_to_kv(out.past_key_values)[0]
@@ -130,6 +138,34 @@ def compute_prefix_kv(model: Any, prefix_ids: Sequence[int]) -> torch.Tensor:
 def _batches(chunks: Sequence[ChunkRow], batch_size: int) -> list[list[ChunkRow]]:
     ordered = sorted(chunks, key=lambda c: -c.n_tokens)  # stable: document order within a length
     return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+@dataclass(frozen=True)
+class KvBatching:
+    """How a group of chunks is cut into forward passes: consecutive runs of at most
+    ``batch_size`` chunks whose forwards after ``prefix_tokens`` tokens use the same RoPE
+    frequencies (for ``default`` / ``linear`` / ``yarn`` / ``llama3`` RoPE simply every
+    ``batch_size`` chunks). Picklable: the flow process of a distributed build counts the
+    workers' batches with it.
+
+    E.g. dynamic NTK with ``max_position_embeddings`` 64, a 5-token prefix, batch size 4:
+    chunks of 80, 80, 70, 30, 20 tokens -> batches [80, 80], [70], [30, 20].
+    """
+
+    batch_size: int
+    prefix_tokens: int
+    frequencies: ForwardFrequencies
+
+    @classmethod
+    def for_model(cls, model: Any, prefix_tokens: int, batch_size: int) -> KvBatching:
+        return cls(batch_size, prefix_tokens, ForwardFrequencies.from_config(model.config))
+
+    def split(self, group: Sequence[ChunkRow]) -> list[list[ChunkRow]]:
+        """The batches of ``group``, in its order."""
+        runs = self.frequencies.batches(
+            [c.n_tokens for c in group], self.prefix_tokens, self.batch_size
+        )
+        return [[group[i] for i in run] for run in runs]
 
 
 def kv_groups(
@@ -155,11 +191,12 @@ def compute_group_kv(
     pad_id: int = 0,
     timings: dict[str, float] | None = None,
 ) -> list[tuple[ChunkRow, torch.Tensor]]:
-    """``(chunk, kv)`` for a group of :func:`kv_groups`, in the group's order, computed in
-    consecutive batches of ``batch_size``; kv is ``(layers, 2, kv_heads, n_tokens, head_dim)``."""
+    """``(chunk, kv)`` for a group of :func:`kv_groups`, in the group's order, computed in the
+    batches of :class:`KvBatching` (at most ``batch_size`` chunks each); kv is ``(layers, 2,
+    kv_heads, n_tokens, head_dim)``."""
+    batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
     out: list[tuple[ChunkRow, torch.Tensor]] = []
-    for start in range(0, len(group), batch_size):
-        batch = group[start : start + batch_size]
+    for batch in batching.split(group):
         out += zip(batch, compute_chunk_kv(model, prefix_kv, batch, pad_id, timings), strict=True)
     return out
 
@@ -187,13 +224,23 @@ def compute_chunk_kv(
 ) -> list[torch.Tensor]:
     """Each chunk's KV after ``C_p``: ``[(layers, 2, kv_heads, n_tokens, head_dim), ...]``.
 
-    One batched forward (right-padded to the longest chunk); ``timings`` accumulates
-    ``forward`` and ``extract`` seconds.
+    One batched forward (right-padded to the longest chunk), from a fresh rotary state;
+    ``timings`` accumulates ``forward`` and ``extract`` seconds. Raises ValueError for a batch
+    whose chunks need different RoPE frequencies (dynamic / longrope: see :class:`KvBatching`).
     """
     t0 = time.perf_counter()
+    p = prefix_kv.shape[3]
+    frequencies = ForwardFrequencies.from_config(model.config)
+    if len({frequencies.key(p + c.n_tokens) for c in batch}) > 1:
+        raise ValueError(
+            f"chunks of {sorted({c.n_tokens for c in batch})} tokens after a {p}-token prefix "
+            f"need different RoPE frequencies ({frequencies.thresholds}): one padded forward "
+            "would give the shorter ones wrong keys; batch them with KvBatching"
+        )
     device = next(model.parameters()).device
     ids = _input_ids(batch, pad_id, device)
     cache = prefix_cache(model, prefix_kv.to(device), len(batch))
+    reset_rotary(model)
     with torch.inference_mode():
         out = _decoder(model)(input_ids=ids, past_key_values=cache, use_cache=True)
     t1 = time.perf_counter()
@@ -246,12 +293,13 @@ def kv_stage(
     secs["prefix"] = time.perf_counter() - t0
 
     pad_id = _pad_id(loaded.tokenizer)
+    batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
     secs.update(forward=0.0, extract=0.0, wait_write=0.0)
     writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
     try:
         for group in kv_groups(todo, batch_size, layout.slots_per_shard):
             entries = compute_group_kv(model, prefix_kv, group, batch_size, pad_id, secs)
-            count_batches(counts, group, batch_size)
+            count_batches(counts, group, batching)
             for start in range(0, len(entries), layout.slots_per_shard):
                 writer.submit(entries[start : start + layout.slots_per_shard])
         writer.wait()
@@ -303,10 +351,9 @@ def plan_kv(
     return [c for ck, c in unique.items() if ck not in manifest or ck in bad]
 
 
-def count_batches(counts: KvCounts, group: Sequence[ChunkRow], batch_size: int) -> None:
+def count_batches(counts: KvCounts, group: Sequence[ChunkRow], batching: KvBatching) -> None:
     """Add a computed group's forward passes, tokens and padding to ``counts``."""
-    for start in range(0, len(group), batch_size):
-        batch = group[start : start + batch_size]
+    for batch in batching.split(group):
         n_real = sum(c.n_tokens for c in batch)
         counts.forward_passes += 1
         counts.tokens += n_real
@@ -441,11 +488,14 @@ def bare_forward_seconds(
     model = loaded.model
     device = next(model.parameters()).device
     pad_id = _pad_id(loaded.tokenizer)
+    ordered = sorted(chunks, key=lambda c: -c.n_tokens)
+    batching = KvBatching.for_model(model, 0, batch_size)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for batch in _batches(chunks, batch_size):
+        for batch in batching.split(ordered):
             ids = _input_ids(batch, pad_id, device)
+            reset_rotary(model)
             with torch.inference_mode():
                 _decoder(model)(input_ids=ids, use_cache=False)
         best = min(best, time.perf_counter() - t0)

@@ -108,15 +108,17 @@ def build_layout(settings: BuildSettings, tokenizer: Any) -> KvLayout:
     hash (no weights loaded): the same kv_fp as ``tasks.kv.kv_layout`` of the loaded model."""
     from transformers import AutoConfig
 
-    from inference.models import default_dtype, reference_model_fingerprint, resolve_model_dir
+    from inference.kv_dtype import resolve_kv_dtype
+    from inference.models import reference_model_fingerprint, resolve_model_dir
     from inference.prompt import RagPrompt
 
+    dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype  # as kv_task loads it
     config = AutoConfig.from_pretrained(resolve_model_dir(settings.model))
     return KvLayout.for_config(
         config,
-        reference_model_fingerprint(settings.model, settings.device),
+        reference_model_fingerprint(settings.model, settings.device, dtype),
         RagPrompt.for_tokenizer(tokenizer).prefix_sha,
-        default_dtype(settings.device),  # the dtype kv_task loads the model in
+        dtype,
     )
 
 

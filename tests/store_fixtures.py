@@ -19,21 +19,25 @@ TINY_DIMS: dict[str, int] = dict(
 )
 
 
-def save_tiny_llama(path: Path, tokenizer: Any, seed: int) -> Path:
+def save_tiny_llama(path: Path, tokenizer: Any, seed: int, **config: Any) -> Path:
     """A random-weight 2-layer Llama with ``tokenizer`` (SmolLM2's), saved as a model folder.
 
     Two seeds give two generation models with one tokenizer: another ``model_fp``, the same
-    ``tokenizer_fp`` (so the same chunks and content keys).
+    ``tokenizer_fp`` (so the same chunks and content keys). ``config`` overrides LlamaConfig
+    arguments (e.g. ``rope_parameters``, ``max_position_embeddings``).
     """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        **TINY_DIMS,
-        max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **{
+            "vocab_size": len(tokenizer),
+            **TINY_DIMS,
+            "max_position_embeddings": 4096,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            **config,
+        }
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

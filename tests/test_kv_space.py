@@ -26,11 +26,12 @@ from store_fixtures import sample_docs, save_tiny_llama, synthetic_chunk, write_
 from typer.testing import CliRunner
 
 from flows.cli import app
+from schemas.settings import load_settings
 from schemas.tables import ExtractionRow, KvManifestRow, RunRow
 from storage.kv import SHARD_OVERHEAD_BYTES, KvLayout, KvStore
 from storage.store import Store
 from storage.tables import read_rows
-from tasks.kv_space import MARGIN, KvSpaceError, estimate_kv_space
+from tasks.kv_space import MARGIN, KvSpaceError, build_layout, estimate_kv_space
 
 
 def layout(dtype: str = "bfloat16", **kwargs) -> KvLayout:
@@ -140,6 +141,9 @@ def test_a_build_whose_kv_does_not_fit_is_refused_before_extraction(
     counts = json.loads(runs[0].counts_json)
     assert counts["kv_computed"] == counts["chunks"] > 0
     (kv_dir,) = (store / "kv").glob("kv-*")
+    # The projection used the layout the KV stage wrote (same kv_fp: model, kv_dtype, prefix).
+    built = load_settings(config)
+    assert build_layout(built, smollm2_tokenizer).kv_fp == kv_dir.name
     shards = len(list(kv_dir.glob("shard-*")))
     assert counts["kv_disk_bytes"] < projected
     assert projected <= (counts["kv_disk_bytes"] + shards * SHARD_OVERHEAD_BYTES) * (1 + MARGIN)

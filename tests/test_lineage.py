@@ -360,6 +360,10 @@ def test_current_producers_are_what_the_build_recorded(built) -> None:
     assert tuple(current) == PRODUCERS
     runs = [r for r in read_rows(store, RunRow) if r.run_id == built["second"]["run_id"]]
     recorded = json.loads(next(r for r in runs if r.status == "completed").fingerprints_json)
+    # The cartridges' model is the one the train-cartridges run recorded.
+    cart = [r for r in read_rows(store, RunRow) if r.run_id == built["cartridges"]["run_id"]]
+    cart_fps = json.loads(next(r for r in cart if r.status == "completed").fingerprints_json)
+    recorded["cartridge_model_fp"] = cart_fps["model_fp"]
     for name in PRODUCERS:
         if name != "tau":
             assert current[name] == recorded[name], name
@@ -385,7 +389,7 @@ def test_stale_after_a_settings_change_then_a_rebuild(built, smollm2_tokenizer, 
         ("chunk", "chunker_fp"),
         ("nugget", "tau"),
         ("kv_entry", "model_fp"),
-        ("cartridge", "model_fp"),
+        ("cartridge", "cartridge_model_fp"),
     }
     con = open_lineage(Store.at(store))
     n_live_chunks = _rows(con, "SELECT count(*) AS n FROM lineage_chunks WHERE live")[0]["n"]
@@ -408,7 +412,7 @@ def test_stale_after_a_settings_change_then_a_rebuild(built, smollm2_tokenizer, 
         {"extractor": "rules", "model": str(other), "chunk_size": 96, "tau": 0.8},
     )
     again = json.loads(_cli("--store", str(store), "--stale", "--json").stdout)
-    assert {(s["asset"], s["producer"]) for s in again} == {("cartridge", "model_fp")}
+    assert {(s["asset"], s["producer"]) for s in again} == {("cartridge", "cartridge_model_fp")}
 
 
 # ---------------------------------------------------------------------------- CLI

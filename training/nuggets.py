@@ -74,10 +74,10 @@ import torch
 from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
 from inference.prompt import RagPrompt
 from inference.retrieve import Evidence, Retriever
-from inference.rope import RopeSpec
+from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from schemas.keys import canonical_json
 from schemas.tables import ChunkRow
-from storage.kv import KvStore
+from storage.kv import KvLayout, KvStore
 from storage.store import Store
 from storage.tables import read_table
 
@@ -142,7 +142,9 @@ class TrainConfig:
         return self
 
     def resolved_dtype(self) -> str:
-        return self.dtype or ("float32" if self.device == "cpu" else "bfloat16")
+        from inference.models import default_dtype
+
+        return self.dtype or default_dtype(self.device)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -458,32 +460,45 @@ class ContextBuilder:
             ]
         total = p + sum(s.tokens for s in slices)
         ctx = assemble_context(prefix_kv, slices, self.spec, new_seq_len=total + n_query)
-        return ctx.to(self.device), total
+        dtype = next(self.model.parameters()).dtype  # stored KV may be in another dtype
+        return ctx.to(self.device, dtype=dtype), total
 
     def _encode_live(
         self, evidence: Sequence[Evidence]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The prefix's KV and each evidence chunk's KV after it, by the current model."""
+        """The prefix's KV and each evidence chunk's KV after it, by the current model, encoded
+        as the KV stage encodes them (``tasks.kv``): fresh rotary state per forward, and one
+        right-padded forward per run of chunks whose lengths give the same RoPE frequencies."""
         from tasks.kv import cache_to_kv, prefix_cache
 
         dec = decoder(self.model)
         dev = self.device
         ids = torch.tensor([list(self.prompt.prefix_ids)], dtype=torch.long, device=dev)
+        reset_rotary(self.model)
         out = dec(input_ids=ids, use_cache=True)
         prefix_kv = cache_to_kv(out.past_key_values)[0]
         chunk_ids = list(dict.fromkeys(e.chunk_id for e in evidence))
         if not chunk_ids:
             return prefix_kv, {}
         tokens = self.chunk_token_ids(chunk_ids)
-        width = max(len(tokens[c]) for c in chunk_ids)
-        rows = [tokens[c] + [self.pad_id] * (width - len(tokens[c])) for c in chunk_ids]
-        batch = torch.tensor(rows, dtype=torch.long, device=dev)
         p = prefix_kv.shape[-2]
-        positions = torch.arange(p, p + width, device=dev)[None].expand(len(rows), -1)
-        cache = prefix_cache(causal_lm(self.model), prefix_kv, len(rows))
-        out = dec(input_ids=batch, position_ids=positions, past_key_values=cache, use_cache=True)
-        kv = cache_to_kv(out.past_key_values, start=p)  # right padding: causal, so harmless
-        return prefix_kv, {c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(chunk_ids)}
+        lm = causal_lm(self.model)
+        frequencies = ForwardFrequencies.from_config(lm.config)
+        encoded: dict[str, torch.Tensor] = {}
+        for run in frequencies.batches([len(tokens[c]) for c in chunk_ids], p, len(chunk_ids)):
+            names = [chunk_ids[i] for i in run]
+            width = max(len(tokens[c]) for c in names)
+            rows = [tokens[c] + [self.pad_id] * (width - len(tokens[c])) for c in names]
+            batch = torch.tensor(rows, dtype=torch.long, device=dev)
+            positions = torch.arange(p, p + width, device=dev)[None].expand(len(rows), -1)
+            cache = prefix_cache(lm, prefix_kv, len(rows))
+            reset_rotary(self.model)
+            out = dec(
+                input_ids=batch, position_ids=positions, past_key_values=cache, use_cache=True
+            )
+            kv = cache_to_kv(out.past_key_values, start=p)  # right padding: causal, so harmless
+            encoded.update({c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(names)})
+        return prefix_kv, encoded
 
 
 def answer_loss_sum(
@@ -495,6 +510,7 @@ def answer_loss_sum(
     ids = torch.tensor([query_ids + answer_ids], dtype=torch.long, device=dev)
     positions = torch.arange(total, total + ids.shape[1], device=dev)[None]
     cache = to_dynamic_cache(ctx, lm.config)
+    reset_rotary(model)
     out = model(
         input_ids=ids,
         position_ids=positions,
@@ -853,6 +869,25 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 # ------------------------------------------------------------------------------------ end to end
 
 
+def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, KvLayout]:
+    """``(model_fp, layout)`` of ``loaded``'s weights as the store computes KV: at the store's
+    ``kv_dtype``, which may differ from the dtype training computes in (stored entries are then
+    cast when the context is assembled)."""
+    import dataclasses
+
+    from inference.models import model_fingerprint, weights_sha256
+    from tasks.kv import kv_layout
+
+    model_fp = model_fingerprint(
+        causal_lm(loaded.model).config,
+        weights_sha256(loaded.model_dir),
+        kv_dtype,
+        loaded.tokenizer_fp,
+    )
+    layout = dataclasses.replace(kv_layout(loaded, prompt), model_fp=model_fp, dtype=kv_dtype)
+    return model_fp, layout
+
+
 def run_training(
     store_path: str | os.PathLike[str],
     data: str | os.PathLike[str],
@@ -871,10 +906,11 @@ def run_training(
     that builds them first). Returns a summary with ``model_fp`` and ``base_model_fp``.
     ``OUT/checkpoints`` is removed once the model is saved unless ``keep_checkpoints``."""
     from inference.embedders import load_embedder
+    from inference.kv_dtype import resolve_kv_dtype
     from inference.models import load_model, model_fingerprint, weights_sha256
     from schemas.settings import settings_from_toml
     from storage.index import LanceIndex
-    from tasks.kv import _pad_id, kv_layout
+    from tasks.kv import _pad_id
 
     cfg.validate()
     logger = logger or log
@@ -890,14 +926,15 @@ def run_training(
     t0 = time.perf_counter()
     plans, counts = make_plans(examples, retriever, prompt, loaded.tokenizer, cfg)
     prep_s = time.perf_counter() - t0
-    kv = None
-    if cfg.mode == "frozen":
-        layout = kv_layout(loaded, prompt)
-        kv = KvStore.open(store, layout.kv_fp, layout)
+    # Model fingerprints as this store computes KV (its kv_dtype): the base model's KV is what
+    # frozen mode reads, and --rebuild-kv stores the new model's under the model_fp recorded here.
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
+    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype)
+    kv = KvStore.open(store, layout.kv_fp, layout) if cfg.mode == "frozen" else None
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
     builder = ContextBuilder(store, net, prompt, cfg.mode, kv, _pad_id(loaded.tokenizer))
-    identity = {"data_sha256": data_sha, "base_model_fp": loaded.model_fp}
+    identity = {"data_sha256": data_sha, "base_model_fp": base_model_fp}
     result = train(
         net,
         builder,
@@ -913,14 +950,12 @@ def run_training(
     out_dir = Path(out)
     plot_losses(result.log, out_dir / "loss.png")
     lm = save_model(net, loaded.tokenizer, out_dir, cfg.lora)
-    model_fp = model_fingerprint(
-        lm.config, weights_sha256(out_dir), cfg.resolved_dtype(), loaded.tokenizer_fp
-    )
+    model_fp = model_fingerprint(lm.config, weights_sha256(out_dir), kv_dtype, loaded.tokenizer_fp)
     summary = {
         "model_dir": str(out_dir.resolve()),
         "model_fp": model_fp,
         "base_model": str(loaded.model_dir),
-        "base_model_fp": loaded.model_fp,
+        "base_model_fp": base_model_fp,
         "data": str(Path(data).resolve()),
         "data_sha256": data_sha,
         "config": cfg.to_dict(),

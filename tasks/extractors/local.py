@@ -659,10 +659,13 @@ class LocalConstrainedExtractor:
         return [r.candidates for r in self.extract(reqs)]
 
     def _run(self, texts: list[str]) -> tuple[list[SpanCopyMachine], list[int], float]:
+        from inference.rope import reset_rotary
+
         machines = [self.machine(t) for t in texts]
         prompts = [self.prompt_ids(t) for t in texts]
         t0 = time.perf_counter()
         tok, model = self.loaded.tokenizer, self.loaded.model
+        reset_rotary(model)  # the model is shared with the KV stage: no grown dynamic-NTK state
         pad = tok.pad_token_id if tok.pad_token_id is not None else machines[0].special.eos
         if self.driver == "jump":
             run_jump_forward(model, prompts, machines, pad, prefix=self._prompt_prefix())
