@@ -145,7 +145,7 @@ def segment_words(text: str) -> WordSpans:
     return WordSpans(text, starts, ends, clause_end, sentence_end, soft_end)
 
 
-def _runs(flags: Sequence[bool], lo: int, hi: int) -> list[tuple[int, int]]:
+def runs_after(flags: Sequence[bool], lo: int, hi: int) -> list[tuple[int, int]]:
     """Split words ``lo..hi-1`` after every word whose flag is set: ``[(first, last+1), ...]``."""
     out, start = [], lo
     for i in range(lo, hi):
@@ -227,8 +227,8 @@ class RulesExtractor:
         """Word ranges ``[(first, last+1), ...]`` of the kept spans, in document order."""
         ws = segment_words(text)
         pieces: list[tuple[int, int]] = []
-        for s_lo, s_hi in _runs(ws.sentence_end, 0, len(ws)):
-            for c_lo, c_hi in _merge_short(_runs(ws.clause_end, s_lo, s_hi), self.min_words):
+        for s_lo, s_hi in runs_after(ws.sentence_end, 0, len(ws)):
+            for c_lo, c_hi in merge_short(runs_after(ws.clause_end, s_lo, s_hi), self.min_words):
                 pieces.extend(self._cut(ws, c_lo, c_hi))
         return [(a, b) for a, b in pieces if self.min_words <= b - a <= self.max_words]
 
@@ -258,7 +258,7 @@ class RulesExtractor:
         return results
 
 
-def _merge_short(runs: list[tuple[int, int]], min_words: int) -> list[tuple[int, int]]:
+def merge_short(runs: list[tuple[int, int]], min_words: int) -> list[tuple[int, int]]:
     """Merge a clause shorter than ``min_words`` into its neighbour within the same sentence.
 
     ``[(0, 2), (2, 9)]`` with ``min_words=3`` -> ``[(0, 9)]``: a short lead-in such as
