@@ -7,6 +7,7 @@ tiny random-weight Llama (both drivers, which must agree), and the real SmolLM2 
 from __future__ import annotations
 
 import random
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,8 @@ def test_clause_heads_and_merged_short_clauses(tokenizer) -> None:
     assert pt.words.clause_end[0] and not pt.clause_end[0]
     ends = [words[w] for w in range(len(words)) if pt.clause_end[w]]
     assert ends == ["Clarke.", "(1953).", "monolith."]
+    wrapped = tokenize_passage(textwrap.fill(SPACE_ODYSSEY, 60), tokenizer, 3)
+    assert wrapped.heads == pt.heads and wrapped.clause_end == pt.clause_end
 
 
 def _stopper(special: SpecialIds):

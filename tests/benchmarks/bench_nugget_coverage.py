@@ -177,7 +177,8 @@ def main() -> None:
         f"FAQ: {len(questions)} questions on {faq_src.name}; kc={args.kc} k={args.k}; torch "
         f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}"
     )
-    corpora = [] if args.no_sample else [("sample", "sample")]
+    sample = str(ROOT / "flows" / "sample" / "wiki_sample.jsonl")
+    corpora = [] if args.no_sample else [("sample", sample)]
     corpora.append(("faq", str(faq_src)))
     rows = []
     for corpus, source in corpora:
