@@ -129,37 +129,32 @@ class CartridgeSettings:
 
 
 class EtaLog:
-    """Progress lines with an ETA for a long stage: ``stage: done/total unit (pct%), x s per
-    unit, about y s left``, written through ``emit`` (a logger method) when the first unit is
-    done, then at most every ``every_s`` seconds, and at the end. The clock starts when the
+    """Progress lines with an ETA for a long stage (the format of the build's progress lines):
+    ``stage: done/total unit (pct%), x s each, about y s left`` (``n per s`` for fast units;
+    ``done in z s`` at the end), written through ``emit`` (a logger method) when the first unit
+    is done, then at most every ``every_s`` seconds, and at the end. The clock starts when the
     object is made (the stage's start), so the first line's rate includes the warm-up.
 
     >>> lines, now = [], iter([0.0, 10.0, 11.0, 30.0, 40.0])
-    >>> eta = EtaLog(lambda *a: lines.append(a[0] % a[1:]), "teacher", "answers", 5.0,
-    ...              clock=lambda: next(now))
+    >>> eta = EtaLog(lines.append, "teacher", "answers", 5.0, clock=lambda: next(now))
     >>> for done in (2, 3, 8, 10):
     ...     eta(done, 10)
     >>> print("\\n".join(lines))
     teacher: 2/10 answers (20%), 5.00 s each, about 40 s left
     teacher: 8/10 answers (80%), 3.75 s each, about 8 s left
-    teacher: 10/10 answers (100%), 4.00 s each, about 0 s left
+    teacher: 10/10 answers (100%), 4.00 s each, done in 40 s
     """
 
     def __init__(
         self,
-        emit: Callable[..., None],
+        emit: Callable[[str], None],
         stage: str,
         unit: str,
         every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.emit, self.stage, self.unit, self.every_s, self.clock = (
-            emit,
-            stage,
-            unit,
-            every_s,
-            clock,
-        )
+        self.emit, self.stage, self.unit = emit, stage, unit
+        self.every_s, self.clock = every_s, clock
         self.started = clock()
         self.last: float | None = None
 
@@ -172,15 +167,15 @@ class EtaLog:
         if done < total and self.last is not None and now - self.last < self.every_s:
             return
         self.last = now
-        each = (now - self.started) / max(done, 1)
-        self.emit(
-            "%s: %s (%.0f%%), %.2f s each, about %.0f s left",
-            self.stage,
-            what,
-            100.0 * done / max(total, 1),
-            each,
-            each * max(total - done, 0),
+        elapsed = now - self.started
+        each = elapsed / max(done, 1)
+        rate = f"{each:.2f} s each" if each >= 0.1 else f"{done / max(elapsed, 1e-9):.0f} per s"
+        end = (
+            f"done in {elapsed:.0f} s"
+            if done >= total
+            else f"about {each * (total - done):.0f} s left"
         )
+        self.emit(f"{self.stage}: {what} ({100.0 * done / max(total, 1):.0f}%), {rate}, {end}")
 
 
 def latest_documents(store: Store, doc_ids: Sequence[str] | None = None) -> list[DocumentRow]:
