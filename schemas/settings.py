@@ -54,7 +54,7 @@ class BuildSettings:
     request_timeout: float = 60.0  # seconds, per request
     batch_poll_interval: float = 30.0  # seconds between Batch API status polls
     batch_max_rounds: int = 3  # resubmissions of failed/expired batch requests
-    local_max_nuggets: int = 8  # per chunk, for the local constrained extractor
+    local_max_nuggets: int = 8  # local extractor: spans per chunk at least (1.5 per clause head)
     extract_batch_size: int = 32  # chunks per Prefect extraction task
     device: str = "cpu"
     embedder: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)

@@ -14,9 +14,13 @@ published (every column but ``vector``, as searches see them) and registered as 
 decided here: ``live_documents`` is :func:`storage.corpus.live_events` (committed runs only,
 tombstones), registered as a table and joined to ``documents``.
 
-Read-only: nothing here takes the store's write lock or writes a file, so it works while a
-build runs (a build's Parquet files appear whole, by rename; its rows and index versions count
-once it publishes, like every other reader's).
+Read-only and confined: the connection (:func:`storage.tables.connect_duckdb`) reads the
+store's Parquet files and the Arrow tables registered here, and no other file, URL or extension
+(``read_text('/etc/hostname')``, ``COPY ... TO``, ``ATTACH``, ``INSTALL httpfs`` fail with a
+``PermissionException``, reported as :class:`LineageError`). Nothing here takes the store's
+write lock or writes a file, so it works while a build runs (a build's Parquet files appear
+whole, by rename; its rows and index versions count once it publishes, like every other
+reader's).
 :func:`run_query` accepts one SELECT statement (``WITH``, ``DESCRIBE``, ``SUMMARIZE`` included)
 and refuses anything else.
 """
@@ -389,6 +393,11 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table:
         raise LineageError(f"only queries are allowed (SELECT ...), got a {kind.name} statement")
     try:
         return con.sql(sql).to_arrow_table()
+    except duckdb.PermissionException as exc:
+        raise LineageError(
+            f"not allowed: lineage SQL reads only this store's tables and views, no other file, "
+            f"URL or extension ({exc})"
+        ) from None
     except duckdb.Error as exc:
         raise LineageError(f"query failed: {exc}") from None
 

@@ -182,23 +182,42 @@ def replace_fields(row: R, **changes: Any) -> R:
 
 
 def connect_duckdb(store: Store, tables: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with one view per table over its Parquet files.
+    """An in-memory DuckDB connection with one view per table over its Parquet files, confined
+    to those files.
 
     Tables with no files yet get an empty view with the right columns, so SQL written against
-    the schema always binds.
+    the schema always binds. The connection reads the listed Parquet files and nothing else:
+    ``allowed_paths`` names exactly them, ``enable_external_access = false`` refuses every other
+    file, URL, ``COPY ... TO``, ``ATTACH``, ``INSTALL``/``LOAD`` (``httpfs`` included), and
+    ``lock_configuration`` keeps SQL from undoing that (``duckdb.PermissionException``, or
+    ``InvalidInputException`` for a ``SET``). Arrow tables registered afterwards
+    (``con.register``) stay readable. On an object store the files are read through the
+    store's fsspec filesystem, registered before the lock.
     """
     con = duckdb.connect(":memory:")
     if not store.is_local:
         con.register_filesystem(store.fs)  # DuckDB reads s3:// paths through s3fs
-    for name in tables or TABLES:
-        record = TABLES[name]
-        files = table_files(store, record)
-        if files:
-            listing = ", ".join("'" + store.uri(f).replace("'", "''") + "'" for f in files)
+    listings = {
+        name: [_duckdb_path(store, f) for f in table_files(store, TABLES[name])]
+        for name in tables or TABLES
+    }
+    allowed = sorted({p for paths in listings.values() for p in paths})
+    if allowed:
+        con.execute("SET allowed_paths = ?", [allowed])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    for name, paths in listings.items():
+        if paths:
+            listing = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
             con.execute(
                 f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{listing}], union_by_name=true)"
             )
         else:
-            con.register(f"_{name}_empty", arrow_schema(record).empty_table())
+            con.register(f"_{name}_empty", arrow_schema(TABLES[name]).empty_table())
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")
     return con
+
+
+def _duckdb_path(store: Store, path: PurePath) -> str:
+    """The name DuckDB reads a store file by: an absolute local path, or an ``s3://`` URL."""
+    return os.path.abspath(store.uri(path)) if store.is_local else store.uri(path)

@@ -19,7 +19,12 @@ token-aligned span of the chunk (:class:`RecoveredSpan`) or abandoned (:class:`A
    ``indel = len(a) + len(b) - 2 * LCS(a, b)`` (this is ``rapidfuzz.fuzz.ratio / 100``).
    If no window fits (``n - d`` words exceed the chunk's) the candidate is ``"too_long"``. The
    best window ``s* = argmax sim`` is accepted when ``sim >= tau`` (``match_kind="fuzzy"``), else
-   the candidate is abandoned as ``"below_threshold"`` with that exact best similarity.
+   the candidate is abandoned as ``"below_threshold"`` with that exact best similarity. An
+   accepted window then loses the punctuation at its edges that the candidate lacks
+   (:func:`trim_edge_punctuation`: ``"... Hungarian composer"`` recovers ``"... Hungarian
+   composer"``, not the window's ``"composer,"``; ``"(Irish: ...)"`` keeps its brackets only when
+   the candidate has them). Only the span shrinks: which window wins, its similarity and the
+   decision to accept are those of the whole-word window.
 
 Canonical form, per original character (:func:`fold_char`), then over the sequence:
 
@@ -48,8 +53,9 @@ Snapping: the char span ``[cs, ce)`` becomes the range of every token whose span
 (:func:`char_span_to_token_span`); ``char_start``/``char_end`` are the start of its first and the
 end of its last token and ``text = chunk_text[char_start:char_end]``, the *source* text, never the
 candidate. With byte-level BPE tokenizers (GPT-2, SmolLM2) the text therefore often starts with
-the first token's leading space (and may end with trailing punctuation of the last token), and
-``tokenizer.decode(token_ids[tok_start:tok_end]) == text`` exactly.
+the first token's leading space, and ``tokenizer.decode(token_ids[tok_start:tok_end]) == text``
+exactly. Punctuation the candidate lacks is in the text only where a tokenizer glues it to a
+word's token (SmolLM2 splits ``","`` and ``"."`` into tokens of their own: they stay out).
 
 Duplicates are kept: candidates landing on the same span give several ``RecoveredSpan`` (the
 caller dedupes by token span).
@@ -84,6 +90,7 @@ __all__ = [
     "char_span_to_token_span",
     "fold_char",
     "recover_candidates",
+    "trim_edge_punctuation",
     "window_word_range",
 ]
 
@@ -301,6 +308,45 @@ def _find_all(hay: str, needle: str) -> list[int]:
             hits.append(k)
         k = hay.find(needle, k + 1)
     return hits
+
+
+def _edge_runs(c: str) -> tuple[str, str]:
+    """The leading and trailing runs of non-word characters of ``c``.
+
+    >>> _edge_runs('"rebel" legend,'), _edge_runs("composer")
+    (('"', ','), ('', ''))
+    """
+    x = 0
+    while x < len(c) and not _is_word_char(c[x]):
+        x += 1
+    y = len(c)
+    while y > x and not _is_word_char(c[y - 1]):
+        y -= 1
+    return c[:x], c[y:]
+
+
+def trim_edge_punctuation(canon: str, a: int, b: int, c: str) -> tuple[int, int]:
+    """The window ``canon[a:b]`` without the edge characters the candidate ``c`` lacks.
+
+    Windows are whole words, so a window ending in ``"composer,"`` carries the comma although
+    the candidate ``"... Hungarian composer"`` never had one. From each end, non-word characters
+    (punctuation, spaces) are dropped while they do not occur in the candidate's own run of
+    non-word characters at that end; the first word character, or one the candidate has there,
+    stops it. A window that would lose everything is kept whole. Both texts are canonical.
+
+    >>> w = "(ming rule)."
+    >>> w[slice(*trim_edge_punctuation(w, 0, len(w), "ming rule"))]
+    'ming rule'
+    >>> w[slice(*trim_edge_punctuation(w, 0, len(w), "(ming rule."))]
+    '(ming rule).'
+    """
+    lead, trail = _edge_runs(c)
+    x, y = a, b
+    while x < y and canon[x] not in lead and not _is_word_char(canon[x]):
+        x += 1
+    while y > x and canon[y - 1] not in trail and not _is_word_char(canon[y - 1]):
+        y -= 1
+    return (x, y) if x < y else (a, b)
 
 
 # ---------------------------------------------------------------------------- token snapping
@@ -601,7 +647,8 @@ def recover_candidates(
                     ties, key=lambda t: (orig[ws[t[0]]] < cursor, t[0], abs(t[1] - n), t[1])
                 )
                 occ = len({t[0] for t in ties})
-                cs, ce = int(orig[ws[i]]), int(orig[we[i + size - 1] - 1]) + 1
+                a, b = trim_edge_punctuation(canon, ws[i], we[i + size - 1], c)
+                cs, ce = int(orig[a]), int(orig[b - 1]) + 1
 
         ts = bisect_right(token_spans, cs, key=_END)
         te = bisect_left(token_spans, ce, key=_START)

@@ -125,6 +125,21 @@ def words_of(canon: str) -> list[tuple[int, int]]:
     return out
 
 
+def trim_window(canon: str, a: int, b: int, cand: str) -> tuple[int, int]:
+    """``canon[a:b]`` without the edge punctuation ``cand`` lacks, one character at a time:
+    a non-word character at an edge goes unless the candidate has it in its own run of non-word
+    characters at that edge; nothing left means the window stays whole."""
+    first = [k for k, ch in enumerate(cand) if is_word_char(ch)]
+    lead = cand[: first[0]] if first else cand
+    trail = cand[first[-1] + 1 :] if first else cand
+    x, y = a, b
+    while x < y and not is_word_char(canon[x]) and canon[x] not in lead:
+        x += 1
+    while y > x and not is_word_char(canon[y - 1]) and canon[y - 1] not in trail:
+        y -= 1
+    return (x, y) if x < y else (a, b)
+
+
 def snap(token_spans: Sequence[tuple[int, int]], cs: int, ce: int) -> tuple[int, int]:
     """Every token whose span intersects [cs, ce)."""
     idx = [i for i, (s, e) in enumerate(token_spans) if s < ce and e > cs]
@@ -197,8 +212,9 @@ def reference_recover(
                     ((i, size) for i, size in pool if i == first),
                     key=lambda t: (abs(t[1] - n), t[1]),
                 )
-                cs = where[words[i][0]]
-                ce = where[words[i + size - 1][1] - 1] + 1
+                a, b = trim_window(canon, words[i][0], words[i + size - 1][1], c)
+                cs = where[a]
+                ce = where[b - 1] + 1
         ts, te = snap(token_spans, cs, ce)
         s0, e0 = token_spans[ts][0], token_spans[te - 1][1]
         recovered.append(RecoveredSpan(cand, chunk_text[s0:e0], kind, sim, s0, e0, ts, te, occ))

@@ -65,11 +65,10 @@ from training.cartridges import (
 from training.selfstudy import (
     LocalQuestionGenerator,
     OpenAIQuestionGenerator,
-    TeacherConfig,
     plan_calls,
     selfstudy_stage,
-    teacher_answers,
 )
+from training.teacher import TeacherConfig, teacher_answers
 
 KL_ATOL = 1e-6
 LOGP_ATOL = 1e-4

@@ -7,6 +7,7 @@ tiny random-weight Llama (both drivers, which must agree), and the real SmolLM2 
 from __future__ import annotations
 
 import random
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,14 @@ EDGE = ["", "Too short.", "One two three", "α β γ δ ε ζ η θ ι κ λ μ 
 def check_spans(text: str, cands: list[str], min_words: int, max_words: int, max_n: int) -> None:
     """Candidates are exact substrings, in order, non-overlapping, word-aligned, bounded."""
     assert len(cands) <= max_n
+    span_starts(text, cands, min_words, max_words)
+
+
+def span_starts(text: str, cands: list[str], min_words: int = 1, max_words: int = 10**6):
+    """Char starts of the candidates, each the earliest word-aligned occurrence after the
+    previous one (asserting that there is one and that it has min..max words)."""
     pos = 0
+    out = []
     for cand in cands:
         assert cand and cand == cand.strip()
         assert min_words <= len(cand.split()) <= max_words, cand
@@ -51,7 +59,9 @@ def check_spans(text: str, cands: list[str], min_words: int, max_words: int, max
                 break
             start = text.find(cand, start + 1)
         assert start >= 0, f"no word-aligned verbatim occurrence after char {pos}: {cand!r}"
+        out.append(start)
         pos = start + len(cand)
+    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,7 +102,8 @@ def test_random_policy_gives_verbatim_spans(tokenizer, seed: int) -> None:
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )
     pt = tokenize_passage(text, tokenizer, min_w, boundaries)
-    m = SpanCopyMachine(pt, special, max_n, min_w, max_w)
+    min_head = rng.randint(1, 12)
+    m = SpanCopyMachine(pt, special, max_n, min_w, max_w, min_head)
     steps = 0
     while not m.done:
         allowed = m.allowed()
@@ -106,6 +117,93 @@ def test_random_policy_gives_verbatim_spans(tokenizer, seed: int) -> None:
     assert firsts == sorted(firsts)
     if any(pt.can_start):
         assert cands, "at least one span when one is possible"
+    check_heads(pt, m.spans, max_n, min_w, max_w, min_head)
+
+
+def check_heads(pt, spans, max_n: int, min_w: int, max_w: int, min_head: int) -> None:
+    """Every required clause head starts a span, of at least ``min_head`` words unless its
+    clause ends (or the cap strikes) first."""
+    starts = {a: b for a, b in spans}
+    for h in pt.heads[:max_n]:
+        assert h in starts, f"head {pt.words.word(h)!r} was skipped"
+        n = starts[h] - h + 1
+        stopped = pt.clause_end[starts[h]] or n == max_w
+        assert n >= min(max(min_w, min_head), max_w) or stopped, (pt.words.word(h), n)
+
+
+SPACE_ODYSSEY = (
+    "2001: A Space Odyssey is a 1968 epic science fiction film produced and directed by Stanley "
+    "Kubrick, who co-wrote the screenplay with Arthur C. Clarke. Its plot was inspired by several "
+    'short stories optioned from Clarke, primarily "The Sentinel" (1951) and "Encounter in the '
+    'Dawn" (1953). The film stars Keir Dullea, Gary Lockwood, William Sylvester, and Douglas '
+    "Rain, and follows a voyage by astronauts, scientists, and the sentient supercomputer HAL 9000 "
+    "to Jupiter to investigate an alien monolith."
+)
+
+
+def test_clause_heads_and_merged_short_clauses(tokenizer) -> None:
+    """Each clause's first admissible word is its head; "2001:" is a lead-in, not a clause."""
+    pt = tokenize_passage(SPACE_ODYSSEY, tokenizer, 3)
+    words = SPACE_ODYSSEY.split()
+    assert [words[h] for h in pt.heads] == ["2001:", "Its", "The"]
+    assert pt.words.clause_end[0] and not pt.clause_end[0]
+    ends = [words[w] for w in range(len(words)) if pt.clause_end[w]]
+    assert ends == ["Clarke.", "(1953).", "monolith."]
+    wrapped = tokenize_passage(textwrap.fill(SPACE_ODYSSEY, 60), tokenizer, 3)
+    assert wrapped.heads == pt.heads and wrapped.clause_end == pt.clause_end
+
+
+def _stopper(special: SpecialIds):
+    """A policy that always wants to stop: end the list, else end the span, else copy."""
+
+    def choose(allowed: list[int]) -> int:
+        for tok in (special.eos, special.newline):
+            if tok in allowed:
+                return tok
+        return allowed[0]
+
+    return choose
+
+
+@pytest.mark.parametrize("text", [SPACE_ODYSSEY, *PASSAGES])
+def test_every_head_gets_a_span_whatever_the_model_wants(tokenizer, text: str) -> None:
+    """A model that would stop at once (the 135M model's habit of skipping whole sentences)
+    still copies every clause head, each at least min_head_words long unless its clause ends."""
+    special = SpecialIds(
+        tokenizer.encode("-")[0],
+        tokenizer.encode("\n")[0],
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    pt = tokenize_passage(text, tokenizer, 3)
+    m = SpanCopyMachine(pt, special, 12, 3, 25, 8)
+    choose = _stopper(special)
+    while not m.done:
+        m.advance(choose(m.allowed()))
+    assert set(pt.heads) <= {a for a, _ in m.spans}
+    check_heads(pt, m.spans, 12, 3, 25, 8)
+    cands = [text[a:b] for a, b in m.char_spans()]
+    check_spans(text, cands, 3, 25, 12)
+    if text == SPACE_ODYSSEY:
+        assert cands[0].startswith("2001: A Space Odyssey is a 1968 epic science fiction film")
+        assert "directed by Stanley Kubrick" in cands[0]
+
+
+def test_budget_reserves_room_for_the_heads(tokenizer) -> None:
+    """With a budget of exactly the heads, no span of the model's own choice is offered."""
+    special = SpecialIds(tokenizer.encode("-")[0], tokenizer.encode("\n")[0], 2)
+    pt = tokenize_passage(SPACE_ODYSSEY, tokenizer, 3)
+    m = SpanCopyMachine(pt, special, len(pt.heads), 3, 25, 1)
+    rng = random.Random(0)
+    while not m.done:
+        allowed = m.allowed()
+        if m.phase == "start":
+            assert len({pt.word_of[pt.first_token[w]] for w in m._starts()}) == 1
+        m.advance(rng.choice(allowed))
+    assert [a for a, _ in m.spans] == pt.heads
+    few = SpanCopyMachine(pt, special, 2, 3, 25, 1)  # fewer spans than heads: the first two
+    while not few.done:
+        few.advance(rng.choice(few.allowed()))
+    assert [a for a, _ in few.spans] == pt.heads[:2]
 
 
 def test_disallowed_token_is_refused(tokenizer) -> None:
@@ -183,7 +281,7 @@ def random_llama(tokenizer):
 @pytest.mark.parametrize(
     "bounds", [(3, 25, 8, "clause"), (1, 3, 5, "word"), (2, 6, 2, "clause"), (3, 12, 8, "word")]
 )
-def test_random_model_verbatim_and_drivers_agree(random_llama, bounds) -> None:
+def test_random_model_verbatim_and_drivers_agree(random_llama, tokenizer, bounds) -> None:
     min_w, max_w, max_n, boundaries = bounds
     texts = PASSAGES + EDGE
     reqs = [ExtractionRequest(f"k{i}", t) for i, t in enumerate(texts)]
@@ -202,7 +300,9 @@ def test_random_model_verbatim_and_drivers_agree(random_llama, bounds) -> None:
         assert [r.key for r in results] == [r.key for r in reqs]
         for text, res in zip(texts, results, strict=True):
             assert res.status == "ok", res.error
-            check_spans(text, res.candidates, min_w, max_w, max_n)
+            heads = tokenize_passage(text, tokenizer, min_w, boundaries).heads
+            assert ex.budget(len(heads)) >= max(max_n, len(heads))
+            check_spans(text, res.candidates, min_w, max_w, ex.budget(len(heads)))
             (call,) = res.calls
             assert call.status == "ok" and call.cost_usd == 0.0 and call.tokens_in > 0
             assert call.tokens_out >= 1
@@ -253,14 +353,20 @@ def smollm2():
 
 @pytest.mark.slow
 def test_smollm2_nuggets(smollm2) -> None:
-    reqs = [ExtractionRequest(f"p{i}", t) for i, t in enumerate(PASSAGES)]
+    texts = [*PASSAGES, SPACE_ODYSSEY]
+    reqs = [ExtractionRequest(f"p{i}", t) for i, t in enumerate(texts)]
     results = smollm2.extract(reqs)
-    for text, res in zip(PASSAGES, results, strict=True):
+    for text, res in zip(texts, results, strict=True):
         assert res.status == "ok", res.error
-        assert 1 <= len(res.candidates) <= 4
-        check_spans(text, res.candidates, 3, 25, 4)
+        pt = smollm2.machine(text).passage
+        assert len(pt.heads) <= len(res.candidates) <= smollm2.budget(len(pt.heads))
+        check_spans(text, res.candidates, 3, 25, smollm2.budget(len(pt.heads)))
         assert all(c != text for c in res.candidates), "not the whole passage"
+        starts = set(span_starts(text, res.candidates))
+        assert all(pt.words.starts[h] in starts for h in pt.heads), "every clause head"
     assert any("García Márquez" in c for c in results[0].candidates)
+    # the showcase question's answer is in a nugget (the old extractor skipped that sentence)
+    assert any("directed by Stanley Kubrick" in c for c in results[-1].candidates)
 
 
 @pytest.mark.slow
@@ -272,4 +378,5 @@ def test_smollm2_short_cap_ends_at_word_edges(smollm2, boundaries: str) -> None:
     )
     (res,) = ex.extract([ExtractionRequest("g", PASSAGES[0])])
     assert res.status == "ok" and res.candidates
-    check_spans(PASSAGES[0], res.candidates, 3, 6, 6)
+    heads = ex.machine(PASSAGES[0]).passage.heads
+    check_spans(PASSAGES[0], res.candidates, 3, 6, ex.budget(len(heads)))

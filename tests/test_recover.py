@@ -7,6 +7,7 @@ import difflib
 import importlib.util
 import random
 import re
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -488,3 +489,79 @@ def test_real_tokenizer_decode_equals_text(smollm2):
     for s in got:
         assert smollm2.decode(ids[s.tok_start : s.tok_end]) == s.text
     assert any(s.text.strip() == "東京 is Tokyo;" or s.text.strip() == "東京 is Tokyo" for s in got)
+
+
+# ---------------------------------------------------------------------------- edge punctuation
+
+EDGE_TEXT = (
+    "Franz Liszt was a Hungarian composer, pianist and teacher. China flourished under Ming "
+    "rule. Trade grew after Riyadh, the capital, opened its port. Grace O’Malley (Irish: Gráinne "
+    "Ní Mháille) was a queen."
+)
+EDGE_CASES = [  # (candidate, source text expected, up to the first token's leading space)
+    ("Franz Lizst was a Hungarian composer", "Franz Liszt was a Hungarian composer"),
+    ("China flourishd under Ming rule", "China flourished under Ming rule"),
+    ("Trade grew after Riyahd", "Trade grew after Riyadh"),
+    ("Irish: Grainne Ni Mhaille", "Irish: Gráinne Ní Mháille"),  # no "(", no ")"
+    ("(Irish: Grainne Ni Mhaille)", "(Irish: Gráinne Ní Mháille)"),  # the candidate has them
+    ("Riyadh the capitl,", "Riyadh, the capital,"),  # inner commas stay, the final one too
+]
+
+
+def test_fuzzy_span_drops_edge_punctuation_the_candidate_lacks(smollm2):
+    """SmolLM2 splits "," "." "(" ")" into tokens of their own: a fuzzy window ending in
+    "composer," must not bring the comma into the nugget when the candidate had none."""
+    enc = smollm2(EDGE_TEXT, add_special_tokens=False, return_offsets_mapping=True)
+    ids, spans = enc["input_ids"], [tuple(x) for x in enc["offset_mapping"]]
+    cands = [c for c, _ in EDGE_CASES]
+    got, lost = recover_candidates(EDGE_TEXT, spans, cands)
+    assert not lost
+    check_invariants(EDGE_TEXT, spans, cands, got, lost)
+    for (cand, want), s in zip(EDGE_CASES, got, strict=True):
+        assert s.match_kind == "fuzzy" and s.candidate == cand
+        assert s.text.lstrip(" ") == want, (cand, s.text)
+        assert smollm2.decode(ids[s.tok_start : s.tok_end]) == s.text
+    assert (got, lost) == reference_recover(EDGE_TEXT, spans, cands)
+
+
+def test_trimming_keeps_the_whole_word_decision():
+    """Trimming moves only the span's edges: the window, its similarity and occurrences stay."""
+    text = "He was a Hungarian composer, pianist and teacher."
+    spans = char_token_spans(text)
+    (s,), _ = recover_candidates(text, spans, ["a Hungarian composr"])
+    assert s.text == "a Hungarian composer"
+    window = "a hungarian composer,"  # the whole-word window that was scored
+    assert s.similarity == pytest.approx(indel_similarity("a hungarian composr", window))
+    # a window that is nothing but punctuation the candidate lacks stays whole
+    (s,), _ = recover_candidates("b .. c", char_token_spans("b .. c"), ["a.."])
+    assert (s.match_kind, s.text) == ("fuzzy", "..")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chunk_and_slice(),
+    st.sampled_from(list(MUTATIONS)),
+    st.randoms(use_true_random=False),
+    st.sampled_from(["", ",", ".", ")", "),", ";"]),
+)
+def test_fuzzy_edges_carry_only_punctuation_of_the_candidate(data, kind, rnd, strip):
+    """Per-character tokens (nothing glues punctuation to a word): a fuzzy span's first and
+    last characters are word characters, or non-word characters of the candidate's own edge."""
+    text, cand = data
+    cand = mutate(cand, kind, rnd).rstrip(strip) if strip else mutate(cand, kind, rnd)
+    spans = char_token_spans(text)
+    got, lost = recover_candidates(text, spans, [cand])
+    assert (got, lost) == reference_recover(text, spans, [cand])
+    for s in got:
+        if s.match_kind != "fuzzy":
+            continue
+        c = canonical_form(cand)
+        canon = canonical_form(s.text)
+        words = [k for k, ch in enumerate(c) if ch.isalnum()]
+        if not words or not any(ch.isalnum() for ch in canon):
+            continue
+        lead, trail = c[: words[0]], c[words[-1] + 1 :]
+        if not canon[0].isalnum() and not unicodedata.category(canon[0]).startswith("M"):
+            assert canon[0] in lead or canon[0] == "_", (cand, s.text)
+        if not canon[-1].isalnum() and not unicodedata.category(canon[-1]).startswith("M"):
+            assert canon[-1] in trail or canon[-1] == "_", (cand, s.text)

@@ -75,6 +75,33 @@ def test_long_sentence_is_cut_at_a_clause() -> None:
     assert all(len(s.split()) <= 25 for s in spans)
 
 
+def test_wrapped_paragraph_lines_do_not_end_sentences() -> None:
+    """Docs hard-wrapped at ~70 columns (reST, Markdown, text): a line break inside a paragraph
+    is a space; blank lines, bullets, directives, prompts and rules still end a sentence."""
+    text = (
+        "Why is Python slow?\n===================\n\nPython is an interpreted language, which\n"
+        "makes it slower than compiled languages for\ntight loops. It is also dynamic.\n\n"
+        "* first item of a list\n* second item of it\n\n.. note::\n   A note that wraps onto\n"
+        "   a second line of the note.\n\n>>> x = 1 + 2\n>>> y = x * 3\n"
+    )
+    assert RulesExtractor(min_words=3).spans(text) == [
+        "Why is Python slow?",
+        "Python is an interpreted language, which\nmakes it slower than compiled languages for"
+        "\ntight loops.",
+        "It is also dynamic.",
+        "* first item of a list",
+        "* second item of it",
+        "A note that wraps onto\n   a second line of the note.",
+        ">>> x = 1 + 2",
+        ">>> y = x * 3",
+    ]
+    import textwrap
+
+    one_line = RulesExtractor().spans(PASSAGES[1])
+    wrapped = RulesExtractor().spans(textwrap.fill(PASSAGES[1], 60))
+    assert [" ".join(c.split()) for c in wrapped] == one_line
+
+
 def test_segment_words_flags() -> None:
     ws = segment_words("Born: 1927 in Aracataca. Died in Mexico City!")
     ends = [ws.word(i) for i in range(len(ws)) if ws.clause_end[i]]

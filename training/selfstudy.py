@@ -11,10 +11,12 @@ facts as JSON / YAML / a table), ``summarization``, ``question`` (factual recall
 drawn with probability proportional to document length (seeded), each with a uniformly drawn seed
 type and, for a document longer than ``max_slice_chars``, a random slice. A call is cached by
 ``(generator_fp, text_hash of the text it saw, seed type, call index)`` (``SelfStudyCallRow``),
-so a rerun makes no call. An answer that is not a JSON array of strings is dropped and counted
-(``status="malformed"``, cached, not retried); items that are not usable questions (not a string,
-fewer than ``min_words`` words, duplicates, no content word of the document) are dropped and
-counted per call (``n_raw - n_questions``).
+so a rerun makes no call. An answer that is not a JSON array is dropped and counted with its
+reason (``status="malformed"``, cached, not retried; a JSON object is malformed even when it
+holds a list); items that are not usable questions (not a string, a statement rather than a
+question or request, too few or too many words, duplicates, no content word of the document)
+are dropped and counted per call (``n_raw - n_questions``) and per reason
+(:class:`SelfStudyCounts`; the rules are ``training/questions.py``).
 
 Backends:
 
@@ -32,15 +34,8 @@ Backends:
   ``max_question_tokens``), emits ``", "`` between questions and ``"]`` after the ``n``-th. The
   output always parses; usability is measured by the same filter as the OpenAI path.
 
-Teacher
--------
-The target model answers every question with the document in context, in the project's RAG
-prompt (``prefix_ids + doc_ids + query_ids(question)``, ``inference/prompt.py``): greedy, at most
-``max_new_tokens`` tokens, ending with its EOS token when it stops. Per answer position the
-teacher's top-k (k = 20) log-softmax values and ids are kept (``TeacherAnswerRow``), cached by
-``(teacher_fp, context_hash, question_id)``. The document's KV is computed once and the questions
-of a document are answered in batches (left-padded between the document and the question, with
-the padding masked and positions kept contiguous).
+The teacher's answers to these questions are ``training/teacher.py``; what counts as a usable
+question is ``training/questions.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +43,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,14 +55,11 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
-from inference.generate import _eos_ids
-from inference.prompt import RagPrompt
 from schemas.keys import CODE_VERSION, fingerprint, sha256_hex, text_hash
 from schemas.tables import (
     DocumentRow,
     SelfStudyCallRow,
     SelfStudyQuestionRow,
-    TeacherAnswerRow,
 )
 from storage.store import Store
 from storage.tables import append_rows, read_rows
@@ -87,6 +78,12 @@ from tasks.extractors.openai_chat import (
     scrub,
 )
 from tasks.extractors.prompt import MalformedResponse
+from training.questions import (
+    ACCEPTS_VERSION,
+    MalformedQuestions,
+    parse_questions,
+    usable_questions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +132,6 @@ PROMPT_VERSION = (
     )[:12]
 )
 
-_STOPWORDS = frozenset(
-    "about above after again also among been before being below between both could does doing "
-    "during each from further have having here into itself more most other over same should some "
-    "such than that their them then there these they this those through under until very what "
-    "when where which while whom will with would your yours list write give describe explain "
-    "document text information".split()
-)
-_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'-]*")
-
 
 def build_question_messages(text: str, seed_type: str, n: int) -> list[dict[str, str]]:
     """Chat messages of one question-generation call (OpenAI backend)."""
@@ -164,81 +152,6 @@ def build_local_messages(text: str, seed_type: str, n: int) -> list[dict[str, st
             ),
         },
     ]
-
-
-# ---------------------------------------------------------------------------- parsing
-
-
-class MalformedQuestions(ValueError):
-    """The generator's answer is not a JSON array of strings."""
-
-
-def parse_questions(content: str | None) -> list[Any]:
-    """The items of a JSON array answer (a ```json fence around it is tolerated; an object with
-    one list value, as ``json_object`` mode returns, too).
-
-    >>> parse_questions('["Who?", "When?"]')
-    ['Who?', 'When?']
-    """
-    if content is None or not content.strip():
-        raise MalformedQuestions("empty answer")
-    text = content.strip()
-    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, re.DOTALL)
-    if fence:
-        text = fence.group(1)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MalformedQuestions(f"not JSON: {exc}") from None
-    if isinstance(value, dict):
-        lists = [v for v in value.values() if isinstance(v, list)]
-        if len(lists) != 1:
-            raise MalformedQuestions("a JSON object without exactly one list value")
-        value = lists[0]
-    if not isinstance(value, list):
-        raise MalformedQuestions(f"a JSON {type(value).__name__}, not an array")
-    return value
-
-
-def content_words(text: str) -> set[str]:
-    """Lower-cased words of 4+ characters that are not stopwords."""
-    return {w.lower() for w in _WORD.findall(text) if len(w) >= 4} - _STOPWORDS
-
-
-def usable_questions(
-    items: Sequence[Any], doc_text: str, min_words: int = 3, max_words: int = 80
-) -> tuple[list[str], dict[str, int]]:
-    """The usable questions among ``items`` and the count of drops per reason.
-
-    Usable: a string of ``min_words..max_words`` words (whitespace collapsed), not a
-    case-insensitive duplicate of an earlier one, sharing a content word with the document.
-    """
-    kept: list[str] = []
-    seen: set[str] = set()
-    drops: dict[str, int] = {}
-    vocab = content_words(doc_text)
-
-    def drop(reason: str) -> None:
-        drops[reason] = drops.get(reason, 0) + 1
-
-    for item in items:
-        if not isinstance(item, str):
-            drop("not_string")
-            continue
-        q = " ".join(item.split())
-        n = len(q.split())
-        if n < min_words:
-            drop("too_short")
-        elif n > max_words:
-            drop("too_long")
-        elif q.lower() in seen:
-            drop("duplicate")
-        elif not content_words(q) & vocab:
-            drop("off_document")
-        else:
-            seen.add(q.lower())
-            kept.append(q)
-    return kept, drops
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -352,6 +265,12 @@ class QuestionResult:
     items: list[Any] = field(default_factory=list)
     error: str | None = None
     calls: list[CallRecord] = field(default_factory=list)
+    malformed_reason: str | None = None  # why a malformed answer was dropped (questions.py)
+
+
+# Progress of a generator: called with the number of questions just written (an OpenAI call
+# counts its n_questions when it returns, the local generator each question as it closes).
+QuestionsDone = Callable[[int], None]
 
 
 def generator_fingerprint(backend: str, fields: dict[str, Any]) -> str:
@@ -402,18 +321,32 @@ class OpenAIQuestionGenerator:
     def fingerprint(self) -> str:
         return generator_fingerprint(
             self.backend,
-            {"model": self.llm_model, "n": self.n_questions, "temperature": self.temperature},
+            {
+                "model": self.llm_model,
+                "n": self.n_questions,
+                "temperature": self.temperature,
+                # what is accepted from a free answer (the local skeleton's output is always an
+                # array of questions, so its fingerprint does not carry this)
+                "accepts": ACCEPTS_VERSION,
+            },
         )
 
-    def generate(self, requests: Sequence[QuestionRequest]) -> list[QuestionResult]:
-        """One result per request, in order; never raises for one bad call."""
+    def generate(
+        self, requests: Sequence[QuestionRequest], progress: QuestionsDone | None = None
+    ) -> list[QuestionResult]:
+        """One result per request, in order; never raises for one bad call.
+        ``progress(n_questions)`` after each call (from the worker threads, one at a time)."""
         self._fatal = None
 
         def run(req: QuestionRequest) -> QuestionResult:
             try:
-                return self._one(req)
+                result = self._one(req)
             except Exception as exc:  # noqa: BLE001 - one call must not sink the run
-                return QuestionResult(req.key, "failed", error=describe_error(exc, self._secrets))
+                result = QuestionResult(req.key, "failed", error=describe_error(exc, self._secrets))
+            if progress is not None:
+                with self._lock:
+                    progress(self.n_questions)
+            return result
 
         if not requests:
             return []
@@ -468,7 +401,10 @@ class OpenAIQuestionGenerator:
             except (MalformedQuestions, MalformedResponse) as exc:
                 msg = scrub(f"malformed answer: {exc}", self._secrets)
                 calls.append(self._record(req, attempt, "malformed", started, t0, t_in, t_out, msg))
-                return QuestionResult(req.key, "malformed", error=msg, calls=calls)
+                reason = getattr(exc, "reason", "no_content")
+                return QuestionResult(
+                    req.key, "malformed", error=msg, calls=calls, malformed_reason=reason
+                )
             calls.append(self._record(req, attempt, "ok", started, t0, t_in, t_out))
             return QuestionResult(req.key, "ok", items=items, calls=calls)
 
@@ -628,9 +564,11 @@ def run_skeleton(
     repetition_penalty: float,
     close_boost: float = 0.0,
     pad_id: int,
+    on_question: Callable[[], None] | None = None,
 ) -> None:
     """Sample the answers of several prompts at once (left-padded batch ``(B, max P)``) under
-    their machines; each row samples with its own generator (seeded per call)."""
+    their machines; each row samples with its own generator (seeded per call).
+    ``on_question()`` each time a row closes a question."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -674,8 +612,11 @@ def run_skeleton(
                     top = torch.topk(row, min(top_k, int(torch.isfinite(row).sum())))
                     probs = torch.softmax(top.values, -1)
                     tok = int(top.indices[torch.multinomial(probs, 1, generator=generators[r])])
+                before = m.questions
                 m.advance(tok)
                 nxt.append(tok)
+                if on_question is not None and m.questions > before:
+                    on_question()
             if all(m.done for m in machines):
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
@@ -763,8 +704,12 @@ class LocalQuestionGenerator:
         )
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
-    def generate(self, requests: Sequence[QuestionRequest]) -> list[QuestionResult]:
-        """One result per request, in order (prompts of similar length batched together)."""
+    def generate(
+        self, requests: Sequence[QuestionRequest], progress: QuestionsDone | None = None
+    ) -> list[QuestionResult]:
+        """One result per request, in order (prompts of similar length batched together);
+        ``progress(1)`` each time a question is written, then the rest of a call's questions
+        when it fails or ends early."""
         tok = self.loaded.tokenizer
         sv = skeleton_vocab(tok)
         pad = tok.pad_token_id if tok.pad_token_id is not None else sv.eos
@@ -794,6 +739,7 @@ class LocalQuestionGenerator:
                     repetition_penalty=self.repetition_penalty,
                     close_boost=self.close_boost,
                     pad_id=pad,
+                    on_question=None if progress is None else lambda: progress(1),
                 )
                 error = None
             except Exception as exc:  # noqa: BLE001 - recorded as failed calls
@@ -804,13 +750,13 @@ class LocalQuestionGenerator:
                 req = requests[i]
                 n_out = len(m.generated)
                 if error is not None:
-                    status, items = "failed", []
+                    status, items, reason = "failed", [], None
                 else:
                     text = tok.decode([t for t in m.generated if t != sv.eos])
                     try:
-                        status, items = "ok", parse_questions(text)
+                        status, items, reason = "ok", parse_questions(text), None
                     except MalformedQuestions as exc:  # never expected: the skeleton parses
-                        status, items, error = "malformed", [], str(exc)
+                        status, items, error, reason = "malformed", [], str(exc), exc.reason
                 rec = CallRecord(
                     call_id=new_call_id(),
                     key=req.key,
@@ -825,7 +771,11 @@ class LocalQuestionGenerator:
                     started_at=started,
                     error=error,
                 )
-                results[i] = QuestionResult(req.key, status, items, error, [rec])
+                results[i] = QuestionResult(req.key, status, items, error, [rec], reason)
+            if progress is not None:  # questions a failed batch never wrote
+                rest = sum(max(self.n_questions - m.questions, 0) for m in machines)
+                if rest:
+                    progress(rest)
         return [results[i] for i in range(len(requests))]
 
 
@@ -837,7 +787,8 @@ class SelfStudyCounts:
     planned: int = 0
     cached: int = 0  # answered (ok or malformed) by an earlier run
     ok: int = 0
-    malformed: int = 0  # dropped calls (not a JSON array of strings)
+    malformed: int = 0  # dropped calls (not a JSON array: training/questions.py)
+    malformed_reasons: dict[str, int] = field(default_factory=dict)
     failed: int = 0
     raw_items: int = 0
     questions: int = 0  # usable questions of this run's ok calls
@@ -881,6 +832,8 @@ def selfstudy_stage(
 
     Calls already answered by this generator (``ok`` or ``malformed``) are not made again.
     Results are written ``batch`` calls at a time (a killed run loses at most one batch).
+    ``progress(questions written, questions to write)`` as the generator writes them (each
+    OpenAI call counts its ``n_questions`` when it returns; the local generator each question).
     """
     fp = generator.fingerprint
     if plan is None:
@@ -902,15 +855,26 @@ def selfstudy_stage(
         else:
             todo.setdefault(key, p)
     pending = list(todo.items())
+    written, to_write = 0, len(pending) * generator.n_questions
+
+    def questions_done(n: int) -> None:
+        nonlocal written
+        written += n
+        if progress is not None:
+            progress(written, to_write)
+
     for start in range(0, len(pending), batch):
         part = pending[start : start + batch]
         reqs = [QuestionRequest(k, p.text, p.seed_type, p.call_index) for k, p in part]
-        results = generator.generate(reqs)
+        results = generator.generate(reqs, questions_done)
         call_rows, q_rows, ledger = [], [], []
         for (key, p), res in zip(part, results, strict=True):
             kept, drops = usable_questions(res.items, p.text) if res.status == "ok" else ([], {})
             counts.ok += res.status == "ok"
             counts.malformed += res.status == "malformed"
+            if res.status == "malformed":
+                why = res.malformed_reason or "malformed"
+                counts.malformed_reasons[why] = counts.malformed_reasons.get(why, 0) + 1
             counts.failed += res.status == "failed"
             counts.raw_items += len(res.items)
             counts.questions += len(kept)
@@ -970,8 +934,6 @@ def selfstudy_stage(
         append_rows(store, call_rows, run_id, "selfstudy-calls")
         append_rows(store, q_rows, run_id, "selfstudy-questions")
         append_rows(store, ledger, run_id, "selfstudy-ledger")
-        if progress is not None:
-            progress(min(start + batch, len(pending)), len(pending))
     # every usable question of the plan (this run's and cached ones), attributed to the plan's doc
     by_key: dict[str, list[SelfStudyQuestionRow]] = {}
     for row in read_rows(store, SelfStudyQuestionRow, filter=pc.field("call_key").isin(keys)):
@@ -987,234 +949,3 @@ def selfstudy_stage(
             seen.add(qid)
             out.append(Question(qid, p.doc_id, p.doc_version, p.seed_type, rows[ordinal].question))
     return out, counts
-
-
-# ---------------------------------------------------------------------------- the teacher
-
-
-@dataclass(frozen=True)
-class TeacherConfig:
-    """Greedy answers of at most ``max_new_tokens`` tokens, ``top_k`` log-probs per position;
-    documents longer than ``max_doc_tokens`` are cut (the cartridge stands for the same cut)."""
-
-    max_new_tokens: int = 48
-    top_k: int = 20
-    batch_size: int = 8
-    max_doc_tokens: int = 2048
-
-    def value_dict(self) -> dict[str, Any]:
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "top_k": self.top_k,
-            "max_doc_tokens": self.max_doc_tokens,
-            "decoding": "greedy-v1",
-        }
-
-
-def teacher_fingerprint(model_fp: str, prefix_sha: str, cfg: TeacherConfig) -> str:
-    """What a teacher answer depends on besides the document and the question."""
-    return fingerprint(
-        "teacher", {"model_fp": model_fp, "prefix_sha": prefix_sha, **cfg.value_dict()}
-    )
-
-
-def doc_token_ids(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
-    """The document's token ids as the context slot holds them (no special tokens), cut."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
-
-
-def context_hash(doc_ids: Sequence[int]) -> str:
-    return "cx-" + sha256_hex("context", ",".join(str(int(t)) for t in doc_ids))[:24]
-
-
-def answer_id(teacher_fp: str, ctx_hash: str, qid: str) -> str:
-    return "ta-" + sha256_hex("teacher-answer", teacher_fp, ctx_hash, qid)[:24]
-
-
-@dataclass(frozen=True, eq=False)
-class TeacherOutput:
-    answer_ids: list[int]
-    topk_ids: torch.Tensor  # (n, k) int64
-    topk_logprobs: torch.Tensor  # (n, k) float32
-
-
-@torch.no_grad()
-def teacher_answers(
-    model: Any,
-    tokenizer: Any,
-    prompt: RagPrompt,
-    doc_ids: Sequence[int],
-    questions: Sequence[str],
-    cfg: TeacherConfig,
-) -> list[TeacherOutput]:
-    """Greedy answers with top-k log-probs for questions about one document.
-
-    The context ``prefix_ids + doc_ids`` (``T`` tokens) is encoded once; questions go in
-    batches: query ids left-padded to ``(B, Q)`` *after* the context, padding masked out, real
-    tokens at positions ``T..T+len-1``, so every row computes what a lone forward of
-    ``prefix + doc + query`` computes.
-    """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    ctx = list(prompt.prefix_ids) + list(doc_ids)
-    t = len(ctx)
-    out0 = model(input_ids=torch.tensor([ctx], device=device), use_cache=True)
-    layers = [(lay.keys, lay.values) for lay in out0.past_key_values.layers]
-    eos = _eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    results: list[TeacherOutput] = []
-    for s in range(0, len(questions), cfg.batch_size):
-        qs = [prompt.query_ids(q) for q in questions[s : s + cfg.batch_size]]
-        b, width = len(qs), max(len(q) for q in qs)
-        ids = torch.full((b, width), pad, dtype=torch.long)
-        mask = torch.ones((b, t + width), dtype=torch.long)
-        pos = torch.full((b, width), t, dtype=torch.long)
-        for r, q in enumerate(qs):
-            ids[r, width - len(q) :] = torch.tensor(q)
-            mask[r, t : t + width - len(q)] = 0
-            pos[r, width - len(q) :] = torch.arange(t, t + len(q))
-        cache = DynamicCache(config=model.config)
-        for i, (k, v) in enumerate(layers):
-            cache.update(
-                k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous(), i
-            )
-        out = model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=pos.to(device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        last = pos[:, -1].clone()
-        answers: list[list[int]] = [[] for _ in range(b)]
-        tk_ids: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        tk_lp: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        done = [False] * b
-        for step in range(cfg.max_new_tokens):
-            logp = out.logits[:, -1].float().log_softmax(-1).cpu()
-            top = torch.topk(logp, cfg.top_k, dim=-1)
-            nxt = logp.argmax(-1)
-            for r in range(b):
-                if done[r]:
-                    continue
-                tok = int(nxt[r])
-                answers[r].append(tok)
-                tk_ids[r].append(top.indices[r])
-                tk_lp[r].append(top.values[r])
-                done[r] = tok in eos
-            if all(done) or step == cfg.max_new_tokens - 1:
-                break
-            feed = torch.tensor([min(eos) if done[r] else int(nxt[r]) for r in range(b)])
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
-            last = last + 1
-            out = model(
-                input_ids=feed[:, None].to(device),
-                attention_mask=mask.to(device),
-                position_ids=last[:, None].to(device),
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
-        for r in range(b):
-            results.append(
-                TeacherOutput(
-                    answers[r],
-                    torch.stack(tk_ids[r]).to(torch.int64),
-                    torch.stack(tk_lp[r]).to(torch.float32),
-                )
-            )
-    return results
-
-
-@dataclass
-class TeacherCounts:
-    questions: int = 0
-    cached: int = 0
-    answered: int = 0
-    answer_tokens: int = 0
-    ended_eos: int = 0
-    seconds: float = 0.0
-
-
-def teacher_stage(
-    store: Store,
-    model: Any,
-    tokenizer: Any,
-    prompt: RagPrompt,
-    model_fp: str,
-    docs: dict[str, DocumentRow],
-    questions: Sequence[Question],
-    cfg: TeacherConfig,
-    *,
-    run_id: str,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[list[TeacherAnswerRow], TeacherCounts]:
-    """Answer (or reuse the answers to) ``questions``; return one row per question.
-
-    ``docs``: doc_id -> the document version the questions are about (its text is the context).
-    Answers are written per document (a killed run loses at most one document's answers).
-    """
-    tfp = teacher_fingerprint(model_fp, prompt.prefix_sha, cfg)
-    counts = TeacherCounts(questions=len(questions))
-    t0 = time.perf_counter()
-    have = {
-        r.answer_id: r
-        for r in read_rows(store, TeacherAnswerRow, filter=pc.field("teacher_fp") == tfp)
-    }
-    by_doc: dict[str, list[Question]] = {}
-    for q in questions:
-        by_doc.setdefault(q.doc_id, []).append(q)
-    rows: dict[str, TeacherAnswerRow] = {}
-    done_docs = 0
-    for doc_id in sorted(by_doc):
-        doc = docs[doc_id]
-        ids = doc_token_ids(tokenizer, doc.text, cfg.max_doc_tokens)
-        cx = context_hash(ids)
-        todo = []
-        for q in by_doc[doc_id]:
-            aid = answer_id(tfp, cx, q.question_id)
-            if aid in have:
-                rows[q.question_id] = have[aid]
-                counts.cached += 1
-            else:
-                todo.append((aid, q))
-        if todo:
-            outs = teacher_answers(model, tokenizer, prompt, ids, [q.text for _, q in todo], cfg)
-            new = []
-            eos = _eos_ids(model, tokenizer)
-            for (aid, q), o in zip(todo, outs, strict=True):
-                row = TeacherAnswerRow(
-                    answer_id=aid,
-                    question_id=q.question_id,
-                    doc_id=doc.doc_id,
-                    doc_version=doc.doc_version,
-                    context_hash=cx,
-                    teacher_fp=tfp,
-                    model_fp=model_fp,
-                    answer_ids=list(o.answer_ids),
-                    answer_text=tokenizer.decode(o.answer_ids, skip_special_tokens=True).strip(),
-                    top_k=cfg.top_k,
-                    topk_ids=o.topk_ids.reshape(-1).tolist(),
-                    topk_logprobs=o.topk_logprobs.reshape(-1).tolist(),
-                    run_id=run_id,
-                    code_version=CODE_VERSION,
-                )
-                new.append(row)
-                rows[q.question_id] = row
-                counts.answered += 1
-                counts.answer_tokens += len(o.answer_ids)
-                counts.ended_eos += bool(o.answer_ids) and o.answer_ids[-1] in eos
-            append_rows(store, new, run_id, "teacher")
-        done_docs += 1
-        if progress is not None:
-            progress(done_docs, len(by_doc))
-    counts.seconds = time.perf_counter() - t0
-    return [rows[q.question_id] for q in questions], counts
-
-
-def topk_tensors(row: TeacherAnswerRow) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(topk_ids (n, k) int64, topk_logprobs (n, k) float32)`` of a stored answer."""
-    n, k = len(row.answer_ids), row.top_k
-    ids = torch.tensor(row.topk_ids, dtype=torch.int64).reshape(n, k)
-    lp = torch.tensor(row.topk_logprobs, dtype=torch.float32).reshape(n, k)
-    return ids, lp

@@ -16,18 +16,27 @@ tokenized as ``" " + word``: the form it has after ``"-"`` or a previous word in
 (``"ĠGarcÃŃa"``), so a token never straddles two words and a span maps back to char offsets
 through its word indices, not by decoding. The constraint (:class:`SpanCopyMachine`) per step:
 
-- line start: ``"-"`` (another span) or end-of-turn; ``"-"`` is forced before the first span,
-  end-of-turn after ``max_nuggets`` spans or when no admissible start is left;
+- line start: ``"-"`` (another span) or end-of-turn; ``"-"`` is forced before the first span
+  and while a clause head (below) is still ahead, end-of-turn after the budget of spans or when
+  no admissible start is left;
 - span start: the first token of an admissible word at or after the cursor (spans are in document
   order and never overlap); admissible: at least ``min_words`` words run from it to the next
   clause end, and with ``boundaries="clause"`` (default) it opens a clause: the passage's first
   word, or one after ``. ; : ! ?``, after a comma, or ``which``/``because``... but not ``(``
-  (``"word"``: any word);
+  (``"word"``: any word). Coverage: the first admissible word of every clause (a clause shorter
+  than ``min_words`` merged into its neighbour) is a *head* that must start a span, so no word
+  before the next head is offered unless the budget leaves room for the heads still ahead;
 - inside a span: the next passage token (copy), or ``"\n"`` (end the span) at a soft end
   (``"clause"``: a comma or a clause opener next; ``"word"``: any word end) once the span has
-  ``min_words`` words. The end is forced after a clause end (``. ; : ! ?``, a line break, the
-  last word), at a soft end when the next place to stop lies beyond ``max_words``, and at
-  ``max_words`` words, always at a word end, so a cap never cuts ``"García M"``.
+  ``min_words`` words (``min_head_words`` for a span from a head). The end is forced after a
+  clause end (``. ; : ! ?``, a line break, the last word), at a soft end when the next place to
+  stop lies beyond ``max_words``, and at ``max_words`` words, always at a word end, so a cap
+  never cuts ``"García M"``.
+
+Why heads: left to choose, SmolLM2-135M skips whole sentences (it kept two spans of the *2001: A
+Space Odyssey* summary, neither with "directed by Stanley Kubrick"); a clause's first words carry
+its subject and verb, what a question asks about. The budget is ``max(max_nuggets,
+ceil(spans_per_head * heads))`` spans per passage: every head, plus spans of the model's choice.
 
 A start token may begin several words (``" the"``); all of them stay candidates and the following
 tokens narrow them down, so the model's choice is never silently redirected.
@@ -42,6 +51,7 @@ constraint as a ``LogitsProcessor``, one forward pass per token (the reference).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -58,7 +68,7 @@ from tasks.extractors.base import (
     ResultFn,
     ResultReporter,
 )
-from tasks.extractors.rules import WordSpans, segment_words
+from tasks.extractors.rules import WordSpans, merge_short, runs_after, segment_words
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +81,7 @@ LOCAL_USER_TEMPLATE = "Passage:\n{text}"
 LOCAL_PROMPT_VERSION = (
     "pl-" + sha256_hex("local-prompt", LOCAL_SYSTEM_PROMPT, LOCAL_USER_TEMPLATE)[:12]
 )
-DECODING = "greedy-constrained-v1"  # bump when the constraint's rules change
+DECODING = "greedy-constrained-v2"  # bump when the constraint's rules change
 
 
 def build_local_messages(text: str) -> list[dict[str, str]]:
@@ -93,8 +103,12 @@ class PassageTokens:
     ``token_ids[p]`` (length T): token ``p`` of the passage, words tokenized as ``" " + word``.
     ``word_of[p]`` (T): the word token ``p`` belongs to. ``first_token[w]`` (W): index of word
     ``w``'s first token. ``can_start[w]`` (W): a span may start at word ``w``. ``soft_end[w]``
-    (W): a span may stop after word ``w`` by choice. ``next_stop[w]`` (W): the first word after
-    ``w`` where a span may stop (soft or clause end; ``W - 1`` at most).
+    (W): a span may stop after word ``w`` by choice. ``clause_end[w]`` (W): a span must stop
+    after word ``w`` (``rules.WordSpans.clause_end``, with a clause shorter than ``min_words``
+    merged into its neighbour: ``"2001:"`` does not end a clause of its own). ``next_stop[w]``
+    (W): the first word after ``w`` where a span may stop (soft or clause end; ``W - 1`` at
+    most). ``heads`` (sorted word indices): the first word of each clause where a span may start,
+    the clause's *head* (its subject and verb usually follow): the words every extraction covers.
     """
 
     words: WordSpans
@@ -104,6 +118,8 @@ class PassageTokens:
     can_start: list[bool]
     soft_end: list[bool]
     next_stop: list[int]
+    clause_end: list[bool]
+    heads: list[int]
 
     def at_boundary(self, p: int) -> bool:
         """Token ``p`` is the last token of its word."""
@@ -122,7 +138,9 @@ def tokenize_passage(
     end or a soft end (``rules.WordSpans.soft_end``: after a comma, before ``which``/``because``
     or ``(``), never at a word opening with a bracket, and stops by choice only at a soft end.
     ``"word"``: any word may start a span and a span may stop after any word. Either way a start
-    needs ``min_words`` words before the next clause end.
+    needs ``min_words`` words before the next clause end, and a clause shorter than ``min_words``
+    is merged into its neighbour in the same sentence (``"2001: A Space Odyssey is ..."`` is one
+    clause, as in ``rules``). Each clause's first admissible start is its head.
     """
     if boundaries not in BOUNDARIES:
         raise ValueError(f"boundaries={boundaries!r}: expected one of {BOUNDARIES}")
@@ -143,19 +161,53 @@ def tokenize_passage(
         token_ids.extend(toks)
         word_of.extend([w] * len(toks))
     soft = [True] * n if boundaries == "word" else list(words.soft_end)
+    clause_end = merged_clause_ends(words, min_words)
     can_start = [False] * n
     next_stop = [n - 1] * n
     run, stop = 0, n - 1  # run: words from w through the next clause end
     for w in range(n - 1, -1, -1):
         next_stop[w] = stop
-        if soft[w] or words.clause_end[w]:
+        if soft[w] or clause_end[w]:
             stop = w
-        run = 1 if words.clause_end[w] else run + 1
-        opens = w == 0 or soft[w - 1] or words.clause_end[w - 1]
+        run = 1 if clause_end[w] else run + 1
+        opens = w == 0 or soft[w - 1] or clause_end[w - 1]
         if boundaries == "clause" and words.word(w).startswith(("(", "[")):
             opens = False  # stop before "(OAPEC)" by choice, never start a nugget with it
         can_start[w] = opens and run >= min_words
-    return PassageTokens(words, token_ids, word_of, first_token, can_start, soft, next_stop)
+    heads = []
+    clause_open = True  # no head found yet in the current clause
+    for w in range(n):
+        if clause_open and can_start[w]:
+            heads.append(w)
+            clause_open = False
+        if clause_end[w]:
+            clause_open = True
+    return PassageTokens(
+        words, token_ids, word_of, first_token, can_start, soft, next_stop, clause_end, heads
+    )
+
+
+def merged_clause_ends(words: WordSpans, min_words: int) -> list[bool]:
+    """``words.clause_end`` without the ends of clauses shorter than ``min_words`` words that
+    have a neighbour in their sentence (``rules``' merge: a short lead-in such as ``"2001:"``
+    or ``"Born:"`` joins what follows, a short tail joins what precedes).
+
+    >>> from tasks.extractors.rules import segment_words
+    >>> ws = segment_words("2001: A Space Odyssey is a film; it is long. Yes: no.")
+    >>> [ws.word(i) for i, e in enumerate(merged_clause_ends(ws, 3)) if e]
+    ['film;', 'long.', 'no.']
+    """
+    n = len(words)
+    ends = list(words.clause_end)
+    start = 0
+    for s_end in [i for i in range(n) if words.sentence_end[i]]:
+        clauses = runs_after(words.clause_end, start, s_end + 1)
+        for _lo, hi in clauses[:-1]:
+            ends[hi - 1] = False  # every clause end inside the sentence, restored below
+        for _lo, hi in merge_short(clauses, min_words)[:-1]:
+            ends[hi - 1] = True
+        start = s_end + 1
+    return ends
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +239,13 @@ class SpanCopyMachine:
     Every path through the machine ends (each span consumes at least one word and there are at
     most ``max_nuggets`` spans), so any choice among ``allowed()``, even a random one, gives
     verbatim, ordered, non-overlapping, word-aligned spans.
+
+    Coverage: the first ``max_nuggets`` clause heads (``passage.heads``) are *required*: a span
+    starts at each of them. The model chooses where such a span ends (by choice only once it
+    has ``min_head_words`` words, so it carries the clause's subject, verb and object rather
+    than a three-word lead-in) and whether to add spans of its own between two heads, which it
+    may only while enough of the budget remains for the heads still ahead; the list ends only
+    after the last required head.
     """
 
     passage: PassageTokens
@@ -194,19 +253,39 @@ class SpanCopyMachine:
     max_nuggets: int
     min_words: int
     max_words: int
+    min_head_words: int = 1
     phase: str = "line"  # line | start | span | done
     cursor: int = 0  # first word a new span may start at
     spans: list[tuple[int, int]] = field(default_factory=list)
     n_generated: int = 0
     _cands: list[_Cand] = field(default_factory=list)
+    _required: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._required = self.passage.heads[: self.max_nuggets]
 
     @property
     def done(self) -> bool:
         return self.phase == "done"
 
+    def _heads_left(self) -> list[int]:
+        """Required heads not covered yet (all at or after the cursor)."""
+        return [h for h in self._required if h >= self.cursor]
+
     def _starts(self) -> list[int]:
+        """Words the next span may start at: the next required head, or (with budget to spare
+        for the heads after it) any admissible word before it; after the last head, any."""
         pt = self.passage
-        return [w for w in range(self.cursor, len(pt.first_token)) if pt.can_start[w]]
+        left = self._heads_left()
+        last = left[0] if left else len(pt.first_token) - 1
+        if left and self.max_nuggets - len(self.spans) <= len(left):
+            return [left[0]]
+        return [w for w in range(self.cursor, last + 1) if pt.can_start[w]]
+
+    def _min_len(self, c: _Cand) -> int:
+        """Words a span needs before it may end at a soft end by choice."""
+        head = c.start_word in self._required
+        return max(self.min_words, self.min_head_words) if head else self.min_words
 
     def _forced_end(self, c: _Cand) -> bool:
         """At a word end: a clause end, the cap, or a soft end the next stop lies beyond the cap."""
@@ -214,11 +293,11 @@ class SpanCopyMachine:
         if not pt.at_boundary(c.pos):
             return False
         w = pt.word_of[c.pos]
-        if pt.words.clause_end[w] or c.n_words >= self.max_words:
+        if pt.clause_end[w] or c.n_words >= self.max_words:
             return True
         return (
             pt.soft_end[w]
-            and c.n_words >= self.min_words
+            and c.n_words >= self._min_len(c)
             and c.n_words + (pt.next_stop[w] - w) > self.max_words
         )
 
@@ -226,7 +305,7 @@ class SpanCopyMachine:
         pt = self.passage
         if not pt.at_boundary(c.pos):
             return False
-        soft = pt.soft_end[pt.word_of[c.pos]] and c.n_words >= self.min_words
+        soft = pt.soft_end[pt.word_of[c.pos]] and c.n_words >= self._min_len(c)
         return soft or self._forced_end(c)
 
     def allowed(self) -> list[int]:
@@ -237,7 +316,9 @@ class SpanCopyMachine:
         if self.phase == "line":
             if len(self.spans) >= self.max_nuggets or not self._starts():
                 return [sp.eos]
-            return [sp.dash] if not self.spans else [sp.dash, sp.eos]
+            if not self.spans or self._heads_left():
+                return [sp.dash]
+            return [sp.dash, sp.eos]
         if self.phase == "start":
             return sorted({pt.token_ids[pt.first_token[w]] for w in self._starts()})
         out: set[int] = set()
@@ -524,8 +605,10 @@ class LocalConstrainedExtractor:
     """Verbatim nugget spans chosen by a local causal LM under constrained decoding.
 
     Options: ``model`` (a reference for ``inference.models.load_model``; None = packaged
-    SmolLM2-135M-Instruct; or an already loaded ``LoadedModel``), ``max_nuggets`` spans per
-    passage at most, spans of ``min_words..max_words`` words, ``device``, ``batch_size``
+    SmolLM2-135M-Instruct; or an already loaded ``LoadedModel``), spans of
+    ``min_words..max_words`` words, at most ``max(max_nuggets, ceil(spans_per_head * heads))``
+    per passage (``heads``: its clauses with a place to start, each of which gets a span of at
+    least ``min_head_words`` words unless the clause is shorter), ``device``, ``batch_size``
     (passages decoded together), ``driver`` (``"jump"`` or ``"generate"``; same output),
     ``boundaries`` (``"clause"`` or ``"word"``: where spans may start and stop by choice, see
     :func:`tokenize_passage`). The model is loaded on first use.
@@ -546,6 +629,8 @@ class LocalConstrainedExtractor:
         max_nuggets: int = 8,
         min_words: int = 3,
         max_words: int = 25,
+        min_head_words: int = 8,
+        spans_per_head: float = 1.5,
         device: str = "cpu",
         batch_size: int = 4,
         driver: str = "jump",
@@ -557,10 +642,17 @@ class LocalConstrainedExtractor:
             raise ValueError(
                 f"max_nuggets ({max_nuggets}) and batch_size ({batch_size}) must be >= 1"
             )
+        if min_head_words < 1 or spans_per_head < 1.0:
+            raise ValueError(
+                f"need min_head_words >= 1 and spans_per_head >= 1, got {min_head_words}, "
+                f"{spans_per_head}"
+            )
         self.model_ref = model
         self.max_nuggets = max_nuggets
         self.min_words = min_words
         self.max_words = max_words
+        self.min_head_words = min_head_words
+        self.spans_per_head = spans_per_head
         self.device = device
         self.batch_size = batch_size
         if driver not in _DRIVERS:
@@ -617,6 +709,8 @@ class LocalConstrainedExtractor:
                 "min_words": self.min_words,
                 "max_words": self.max_words,
                 "max_nuggets": self.max_nuggets,
+                "min_head_words": self.min_head_words,
+                "spans_per_head": self.spans_per_head,
                 "boundaries": self.boundaries,
                 "decoding": DECODING,
             },
@@ -646,11 +740,26 @@ class LocalConstrainedExtractor:
             self._prefix = PromptPrefix.compute(self.loaded.model, a[: max(n - 1, 0)])
         return self._prefix
 
+    def budget(self, n_heads: int) -> int:
+        """Spans a passage with ``n_heads`` clause heads may get: ``max_nuggets`` at least, and
+        room for every head plus ``spans_per_head - 1`` spans of the model's choice per head.
+
+        >>> ex = LocalConstrainedExtractor(max_nuggets=8)
+        >>> ex.budget(3), ex.budget(20)
+        (8, 30)
+        """
+        return max(self.max_nuggets, math.ceil(self.spans_per_head * n_heads - 1e-9))
+
     def machine(self, text: str) -> SpanCopyMachine:
         """A fresh constraint for one passage."""
         pt = tokenize_passage(text, self.loaded.tokenizer, self.min_words, self.boundaries)
         return SpanCopyMachine(
-            pt, self._special(), self.max_nuggets, self.min_words, self.max_words
+            pt,
+            self._special(),
+            self.budget(len(pt.heads)),
+            self.min_words,
+            self.max_words,
+            self.min_head_words,
         )
 
     def spans(self, texts: Sequence[str]) -> list[list[str]]:

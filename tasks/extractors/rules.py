@@ -5,7 +5,9 @@ words (each with its char offsets), then:
 
 1. into sentences, at words ending in ``. ! ?`` (not abbreviations such as ``Dr.``, ``U.S.`` or an
    initial ``C.``; a ``.`` counts only before an upper-case word, a digit, a quote or the end) and
-   at line breaks;
+   at line breaks, except one inside a hard-wrapped paragraph (a single line break between two
+   lines of prose at the same indentation: not a bullet, enumerator, directive, prompt or rule
+   line, see ``_is_prose``; a line ending in ``.`` still ends its sentence);
 2. into clauses, at words ending in ``;`` or ``:``;
 3. a clause longer than ``split_words`` words is cut at a comma before a relative word or a
    conjunction (``..., which``, ``..., and``; not inside a list), one longer than ``max_words``
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from schemas.keys import fingerprint
 from tasks.extractors.base import ExtractionRequest, ExtractionResult, ResultFn, ResultReporter
 
-RULES_VERSION = "rules-v1"
+RULES_VERSION = "rules-v2"  # v2: a wrapped line of a paragraph no longer ends a sentence
 
 _WORD = re.compile(r"\S+")
 _CLOSERS = "\"'”’»)]}"
@@ -105,6 +107,20 @@ def _is_abbreviation(word: str) -> bool:
     return "." in stem and all(len(part) <= 2 and part.isalpha() for part in stem.split("."))
 
 
+_ENUMERATOR = re.compile(r"(?:\d{1,2}|[A-Za-z#])[.)]|\(\w{1,2}\)")
+
+
+def _is_prose(first_word: str) -> bool:
+    """A line starting with this word continues a wrapped paragraph, unless it is a block of
+    its own: a bullet, an enumerator (``1.``, ``a)``), a directive or prompt (``..``, ``>>>``),
+    a table or heading rule (no letter or digit at all).
+
+    >>> [_is_prose(w) for w in ["the", "``x``", "(1951)", "-", "1.", "..", "====", ">>>"]]
+    [True, True, True, False, False, False, False, False]
+    """
+    return any(ch.isalnum() for ch in first_word) and not _ENUMERATOR.fullmatch(first_word)
+
+
 def _opens_sentence(word: str) -> bool:
     first = word.lstrip(_OPENERS)[:1]
     return word[:1] in _OPENERS or first.isupper() or first.isdigit() or not first
@@ -113,9 +129,12 @@ def _opens_sentence(word: str) -> bool:
 def segment_words(text: str) -> WordSpans:
     """Cut ``text`` into words with char offsets and clause/sentence-end flags.
 
-    >>> ws = segment_words("Dr. Smith met U.S. officials; they agreed. Then\\nnothing")
+    >>> ws = segment_words("Dr. Smith met U.S. officials; they agreed. Then\\n\\nnothing")
     >>> [ws.word(i) for i in range(len(ws)) if ws.clause_end[i]]
     ['officials;', 'agreed.', 'Then', 'nothing']
+    >>> ws = segment_words("a paragraph wrapped\\nat the margin\\n- a bullet")
+    >>> [ws.word(i) for i in range(len(ws)) if ws.sentence_end[i]]
+    ['margin', 'bullet']
     """
     matches = list(_WORD.finditer(text))
     starts = [m.start() for m in matches]
@@ -124,12 +143,23 @@ def segment_words(text: str) -> WordSpans:
     sentence_end = [False] * n
     clause_end = [False] * n
     soft_end = [False] * n
+    line_indent, line_prose = 0, True  # the line of word i: its indentation, starts prose
     for i, m in enumerate(matches):
         word = m.group()
         last = i == n - 1
         gap = "" if last else text[ends[i] : starts[i + 1]]
         body = word.rstrip(_CLOSERS)
-        if last or "\n" in gap or body.endswith(("!", "?")):
+        if i == 0 or "\n" in text[ends[i - 1] : starts[i]]:
+            line_start = text.rfind("\n", 0, starts[i]) + 1
+            line_indent, line_prose = starts[i] - line_start, _is_prose(word)
+        wrapped = (  # "." before a line break ends a sentence, even after "C." or "Dr."
+            gap.count("\n") == 1
+            and not body.endswith(".")
+            and line_prose
+            and _is_prose(matches[i + 1].group())
+            and len(gap) - gap.index("\n") - 1 == line_indent
+        )
+        if last or ("\n" in gap and not wrapped) or body.endswith(("!", "?")):
             sentence_end[i] = True
         elif body.endswith("...") or (
             body.endswith(".")
@@ -145,7 +175,7 @@ def segment_words(text: str) -> WordSpans:
     return WordSpans(text, starts, ends, clause_end, sentence_end, soft_end)
 
 
-def _runs(flags: Sequence[bool], lo: int, hi: int) -> list[tuple[int, int]]:
+def runs_after(flags: Sequence[bool], lo: int, hi: int) -> list[tuple[int, int]]:
     """Split words ``lo..hi-1`` after every word whose flag is set: ``[(first, last+1), ...]``."""
     out, start = [], lo
     for i in range(lo, hi):
@@ -228,8 +258,8 @@ class RulesExtractor:
         """Word ranges ``[(first, last+1), ...]`` of the kept spans, in document order."""
         ws = segment_words(text)
         pieces: list[tuple[int, int]] = []
-        for s_lo, s_hi in _runs(ws.sentence_end, 0, len(ws)):
-            for c_lo, c_hi in _merge_short(_runs(ws.clause_end, s_lo, s_hi), self.min_words):
+        for s_lo, s_hi in runs_after(ws.sentence_end, 0, len(ws)):
+            for c_lo, c_hi in merge_short(runs_after(ws.clause_end, s_lo, s_hi), self.min_words):
                 pieces.extend(self._cut(ws, c_lo, c_hi))
         return [(a, b) for a, b in pieces if self.min_words <= b - a <= self.max_words]
 
@@ -259,7 +289,7 @@ class RulesExtractor:
         return results
 
 
-def _merge_short(runs: list[tuple[int, int]], min_words: int) -> list[tuple[int, int]]:
+def merge_short(runs: list[tuple[int, int]], min_words: int) -> list[tuple[int, int]]:
     """Merge a clause shorter than ``min_words`` into its neighbour within the same sentence.
 
     ``[(0, 2), (2, 9)]`` with ``min_words=3`` -> ``[(0, 9)]``: a short lead-in such as

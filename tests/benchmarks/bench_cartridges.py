@@ -68,10 +68,9 @@ from training.cartridges import (  # noqa: E402
 )
 from training.selfstudy import (  # noqa: E402
     LocalQuestionGenerator,
-    TeacherConfig,
     selfstudy_stage,
-    teacher_stage,
 )
+from training.teacher import TeacherConfig, teacher_stage  # noqa: E402
 
 MIB = 2**20
 

@@ -1,0 +1,272 @@
+"""The teacher of self-study: the target model answers each question with the document in context.
+
+The target model answers every question with the document in context, in the project's RAG
+prompt (``prefix_ids + doc_ids + query_ids(question)``, ``inference/prompt.py``): greedy, at most
+``max_new_tokens`` tokens, ending with its EOS token when it stops. Per answer position the
+teacher's top-k (k = 20) log-softmax values and ids are kept (``TeacherAnswerRow``), cached by
+``(teacher_fp, context_hash, question_id)``. The document's KV is computed once and the questions
+of a document are answered in batches (left-padded between the document and the question, with
+the padding masked and positions kept contiguous).
+
+Progress: :func:`teacher_stage` reports ``(questions done, questions)`` after every batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.compute as pc
+import torch
+
+from inference.generate import _eos_ids
+from inference.prompt import RagPrompt
+from schemas.keys import CODE_VERSION, fingerprint, sha256_hex
+from schemas.tables import DocumentRow, TeacherAnswerRow
+from storage.store import Store
+from storage.tables import append_rows, read_rows
+from training.selfstudy import Question
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """Greedy answers of at most ``max_new_tokens`` tokens, ``top_k`` log-probs per position;
+    documents longer than ``max_doc_tokens`` are cut (the cartridge stands for the same cut)."""
+
+    max_new_tokens: int = 48
+    top_k: int = 20
+    batch_size: int = 8
+    max_doc_tokens: int = 2048
+
+    def value_dict(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "top_k": self.top_k,
+            "max_doc_tokens": self.max_doc_tokens,
+            "decoding": "greedy-v1",
+        }
+
+
+def teacher_fingerprint(model_fp: str, prefix_sha: str, cfg: TeacherConfig) -> str:
+    """What a teacher answer depends on besides the document and the question."""
+    return fingerprint(
+        "teacher", {"model_fp": model_fp, "prefix_sha": prefix_sha, **cfg.value_dict()}
+    )
+
+
+def doc_token_ids(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
+    """The document's token ids as the context slot holds them (no special tokens), cut."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
+
+
+def context_hash(doc_ids: Sequence[int]) -> str:
+    return "cx-" + sha256_hex("context", ",".join(str(int(t)) for t in doc_ids))[:24]
+
+
+def answer_id(teacher_fp: str, ctx_hash: str, qid: str) -> str:
+    return "ta-" + sha256_hex("teacher-answer", teacher_fp, ctx_hash, qid)[:24]
+
+
+@dataclass(frozen=True, eq=False)
+class TeacherOutput:
+    answer_ids: list[int]
+    topk_ids: torch.Tensor  # (n, k) int64
+    topk_logprobs: torch.Tensor  # (n, k) float32
+
+
+@torch.no_grad()
+def teacher_answers(
+    model: Any,
+    tokenizer: Any,
+    prompt: RagPrompt,
+    doc_ids: Sequence[int],
+    questions: Sequence[str],
+    cfg: TeacherConfig,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[TeacherOutput]:
+    """Greedy answers with top-k log-probs for questions about one document.
+
+    The context ``prefix_ids + doc_ids`` (``T`` tokens) is encoded once; questions go in
+    batches: query ids left-padded to ``(B, Q)`` *after* the context, padding masked out, real
+    tokens at positions ``T..T+len-1``, so every row computes what a lone forward of
+    ``prefix + doc + query`` computes. ``on_batch(n)`` after each batch of ``n`` questions.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    ctx = list(prompt.prefix_ids) + list(doc_ids)
+    t = len(ctx)
+    out0 = model(input_ids=torch.tensor([ctx], device=device), use_cache=True)
+    layers = [(lay.keys, lay.values) for lay in out0.past_key_values.layers]
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    results: list[TeacherOutput] = []
+    for s in range(0, len(questions), cfg.batch_size):
+        qs = [prompt.query_ids(q) for q in questions[s : s + cfg.batch_size]]
+        b, width = len(qs), max(len(q) for q in qs)
+        ids = torch.full((b, width), pad, dtype=torch.long)
+        mask = torch.ones((b, t + width), dtype=torch.long)
+        pos = torch.full((b, width), t, dtype=torch.long)
+        for r, q in enumerate(qs):
+            ids[r, width - len(q) :] = torch.tensor(q)
+            mask[r, t : t + width - len(q)] = 0
+            pos[r, width - len(q) :] = torch.arange(t, t + len(q))
+        cache = DynamicCache(config=model.config)
+        for i, (k, v) in enumerate(layers):
+            cache.update(
+                k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous(), i
+            )
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=pos.to(device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        last = pos[:, -1].clone()
+        answers: list[list[int]] = [[] for _ in range(b)]
+        tk_ids: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        tk_lp: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        done = [False] * b
+        for step in range(cfg.max_new_tokens):
+            logp = out.logits[:, -1].float().log_softmax(-1).cpu()
+            top = torch.topk(logp, cfg.top_k, dim=-1)
+            nxt = logp.argmax(-1)
+            for r in range(b):
+                if done[r]:
+                    continue
+                tok = int(nxt[r])
+                answers[r].append(tok)
+                tk_ids[r].append(top.indices[r])
+                tk_lp[r].append(top.values[r])
+                done[r] = tok in eos
+            if all(done) or step == cfg.max_new_tokens - 1:
+                break
+            feed = torch.tensor([min(eos) if done[r] else int(nxt[r]) for r in range(b)])
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
+            last = last + 1
+            out = model(
+                input_ids=feed[:, None].to(device),
+                attention_mask=mask.to(device),
+                position_ids=last[:, None].to(device),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+        for r in range(b):
+            results.append(
+                TeacherOutput(
+                    answers[r],
+                    torch.stack(tk_ids[r]).to(torch.int64),
+                    torch.stack(tk_lp[r]).to(torch.float32),
+                )
+            )
+        if on_batch is not None:
+            on_batch(b)
+    return results
+
+
+@dataclass
+class TeacherCounts:
+    questions: int = 0
+    cached: int = 0
+    answered: int = 0
+    answer_tokens: int = 0
+    ended_eos: int = 0
+    seconds: float = 0.0
+
+
+def teacher_stage(
+    store: Store,
+    model: Any,
+    tokenizer: Any,
+    prompt: RagPrompt,
+    model_fp: str,
+    docs: dict[str, DocumentRow],
+    questions: Sequence[Question],
+    cfg: TeacherConfig,
+    *,
+    run_id: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[TeacherAnswerRow], TeacherCounts]:
+    """Answer (or reuse the answers to) ``questions``; return one row per question.
+
+    ``docs``: doc_id -> the document version the questions are about (its text is the context).
+    Answers are written per document (a killed run loses at most one document's answers).
+    ``progress(answered, to answer)`` after every batch of questions (cached ones not counted).
+    """
+    tfp = teacher_fingerprint(model_fp, prompt.prefix_sha, cfg)
+    counts = TeacherCounts(questions=len(questions))
+    t0 = time.perf_counter()
+    have = {
+        r.answer_id: r
+        for r in read_rows(store, TeacherAnswerRow, filter=pc.field("teacher_fp") == tfp)
+    }
+    by_doc: dict[str, list[Question]] = {}
+    for q in questions:
+        by_doc.setdefault(q.doc_id, []).append(q)
+    rows: dict[str, TeacherAnswerRow] = {}
+    work: list[tuple[DocumentRow, list[int], str, list[tuple[str, Question]]]] = []
+    for doc_id in sorted(by_doc):
+        doc = docs[doc_id]
+        ids = doc_token_ids(tokenizer, doc.text, cfg.max_doc_tokens)
+        cx = context_hash(ids)
+        todo = []
+        for q in by_doc[doc_id]:
+            aid = answer_id(tfp, cx, q.question_id)
+            if aid in have:
+                rows[q.question_id] = have[aid]
+                counts.cached += 1
+            else:
+                todo.append((aid, q))
+        work.append((doc, ids, cx, todo))
+    total = sum(len(todo) for *_, todo in work)
+    answered = 0
+
+    def batch_done(n: int) -> None:
+        nonlocal answered
+        answered += n
+        if progress is not None:
+            progress(answered, total)
+
+    for doc, ids, cx, todo in work:
+        if todo:
+            outs = teacher_answers(
+                model, tokenizer, prompt, ids, [q.text for _, q in todo], cfg, batch_done
+            )
+            new = []
+            eos = _eos_ids(model, tokenizer)
+            for (aid, q), o in zip(todo, outs, strict=True):
+                row = TeacherAnswerRow(
+                    answer_id=aid,
+                    question_id=q.question_id,
+                    doc_id=doc.doc_id,
+                    doc_version=doc.doc_version,
+                    context_hash=cx,
+                    teacher_fp=tfp,
+                    model_fp=model_fp,
+                    answer_ids=list(o.answer_ids),
+                    answer_text=tokenizer.decode(o.answer_ids, skip_special_tokens=True).strip(),
+                    top_k=cfg.top_k,
+                    topk_ids=o.topk_ids.reshape(-1).tolist(),
+                    topk_logprobs=o.topk_logprobs.reshape(-1).tolist(),
+                    run_id=run_id,
+                    code_version=CODE_VERSION,
+                )
+                new.append(row)
+                rows[q.question_id] = row
+                counts.answered += 1
+                counts.answer_tokens += len(o.answer_ids)
+                counts.ended_eos += bool(o.answer_ids) and o.answer_ids[-1] in eos
+            append_rows(store, new, run_id, "teacher")
+    counts.seconds = time.perf_counter() - t0
+    return [rows[q.question_id] for q in questions], counts
+
+
+def topk_tensors(row: TeacherAnswerRow) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_ids (n, k) int64, topk_logprobs (n, k) float32)`` of a stored answer."""
+    n, k = len(row.answer_ids), row.top_k
+    ids = torch.tensor(row.topk_ids, dtype=torch.int64).reshape(n, k)
+    lp = torch.tensor(row.topk_logprobs, dtype=torch.float32).reshape(n, k)
+    return ids, lp
