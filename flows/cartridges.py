@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
+from flows.progress import ProgressLog
 from inference.models import LoadedModel, load_model
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec
@@ -128,56 +128,6 @@ class CartridgeSettings:
 # ---------------------------------------------------------------------------- pure helpers
 
 
-class EtaLog:
-    """Progress lines with an ETA for a long stage (the format of the build's progress lines):
-    ``stage: done/total unit (pct%), x s each, about y s left`` (``n per s`` for fast units;
-    ``done in z s`` at the end), written through ``emit`` (a logger method) when the first unit
-    is done, then at most every ``every_s`` seconds, and at the end. The clock starts when the
-    object is made (the stage's start), so the first line's rate includes the warm-up.
-
-    >>> lines, now = [], iter([0.0, 10.0, 11.0, 30.0, 40.0])
-    >>> eta = EtaLog(lines.append, "teacher", "answers", 5.0, clock=lambda: next(now))
-    >>> for done in (2, 3, 8, 10):
-    ...     eta(done, 10)
-    >>> print("\\n".join(lines))
-    teacher: 2/10 answers (20%), 5.00 s each, about 40 s left
-    teacher: 8/10 answers (80%), 3.75 s each, about 8 s left
-    teacher: 10/10 answers (100%), 4.00 s each, done in 40 s
-    """
-
-    def __init__(
-        self,
-        emit: Callable[[str], None],
-        stage: str,
-        unit: str,
-        every_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.emit, self.stage, self.unit = emit, stage, unit
-        self.every_s, self.clock = every_s, clock
-        self.started = clock()
-        self.last: float | None = None
-
-    def __call__(self, done: int, total: int) -> None:
-        self.report(done, total, f"{done}/{total} {self.unit}")
-
-    def report(self, done: int, total: int, what: str) -> None:
-        """Log ``what`` with the percentage and the ETA (``done`` of ``total`` units)."""
-        now = self.clock()
-        if done < total and self.last is not None and now - self.last < self.every_s:
-            return
-        self.last = now
-        elapsed = now - self.started
-        each = elapsed / max(done, 1)
-        rate = f"{each:.2f} s each" if each >= 0.1 else f"{done / max(elapsed, 1e-9):.0f} per s"
-        end = (
-            f"done in {elapsed:.0f} s"
-            if done >= total
-            else f"about {each * (total - done):.0f} s left"
-        )
-        self.emit(f"{self.stage}: {what} ({100.0 * done / max(total, 1):.0f}%), {rate}, {end}")
-
-
 def latest_documents(store: Store, doc_ids: Sequence[str] | None = None) -> list[DocumentRow]:
     """The live version of each live document (``storage.corpus``: deleted ones excluded),
     by doc_id.
@@ -268,7 +218,7 @@ def selfstudy_task(
     logger = get_run_logger()
     generator = make_generator(settings, loaded)
 
-    progress = EtaLog(logger.info, "selfstudy", "questions written")
+    progress = ProgressLog(logger, "selfstudy", "questions written", 0)
 
     questions, counts = selfstudy_stage(
         store,
@@ -295,7 +245,7 @@ def teacher_task(
     logger = get_run_logger()
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
 
-    progress = EtaLog(logger.info, "teacher", "answers")
+    progress = ProgressLog(logger, "teacher", "answers", 0)
 
     rows, counts = teacher_stage(
         store,
@@ -347,16 +297,16 @@ def train_task(
     # version (a run over a grown document set); a checkpoint of this exact run wins.
     trainer.manager.rows.update(cstore.latest(cfp, [p.meta.doc_id for p in pool.values()]))
 
-    steps = EtaLog(logger.info, "train", "steps")
+    steps = ProgressLog(logger, "train", "steps", 0)
     first_step: list[int] = []
 
     def on_step(step: int, loss: float) -> None:
         if not first_step:  # a resumed run starts after its checkpoint: time only this run
             first_step.append(step - 1)
-        steps.report(
+        steps.update(
             step - first_step[0],
             max_steps - first_step[0],
-            f"step {step}/{max_steps}, loss {loss:.4f}",
+            what=f"step {step}/{max_steps}, loss {loss:.4f}",
         )
 
     report = trainer.run(max_steps, on_step=on_step)

@@ -47,8 +47,14 @@ class ProgressLog:
 
             self._artifact_id = create_progress_artifact(progress=0.0, description=artifact)
 
-    def update(self, done: int, total: int | None = None) -> None:
-        """``done`` of ``total`` (default: the constructor's) are finished; log if it is time."""
+    def __call__(self, done: int, total: int | None = None) -> None:
+        """The ``progress(done, total)`` callback form of :meth:`update`."""
+        self.update(done, total)
+
+    def update(self, done: int, total: int | None = None, *, what: str | None = None) -> None:
+        """``done`` of ``total`` (default: the constructor's) are finished; log if it is time.
+        ``what`` replaces the ``done/total unit`` part of the line (e.g. ``step 7/10, loss
+        0.41``); the percentage, rate and ETA still count ``done`` of ``total``."""
         if total is not None:
             self.total = total
         if self.total <= 0 or self._finished or done <= self._last_done and done < self.total:
@@ -59,16 +65,17 @@ class ProgressLog:
         if not (final or due):
             return
         self._last_line, self._last_done, self._finished = now, done, final
-        self.logger.info(self.line(done, now - self._started))
+        self.logger.info(self.line(done, now - self._started, what))
         if self._artifact_id is not None:
             from prefect.artifacts import update_progress_artifact
 
             update_progress_artifact(self._artifact_id, progress=100.0 * done / self.total)
 
-    def line(self, done: int, elapsed: float) -> str:
+    def line(self, done: int, elapsed: float, what: str | None = None) -> str:
         """The progress line for ``done`` after ``elapsed`` seconds."""
         total = self.total
-        text = f"{self.stage}: {done}/{total} {self.unit} ({100 * done / total:.0f}%)"
+        what = what or f"{done}/{total} {self.unit}"
+        text = f"{self.stage}: {what} ({100 * done / total:.0f}%)"
         if done <= 0:
             return text
         each = elapsed / done
