@@ -417,7 +417,7 @@ class LanceIndex:
             if rows == 0:
                 continue
             if optimize:
-                tbl.optimize(cleanup_older_than=self._prunable_age(name))
+                self._compact_then_prune(tbl, name)
             have = self._index_columns(tbl)
             for column in SCALAR_COLUMNS[name]:
                 if column not in have:
@@ -456,6 +456,19 @@ class LanceIndex:
         age = max(now_local - at, now_utc - at, timedelta(0))
         return age + timedelta(seconds=1)
 
+    def _compact_then_prune(self, tbl: Any, name: str, delete_unverified: bool = False) -> None:
+        """Compact small files, then prune versions older than the published one.
+
+        Two ``optimize`` calls: Lance takes the cleanup's cutoff (now minus the age) when it
+        prunes, after compacting, so an age measured before a long compaction would move the
+        cutoff past the published version. The first call compacts and prunes nothing younger
+        than ten years; the second has nothing left to compact, so its cutoff is taken
+        milliseconds after :meth:`_prunable_age` measured the age (its margin is 1 s).
+        """
+        tbl.optimize(cleanup_older_than=timedelta(days=3650))
+        age = self._prunable_age(name)
+        tbl.optimize(cleanup_older_than=age, delete_unverified=delete_unverified)
+
     def prune_versions(self, dry_run: bool = False) -> dict[str, int]:
         """Remove the versions of each table older than the published one (compacting small
         files on the way); return how many versions each table lost (or would lose)."""
@@ -471,7 +484,7 @@ class LanceIndex:
                 keep_from = max(before)
             old = sum(v < keep_from for v in before)
             if not dry_run and old:
-                tbl.optimize(cleanup_older_than=self._prunable_age(name), delete_unverified=True)
+                self._compact_then_prune(tbl, name, delete_unverified=True)
                 after = {v["version"] for v in tbl.list_versions()}
                 old = sum(v not in after for v in before)
             removed[name] = old

@@ -167,6 +167,7 @@ def test_a_refused_model_names_both_fingerprints(
     sample_store: Path, tmp_path: Path, smollm2_tokenizer
 ) -> None:
     from inference.models import load_model
+    from storage.kv import KvStore
 
     other = save_tiny_llama(tmp_path / "other-model", smollm2_tokenizer, seed=1)
     result = cli("query", "Who?", "--store", str(sample_store), "--model", str(other))
@@ -174,7 +175,10 @@ def test_a_refused_model_names_both_fingerprints(
     message = " ".join(result.output.split())
     stored = {r.model_fp for r in read_rows(Store.at(sample_store), KvManifestRow)}
     (stored_fp,) = stored
-    assert load_model(str(other)).model_fp in message and stored_fp in message, message
+    (kv_fp,) = {r.location.split("/")[0] for r in read_rows(Store.at(sample_store), KvManifestRow)}
+    dtype = KvStore.open(Store.at(sample_store), kv_fp).layout.dtype  # the store's kv_dtype
+    asked_fp = load_model(str(other), dtype=dtype).model_fp
+    assert asked_fp in message and stored_fp in message, message
 
 
 def test_the_engine_refuses_blank_questions(sample_store: Path) -> None:
