@@ -46,17 +46,17 @@ class KvPrep:
     tokenizer_fp: str
     prefix_ids: tuple[int, ...]
     prefix_kv: torch.Tensor | None  # C_p, when the store does not hold it yet
-    frequencies: ForwardFrequencies  # how the workers batch (tasks.kv.KvBatching)
+    frequencies: ForwardFrequencies  # how the workers batch (inference.encode.KvBatching)
 
 
 @task(name="kv-prepare", cache_policy=NO_CACHE)
 def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
     """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
     KV decides), and the layout carries the result to the other workers."""
+    from inference.encode import compute_prefix_kv, kv_layout
     from inference.kv_dtype import resolve_kv_dtype
     from inference.models import load_shared_model
     from inference.prompt import RagPrompt
-    from tasks.kv import compute_prefix_kv, kv_layout
 
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
     get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
@@ -91,8 +91,8 @@ def kv_on_workers(
     runner: TaskRunner, store: Store, chunks: list[ChunkRow], settings: BuildSettings, run_id: str
 ) -> dict[str, Any]:
     """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
+    from inference.encode import KvBatching
     from tasks.kv import (
-        KvBatching,
         KvCounts,
         count_batches,
         kv_groups,

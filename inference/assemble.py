@@ -1,9 +1,8 @@
 """Prefix assembly: ``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ... ⊕ Rot(C_bk[sk:ek]; Δk)``.
 
-Layout contract (the same everywhere in coinrag; ``storage/kv.py`` stores exactly this):
+The KV layout (in memory, after RoPE, on disk, after re-rotation) is stated once, in
+``storage/kv/layout.py``; what assembly adds:
 
-- one KV block is a tensor ``(layers, 2, kv_heads, tokens, head_dim)``: index 0 of dim 1 holds
-  keys *after* RoPE (as transformers caches them), index 1 values; the model's dtype;
 - a chunk's block was computed once, right after the RAG prompt prefix ``p``, so its token ``i``
   sits at position ``|p| + i``; a nugget slice ``[s, e)`` of it starts at ``|p| + s``;
 - the assembled context puts the slices after ``C_p`` in the order given, at contiguous
@@ -12,21 +11,22 @@ Layout contract (the same everywhere in coinrag; ``storage/kv.py`` stores exactl
 - RoPE whose frequencies depend on the forward's length (dynamic, longrope): every key, ``C_p``'s
   included, gets the frequencies of the forward the context stands for (``new_seq_len``: the
   context plus the query prefilled after it), i.e. the layer-0 keys of the model's own forward
-  over the same tokens at the same positions (``tests/test_rope_seq_len.py``).
+  over the same tokens at the same positions (``tests/test_rope_seq_len.py``);
+- cartridges (:func:`assemble_cartridges`) are stored at canonical positions ``0..p_i-1`` and
+  placed the same way, one after the other after ``C_p``.
 
-The result is handed to the model as a ``transformers.DynamicCache`` (batch 1), built with
-``DynamicCache(config=...)`` and ``.update(k, v, layer_idx)``.
+The result is handed to the model as a ``transformers.DynamicCache`` (batch 1:
+``inference.encode.to_dynamic_cache``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from inference.rope import RopeSpec, rerotate_keys
+from inference.rope import RopeSpec, UnsupportedRope, rerotate_keys
 
 
 @dataclass(frozen=True)
@@ -97,18 +97,28 @@ def _rotated(s: KvSlice, start: int, spec: RopeSpec, seq_len: int) -> torch.Tens
     return torch.stack([keys.to(s.kv.dtype), s.kv[:, 1]], dim=1)
 
 
-def to_dynamic_cache(kv: torch.Tensor, config: Any) -> Any:
-    """A batch-1 ``DynamicCache`` holding ``kv`` ``(layers, 2, kv_heads, T, head_dim)``."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    for layer in range(kv.shape[0]):
-        cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
-    return cache
+# ---------------------------------------------------------------------------- cartridges
 
 
-def from_cache(cache: Any, batch_index: int = 0) -> torch.Tensor:
-    """``(layers, 2, kv_heads, T, head_dim)`` of one batch row of a transformers cache."""
-    return torch.stack(
-        [torch.stack([lay.keys[batch_index], lay.values[batch_index]]) for lay in cache.layers]
-    )
+def check_rope(rope: RopeSpec) -> None:
+    """Refuse RoPE variants whose rotation depends on the forward's length (cartridges are
+    stored at canonical positions, which have no forward length)."""
+    if rope.seq_len_dependent:
+        raise UnsupportedRope(
+            f"rope type {rope.rope_type!r} depends on the sequence length; cartridges are stored "
+            "at canonical positions and can only be placed with position-independent RoPE"
+        )
+
+
+def assemble_cartridges(
+    prefix: torch.Tensor, cartridges: Sequence[torch.Tensor], rope: RopeSpec
+) -> torch.Tensor:
+    """``C_p ⊕ Rot(Z_1) ⊕ Rot(Z_2) ⊕ ...`` at contiguous positions after the prefix.
+
+    ``prefix``: ``(L, 2, H, |p|, D)``; each cartridge ``(L, 2, H, p_i, D)`` at canonical
+    positions ``0..p_i-1`` (``training/cartridges.py``). Returns ``(L, 2, H, |p| + Σ p_i, D)``;
+    differentiable w.r.t. the cartridges. Training and serving both place cartridges with it.
+    """
+    check_rope(rope)
+    slices = [KvSlice(z, old_start=0, old_seq_len=int(z.shape[-2])) for z in cartridges]
+    return assemble_context(prefix, slices, rope)

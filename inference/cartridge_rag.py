@@ -2,7 +2,7 @@
 store, concatenate them after the prompt prefix, prefill only the query, decode.
 
 The context is ``C_p ⊕ Rot(Z_1; |p|) ⊕ Rot(Z_2; |p| + p_1) ⊕ ...``: the same assembly function
-the cartridges were trained with (``training.cartridges.assemble_cartridges``: cartridges are
+the cartridges were trained with (``inference.assemble.assemble_cartridges``: cartridges are
 stored at canonical positions and re-rotated to contiguous slots), so serving sees the structure
 training saw. Selection: ``doc_ids`` given, or the top-``k`` documents of a retriever
 (``inference.retrieve.Retriever.documents(question, k)``, anything with that method works), kept
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from inference.assemble import to_dynamic_cache
+from inference.assemble import assemble_cartridges
+from inference.encode import prefix_kv, to_dynamic_cache
 from inference.generate import prefill_and_decode
 from inference.models import LoadedModel
 from inference.prompt import RagPrompt, require_question
@@ -34,7 +35,6 @@ from inference.rope import RopeSpec
 from schemas.tables import CartridgeManifestRow
 from storage.cartridges import CartridgeStore, MissingCartridge, version_order
 from storage.store import Store
-from training.cartridges import assemble_cartridges, prefix_kv
 
 
 @dataclass

@@ -23,7 +23,8 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
+from inference.assemble import KvSlice, assemble_context
+from inference.encode import kv_layout, to_dynamic_cache
 from inference.generate import prefill_and_decode
 from inference.prompt import RagPrompt, require_question
 from inference.retrieve import RetrievalResult, Retriever
@@ -129,8 +130,6 @@ class RagEngine:
         prompt: RagPrompt | None = None,
         max_new_tokens: int = 32,
     ) -> None:
-        from tasks.kv import kv_layout
-
         self.store = store
         self.loaded = loaded
         self.model = loaded.model

@@ -7,7 +7,8 @@ Every method (``standard``, ``turborag``, ``coinrag``) feeds the model the same 
 
 - ``prefix_ids``: the chat template rendered up to where the retrieved context begins: the system
   message, the start of the user turn and the ``"Context:\\n"`` header. Its KV ``C_p`` is computed
-  once per (model, prompt) and every chunk's KV is computed right after it (see ``tasks/kv.py``).
+  once per (model, prompt) and every chunk's KV is computed right after it (see
+  ``inference/encode.py``).
 - chunk ids: a chunk's own tokens, ``ChunkRow.token_ids``, concatenated *as is*: no separator,
   no re-tokenisation of the joined text. Chunks are contiguous slices of a document's tokens, so
   consecutive chunks of one document concatenate to exactly the document's tokens.

@@ -1,14 +1,14 @@
 """Cartridges on disk: Zarr arrays under ``STORE/cartridges/<model_fp>/``, their manifest rows,
 and the training checkpoints of the runs that write them.
 
-Layout contract (the KV contract of ``inference/assemble.py``, with canonical positions)
-======================================================================================
+Layout contract (the KV layout of ``storage/kv/layout.py``, with canonical positions)
+===================================================================================
 
-In memory a cartridge is a tensor ``(layers, 2, kv_heads, p, head_dim)``: index 0 of dim 1 holds
-keys *after* RoPE, index 1 values. Its keys are stored at the **canonical positions** ``0..p-1``:
+In memory a cartridge is a KV block ``(layers, 2, kv_heads, p, head_dim)``, keys after RoPE, as
+``storage/kv/layout.py`` states. Its keys are stored at the **canonical positions** ``0..p-1``:
 whoever places the cartridge at position ``start`` re-rotates them with ``inference/rope.py``
 (``training/cartridges.py`` and ``inference/cartridge_rag.py`` both go through
-``inference.assemble.assemble_context``), so one stored cartridge can stand anywhere.
+``inference.assemble.assemble_cartridges``), so one stored cartridge can stand anywhere.
 
 On disk::
 

@@ -17,7 +17,7 @@ trusts it for ``ttl / 2`` only (a contender waits ``ttl`` after the server store
 that stalled (a paused process, a heartbeat stuck in retries) finds its lease expired and
 renews it with a conditional write before each commit point (:meth:`check`); if another writer
 took over, the renewal fails and the holder refuses to publish. Shard numbers are claimed with
-a conditional create too (``storage/kv.py``), so two writers can never share one.
+a conditional create too (``storage/kv/transport.py``), so two writers can never share one.
 
 **Lost responses.** Each holder writes a random token into the object: a conditional write
 refused with 412 whose object still carries our token was our own earlier write whose

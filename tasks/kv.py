@@ -1,28 +1,16 @@
 """The KV build stage: each chunk's per-layer K/V, computed once after the RAG prompt prefix.
 
 For every chunk whose ``content_key`` has no valid entry in the KV store of
-``kv_fp = (model_fp, prompt prefix)``, the model runs ``forward(chunk_ids)`` with the prefix's
-cached KV ``C_p`` as ``past_key_values``: the chunk attends to the prefix and sits at positions
-``|p| .. |p| + n - 1``, exactly where it sits when it is the first chunk after the prefix in a
-standard RAG prompt. Only the chunk's part of the cache is stored (``storage/kv.py``).
+``kv_fp = (model_fp, prompt prefix)``, the model encodes the chunk after the prefix's cached KV
+``C_p`` (``inference/encode.py``: where a chunk sits, how chunks are batched and why the result
+is the chunk's own KV) and the chunk's part of the cache is stored (``storage/kv/``; the layout:
+``storage/kv/layout.py``). This module is the stage around that: what to compute, in which units,
+written how, and what it did.
 
 - ``C_p`` is computed once and stored; a later run reads it back and computes against the stored
   copy, so every entry of a kv_fp was computed against the same bits of ``C_p``.
-- Batching (:class:`KvBatching`): chunks are sorted by length (stable, so document order among
-  equal lengths; most chunks have exactly ``chunk_size`` tokens) and batched; a batch with
-  shorter chunks is right-padded. Right padding leaves the real tokens' KV unchanged because
-  attention is causal: a real token never attends to a later (padding) token, and positions
-  start at ``|p|`` for every row, *provided the RoPE frequencies do not depend on the forward's
-  length*. For ``dynamic`` and ``longrope`` they do (a padded batch is one forward of length
-  ``|p| + longest``), so a batch only holds chunks whose own lengths give the same frequencies
-  (``inference.rope.ForwardFrequencies``): in practice every chunk of one length, or every chunk
-  below the threshold. Every forward starts from a fresh rotary state
-  (``inference.rope.reset_rotary``: dynamic NTK would otherwise keep frequencies grown by an
-  earlier, longer forward). So each stored entry is what ``forward(chunk, past_key_values=C_p)``
-  gives alone, bit for bit with batch size 1, and up to float rounding in a batch (other matmul
-  shapes round differently in the last bits; ``tests/test_kv_store.py`` states the tolerance).
-  ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
-  the cache it is given).
+- Chunks are sorted by length (stable, so document order among equal lengths; most chunks have
+  exactly ``chunk_size`` tokens) and batched by ``inference.encode.KvBatching``.
 - Units of work (:func:`kv_groups`): the sorted chunks are cut into groups of whole shards
   holding at least one whole batch; a group is computed batch by batch and stored as its
   shards. :func:`kv_stage` runs the groups one after the other in this process; a distributed
@@ -56,10 +44,16 @@ from typing import Any
 
 import torch
 
+from inference.encode import (
+    KvBatching,
+    compute_group_kv,
+    compute_prefix_kv,
+    kv_layout,
+    pad_id,
+)
 from inference.prompt import RagPrompt
-from inference.rope import ForwardFrequencies, reset_rotary
 from schemas.tables import ChunkRow, KvManifestRow
-from storage.kv import KvFingerprintMismatch, KvLayout, KvStore, StagedShard
+from storage.kv import KvFingerprintMismatch, KvStore, StagedShard
 from storage.store import Store
 
 ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
@@ -89,83 +83,9 @@ class KvCounts:
         return dict(self.__dict__)
 
 
-def kv_layout(loaded: Any, prompt: RagPrompt, **kwargs: Any) -> KvLayout:
-    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt."""
-    return KvLayout.for_model(loaded.model, loaded.model_fp, prompt.prefix_sha, **kwargs)
-
-
-def _decoder(model: Any) -> Any:
-    """The transformer without the LM head (no logits are needed to get the cache)."""
-    base = getattr(model, "base_model", None)
-    return base if base is not None and base is not model else model
-
-
-def cache_to_kv(cache: Any, start: int = 0) -> torch.Tensor:
-    """A transformers cache as ``(batch, layers, 2, kv_heads, seq - start, head_dim)``.
-
-    One copy (a single stack over layers and K/V), whatever the number of layers.
-    """
-    parts = []
-    for layer in cache.layers:
-        parts += (layer.keys[:, :, start:], layer.values[:, :, start:])
-    stacked = torch.stack(parts, dim=1)  # (batch, 2 * layers, heads, seq, dim)
-    batch, _, heads, seq, dim = stacked.shape
-    return stacked.view(batch, len(cache.layers), 2, heads, seq, dim)
-
-
-def prefix_cache(model: Any, prefix_kv: torch.Tensor, batch: int) -> Any:
-    """A fresh ``DynamicCache`` holding ``C_p`` (``(layers, 2, H, P, D)``) for ``batch`` rows."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    for i in range(prefix_kv.shape[0]):
-        k = prefix_kv[i, 0].unsqueeze(0).expand(batch, -1, -1, -1)
-        v = prefix_kv[i, 1].unsqueeze(0).expand(batch, -1, -1, -1)
-        cache.update(k, v, i)
-    return cache
-
-
-def compute_prefix_kv(model: Any, prefix_ids: Sequence[int]) -> torch.Tensor:
-    """``C_p``: the KV of the prompt prefix alone, ``(layers, 2, kv_heads, |p|, head_dim)``."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)
-    reset_rotary(model)
-    with torch.inference_mode():
-        out = _decoder(model)(input_ids=ids, use_cache=True)
-    return cache_to_kv(out.past_key_values)[0]
-
-
 def _batches(chunks: Sequence[ChunkRow], batch_size: int) -> list[list[ChunkRow]]:
     ordered = sorted(chunks, key=lambda c: -c.n_tokens)  # stable: document order within a length
     return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
-
-
-@dataclass(frozen=True)
-class KvBatching:
-    """How a group of chunks is cut into forward passes: consecutive runs of at most
-    ``batch_size`` chunks whose forwards after ``prefix_tokens`` tokens use the same RoPE
-    frequencies (for ``default`` / ``linear`` / ``yarn`` / ``llama3`` RoPE simply every
-    ``batch_size`` chunks). Picklable: the flow process of a distributed build counts the
-    workers' batches with it.
-
-    E.g. dynamic NTK with ``max_position_embeddings`` 64, a 5-token prefix, batch size 4:
-    chunks of 80, 80, 70, 30, 20 tokens -> batches [80, 80], [70], [30, 20].
-    """
-
-    batch_size: int
-    prefix_tokens: int
-    frequencies: ForwardFrequencies
-
-    @classmethod
-    def for_model(cls, model: Any, prefix_tokens: int, batch_size: int) -> KvBatching:
-        return cls(batch_size, prefix_tokens, ForwardFrequencies.from_config(model.config))
-
-    def split(self, group: Sequence[ChunkRow]) -> list[list[ChunkRow]]:
-        """The batches of ``group``, in its order."""
-        runs = self.frequencies.batches(
-            [c.n_tokens for c in group], self.prefix_tokens, self.batch_size
-        )
-        return [[group[i] for i in run] for run in runs]
 
 
 def kv_groups(
@@ -181,74 +101,6 @@ def kv_groups(
     """
     size = slots_per_shard * -(-batch_size // slots_per_shard)
     return _batches(chunks, size)
-
-
-def compute_group_kv(
-    model: Any,
-    prefix_kv: torch.Tensor,
-    group: Sequence[ChunkRow],
-    batch_size: int,
-    pad_id: int = 0,
-    timings: dict[str, float] | None = None,
-) -> list[tuple[ChunkRow, torch.Tensor]]:
-    """``(chunk, kv)`` for a group of :func:`kv_groups`, in the group's order, computed in the
-    batches of :class:`KvBatching` (at most ``batch_size`` chunks each); kv is ``(layers, 2,
-    kv_heads, n_tokens, head_dim)``."""
-    batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
-    out: list[tuple[ChunkRow, torch.Tensor]] = []
-    for batch in batching.split(group):
-        out += zip(batch, compute_chunk_kv(model, prefix_kv, batch, pad_id, timings), strict=True)
-    return out
-
-
-def _input_ids(batch: Sequence[ChunkRow], pad_id: int, device: Any) -> torch.Tensor:
-    width = max(c.n_tokens for c in batch)
-    rows = [list(c.token_ids) + [pad_id] * (width - c.n_tokens) for c in batch]
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _pad_id(tokenizer: Any) -> int:
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
-
-
-def compute_chunk_kv(
-    model: Any,
-    prefix_kv: torch.Tensor,
-    batch: Sequence[ChunkRow],
-    pad_id: int = 0,
-    timings: dict[str, float] | None = None,
-) -> list[torch.Tensor]:
-    """Each chunk's KV after ``C_p``: ``[(layers, 2, kv_heads, n_tokens, head_dim), ...]``.
-
-    One batched forward (right-padded to the longest chunk), from a fresh rotary state;
-    ``timings`` accumulates ``forward`` and ``extract`` seconds. Raises ValueError for a batch
-    whose chunks need different RoPE frequencies (dynamic / longrope: see :class:`KvBatching`).
-    """
-    t0 = time.perf_counter()
-    p = prefix_kv.shape[3]
-    frequencies = ForwardFrequencies.from_config(model.config)
-    if len({frequencies.key(p + c.n_tokens) for c in batch}) > 1:
-        raise ValueError(
-            f"chunks of {sorted({c.n_tokens for c in batch})} tokens after a {p}-token prefix "
-            f"need different RoPE frequencies ({frequencies.thresholds}): one padded forward "
-            "would give the shorter ones wrong keys; batch them with KvBatching"
-        )
-    device = next(model.parameters()).device
-    ids = _input_ids(batch, pad_id, device)
-    cache = prefix_cache(model, prefix_kv.to(device), len(batch))
-    reset_rotary(model)
-    with torch.inference_mode():
-        out = _decoder(model)(input_ids=ids, past_key_values=cache, use_cache=True)
-    t1 = time.perf_counter()
-    kv = cache_to_kv(out.past_key_values, start=prefix_kv.shape[3]).cpu()
-    if timings is not None:
-        timings["forward"] = timings.get("forward", 0.0) + t1 - t0
-        timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t1
-    return [kv[b, :, :, :, : c.n_tokens] for b, c in enumerate(batch)]
 
 
 def kv_stage(
@@ -292,13 +144,13 @@ def kv_stage(
     prefix_kv = prefix_kv_of(kv, model, prompt)
     secs["prefix"] = time.perf_counter() - t0
 
-    pad_id = _pad_id(loaded.tokenizer)
+    pad = pad_id(loaded.tokenizer)
     batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
     secs.update(forward=0.0, extract=0.0, wait_write=0.0)
     writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
     try:
         for group in kv_groups(todo, batch_size, layout.slots_per_shard):
-            entries = compute_group_kv(model, prefix_kv, group, batch_size, pad_id, secs)
+            entries = compute_group_kv(model, prefix_kv, group, batch_size, pad, secs)
             count_batches(counts, group, batching)
             for start in range(0, len(entries), layout.slots_per_shard):
                 writer.submit(entries[start : start + layout.slots_per_shard])
@@ -378,7 +230,7 @@ def stage_group_kv(
         )
     secs: dict[str, float] = {}
     entries = compute_group_kv(
-        loaded.model, prefix_kv, group, batch_size, _pad_id(loaded.tokenizer), secs
+        loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs
     )
     step = kv.layout.slots_per_shard
     try:
@@ -478,25 +330,3 @@ def prefix_kv_of(kv: KvStore, model: Any, prompt: RagPrompt) -> torch.Tensor:
         )
     kv.write_prefix(prefix_kv, prompt.prefix_ids)
     return prefix_kv
-
-
-def bare_forward_seconds(
-    loaded: Any, chunks: Sequence[ChunkRow], batch_size: int = 4, repeats: int = 1
-) -> float:
-    """Seconds of the model forward alone over ``chunks``, batched as :func:`kv_stage` batches
-    them (no prefix, no cache kept, nothing stored): the floor the stage is compared with."""
-    model = loaded.model
-    device = next(model.parameters()).device
-    pad_id = _pad_id(loaded.tokenizer)
-    ordered = sorted(chunks, key=lambda c: -c.n_tokens)
-    batching = KvBatching.for_model(model, 0, batch_size)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for batch in batching.split(ordered):
-            ids = _input_ids(batch, pad_id, device)
-            reset_rotary(model)
-            with torch.inference_mode():
-                _decoder(model)(input_ids=ids, use_cache=False)
-        best = min(best, time.perf_counter() - t0)
-    return best

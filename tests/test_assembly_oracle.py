@@ -21,7 +21,8 @@ import torch
 from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from inference.assemble import KvSlice, assemble_context, from_cache, to_dynamic_cache
+from inference.assemble import KvSlice, assemble_context
+from inference.encode import from_cache, to_dynamic_cache
 from inference.generate import prefill_and_decode
 from inference.rope import RopeSpec
 

@@ -27,8 +27,9 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from inference.assemble import from_cache
+from inference.assemble import assemble_cartridges
 from inference.cartridge_rag import CartridgeRag, text_rag_answer
+from inference.encode import from_cache, prefix_kv
 from inference.models import LoadedModel
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec, rerotate_keys
@@ -55,10 +56,8 @@ from training.cartridges import (
     CartridgeSpec,
     Example,
     Visibility,
-    assemble_cartridges,
     evaluate_kl,
     init_cartridge,
-    prefix_kv,
     student_logprobs,
     topk_kl,
 )

@@ -25,6 +25,7 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS, synthetic_chunk
 
+from inference.encode import cache_to_kv, compute_chunk_kv, compute_prefix_kv, decoder
 from inference.models import LoadedModel, tokenizer_fingerprint
 from inference.prompt import RagPrompt
 from schemas.keys import fingerprint
@@ -40,7 +41,7 @@ from storage.kv import (
 from storage.store import Store
 from storage.tables import read_rows, table_files
 from tasks.chunk import chunk_document
-from tasks.kv import _decoder, cache_to_kv, compute_chunk_kv, compute_prefix_kv, kv_stage
+from tasks.kv import kv_stage
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources/faq")
 _TEXT_FALLBACK = (
@@ -134,7 +135,7 @@ class ForwardCounter:
     def __init__(self, loaded: LoadedModel) -> None:
         self.rows = 0
         self.calls = 0
-        self.handle = _decoder(loaded.model).register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.handle = decoder(loaded.model).register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
         if kwargs.get("past_key_values") is not None:
@@ -149,7 +150,7 @@ def own_cache_kv(loaded: LoadedModel, prompt: RagPrompt, token_ids: list[int]):
     """(incremental, single-pass) KV of a chunk from the model's own caches."""
     from transformers import DynamicCache
 
-    dec = _decoder(loaded.model)
+    dec = decoder(loaded.model)
     p = len(prompt.prefix_ids)
     with torch.inference_mode():
         past = dec(input_ids=torch.tensor([prompt.prefix_ids]), use_cache=True).past_key_values

@@ -37,6 +37,7 @@ from store_fixtures import TINY_DIMS, sample_docs, save_tiny_llama, synthetic_ch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from inference.assemble import KvSlice, assemble_context
+from inference.encode import KvBatching, compute_group_kv, compute_prefix_kv
 from inference.generate import prefill_and_decode
 from inference.models import LoadedModel, tokenizer_fingerprint
 from inference.prompt import RagPrompt
@@ -44,7 +45,7 @@ from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from schemas.keys import fingerprint
 from storage.kv import KvStore
 from storage.store import Store
-from tasks.kv import KvBatching, compute_group_kv, compute_prefix_kv, kv_stage
+from tasks.kv import kv_stage
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 8 * 2**-8

@@ -99,12 +99,12 @@ def built(tmp_path_factory, tiny_model, prefect_harness):
 @pytest.fixture(scope="module")
 def parts(built):
     from inference.embedders import load_embedder
+    from inference.encode import kv_layout
     from inference.models import load_model
     from inference.prompt import RagPrompt
     from inference.retrieve import Retriever
     from storage.kv import KvStore
     from storage.store import Store
-    from tasks.kv import kv_layout
 
     store = Store.at(built["store"])
     loaded = load_model(built["model"])
@@ -352,7 +352,7 @@ def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path
     import pyarrow.compute as pc
 
     from flows.train import train_nuggets
-    from inference.assemble import from_cache
+    from inference.encode import from_cache, kv_layout
     from inference.methods import RagEngine
     from inference.models import load_model
     from inference.prompt import RagPrompt
@@ -361,7 +361,6 @@ def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path
     from storage.kv import KvStore
     from storage.store import Store
     from storage.tables import read_rows
-    from tasks.kv import kv_layout
 
     store_dir = tmp_path / "store"
     shutil.copytree(built["store"], store_dir)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from inference.encode import prefix_kv
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec
 from schemas.tables import CartridgeManifestRow
@@ -52,7 +53,6 @@ from training.cartridges import (
     Visibility,
     example_loss,
     init_cartridge,
-    prefix_kv,
 )
 
 STATE_FORMAT = 1

@@ -1,7 +1,7 @@
 """Cartridges (CAS): one trainable KV prefix per document, trained by context distillation.
 
 A cartridge ``Z`` is a tensor ``(layers, 2, kv_heads, p, head_dim)`` (the KV layout of
-``inference/assemble.py``) held as an ``nn.Parameter``; the model is frozen and only ``Z`` gets
+``storage/kv/layout.py``) held as an ``nn.Parameter``; the model is frozen and only ``Z`` gets
 gradients. This module is the math: where a cartridge stands, how it is initialised, the student's
 forward, the loss, and the mixed-visibility sampler. The training loop with the budget manager is
 ``training/budget.py``; serving is ``inference/cartridge_rag.py``.
@@ -28,7 +28,7 @@ trained on is the structure served. RoPE variants whose frequencies depend on th
 Initialisation
 --------------
 ``first_tokens``: the KV of the document's first ``p`` tokens encoded right after the prefix
-(as ``tasks/kv.py`` encodes a chunk), rotated back to ``0..p-1``. With ``p`` = the document's
+(``inference.encode.document_kv``), rotated back to ``0..p-1``. With ``p`` = the document's
 length the student's context *is* the teacher's, so student == teacher before training (the
 plumbing oracle of ``tests/test_cartridges.py``). ``random_text``: the same for ``p`` random
 non-special token ids. The first cartridge token is frozen (``freeze_first``: its gradient is
@@ -60,9 +60,10 @@ from typing import Any
 
 import torch
 
-from inference.assemble import KvSlice, assemble_context, from_cache, to_dynamic_cache
+from inference.assemble import KvSlice, assemble_cartridges, assemble_context, check_rope
+from inference.encode import document_kv, to_dynamic_cache
 from inference.prompt import RagPrompt
-from inference.rope import RopeSpec, UnsupportedRope
+from inference.rope import RopeSpec
 from schemas.keys import fingerprint
 from storage.cartridges import CartridgeMeta
 
@@ -135,34 +136,7 @@ def cartridge_fingerprint(
     )
 
 
-def check_rope(rope: RopeSpec) -> None:
-    """Refuse RoPE variants whose rotation depends on the forward's length."""
-    if rope.seq_len_dependent:
-        raise UnsupportedRope(
-            f"rope type {rope.rope_type!r} depends on the sequence length; cartridges are stored "
-            "at canonical positions and can only be placed with position-independent RoPE"
-        )
-
-
 # ---------------------------------------------------------------------------- KV helpers
-
-
-def prefix_kv(model: Any, prompt: RagPrompt) -> torch.Tensor:
-    """``C_p``: the model's KV of the prompt prefix, ``(layers, 2, kv_heads, |p|, head_dim)``."""
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt.prefix_ids], device=device), use_cache=True)
-    return from_cache(out.past_key_values).clone()
-
-
-def document_kv(model: Any, prompt: RagPrompt, doc_ids: Sequence[int]) -> torch.Tensor:
-    """KV of ``doc_ids`` encoded right after the prompt prefix (positions ``|p|..``), as the KV
-    stage encodes a chunk: ``(layers, 2, kv_heads, len(doc_ids), head_dim)``."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt.prefix_ids) + list(doc_ids)], device=device)
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-    return from_cache(out.past_key_values)[..., prompt.n_prefix :, :].clone()
 
 
 def to_canonical(kv: torch.Tensor, start: int, rope: RopeSpec) -> torch.Tensor:
@@ -238,19 +212,6 @@ def _mask_first_token(grad: torch.Tensor) -> torch.Tensor:
     grad = grad.clone()
     grad[..., 0, :] = 0
     return grad
-
-
-def assemble_cartridges(
-    prefix: torch.Tensor, cartridges: Sequence[torch.Tensor], rope: RopeSpec
-) -> torch.Tensor:
-    """``C_p ⊕ Rot(Z_1) ⊕ Rot(Z_2) ⊕ ...`` at contiguous positions after the prefix.
-
-    ``prefix``: ``(L, 2, H, |p|, D)``; each cartridge ``(L, 2, H, p_i, D)`` at canonical
-    positions. Returns ``(L, 2, H, |p| + Σ p_i, D)``; differentiable w.r.t. the cartridges.
-    """
-    check_rope(rope)
-    slices = [KvSlice(z, old_start=0, old_seq_len=int(z.shape[-2])) for z in cartridges]
-    return assemble_context(prefix, slices, rope)
 
 
 # ---------------------------------------------------------------------------- student and loss

@@ -71,7 +71,8 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from inference.assemble import KvSlice, assemble_context, to_dynamic_cache
+from inference.assemble import KvSlice, assemble_context
+from inference.encode import causal_lm, decoder, to_dynamic_cache
 from inference.prompt import RagPrompt
 from inference.retrieve import Evidence, Retriever
 from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
@@ -375,17 +376,6 @@ def fit_evidence(
 # ------------------------------------------------------------------------------------- the model
 
 
-def causal_lm(model: Any) -> Any:
-    """The transformers causal LM under a peft wrapper (or the model itself)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
-def decoder(model: Any) -> Any:
-    """The transformer without the LM head (``Qwen2Model`` / ``LlamaModel``)."""
-    return causal_lm(model).model
-
-
 class ContextBuilder:
     """Assembles ``C_ctx`` for a list of evidence, the way :class:`inference.methods.RagEngine`
     does: ``live`` encodes prefix and chunks with the current model (with grad), ``frozen``
@@ -469,7 +459,7 @@ class ContextBuilder:
         """The prefix's KV and each evidence chunk's KV after it, by the current model, encoded
         as the KV stage encodes them (``tasks.kv``): fresh rotary state per forward, and one
         right-padded forward per run of chunks whose lengths give the same RoPE frequencies."""
-        from tasks.kv import cache_to_kv, prefix_cache
+        from inference.encode import cache_to_kv, prefix_cache
 
         dec = decoder(self.model)
         dev = self.device
@@ -875,8 +865,8 @@ def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, Kv
     cast when the context is assembled)."""
     import dataclasses
 
+    from inference.encode import kv_layout
     from inference.models import model_fingerprint, weights_sha256
-    from tasks.kv import kv_layout
 
     model_fp = model_fingerprint(
         causal_lm(loaded.model).config,
@@ -906,11 +896,11 @@ def run_training(
     that builds them first). Returns a summary with ``model_fp`` and ``base_model_fp``.
     ``OUT/checkpoints`` is removed once the model is saved unless ``keep_checkpoints``."""
     from inference.embedders import load_embedder
+    from inference.encode import pad_id
     from inference.kv_dtype import resolve_kv_dtype
     from inference.models import load_model, model_fingerprint, weights_sha256
     from schemas.settings import settings_from_toml
     from storage.index import LanceIndex
-    from tasks.kv import _pad_id
 
     cfg.validate()
     logger = logger or log
@@ -933,7 +923,7 @@ def run_training(
     kv = KvStore.open(store, layout.kv_fp, layout) if cfg.mode == "frozen" else None
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
-    builder = ContextBuilder(store, net, prompt, cfg.mode, kv, _pad_id(loaded.tokenizer))
+    builder = ContextBuilder(store, net, prompt, cfg.mode, kv, pad_id(loaded.tokenizer))
     identity = {"data_sha256": data_sha, "base_model_fp": base_model_fp}
     result = train(
         net,

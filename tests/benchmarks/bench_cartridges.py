@@ -46,8 +46,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from flows.cartridges import CartridgeSettings, build_pool, train_key  # noqa: E402
-from inference.assemble import to_dynamic_cache  # noqa: E402
+from inference.assemble import assemble_cartridges  # noqa: E402
 from inference.cartridge_rag import CartridgeRag, text_rag_answer  # noqa: E402
+from inference.encode import document_kv, prefix_kv, to_dynamic_cache  # noqa: E402
 from inference.generate import prefill_and_decode  # noqa: E402
 from inference.models import load_model  # noqa: E402
 from inference.prompt import RagPrompt  # noqa: E402
@@ -60,9 +61,6 @@ from storage.tables import append_rows  # noqa: E402
 from training.budget import CartridgeTrainer, train_bytes  # noqa: E402
 from training.cartridges import (  # noqa: E402
     Example,
-    assemble_cartridges,
-    document_kv,
-    prefix_kv,
     student_logprobs,
     topk_kl,
 )

@@ -1,0 +1,266 @@
+"""Model-side KV: running the model to get KV, and converting transformers caches to tensors.
+
+The layout every function here produces and takes is stated once, in
+``storage/kv/layout.py``: one block is ``(layers, 2, kv_heads, tokens, head_dim)`` (index 0 of
+dim 1 the keys, after RoPE, 1 the values), in the model's dtype. transformers holds the same
+numbers per layer as ``cache.layers[i].keys`` / ``.values`` of shape ``(batch, kv_heads, seq,
+head_dim)``; :func:`cache_to_kv` / :func:`from_cache` and :func:`to_dynamic_cache` /
+:func:`prefix_cache` are the only conversions between the two.
+
+Where a chunk's KV comes from (what the KV stage stores, ``tasks/kv.py``):
+:func:`compute_chunk_kv` runs ``forward(chunk_ids, past_key_values=C_p)``, so the chunk attends to
+the RAG prompt prefix ``p`` and sits at positions ``|p| .. |p| + n - 1``, exactly where it sits
+when it is the first chunk after the prefix in a standard RAG prompt. ``C_p`` is
+:func:`compute_prefix_kv`.
+
+- Batching (:class:`KvBatching`): chunks of one batch are right-padded to the longest. Right
+  padding leaves the real tokens' KV unchanged because attention is causal: a real token never
+  attends to a later (padding) token, and positions start at ``|p|`` for every row, *provided
+  the RoPE frequencies do not depend on the forward's length*. For ``dynamic`` and ``longrope``
+  they do (a padded batch is one forward of length ``|p| + longest``), so a batch only holds
+  chunks whose own lengths give the same frequencies (``inference.rope.ForwardFrequencies``):
+  in practice every chunk of one length, or every chunk below the threshold.
+- Every forward starts from a fresh rotary state (``inference.rope.reset_rotary``: dynamic NTK
+  would otherwise keep frequencies grown by an earlier, longer forward). So each entry is what
+  ``forward(chunk, past_key_values=C_p)`` gives alone, bit for bit with batch size 1, and up to
+  float rounding in a batch (other matmul shapes round differently in the last bits;
+  ``tests/test_kv_store.py`` states the tolerance).
+- ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
+  the cache it is given).
+
+Cartridges (``training/cartridges.py``) use :func:`prefix_kv` and :func:`document_kv`: the same
+prefix KV as a tensor autograd may use, and a document encoded right after the prefix in one
+forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from inference.prompt import RagPrompt
+from inference.rope import ForwardFrequencies, reset_rotary
+from schemas.tables import ChunkRow
+from storage.kv import KvLayout
+
+# ---------------------------------------------------------------------------- the model
+
+
+def causal_lm(model: Any) -> Any:
+    """The transformers causal LM under a peft wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def decoder(model: Any) -> Any:
+    """The transformer without the LM head (``Qwen2Model`` / ``LlamaModel``; under a peft
+    wrapper too): no logits are needed to get the cache."""
+    lm = causal_lm(model)
+    base = getattr(lm, "base_model", None)
+    return base if base is not None and base is not lm else lm
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id right padding uses: the tokenizer's pad token, else its eos token, else 0 (with
+    causal attention and right padding the value never changes a real token's KV)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def kv_layout(loaded: Any, prompt: RagPrompt, **kwargs: Any) -> KvLayout:
+    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt."""
+    return KvLayout.for_model(loaded.model, loaded.model_fp, prompt.prefix_sha, **kwargs)
+
+
+# ---------------------------------------------------------------------------- cache <-> tensor
+
+
+def cache_to_kv(cache: Any, start: int = 0) -> torch.Tensor:
+    """A transformers cache as ``(batch, layers, 2, kv_heads, seq - start, head_dim)``.
+
+    One copy (a single stack over layers and K/V), whatever the number of layers.
+    """
+    parts = []
+    for layer in cache.layers:
+        parts += (layer.keys[:, :, start:], layer.values[:, :, start:])
+    stacked = torch.stack(parts, dim=1)  # (batch, 2 * layers, heads, seq, dim)
+    batch, _, heads, seq, dim = stacked.shape
+    return stacked.view(batch, len(cache.layers), 2, heads, seq, dim)
+
+
+def from_cache(cache: Any, batch_index: int = 0) -> torch.Tensor:
+    """``(layers, 2, kv_heads, T, head_dim)`` of one batch row of a transformers cache."""
+    return cache_to_kv(cache)[batch_index]
+
+
+def to_dynamic_cache(kv: torch.Tensor, config: Any) -> Any:
+    """A batch-1 ``DynamicCache`` holding ``kv`` ``(layers, 2, kv_heads, T, head_dim)``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for layer in range(kv.shape[0]):
+        cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+    return cache
+
+
+def prefix_cache(model: Any, prefix_kv: torch.Tensor, batch: int) -> Any:
+    """A fresh ``DynamicCache`` holding ``C_p`` (``(layers, 2, H, P, D)``) for ``batch`` rows."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i in range(prefix_kv.shape[0]):
+        k = prefix_kv[i, 0].unsqueeze(0).expand(batch, -1, -1, -1)
+        v = prefix_kv[i, 1].unsqueeze(0).expand(batch, -1, -1, -1)
+        cache.update(k, v, i)
+    return cache
+
+
+# ---------------------------------------------------------------------------- the prefix
+
+
+def compute_prefix_kv(model: Any, prefix_ids: Sequence[int]) -> torch.Tensor:
+    """``C_p``: the KV of the prompt prefix alone, ``(layers, 2, kv_heads, |p|, head_dim)``
+    (an inference-mode tensor: for autograd use :func:`prefix_kv`)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)
+    reset_rotary(model)
+    with torch.inference_mode():
+        out = decoder(model)(input_ids=ids, use_cache=True)
+    return cache_to_kv(out.past_key_values)[0]
+
+
+def prefix_kv(model: Any, prompt: RagPrompt) -> torch.Tensor:
+    """``C_p`` of ``prompt`` as a plain tensor (usable next to tensors that need gradients):
+    :func:`compute_prefix_kv`, copied out of inference mode."""
+    return compute_prefix_kv(model, prompt.prefix_ids).clone()
+
+
+def document_kv(model: Any, prompt: RagPrompt, doc_ids: Sequence[int]) -> torch.Tensor:
+    """KV of ``doc_ids`` encoded right after the prompt prefix (positions ``|p|..``), in one
+    forward over prefix and document: ``(layers, 2, kv_heads, len(doc_ids), head_dim)``."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt.prefix_ids) + list(doc_ids)], device=device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    return from_cache(out.past_key_values)[..., prompt.n_prefix :, :].clone()
+
+
+# ---------------------------------------------------------------------------- chunks
+
+
+@dataclass(frozen=True)
+class KvBatching:
+    """How a group of chunks is cut into forward passes: consecutive runs of at most
+    ``batch_size`` chunks whose forwards after ``prefix_tokens`` tokens use the same RoPE
+    frequencies (for ``default`` / ``linear`` / ``yarn`` / ``llama3`` RoPE simply every
+    ``batch_size`` chunks). Picklable: the flow process of a distributed build counts the
+    workers' batches with it.
+
+    E.g. dynamic NTK with ``max_position_embeddings`` 64, a 5-token prefix, batch size 4:
+    chunks of 80, 80, 70, 30, 20 tokens -> batches [80, 80], [70], [30, 20].
+    """
+
+    batch_size: int
+    prefix_tokens: int
+    frequencies: ForwardFrequencies
+
+    @classmethod
+    def for_model(cls, model: Any, prefix_tokens: int, batch_size: int) -> KvBatching:
+        return cls(batch_size, prefix_tokens, ForwardFrequencies.from_config(model.config))
+
+    def split(self, group: Sequence[ChunkRow]) -> list[list[ChunkRow]]:
+        """The batches of ``group``, in its order."""
+        runs = self.frequencies.batches(
+            [c.n_tokens for c in group], self.prefix_tokens, self.batch_size
+        )
+        return [[group[i] for i in run] for run in runs]
+
+
+def chunk_input_ids(batch: Sequence[ChunkRow], pad: int, device: Any) -> torch.Tensor:
+    """``(len(batch), longest)`` token ids, right-padded with ``pad``."""
+    width = max(c.n_tokens for c in batch)
+    rows = [list(c.token_ids) + [pad] * (width - c.n_tokens) for c in batch]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def compute_chunk_kv(
+    model: Any,
+    prefix_kv: torch.Tensor,
+    batch: Sequence[ChunkRow],
+    pad_id: int = 0,
+    timings: dict[str, float] | None = None,
+) -> list[torch.Tensor]:
+    """Each chunk's KV after ``C_p``: ``[(layers, 2, kv_heads, n_tokens, head_dim), ...]``.
+
+    One batched forward (right-padded to the longest chunk), from a fresh rotary state;
+    ``timings`` accumulates ``forward`` and ``extract`` seconds. Raises ValueError for a batch
+    whose chunks need different RoPE frequencies (dynamic / longrope: see :class:`KvBatching`).
+    """
+    t0 = time.perf_counter()
+    p = prefix_kv.shape[3]
+    frequencies = ForwardFrequencies.from_config(model.config)
+    if len({frequencies.key(p + c.n_tokens) for c in batch}) > 1:
+        raise ValueError(
+            f"chunks of {sorted({c.n_tokens for c in batch})} tokens after a {p}-token prefix "
+            f"need different RoPE frequencies ({frequencies.thresholds}): one padded forward "
+            "would give the shorter ones wrong keys; batch them with KvBatching"
+        )
+    device = next(model.parameters()).device
+    ids = chunk_input_ids(batch, pad_id, device)
+    cache = prefix_cache(model, prefix_kv.to(device), len(batch))
+    reset_rotary(model)
+    with torch.inference_mode():
+        out = decoder(model)(input_ids=ids, past_key_values=cache, use_cache=True)
+    t1 = time.perf_counter()
+    kv = cache_to_kv(out.past_key_values, start=prefix_kv.shape[3]).cpu()
+    if timings is not None:
+        timings["forward"] = timings.get("forward", 0.0) + t1 - t0
+        timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t1
+    return [kv[b, :, :, :, : c.n_tokens] for b, c in enumerate(batch)]
+
+
+def compute_group_kv(
+    model: Any,
+    prefix_kv: torch.Tensor,
+    group: Sequence[ChunkRow],
+    batch_size: int,
+    pad_id: int = 0,
+    timings: dict[str, float] | None = None,
+) -> list[tuple[ChunkRow, torch.Tensor]]:
+    """``(chunk, kv)`` for a group of chunks (``tasks.kv.kv_groups``), in the group's order,
+    computed in the batches of :class:`KvBatching` (at most ``batch_size`` chunks each); kv is
+    ``(layers, 2, kv_heads, n_tokens, head_dim)``."""
+    batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
+    out: list[tuple[ChunkRow, torch.Tensor]] = []
+    for batch in batching.split(group):
+        out += zip(batch, compute_chunk_kv(model, prefix_kv, batch, pad_id, timings), strict=True)
+    return out
+
+
+def bare_forward_seconds(
+    loaded: Any, chunks: Sequence[ChunkRow], batch_size: int = 4, repeats: int = 1
+) -> float:
+    """Seconds of the model forward alone over ``chunks``, batched as the KV stage batches
+    them (no prefix, no cache kept, nothing stored): the floor the stage is compared with."""
+    model = loaded.model
+    device = next(model.parameters()).device
+    pad = pad_id(loaded.tokenizer)
+    ordered = sorted(chunks, key=lambda c: -c.n_tokens)
+    batching = KvBatching.for_model(model, 0, batch_size)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for batch in batching.split(ordered):
+            ids = chunk_input_ids(batch, pad, device)
+            reset_rotary(model)
+            with torch.inference_mode():
+                decoder(model)(input_ids=ids, use_cache=False)
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -1,0 +1,69 @@
+"""The KV store (``STORE/kv/``): per-chunk K/V of one (generation model, prompt prefix).
+
+One module per job (import the public names from here):
+
+- ``layout.py``: the layout contract (in memory, after RoPE, on disk, after re-rotation), the
+  identity ``kv_fp``, :class:`KvLayout`, the errors, entry locations;
+- ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name);
+- ``shard.py``: the shard file (Zarr v3 sharding format, per-block crc32c, index), encoded and
+  checked;
+- ``transport.py``: local disk or object store, one interface (stage, publish, ranged reads);
+- ``reads.py``: slice reads planned into block reads and fetched;
+- ``store.py``: :class:`KvStore` (manifest, reads, checks, writes, the prefix ``C_p``);
+- ``reclaim.py``: garbage, dead entries, and the dry-run plan.
+"""
+
+from storage.kv.codecs import (
+    KvCodec,
+    codec_named,
+    entry_checksum,
+    from_storage,
+    storage_view,
+    to_storage,
+)
+from storage.kv.layout import (
+    DEFAULT_BLOCK_TOKENS,
+    KV_CHECK_LEVELS,
+    LAYOUT_VERSION,
+    SHARD_OVERHEAD_BYTES,
+    CorruptKvEntry,
+    KvError,
+    KvFingerprintMismatch,
+    KvLayout,
+    MissingKvEntry,
+    kv_fingerprint,
+    parse_location,
+)
+from storage.kv.reads import ReadStats
+from storage.kv.reclaim import KvReclaim
+from storage.kv.shard import encode_shard
+from storage.kv.store import KvStore, kv_free_bytes, stored_content_keys
+from storage.kv.writes import StagedShard, WriteStats
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "KV_CHECK_LEVELS",
+    "LAYOUT_VERSION",
+    "SHARD_OVERHEAD_BYTES",
+    "CorruptKvEntry",
+    "KvCodec",
+    "KvError",
+    "KvFingerprintMismatch",
+    "KvLayout",
+    "KvReclaim",
+    "KvStore",
+    "MissingKvEntry",
+    "ReadStats",
+    "StagedShard",
+    "WriteStats",
+    "codec_named",
+    "encode_shard",
+    "entry_checksum",
+    "from_storage",
+    "kv_fingerprint",
+    "kv_free_bytes",
+    "parse_location",
+    "storage_view",
+    "stored_content_keys",
+    "to_storage",
+]

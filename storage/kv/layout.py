@@ -1,0 +1,320 @@
+"""The KV layout contract, the identity of a KV store, its errors and entry locations.
+
+The layout contract (like the comment at the top of transformers' ``cache_utils.py``)
+====================================================================================
+
+This is the one statement of how coinrag holds KV; every other module points here.
+
+In memory
+---------
+One entry (the KV of one chunk, or of the prompt prefix, or a cartridge) is a tensor::
+
+    kv[layer, kind, head, token, dim]      shape (layers, 2, kv_heads, tokens, head_dim)
+
+``kind`` 0 is K, 1 is V. transformers caches ``(batch, kv_heads, seq, head_dim)`` per layer
+(``DynamicCache.layers[i].keys`` / ``.values``); ``inference/encode.py`` is the one module that
+converts between such a cache and this layout (``cache_to_kv``, ``to_dynamic_cache``). The dtype
+is the model's (``bfloat16``, ``float16`` or ``float32``).
+
+After RoPE, at the positions of the forward that computed it
+-----------------------------------------------------------
+Keys are held *after* RoPE, exactly as transformers caches them. A chunk's entry was computed by
+``forward(chunk, past_key_values=C_p)`` (``inference/encode.py``): token ``t`` of the chunk sits
+at absolute position ``|p| + t``, right after the RAG prompt prefix ``p``
+(``inference/prompt.py``), attending to ``p`` and to the chunk's earlier tokens, in a forward of
+length ``|p| + tokens`` (RoPE types whose frequencies depend on the length, ``dynamic`` and
+``longrope``, use that length). ``C_p`` (the prefix's own KV) sits at ``0 .. |p| - 1``. A
+cartridge (``training/cartridges.py``) is held at the canonical positions ``0 .. p - 1``. Values
+do not depend on position.
+
+After re-rotation (assembly)
+----------------------------
+``inference/assemble.py`` moves slices of entries to new contiguous positions after ``C_p`` by
+re-rotating their keys (``inference/rope.py``: exact RoPE rotations, the length-dependent
+frequencies of the forward the assembled context stands for); values are copied as they are.
+The assembled context keeps this layout, ``(layers, 2, kv_heads, |p| + Σ n_i, head_dim)``, and
+enters the model as a batch-1 ``DynamicCache``.
+
+On disk (``STORE/kv/<kv_fp>/``, a Zarr 3 group)
+-----------------------------------------------
+::
+
+    zarr.json            group; attributes["coinrag_kv"] = the KvLayout + kv_fp (checked on open)
+    prefix/              array (layers, 2, kv_heads, |p|, head_dim): the prefix's own KV C_p,
+                         attributes: prefix_ids, prefix_sha, sha256
+    shard-000000/        array (slots, layers, 2, kv_heads, tokens, head_dim): one shard = one
+    shard-000001/        file of `slots` entries, written once and never modified
+    ...
+    .tmp-<uuid>/         a shard being written (renamed into place when verified)
+
+- Entries are stored exactly as held in memory, keys after RoPE; the codec
+  (``storage/kv/codecs.py``) maps the model dtype to the stored one: bfloat16 as its raw bits in a
+  ``uint16`` array (Zarr 3 has no bfloat16), float32 / float16 as themselves; bit-exact.
+  Little-endian, C order.
+- A shard array has exactly one Zarr shard, so it is one data file (``c/0/0/0/0/0/0``) plus its
+  ``zarr.json``; inner chunks are ``(1, layers, 2, kv_heads, block_tokens, head_dim)``: one slot,
+  every layer and head, a block of ``block_tokens`` (default 16) tokens, each with its crc32c
+  (the byte format: ``storage/kv/shard.py``). Reading a token range ``[s, e)`` reads the shard
+  index and the ``ceil``-aligned blocks covering the range, nothing else.
+- The token axis of a shard is its longest entry rounded up to ``block_tokens``; shorter entries
+  (a document's last chunk) are zero-padded, and blocks holding only padding are not stored.
+- The shard's attributes record its files' sizes and, per slot, the entry's content_key, token
+  count and sha256. An entry is valid only once its manifest row exists
+  (``storage/kv/store.py``).
+
+Manifest rows: ``model_fp`` is the generation model's fingerprint; ``location`` is the entry's
+path inside ``STORE/kv/``: ``"<kv_fp>/shard-000012#slot-5"``; ``bytes`` is the entry's logical
+size (tokens x bytes per token); ``checksum`` is the sha256 of the entry's bytes as stored
+(C-contiguous ``(layers, 2, kv_heads, tokens, head_dim)``, uint16 bits for bfloat16).
+
+Identity
+--------
+``kv_fp = fingerprint("kv", {model_fp, prefix_sha, layout_version})``: the same tokens after the
+same prefix through the same model give the same KV. Entries are keyed by the chunk's
+``content_key``, so the same tokens in another document reuse the entry. Opening the KV of
+another fingerprint raises :class:`KvFingerprintMismatch` naming both.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from schemas.keys import fingerprint
+from storage.kv.codecs import STORAGE_DTYPES, TORCH_DTYPES, KvCodec, codec_named
+
+LAYOUT_VERSION = 1
+AXES = ("slot", "layer", "kv", "head", "token", "dim")
+DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_SHARD_BYTES = 64 * 2**20  # target size of a shard (slots_per_shard is derived from it)
+MIN_SLOTS_PER_SHARD = 4
+MAX_SLOTS_PER_SHARD = 64
+# A shard's zarr.json and its seven folders (c/0/0/0/0/0/0), in file-system blocks.
+SHARD_OVERHEAD_BYTES = 8 * 4096
+
+ATTR = "coinrag_kv"  # the attributes key of coinrag's metadata in every zarr.json
+PREFIX = "prefix"  # the folder of C_p
+KV_CHECK_LEVELS = ("stat", "crc32c", "sha256", "full")  # "full": sha256
+SHARD_RE = re.compile(r"^shard-(\d{6,})$")
+_LOCATION_RE = re.compile(r"^(?P<kv_fp>[^/#]+)/(?P<shard>shard-\d{6,})#slot-(?P<slot>\d+)$")
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class KvError(RuntimeError):
+    """Base of the KV store's errors."""
+
+
+class CorruptKvEntry(KvError):
+    """A stored entry failed a check (crc32c, sha256, size, slot identity): never served."""
+
+    def __init__(self, content_key: str, location: str, reason: str) -> None:
+        self.content_key = content_key
+        self.location = location
+        self.reason = reason
+        super().__init__(f"corrupt KV entry {content_key} at {location}: {reason}")
+
+
+class MissingKvEntry(KvError, KeyError):
+    """No valid manifest row for this content_key under this kv_fp."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "missing KV entry"
+
+
+class KvFingerprintMismatch(KvError):
+    """KV built for one fingerprint was asked for by another."""
+
+    def __init__(self, stored: str, expected: str, detail: str = "") -> None:
+        self.stored = stored
+        self.expected = expected
+        msg = (
+            f"KV fingerprint mismatch: the stored KV was built for {stored}, but {expected} "
+            "was asked for; KV is tied to the model weights, dtype, RoPE and prompt prefix, "
+            "so it must be rebuilt (run the kv stage) for the current model"
+        )
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+# ---------------------------------------------------------------------------- identity, layout
+
+
+def kv_fingerprint(model_fp: str, prefix_sha: str) -> str:
+    """The identity of a KV store: model, prompt prefix and this storage layout's version."""
+    return fingerprint(
+        "kv", {"model_fp": model_fp, "prefix_sha": prefix_sha, "layout_version": LAYOUT_VERSION}
+    )
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Shape, dtype and identity of the KV entries of one (model, prompt prefix).
+
+    ``block_tokens`` and ``slots_per_shard`` are physical choices for new shards (each shard
+    records its own in its metadata, so changing them never invalidates stored entries); they are
+    not part of ``kv_fp``.
+    """
+
+    model_fp: str
+    prefix_sha: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # float32 | bfloat16 | float16
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    slots_per_shard: int = 0  # 0: derived from DEFAULT_SHARD_BYTES for 512-token entries
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r} (float32, bfloat16, float16)")
+        if self.slots_per_shard <= 0:
+            per_entry = self.entry_bytes(512)
+            slots = DEFAULT_SHARD_BYTES // per_entry
+            slots = max(MIN_SLOTS_PER_SHARD, min(MAX_SLOTS_PER_SHARD, slots))
+            object.__setattr__(self, "slots_per_shard", int(slots))
+
+    @property
+    def kv_fp(self) -> str:
+        return kv_fingerprint(self.model_fp, self.prefix_sha)
+
+    @property
+    def codec(self) -> KvCodec:
+        """How entries are stored: today always the identity codec (``"none"``). A quantized
+        codec will be chosen here by name, and then be part of :meth:`identity` and ``kv_fp``."""
+        return codec_named("none")
+
+    @property
+    def storage_dtype(self) -> Any:
+        """The numpy dtype of the stored arrays (``<u2`` for bfloat16)."""
+        return self.codec.storage_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return STORAGE_DTYPES[self.dtype].itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K and V over all layers and heads."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.itemsize
+
+    def entry_bytes(self, tokens: int) -> int:
+        return tokens * self.token_bytes
+
+    def entry_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, tokens, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    def identity(self) -> dict[str, Any]:
+        """What the group's attributes record and what :meth:`KvStore.open` checks."""
+        return {
+            "layout_version": LAYOUT_VERSION,
+            "kv_fp": self.kv_fp,
+            "model_fp": self.model_fp,
+            "prefix_sha": self.prefix_sha,
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "storage_dtype": STORAGE_DTYPES[self.dtype].str,
+            "axes": list(AXES),
+        }
+
+    def disk_bytes(self, tokens: Sequence[int]) -> int:
+        """Bytes on disk of the shards that entries of these token counts become, written as
+        the KV stage writes them (longest first, ``slots_per_shard`` per shard): each entry's
+        blocks (its tokens rounded up to ``block_tokens``, plus a 4-byte crc32c per block), each
+        shard's index (16 bytes per slot and block of its widest entry, plus a crc32c) and its
+        metadata and folders (:data:`SHARD_OVERHEAD_BYTES`, a few file-system blocks).
+
+        E.g. float32 SmolLM2-135M (30 layers, 3 KV heads, dim 64: 46,080 bytes per token) and
+        2 entries of 512 tokens: 2 x 32 blocks x 737,284 bytes + 1,028 + overhead = ~45 MiB.
+        """
+        ordered = sorted((int(t) for t in tokens), reverse=True)
+        block = self.block_tokens
+        per_block = block * self.token_bytes + 4
+        total = 0
+        for start in range(0, len(ordered), self.slots_per_shard):
+            shard = ordered[start : start + self.slots_per_shard]
+            width_blocks = max(1, -(-shard[0] // block))
+            total += sum(-(-t // block) for t in shard) * per_block
+            total += len(shard) * width_blocks * 16 + 4 + SHARD_OVERHEAD_BYTES
+        return total
+
+    @classmethod
+    def for_model(cls, model: Any, model_fp: str, prefix_sha: str, **kwargs: Any) -> KvLayout:
+        """The layout of a transformers causal LM (dims from its config, dtype from its weights)."""
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return cls.for_config(model.config, model_fp, prefix_sha, dtype, **kwargs)
+
+    @classmethod
+    def for_config(
+        cls, config: Any, model_fp: str, prefix_sha: str, dtype: str, **kwargs: Any
+    ) -> KvLayout:
+        """The layout of a transformers model config (no weights loaded) and a dtype."""
+        config = config.get_text_config(decoder=True)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(
+            model_fp=model_fp,
+            prefix_sha=prefix_sha,
+            layers=config.num_hidden_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            **kwargs,
+        )
+
+
+def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) -> KvLayout:
+    """The layout of a KV store whose group attributes are ``stored``, opened as ``kv_fp``:
+    ``layout`` when given and equal to what is stored, else the stored one. Raises
+    :class:`KvFingerprintMismatch` when the stored identity (model_fp, prefix, dims, dtype,
+    layout version) differs from ``layout`` or from ``kv_fp``."""
+    stored_fp = stored.get("kv_fp", "?")
+    detail = f"model_fp {stored.get('model_fp')}, prefix {stored.get('prefix_sha')}"
+    if stored_fp != kv_fp:
+        raise KvFingerprintMismatch(stored_fp, kv_fp, f"store folder renamed? {detail}")
+    if stored.get("layout_version") != LAYOUT_VERSION:
+        raise KvFingerprintMismatch(
+            stored_fp, kv_fp, f"layout version {stored.get('layout_version')}"
+        )
+    if layout is None:
+        kwargs = {k: stored[k] for k in ("layers", "kv_heads", "head_dim", "dtype")}
+        return KvLayout(model_fp=stored["model_fp"], prefix_sha=stored["prefix_sha"], **kwargs)
+    expected = layout.identity()
+    diffs = [k for k, v in expected.items() if stored.get(k) != v]
+    if diffs:
+        mine = f"model_fp {layout.model_fp}, prefix {layout.prefix_sha}"
+        raise KvFingerprintMismatch(
+            f"{stored_fp} ({detail})",
+            f"{layout.kv_fp} ({mine})",
+            "differs in " + ", ".join(diffs),
+        )
+    return layout
+
+
+# ---------------------------------------------------------------------------- locations
+
+
+def parse_location(location: str) -> tuple[str, str, int]:
+    """``"<kv_fp>/shard-000012#slot-5"`` -> ``(kv_fp, "shard-000012", 5)``."""
+    m = _LOCATION_RE.match(location)
+    if not m:
+        raise ValueError(f"not a KV location: {location!r}")
+    return m["kv_fp"], m["shard"], int(m["slot"])
+
+
+def location_order(location: str) -> tuple[int, int]:
+    """``"<kv_fp>/shard-000012#slot-5"`` -> ``(12, 5)``: for one content_key, the row with the
+    largest (shard, slot) wins."""
+    _, shard, slot = parse_location(location)
+    return int(shard.removeprefix("shard-")), slot

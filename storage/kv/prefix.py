@@ -1,0 +1,147 @@
+"""The prompt prefix's own KV ``C_p`` (``STORE/kv/<kv_fp>/prefix/``), written once.
+
+Every entry of a kv_fp was computed against the same bits of ``C_p`` (the KV stage reads the
+stored copy back before computing), so a damaged ``C_p`` is recomputed and compared with what its
+metadata recorded: equal bits keep the entries valid, other bits mean rebuilding them all
+(``tasks/kv.py``). One Zarr array ``(layers, 2, kv_heads, |p|, head_dim)``, one inner chunk with
+its crc32c; attributes ``prefix_ids``, ``prefix_sha`` and the sha256 of the stored bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import Crc32cCodec
+from zarr.storage import LocalStore
+
+from storage.kv.codecs import entry_checksum
+from storage.kv.layout import (
+    ATTR,
+    AXES,
+    PREFIX,
+    CorruptKvEntry,
+    KvError,
+    KvFingerprintMismatch,
+    KvLayout,
+    MissingKvEntry,
+)
+from storage.kv.shard import read_problem
+from storage.kv.transport import KvTransport
+from storage.store import Store
+
+
+class PrefixFolder:
+    """``C_p`` of one KV store: ``root / "prefix"``, read through ``reader`` (the store's
+    counting Zarr reader), written through ``transport``."""
+
+    def __init__(
+        self,
+        store: Store,
+        layout: KvLayout,
+        root: PurePath,
+        transport: KvTransport,
+        reader: Any,
+        fsync: bool = False,
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.root = root
+        self.transport = transport
+        self.reader = reader
+        self.fsync = fsync
+
+    def exists(self) -> bool:
+        return self.store.is_file(self.root / PREFIX / "zarr.json")
+
+    def write(self, prefix_kv: torch.Tensor, prefix_ids: Sequence[int]) -> None:
+        """Store ``C_p``: ``(layers, 2, kv_heads, len(prefix_ids), head_dim)``. Written once;
+        a second call with the same ids is a no-op."""
+        lay = self.layout
+        ids = [int(t) for t in prefix_ids]
+        expected = lay.entry_shape(len(ids))
+        if tuple(prefix_kv.shape) != expected:
+            raise ValueError(f"prefix KV has shape {tuple(prefix_kv.shape)}, expected {expected}")
+        if prefix_kv.dtype != lay.torch_dtype:
+            raise ValueError(f"prefix KV is {prefix_kv.dtype}, layout is {lay.dtype}")
+        if self.exists():
+            _, stored_ids = self.read()
+            if stored_ids != ids:
+                raise KvFingerprintMismatch(
+                    lay.kv_fp, lay.kv_fp, "the stored prefix has other token ids"
+                )
+            return
+        stored = lay.codec.encode(prefix_kv)
+        attrs = {"prefix_ids": ids, "prefix_sha": lay.prefix_sha}
+        with self.transport.new_folder(self.root, PREFIX, self.fsync) as folder:
+            array = zarr.create_array(
+                store=LocalStore(folder),
+                shape=stored.shape,
+                chunks=stored.shape,
+                dtype=stored.dtype,
+                compressors=[Crc32cCodec()],
+                fill_value=0,
+                dimension_names=AXES[1:],
+                attributes={ATTR: {**attrs, "sha256": entry_checksum(stored)}},
+                zarr_format=3,
+            )
+            array[...] = stored
+            back = zarr.open_array(store=LocalStore(folder, read_only=True), mode="r")[...]
+            if not np.array_equal(back, stored):
+                raise KvError("prefix KV does not read back as written")
+
+    def read(self) -> tuple[torch.Tensor, list[int]]:
+        """``(C_p, prefix_ids)``: ``(layers, 2, kv_heads, |p|, head_dim)``, sha256-checked."""
+        lay = self.layout
+        location = f"{lay.kv_fp}/{PREFIX}"
+        try:
+            array = zarr.open_array(store=self.reader, path=PREFIX, mode="r")
+            attrs = dict(array.attrs.get(ATTR) or {})
+            stored = np.ascontiguousarray(array[...])
+        except FileNotFoundError as exc:
+            raise MissingKvEntry(f"no prefix KV under {lay.kv_fp}") from exc
+        except Exception as exc:
+            raise CorruptKvEntry("prefix", location, read_problem(exc)) from exc
+        if attrs.get("prefix_sha") != lay.prefix_sha:
+            raise KvFingerprintMismatch(str(attrs.get("prefix_sha")), lay.prefix_sha)
+        if entry_checksum(stored) != attrs.get("sha256"):
+            raise CorruptKvEntry("prefix", location, "sha256 differs")
+        return lay.codec.decode(stored, lay.dtype), [int(t) for t in attrs["prefix_ids"]]
+
+    def problem(self) -> str | None:
+        """Why the stored ``C_p`` fails its check (unreadable, a crc32c or its sha256), or
+        None when it checks out or none is stored."""
+        if not self.exists():
+            return None
+        try:
+            self.read()
+        except MissingKvEntry:
+            return None
+        except CorruptKvEntry as exc:
+            return exc.reason
+        return None
+
+    def repair(self, prefix_kv: torch.Tensor, prefix_ids: Sequence[int]) -> bool:
+        """Replace a stored ``C_p`` that fails its check by ``prefix_kv`` (recomputed by the
+        caller, who holds the write lock). True when ``prefix_kv`` is bit for bit the prefix it
+        replaces (the sha256 and token ids the damaged copy's metadata recorded): then the
+        entries computed against it stay valid; otherwise the caller must rebuild them all.
+
+        The damaged folder is moved aside as a ``.tmp-`` leftover (``gc`` removes it; an object
+        store removes it at once) before the new one is written."""
+        recorded: tuple[str, list[int]] | None = None
+        try:
+            meta = json.loads(self.store.read_bytes(self.root / PREFIX / "zarr.json"))
+            attrs = meta["attributes"][ATTR]
+            recorded = (str(attrs["sha256"]), [int(t) for t in attrs["prefix_ids"]])
+        except Exception:  # unreadable metadata: nothing to compare with
+            recorded = None
+        self.transport.set_aside(self.root / PREFIX)
+        self.write(prefix_kv, prefix_ids)
+        fresh = (entry_checksum(self.layout.codec.encode(prefix_kv)), [int(t) for t in prefix_ids])
+        return recorded == fresh

@@ -1,0 +1,263 @@
+"""Slice reads: token ranges of stored entries, planned into block-aligned reads and fetched.
+
+``KvStore.read_slices`` resolves each request ``(content_key, start, end)`` to its shard and slot
+(``storage/kv/store.py``), then:
+
+1. :func:`plan_reads` merges the requests on one slot into reads of whole blocks (a read covers
+   ``[floor(s / block) * block, ceil(e / block) * block)``; ranges that overlap, touch or lie at
+   most ``merge_gap_blocks`` blocks apart are served by one read);
+2. the reads are fetched all at once: through Zarr (:func:`gather_zarr`, local disk: Zarr reads
+   the shard index and the blocks, checking every crc32c) or, where each request is a round
+   trip (object stores), by :func:`gather_ranges`: ranged GETs of the blocks, decoded here with
+   each block's crc32c checked, the shard index fetched once per reader.
+
+What a read cost is counted by :class:`CountingReader` (the data bytes the store returned) into
+:class:`ReadStats`. The bytes read over the bytes needed (``amplification``) is where slice reads
+lose: a read is whole blocks, so a short nugget pays up to two partly used blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+from zarr.core.sync import sync as _zarr_sync
+from zarr.storage import WrapperStore
+
+from storage.kv.layout import CorruptKvEntry, KvLayout
+from storage.kv.shard import (
+    DATA_KEY,
+    ShardMeta,
+    back_to_back,
+    block_problem,
+    parse_index,
+    stored_blocks,
+)
+
+
+@dataclass
+class ReadStats:
+    """What one read call cost. ``bytes_read`` counts data bytes returned by the store (inner
+    chunks and shard indexes), ``bytes_needed`` the bytes of the tokens asked for."""
+
+    requests: int = 0
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    store_gets: int = 0
+    zarr_reads: int = 0
+    seconds: float = 0.0
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 0.0
+
+
+class CountingReader(WrapperStore[Any]):
+    """A read-only Zarr store wrapper (LocalStore or FsspecStore) that counts the data bytes it
+    returns (not metadata); :meth:`counted` adds ranges fetched past Zarr."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.data_bytes = 0
+        self.data_gets = 0
+
+    def _count(self, key: str, buf: Any) -> None:
+        if buf is not None and not key.endswith("zarr.json"):
+            self.data_bytes += len(buf)
+            self.data_gets += 1
+
+    async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+        buf = await self._store.get(key, prototype, byte_range)
+        self._count(key, buf)
+        return buf
+
+    async def get_partial_values(self, prototype: Any, key_ranges: Iterable[Any]) -> list[Any]:
+        key_ranges = list(key_ranges)
+        bufs = await self._store.get_partial_values(prototype, key_ranges)
+        for (key, _), buf in zip(key_ranges, bufs, strict=True):
+            self._count(key, buf)
+        return bufs
+
+    def counted(self, got: list[Any]) -> list[Any]:
+        """``got`` (fetched ranges; exceptions in place of failed ones), counted."""
+        for raw in got:
+            if not isinstance(raw, BaseException):
+                self.data_bytes += len(raw)
+                self.data_gets += 1
+        return got
+
+
+@dataclass
+class SlicePlan:
+    """One read: token range [t0, t1) of one slot, serving some requests."""
+
+    shard: str
+    slot: int
+    t0: int
+    t1: int
+    requests: list[int]
+
+
+def plan_reads(
+    per_slot: dict[tuple[str, int], list[tuple[int, int, int]]],
+    block_of: Callable[[str], int],
+    merge_gap_blocks: int = 0,
+) -> list[SlicePlan]:
+    """``(shard, slot) -> [(start, end, request index), ...]`` -> block-aligned reads.
+
+    E.g. blocks of 16 tokens, one slot, requests ``(3, 5)``, ``(20, 40)``, ``(100, 110)``:
+    reads ``[0, 48)`` (requests 0 and 1: their blocks touch) and ``[96, 112)`` (request 2).
+    """
+    plans: list[SlicePlan] = []
+    for (name, slot), items in per_slot.items():
+        block = block_of(name)
+        items.sort()
+        for s, e, i in items:
+            b0 = (s // block) * block
+            b1 = -(-e // block) * block
+            last = plans[-1] if plans else None
+            if (
+                last is not None
+                and (last.shard, last.slot) == (name, slot)
+                and b0 <= last.t1 + merge_gap_blocks * block
+            ):
+                last.t1 = max(last.t1, b1)
+                last.requests.append(i)
+            else:
+                plans.append(SlicePlan(name, slot, b0, b1, [i]))
+    return plans
+
+
+Fail = Callable[[SlicePlan, str], CorruptKvEntry]  # the error naming a plan's first request
+Diagnose = Callable[[ShardMeta, int, BaseException], str]  # why a slot's read failed
+
+
+def gather_zarr(
+    plans: list[SlicePlan], shards: dict[str, ShardMeta], fail: Fail, diagnose: Diagnose
+) -> list[np.ndarray]:
+    """The plans' stored values ``(layers, 2, kv_heads, t1 - t0, head_dim)``, read through
+    Zarr, all reads issued at once on Zarr's I/O loop (every block's crc32c checked by Zarr)."""
+    arrays = []
+    for plan in plans:
+        try:
+            arrays.append(shards[plan.shard].array.async_array)
+        except Exception as exc:
+            raise fail(plan, f"shard unreadable: {exc}") from exc
+
+    async def run() -> list[Any]:
+        coros = []
+        for plan, array in zip(plans, arrays, strict=True):
+            t1 = min(plan.t1, array.shape[4])
+            sel = (plan.slot, slice(None), slice(None), slice(None), slice(plan.t0, t1))
+            coros.append(array.getitem(sel))
+        return await asyncio.gather(*coros, return_exceptions=True)
+
+    results = _zarr_sync(run())
+    for plan, result in zip(plans, results, strict=True):
+        if isinstance(result, BaseException):
+            problem = diagnose(shards[plan.shard], plan.slot, result)
+            raise fail(plan, problem) from result
+    return [np.asarray(r) for r in results]
+
+
+def gather_ranges(
+    plans: list[SlicePlan],
+    shards: dict[str, ShardMeta],
+    layout: KvLayout,
+    root: PurePath,
+    fetch: Callable[[list[str], list[int], list[int]], list[Any]],
+    fail: Fail,
+    diagnose: Diagnose,
+) -> list[np.ndarray]:
+    """The plans' stored values, fetched as byte ranges of the shard files (``fetch(paths,
+    starts, ends)``, issued all at once; an exception in place of a failed range): one range per
+    plan where its blocks lie back to back in the file (always, for shards written by
+    ``encode_shard``; Zarr's own writer may order a multi-slot shard's blocks otherwise, and then
+    each block is one range), decoded here with every block's crc32c checked; each shard's index
+    is fetched once per reader (one range, crc32c-checked, kept on its :class:`ShardMeta`).
+    Zarr's reader would issue one GET for the index and then one per block, one after the
+    other, on every read. A shard whose ``zarr.json`` describes another format goes through
+    :func:`gather_zarr`."""
+    lay = layout
+    codec = lay.codec
+    out: list[np.ndarray | None] = [None] * len(plans)
+    zarr_plans = [i for i, p in enumerate(plans) if not shards[p.shard].direct]
+    if zarr_plans:
+        got = gather_zarr([plans[i] for i in zarr_plans], shards, fail, diagnose)
+        for i, array in zip(zarr_plans, got, strict=True):
+            out[i] = array
+    direct = [i for i in range(len(plans)) if out[i] is None]
+
+    need_index = [shards[n] for n in sorted({plans[i].shard for i in direct})]
+    need_index = [s for s in need_index if s.index is None]
+    if need_index:
+        paths, starts, ends = [], [], []
+        for shard in need_index:
+            start, end = shard.index_range()
+            paths.append(str(root / shard.name / DATA_KEY))
+            starts.append(start)
+            ends.append(end)
+        for shard, raw in zip(need_index, fetch(paths, starts, ends), strict=True):
+            plan = next(plans[i] for i in direct if plans[i].shard == shard.name)
+            if isinstance(raw, BaseException):
+                raise fail(plan, f"read failed: {raw}") from raw
+            shard.index = parse_index(raw, shard.shape[0], shard.width, shard.block_tokens)
+            if shard.index is None:
+                raise fail(plan, "the shard index fails its crc32c")
+    ranges: list[tuple[int, list[tuple[int, int, int]]]] = []  # (plan, [(block, off, n)])
+    paths, starts, ends = [], [], []
+    for i in direct:
+        plan = plans[i]
+        shard = shards[plan.shard]
+        block = shard.block_tokens
+        b0, b1 = plan.t0 // block, min(plan.t1, shard.width) // block
+        stored = stored_blocks(shard.index[plan.slot, b0:b1], b0)  # type: ignore[index]
+        groups = [stored] if stored and back_to_back(stored) else [[item] for item in stored]
+        path = str(root / plan.shard / DATA_KEY)
+        for group in groups:
+            ranges.append((i, group))
+            paths.append(path)
+            starts.append(group[0][1])
+            ends.append(group[-1][1] + group[-1][2])
+    fetched = fetch(paths, starts, ends) if paths else []
+    arrays: dict[int, np.ndarray] = {}
+    for i in direct:
+        plan = plans[i]
+        t1 = min(plan.t1, shards[plan.shard].width)
+        arrays[i] = np.zeros(lay.entry_shape(t1 - plan.t0), dtype=lay.storage_dtype)
+    for (i, group), raw in zip(ranges, fetched, strict=True):
+        plan = plans[i]
+        if isinstance(raw, BaseException):
+            raise fail(plan, f"read failed: {raw}") from raw
+        block = shards[plan.shard].block_tokens
+        block_shape = lay.entry_shape(block)
+        expected = codec.payload_bytes(block_shape, lay.dtype) + 4
+        at = 0
+        for b, _, n in group:
+            chunk = raw[at : at + n]
+            at += n
+            problem = block_problem(chunk, b, expected)
+            if problem:
+                raise fail(plan, problem)
+            t = b * block - plan.t0
+            values = codec.decode_block(chunk[:-4], block_shape, lay.dtype)
+            arrays[i][:, :, :, t : t + block] = values
+    for i in direct:
+        out[i] = arrays[i]
+    return [a for a in out if a is not None]
+
+
+def slices_of(
+    plans: Sequence[SlicePlan], results: Sequence[np.ndarray], requests: Sequence[Any]
+) -> dict[int, np.ndarray]:
+    """request index -> its stored values, cut from the read that served it."""
+    out: dict[int, np.ndarray] = {}
+    for plan, stored in zip(plans, results, strict=True):
+        for i in plan.requests:
+            _, s, e = requests[i]
+            out[i] = stored[:, :, :, s - plan.t0 : e - plan.t0, :]
+    return out

@@ -1,0 +1,411 @@
+"""A shard file: the Zarr v3 ``sharding_indexed`` byte format as coinrag writes it, encoded and
+checked here.
+
+A shard array ``(slots, layers, 2, kv_heads, width, head_dim)`` (the layout:
+``storage/kv/layout.py``) has exactly one Zarr shard (``shards`` = the whole array), so it is one
+data file, ``c/0/0/0/0/0/0`` (the "default" chunk key encoding of chunk (0, 0, 0, 0, 0, 0)), plus
+its ``zarr.json``. Inner chunks are ``(1, layers, 2, kv_heads, block_tokens, head_dim)``: one
+slot, every layer and head, a block of tokens.
+
+- Every inner chunk carries a crc32c (``codecs=[bytes, crc32c]`` inside the sharding codec), so
+  a flipped byte is detected on a *partial* read too; the shard index (``(offset, nbytes)`` per
+  inner chunk, 16 bytes each, at the end of the file) has its own crc32c, so a truncated file is
+  detected as well. The shard's attributes record its files' sizes (truncation or loss is found
+  with a ``stat``, before any read).
+- Inner chunks that would hold only padding are not stored (index entry ``(2**64-1,
+  2**64-1)``, read as zeros), as Zarr does for chunks equal to the fill value.
+
+:func:`encode_shard` writes this format in one strided copy, byte for byte what Zarr's own
+writer produces up to the order of inner chunks (Zarr reads the files; ``encoder="zarr"`` writes
+through Zarr instead, the reference path). :func:`verify_slots` checks a shard's blocks by their
+crc32c without Zarr.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import google_crc32c  # zarr's crc32c codec uses it (a dependency of zarr)
+import numpy as np
+import zarr
+from zarr.codecs import Crc32cCodec
+from zarr.storage import LocalStore
+
+from storage.kv.layout import ATTR, AXES, KvError, KvLayout
+from storage.kv.transport import LocalFiles, ScratchBuffers, round_up
+
+DATA_KEY = "c/0/0/0/0/0/0"  # the one data file of a shard array
+EMPTY = np.uint64(2**64 - 1)  # index entry of an inner chunk that is not stored
+_DIRECT_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def encode_shard(
+    entries: Sequence[np.ndarray], width: int, block: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The bytes of one shard file, per the Zarr v3 ``sharding_indexed`` codec as configured
+    here (inner codecs ``[bytes(little), crc32c]``, index codecs ``[bytes(little), crc32c]``,
+    index at the end).
+
+    ``entries`` are stored-dtype arrays ``(layers, 2, kv_heads, n_i, head_dim)`` (any strides);
+    the shard array is ``(len(entries), layers, 2, kv_heads, width, head_dim)`` with inner chunks
+    ``(1, layers, 2, kv_heads, block, head_dim)``. Each inner chunk is its C-order payload
+    followed by the payload's crc32c (little-endian uint32); inner chunks that would hold only
+    padding are not stored (index entry ``(2**64-1, 2**64-1)``, read as zeros), as Zarr does
+    for chunks equal to the fill value. The index is ``(slots, 1, 1, 1, width / block, 1, 2)``
+    uint64 ``(offset, nbytes)`` in C order, followed by its crc32c.
+
+    Why not ``array[...] = data``: Zarr's writer makes several passes over the data (gathering
+    each inner chunk, comparing it with the fill value, appending the checksum, concatenating
+    the shard): several times the CPU of this single strided copy into the final file buffer
+    (measured here, with the write and its verification: ~10 vs ~40 ms per 11.8 MB bfloat16
+    entry); the KV stage writes every token it computes. Zarr itself reads these files (tests
+    check that they decode to the entries, and that a one-slot shard is byte-identical to what
+    Zarr writes).
+
+    ``out``: a uint8 buffer to encode into (reused across shards: fresh memory costs a page
+    fault per page on first touch); the result is a view of it.
+    """
+    first = entries[0]
+    layers, _, heads, _, dim = first.shape
+    dtype = first.dtype
+    item = dtype.itemsize
+    payload = layers * 2 * heads * block * dim * item
+    row = payload + 4
+    rows = [-(-int(e.shape[3]) // block) for e in entries]
+    index = np.full((len(entries), 1, 1, 1, width // block, 1, 2), EMPTY, dtype="<u8")
+    body = sum(rows) * row
+    size = body + index.nbytes + 4
+    if out is None or out.nbytes < size:
+        out = np.empty(size, dtype=np.uint8)
+    out = out[:size]
+    inner = (2 * heads * block * dim * item, heads * block * dim * item, block * dim * item)
+    strides = (row, *inner, dim * item, item)
+    start = 0
+    for i, entry in enumerate(entries):
+        n = int(entry.shape[3])
+        k = rows[i]
+        # The entry's k inner chunks, in place in the file buffer: (k, L, 2, H, block, D).
+        chunks = np.ndarray(
+            (k, layers, 2, heads, block, dim),
+            dtype=dtype,
+            buffer=out,
+            offset=start,
+            strides=strides,
+        )
+        dst = chunks.transpose(1, 2, 3, 0, 4, 5)  # (L, 2, H, k, block, D)
+        full = n // block
+        if full:
+            dst[:, :, :, :full] = entry[:, :, :, : full * block].reshape(
+                layers, 2, heads, full, block, dim
+            )
+        if n > full * block:
+            dst[:, :, :, full, : n - full * block] = entry[:, :, :, full * block :]
+            dst[:, :, :, full, n - full * block :] = 0
+        for j in range(k):
+            at = start + j * row
+            crc = google_crc32c.value(out[at : at + payload])
+            out[at + payload : at + row] = np.array([crc], dtype="<u4").view(np.uint8)
+            index[i, 0, 0, 0, j, 0] = (at, row)
+        start += k * row
+    index_bytes = index.view(np.uint8).reshape(-1)
+    out[body : body + index.nbytes] = index_bytes
+    crc = google_crc32c.value(index_bytes)
+    out[body + index.nbytes :] = np.array([crc], dtype="<u4").view(np.uint8)
+    return out
+
+
+def shard_size(entries: Sequence[np.ndarray], width: int, block: int) -> int:
+    """Bytes of the file :func:`encode_shard` makes (``entries`` may be broadcast views: only
+    their shapes and dtype are used)."""
+    layers, _, heads, _, dim = entries[0].shape
+    row = layers * 2 * heads * block * dim * entries[0].dtype.itemsize + 4
+    blocks = sum(-(-int(e.shape[3]) // block) for e in entries)
+    return blocks * row + len(entries) * (width // block) * 16 + 4
+
+
+def index_bytes(slots: int, width: int, block: int) -> int:
+    """Bytes of a shard's index: uint64 ``(offset, nbytes)`` per slot and block, then a crc32c."""
+    return slots * (width // block) * 16 + 4
+
+
+def parse_index(raw: Any, slots: int, width: int, block: int) -> np.ndarray | None:
+    """A shard index read from the end of its file -> ``(slots, width / block, 2)`` uint64
+    ``(offset, nbytes)``, or None when it fails its crc32c (or has the wrong size)."""
+    body, crc = raw[:-4], int.from_bytes(bytes(raw[-4:]), "little")
+    if len(raw) != index_bytes(slots, width, block) or google_crc32c.value(body) != crc:
+        return None
+    return np.frombuffer(body, dtype="<u8").reshape(slots, width // block, 2).copy()
+
+
+def block_problem(chunk: Any, b: int, expected: int) -> str | None:
+    """Why inner chunk ``b`` (its payload, then the payload's crc32c) is not as written, or None.
+    ``expected``: its size (payload bytes + 4)."""
+    if len(chunk) != expected:
+        return f"block {b} has {len(chunk)} bytes, expected {expected}"
+    if google_crc32c.value(chunk[:-4]) != int.from_bytes(bytes(chunk[-4:]), "little"):
+        return f"block {b} fails its crc32c"
+    return None
+
+
+def read_problem(exc: BaseException) -> str:
+    """A failed read as a short reason (Zarr's checksum error quotes raw bytes: not in a
+    message a user reads)."""
+    if "checksum" in str(exc).lower():
+        return "read failed: a crc32c does not match"
+    return f"read failed: {exc}"
+
+
+def stored_blocks(index_row: np.ndarray, b0: int = 0) -> list[tuple[int, int, int]]:
+    """``(block, offset, nbytes)`` of the stored inner chunks of one slot's index row
+    ``(blocks, 2)`` (its part from block ``b0`` on), skipping blocks that are not stored."""
+    return [(b0 + j, int(o), int(n)) for j, (o, n) in enumerate(index_row) if o != EMPTY]
+
+
+def back_to_back(blocks: Sequence[tuple[int, int, int]]) -> bool:
+    """True when the blocks ``(block, offset, nbytes)`` lie one after the other in the file
+    (always for one slot of a shard written by :func:`encode_shard`): one read serves them."""
+    return all(blocks[j + 1][1] == blocks[j][1] + blocks[j][2] for j in range(len(blocks) - 1))
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class ShardMeta:
+    """A shard's metadata (read from its zarr.json) and, once needed, its open Zarr array."""
+
+    name: str
+    content_keys: list[str]
+    tokens: list[int]
+    files: dict[str, int]
+    block_tokens: int
+    opener: Any = None
+    _array: zarr.Array | None = None
+    shape: tuple[int, ...] = ()  # (slots, layers, 2, kv_heads, width, head_dim)
+    direct: bool = False  # the exact format of encode_shard: readers may decode it themselves
+    index: np.ndarray | None = None  # (slots, width / block, 2) uint64 (offset, nbytes), once read
+
+    @classmethod
+    def parse(cls, name: str, meta: dict[str, Any], opener: Callable[[str], Any]) -> ShardMeta:
+        """From the shard's ``zarr.json`` (a plain JSON read: checking thousands of shards must
+        not open thousands of Zarr arrays); ``opener(name)`` opens the array when needed."""
+        attrs = dict(meta.get("attributes", {}).get(ATTR) or {})
+        (sharding,) = meta["codecs"]
+        return cls(
+            name=name,
+            content_keys=list(attrs.get("content_keys", [])),
+            tokens=[int(t) for t in attrs.get("tokens", [])],
+            files={str(k): int(v) for k, v in dict(attrs.get("files", {})).items()},
+            block_tokens=int(sharding["configuration"]["chunk_shape"][4]),
+            opener=opener,
+            shape=tuple(int(n) for n in meta["shape"]),
+            direct=is_direct_format(meta, sharding) and DATA_KEY in attrs.get("files", {}),
+        )
+
+    @property
+    def array(self) -> zarr.Array:
+        if self._array is None:
+            self._array = self.opener(self.name)
+        return self._array
+
+    @property
+    def width(self) -> int:
+        return self.shape[4]
+
+    def index_range(self) -> tuple[int, int]:
+        """``[start, end)`` of the index in the data file."""
+        size = self.files[DATA_KEY]
+        return size - index_bytes(self.shape[0], self.width, self.block_tokens), size
+
+
+def is_direct_format(meta: dict[str, Any], sharding: dict[str, Any]) -> bool:
+    """True when a shard's zarr.json says exactly the format :func:`encode_shard` writes (one
+    shard per array; inner and index codecs ``[bytes(little), crc32c]``; index at the end)."""
+    config = sharding.get("configuration", {})
+    shape = list(meta.get("shape", []))
+    grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+    return (
+        sharding.get("name") == "sharding_indexed"
+        and config.get("codecs") == _DIRECT_CODECS
+        and config.get("index_codecs") == _DIRECT_CODECS
+        and config.get("index_location", "end") == "end"
+        and grid == shape
+        and meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator") == "/"
+    )
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def shard_attributes(
+    kv_fp: str,
+    content_keys: Sequence[str],
+    tokens: Sequence[int],
+    checksums: Sequence[str],
+    run_id: str,
+    block_tokens: int,
+    encoder: str,
+) -> dict[str, Any]:
+    """A shard's ``coinrag_kv`` attributes, per slot content_key, token count and sha256 (the
+    writer adds ``files``: data file -> bytes)."""
+    return {
+        "kv_fp": kv_fp,
+        "content_keys": list(content_keys),
+        "tokens": list(tokens),
+        "sha256": list(checksums),
+        "run_id": run_id,
+        "block_tokens": block_tokens,
+        "encoder": encoder,
+    }
+
+
+def create_shard_array(
+    folder: Path, layout: KvLayout, shape: tuple[int, ...], attrs: dict[str, Any]
+) -> zarr.Array:
+    """The (empty) shard array in a local ``folder``: its ``zarr.json``, attributes under
+    ``coinrag_kv``."""
+    lay = layout
+    return zarr.create_array(
+        store=LocalStore(folder),
+        shape=shape,
+        chunks=(1, lay.layers, 2, lay.kv_heads, lay.block_tokens, lay.head_dim),
+        shards=shape,
+        dtype=lay.storage_dtype,
+        compressors=[Crc32cCodec()],
+        fill_value=0,
+        dimension_names=AXES,
+        chunk_key_encoding={"name": "default", "separator": "/"},
+        attributes={ATTR: attrs},
+        zarr_format=3,
+    )
+
+
+def write_shard_direct(
+    folder: Path,
+    layout: KvLayout,
+    views: list[np.ndarray],
+    shape: tuple[int, ...],
+    attrs: dict[str, Any],
+    scratch: ScratchBuffers,
+    files: LocalFiles,
+) -> tuple[dict[str, int], float]:
+    """Encode the shard file here (:func:`encode_shard`), write it with one call, read it back
+    and compare the whole file's crc32c with the encoded buffer's: the bytes on disk are the
+    bytes encoded from the very arrays the manifest's sha256 were computed from, and each inner
+    chunk carries its own crc32c, checked by every read. Returns the files written (``{path:
+    bytes}``, also put in ``attrs["files"]``) and the time the write ended."""
+    size = shard_size(views, shape[4], layout.block_tokens)
+    padded = round_up(size)
+    encoded = scratch.get("encode", padded)
+    data = encode_shard(views, shape[4], layout.block_tokens, encoded)
+    expected = google_crc32c.value(data)
+    attrs["files"] = {DATA_KEY: size}
+    create_shard_array(folder, layout, shape, attrs)
+    path = folder / DATA_KEY
+    path.parent.mkdir(parents=True, exist_ok=True)
+    direct = files.write(path, encoded[:padded], size)
+    t1 = time.perf_counter()
+    back = scratch.get("verify", padded)
+    got = LocalFiles.read(path, back[:padded], direct)
+    if got != size or google_crc32c.value(back[:got]) != expected:
+        raise KvError(f"shard {folder.name} does not read back as written")
+    return attrs["files"], t1
+
+
+def write_shard_zarr(
+    folder: Path,
+    layout: KvLayout,
+    views: list[np.ndarray],
+    shape: tuple[int, ...],
+    attrs: dict[str, Any],
+    scratch: ScratchBuffers | None = None,
+    files: LocalFiles | None = None,
+) -> tuple[dict[str, int], float]:
+    """The reference path: Zarr's own sharding encoder (whole shard in one write), read back
+    through Zarr (every crc32c checked) and compared with the entries. (``scratch`` and
+    ``files`` are not used: Zarr allocates and writes itself; they keep the signature of
+    :func:`write_shard_direct`.)"""
+    data = np.zeros(shape, dtype=layout.storage_dtype)
+    for i, v in enumerate(views):
+        data[i, :, :, :, : v.shape[3], :] = v
+    array = create_shard_array(folder, layout, shape, {**attrs, "files": {}})
+    array[...] = data
+    attrs["files"] = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != "zarr.json"
+    }
+    array.update_attributes({ATTR: attrs})
+    t1 = time.perf_counter()
+    back = zarr.open_array(store=LocalStore(folder, read_only=True), mode="r")[...]
+    if not np.array_equal(back, data):
+        raise KvError(f"shard {folder.name} does not read back as written")
+    return attrs["files"], t1
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+def verify_slots(
+    shard: ShardMeta,
+    slots: Iterable[int],
+    block_bytes: int,
+    read_ranges: Callable[[list[tuple[int, int]]], list[Any]],
+    at_once: bool,
+) -> dict[int, str]:
+    """slot -> why its blocks are not as written (slots that check out are absent): the shard
+    index and each slot's stored blocks are read (``read_ranges([(start, end), ...])`` of the
+    data file; OSError when it cannot), and their crc32c checked. ``block_bytes``: an inner
+    chunk's size (payload + 4). ``at_once``: every range requested in one call (object stores);
+    else one slot's blocks at a time (memory: one entry, whatever the shard's size). A shard in
+    another format than :func:`encode_shard`'s is read through Zarr (which checks each block's
+    crc32c)."""
+    slots = sorted(set(slots))
+    if not shard.direct:
+        problems = {}
+        for slot in slots:
+            try:
+                shard.array[slot, :, :, :, : shard.tokens[slot], :]
+            except Exception as exc:
+                problems[slot] = read_problem(exc)
+        return problems
+    try:
+        (raw,) = read_ranges([shard.index_range()])
+    except OSError as exc:
+        return dict.fromkeys(slots, f"read failed: {exc}")
+    index = parse_index(raw, shard.shape[0], shard.width, shard.block_tokens)
+    if index is None:
+        return dict.fromkeys(slots, "the shard index fails its crc32c")
+    groups: list[tuple[int, list[tuple[int, int, int]]]] = []  # (slot, [(block, off, n)])
+    for slot in slots:
+        stored = sorted(stored_blocks(index[slot]), key=lambda item: item[1])
+        # blocks of one slot lie back to back (encode_shard); else one read per block
+        if back_to_back(stored):
+            groups.append((slot, stored))
+        else:
+            groups += [(slot, [item]) for item in stored]
+    groups = [(slot, group) for slot, group in groups if group]
+    step = max(1, len(groups)) if at_once else 1
+    problems: dict[int, str] = {}
+    for first in range(0, len(groups), step):
+        part = groups[first : first + step]
+        try:
+            got = read_ranges([(g[0][1], g[-1][1] + g[-1][2]) for _, g in part])
+        except OSError as exc:
+            problems.update((slot, f"read failed: {exc}") for slot, _ in part)
+            continue
+        for (slot, group), raw in zip(part, got, strict=True):
+            at = 0
+            for b, _, n in group:
+                problem = block_problem(raw[at : at + n], b, block_bytes)
+                at += n
+                if problem and slot not in problems:
+                    problems[slot] = problem
+    return problems

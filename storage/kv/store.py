@@ -1,0 +1,510 @@
+"""The KV store: per-chunk K/V of one (generation model, RAG prompt prefix), in Zarr 3.
+
+The layout (in memory, on disk) and the identity ``kv_fp`` are stated in
+``storage/kv/layout.py``; this module is the protocol around them: what makes an entry valid,
+how shards are written, published, read and checked. Where the bytes live (local disk or an
+object store) is the transport's business (``storage/kv/transport.py``); the shard file format
+is ``storage/kv/shard.py``; slice reads ``storage/kv/reads.py``; gc ``storage/kv/reclaim.py``.
+
+Writes
+------
+Zarr rewrites a whole shard on a partial write, so shards are written *whole*, once: the build
+stage hands :meth:`KvStore.write_entries` up to ``slots_per_shard`` entries at a time (default:
+as many as fit in 64 MiB, at least 4 and at most 64: few files, yet small enough that writing a
+shard overlaps the computation of the next ones and the write buffers stay small). For each
+shard (:meth:`KvStore.stage_shard`, then :meth:`KvStore.publish_shard`):
+
+1. the shard file is encoded in one buffer (``shard.encode_shard``: the Zarr v3 sharding format,
+   byte for byte what Zarr's own writer produces up to the order of inner chunks, for a
+   fraction of its CPU) and written with one call (O_DIRECT where the file system takes it),
+   next to the ``zarr.json`` Zarr writes, in ``.tmp-<uuid>/``; ``encoder="zarr"`` uses Zarr's
+   ``array[...] = data`` instead (the reference path);
+2. it is read back and verified: the file's bytes against the encoded buffer (crc32c of the
+   whole file), the buffer having been encoded from the very arrays whose sha256 go to the
+   manifest (with ``encoder="zarr"``: decoded by Zarr, every inner crc32c checked, and compared);
+   an object store's copy is uploaded and read back too;
+3. the folder becomes ``shard-NNNNNN`` (atomic rename; object stores: a claimed copy),
+   optionally after fsync (``fsync=True``: durability against power loss, not only against a
+   killed process);
+4. only then are its ``KvManifestRow`` rows appended (``storage.tables``).
+
+An entry is valid only once its manifest row exists: a crash leaves at most an orphan shard (or
+a ``.tmp-`` folder), never a half-written entry that reads as valid; ``gc`` removes orphans.
+Shard numbers only grow (1 + the largest number on disk or in the manifest), and for one
+content_key the row with the largest (shard, slot) wins, so a rebuilt entry supersedes the old row.
+
+Reads and checks
+----------------
+A read resolves the manifest row to its shard and slot and checks cheaply first (the slot holds
+that key with that token count; the shard's files have the sizes they were written with), then
+reads: whole entries through Zarr (every block's crc32c checked; the manifest's sha256 on
+request), token ranges through ``storage/kv/reads.py``. A failed check raises
+:class:`CorruptKvEntry` naming the entry and the reason; such an entry is never served.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from schemas.tables import ChunkRow, KvManifestRow
+from storage.kv.catalog import ShardCatalog
+from storage.kv.codecs import entry_checksum
+from storage.kv.layout import (
+    ATTR,
+    KV_CHECK_LEVELS,
+    CorruptKvEntry,
+    KvError,
+    KvFingerprintMismatch,
+    KvLayout,
+    MissingKvEntry,
+    checked_layout,
+    location_order,
+    parse_location,
+)
+from storage.kv.prefix import PrefixFolder
+from storage.kv.reads import (
+    CountingReader,
+    ReadStats,
+    SlicePlan,
+    gather_ranges,
+    gather_zarr,
+    plan_reads,
+    slices_of,
+)
+from storage.kv.reclaim import KvReclaim, find_garbage, reclaim_dead, remove_garbage
+from storage.kv.shard import ShardMeta
+from storage.kv.transport import transport_for
+from storage.kv.writes import ShardStager, StagedShard, WriteStats, distinct_entries
+from storage.store import Store
+
+
+class KvStore:
+    """The KV entries of one ``kv_fp`` under ``STORE/kv/<kv_fp>/``.
+
+    Use :meth:`create` (build side) or :meth:`open` (read side). Not safe for concurrent
+    writers: the build holds the store's write lock.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        layout: KvLayout,
+        *,
+        fsync: bool = False,
+        encoder: str = "direct",
+        direct_io: bool = True,
+    ) -> None:
+        self.encoder = encoder
+        self.store = store
+        self.layout = layout
+        self.kv_fp = layout.kv_fp
+        self.root: PurePath = store.kv_dir(self.kv_fp)  # a Path for a local store
+        self.fsync = fsync
+        self.transport = transport_for(store)
+        self._reader = CountingReader(self.transport.zarr_store(self.root, read_only=True))
+        self._catalog = ShardCatalog(store, layout, self.root, self.transport, self._reader)
+        self._manifest: dict[str, KvManifestRow] | None = None
+        self._max_manifest_shard = -1
+        self.write_stats = WriteStats()
+        self.last_read = ReadStats()
+        self._stager = ShardStager(
+            layout, self.root, self.transport, encoder=encoder, fsync=fsync, direct_io=direct_io
+        )
+        self._prefix = PrefixFolder(store, layout, self.root, self.transport, self._reader, fsync)
+
+    def release_buffers(self) -> None:
+        """Free the write path's scratch buffers (about two shards' worth)."""
+        self._stager.scratch.clear()
+        self._catalog.scratch.clear()
+
+    # ------------------------------------------------------------------ open / create
+
+    @classmethod
+    def create(cls, store: Store, layout: KvLayout, **options: Any) -> KvStore:
+        """Open the KV store of ``layout``, creating its group if it does not exist yet.
+
+        ``options`` (write side): ``fsync`` (False), ``encoder`` ("direct" | "zarr"),
+        ``direct_io`` (True: O_DIRECT shard writes where the file system supports them).
+        """
+        root = store.kv_dir(layout.kv_fp)
+        if not store.is_file(root / "zarr.json"):
+            attributes = {ATTR: layout.identity()}
+            transport_for(store).create_group(root, attributes, bool(options.get("fsync")))
+        return cls.open(store, layout.kv_fp, layout, **options)
+
+    @classmethod
+    def open(
+        cls, store: Store, kv_fp: str, layout: KvLayout | None = None, **options: Any
+    ) -> KvStore:
+        """Open the KV store ``kv_fp``; with ``layout``, check that it is the one asked for.
+
+        Raises :class:`KvFingerprintMismatch` when the stored identity (model_fp, prefix,
+        dims, dtype) differs from ``layout`` or from ``kv_fp``, and FileNotFoundError when no KV
+        was built for ``kv_fp``.
+        """
+        root = store.kv_dir(kv_fp)
+        if not store.is_file(root / "zarr.json"):
+            raise FileNotFoundError(
+                f"no KV store for {kv_fp} at {store.uri(root)} (run the kv stage)"
+            )
+        reader = transport_for(store).zarr_store(root, read_only=True)
+        group = zarr.open_group(store=reader, mode="r")
+        stored = dict(group.attrs.get(ATTR) or {})
+        if not stored:
+            raise KvError(f"{root} is not a coinrag KV store (no {ATTR} attributes)")
+        layout = checked_layout(stored, kv_fp, layout)
+        return cls(store, layout, **options)
+
+    # ------------------------------------------------------------------ manifest
+
+    def manifest(self, refresh: bool = False) -> dict[str, KvManifestRow]:
+        """content_key -> its current manifest row under this kv_fp (the latest row wins)."""
+        if self._manifest is None or refresh:
+            import pyarrow.compute as pc
+
+            from storage.tables import read_rows
+
+            rows = read_rows(
+                self.store,
+                KvManifestRow,
+                filter=pc.starts_with(pc.field("location"), pattern=self.kv_fp + "/"),
+            )
+            current: dict[str, tuple[tuple[int, int], KvManifestRow]] = {}
+            top = -1
+            for row in rows:
+                if row.model_fp != self.layout.model_fp:
+                    raise KvFingerprintMismatch(
+                        row.model_fp,
+                        self.layout.model_fp,
+                        f"manifest row {row.location} of {row.content_key}",
+                    )
+                order = location_order(row.location)
+                top = max(top, order[0])
+                if row.content_key not in current or current[row.content_key][0] < order:
+                    current[row.content_key] = (order, row)
+            self._manifest = {ck: row for ck, (_, row) in current.items()}
+            self._max_manifest_shard = top
+        return self._manifest
+
+    def forget_manifest(self) -> None:
+        """Drop the cached manifest (its table was rewritten); the next use reads it again."""
+        self._manifest = None
+
+    def __contains__(self, content_key: str) -> bool:
+        return content_key in self.manifest()
+
+    def _row(self, content_key: str) -> KvManifestRow:
+        row = self.manifest().get(content_key)
+        if row is None:
+            raise MissingKvEntry(f"no KV entry for {content_key} under {self.kv_fp}")
+        kv_fp, _, _ = parse_location(row.location)
+        if kv_fp != self.kv_fp:  # defensive: manifest() filters by kv_fp
+            raise KvFingerprintMismatch(kv_fp, self.kv_fp, f"entry {content_key}")
+        return row
+
+    # ------------------------------------------------------------------ shards
+
+    def shard_names(self) -> list[str]:
+        """Shard folders on disk (verified and renamed into place), in write order."""
+        return self._catalog.names()
+
+    @property
+    def _shards(self) -> dict[str, ShardMeta]:
+        """The shards' metadata read so far (``catalog.ShardCatalog``)."""
+        return self._catalog.meta
+
+    def _shard(self, name: str) -> ShardMeta:
+        return self._catalog.get(name)
+
+    def forget_shard(self, name: str) -> None:
+        """Drop what this object remembers of a shard (it is being removed)."""
+        self._catalog.forget(name)
+
+    def _resolve(
+        self,
+        content_key: str,
+        file_checks: dict[str, str | None] | None = None,
+        ranged: bool = False,
+    ) -> tuple[KvManifestRow, ShardMeta, int]:
+        """The row, its opened shard and slot; raises CorruptKvEntry on a cheap failed check
+        (``file_checks``, ``ranged``: ``catalog.ShardCatalog.file_problem``)."""
+        row = self._row(content_key)
+        _, name, slot = parse_location(row.location)
+        try:
+            shard = self._shard(name)
+        except Exception as exc:  # missing folder, unreadable zarr.json
+            self._shards.pop(name, None)
+            raise CorruptKvEntry(content_key, row.location, f"shard unreadable: {exc}") from exc
+        if slot >= len(shard.content_keys) or shard.content_keys[slot] != content_key:
+            raise CorruptKvEntry(content_key, row.location, "slot holds another entry")
+        if shard.tokens[slot] != row.tokens:
+            raise CorruptKvEntry(content_key, row.location, "token count differs from manifest")
+        problem = self._catalog.file_problem(shard, file_checks, ranged)
+        if problem:
+            raise CorruptKvEntry(content_key, row.location, problem)
+        return row, shard, slot
+
+    # ------------------------------------------------------------------ reads
+
+    def read_entry(self, content_key: str, verify: bool = True) -> torch.Tensor:
+        """The KV of one chunk: ``(layers, 2, kv_heads, tokens, head_dim)`` in the model dtype.
+
+        Every inner chunk's crc32c is checked by the read; ``verify`` also checks the manifest's
+        sha256 of the whole entry. Raises :class:`CorruptKvEntry` or :class:`MissingKvEntry`.
+        """
+        t0 = time.perf_counter()
+        before = (self._reader.data_bytes, self._reader.data_gets)
+        row, shard, slot = self._resolve(content_key)
+        try:
+            stored = shard.array[slot, :, :, :, : row.tokens, :]
+        except Exception as exc:
+            problem = self._catalog.diagnose(shard, slot, exc)
+            raise CorruptKvEntry(content_key, row.location, problem) from exc
+        stored = np.ascontiguousarray(stored)
+        if verify and entry_checksum(stored) != row.checksum:
+            raise CorruptKvEntry(content_key, row.location, "sha256 differs from the manifest")
+        self.last_read = ReadStats(
+            requests=1,
+            bytes_read=self._reader.data_bytes - before[0],
+            bytes_needed=self.layout.entry_bytes(row.tokens),
+            store_gets=self._reader.data_gets - before[1],
+            zarr_reads=1,
+            seconds=time.perf_counter() - t0,
+        )
+        return self.layout.codec.decode(stored, self.layout.dtype)
+
+    def verify_entry(self, content_key: str) -> bool:
+        """True iff the entry has a manifest row and its stored bytes match it (sha256)."""
+        try:
+            self.read_entry(content_key, verify=True)
+        except (CorruptKvEntry, MissingKvEntry):
+            return False
+        return True
+
+    def read_slices(
+        self, requests: Sequence[tuple[str, int, int]], merge_gap_blocks: int = 0
+    ) -> list[torch.Tensor]:
+        """Token ranges of entries: ``[(content_key, tok_start, tok_end), ...]`` ->
+        ``[(layers, 2, kv_heads, tok_end - tok_start, head_dim), ...]`` in request order.
+
+        Requests on the same entry whose block-aligned ranges overlap or touch (or lie at most
+        ``merge_gap_blocks`` blocks apart) are served by one read; all reads are issued at once
+        (concurrently). Each touched inner chunk is crc32c-checked; the whole-entry sha256 is
+        not (it would need the whole entry: use :meth:`verify_entry`). ``self.last_read`` says
+        what it cost.
+        """
+        t0 = time.perf_counter()
+        lay = self.layout
+        before = (self._reader.data_bytes, self._reader.data_gets)
+        per_slot: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
+        resolved: dict[str, tuple[KvManifestRow, ShardMeta, int]] = {}
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        needed = 0
+        file_checks: dict[str, str | None] = {}
+        for i, (ck, s, e) in enumerate(requests):
+            if ck not in resolved:
+                resolved[ck] = self._resolve(ck, file_checks, ranged=True)
+            row, shard, slot = resolved[ck]
+            if not 0 <= s <= e <= row.tokens:
+                raise IndexError(f"slice [{s}, {e}) out of range for {ck} ({row.tokens} tokens)")
+            if s == e:
+                out[i] = torch.empty(lay.entry_shape(0), dtype=lay.torch_dtype)
+                continue
+            needed += (e - s) * lay.token_bytes
+            per_slot[(shard.name, slot)].append((s, e, i))
+        plans = plan_reads(per_slot, lambda name: self._shards[name].block_tokens, merge_gap_blocks)
+
+        def fail(plan: SlicePlan, reason: str) -> CorruptKvEntry:
+            ck = requests[plan.requests[0]][0]
+            return CorruptKvEntry(ck, resolved[ck][0].location, reason)
+
+        if plans:
+            if self.transport.ranged_slice_reads:
+                fetch = self._fetch_ranges
+                results = gather_ranges(
+                    plans, self._shards, lay, self.root, fetch, fail, self._catalog.diagnose
+                )
+            else:
+                results = gather_zarr(plans, self._shards, fail, self._catalog.diagnose)
+            for i, piece in slices_of(plans, results, requests).items():
+                out[i] = lay.codec.decode(piece, lay.dtype)
+        self.last_read = ReadStats(
+            requests=len(requests),
+            bytes_read=self._reader.data_bytes - before[0],
+            bytes_needed=needed,
+            store_gets=self._reader.data_gets - before[1],
+            zarr_reads=len(plans),
+            seconds=time.perf_counter() - t0,
+        )
+        return [t for t in out if t is not None]
+
+    def _fetch_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+        """Byte ranges of files, fetched concurrently, counted in the reader's statistics like
+        Zarr's reads; an exception in place of a failed one."""
+        return self._reader.counted(self.transport.fetch_ranges(paths, starts, ends))
+
+    # ------------------------------------------------------------------ checks
+
+    def invalid_entries(self, content_keys: Iterable[str], level: str = "stat") -> set[str]:
+        """The keys (with a manifest row) whose entries fail a check (:meth:`entry_problems`)."""
+        return set(self.entry_problems(content_keys, level))
+
+    def entry_problems(self, content_keys: Iterable[str], level: str = "stat") -> dict[str, str]:
+        """key -> why its entry fails a check, for the keys (with a manifest row) that do.
+
+        ``stat``: the shard folder and metadata are readable, the slot holds that key and the
+        data files have the sizes they were written with (one stat per shard; finds deleted and
+        truncated shards). ``crc32c``: also reads each entry's blocks and the shard indexes and
+        checks their crc32c (finds flipped bytes; reads every byte of the entries once, at
+        crc32c's hardware speed). ``sha256`` (or ``full``): also reads every entry and checks
+        the manifest's sha256 (the strongest check; sha256 costs about 6x crc32c per byte).
+        """
+        if level not in KV_CHECK_LEVELS:
+            raise ValueError(f"unknown check level {level!r} ({', '.join(KV_CHECK_LEVELS)})")
+        bad: dict[str, str] = {}
+        file_checks: dict[str, str | None] = {}
+        manifest = self.manifest()
+        slots: dict[str, dict[int, str]] = defaultdict(dict)  # shard -> slot -> key
+        for ck in content_keys:
+            if ck not in manifest:
+                continue
+            try:
+                if level in ("sha256", "full"):
+                    self.read_entry(ck, verify=True)
+                else:
+                    _, shard, slot = self._resolve(ck, file_checks)
+                    slots[shard.name][slot] = ck
+            except CorruptKvEntry as exc:
+                bad[ck] = f"{exc.reason} ({exc.location})"
+        if level == "crc32c":
+            for name, keys in slots.items():
+                for slot, problem in self._catalog.verify_slots(self._shards[name], keys).items():
+                    bad[keys[slot]] = f"{problem} ({manifest[keys[slot]].location})"
+        return bad
+
+    # ------------------------------------------------------------------ writes
+
+    def _next_shard_number(self) -> int:
+        on_disk = [int(n.removeprefix("shard-")) for n in self.shard_names()]
+        self.manifest()
+        return max([-1, self._max_manifest_shard, *on_disk]) + 1
+
+    def write_entries(
+        self, entries: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str
+    ) -> list[KvManifestRow]:
+        """Store entries, ``slots_per_shard`` per shard, and append their manifest rows.
+
+        ``entries``: ``(chunk, kv)`` with ``kv`` of shape ``(layers, 2, kv_heads,
+        chunk.n_tokens, head_dim)`` in the layout's dtype. Entries are keyed by
+        ``chunk.content_key``; a key repeated in ``entries`` is stored once (first chunk wins).
+        Each shard is written whole, read back and verified, renamed into place, and only then
+        are its rows appended; the rows of all shards are returned.
+        """
+        unique = distinct_entries(self.layout, entries)
+        rows: list[KvManifestRow] = []
+        step = self.layout.slots_per_shard
+        for start in range(0, len(unique), step):
+            staged = self.stage_shard(unique[start : start + step], run_id)
+            rows += self.publish_shard(staged, run_id)
+        return rows
+
+    def stage_shard(
+        self, group: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str
+    ) -> StagedShard:
+        """Write one shard of ``group`` (``(chunk, kv)``, distinct content_keys, at most
+        ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it; nothing is
+        valid until :meth:`publish_shard`. Safe to call from several processes at once: it
+        writes only its own new folder (``writes.ShardStager``)."""
+        return self._stager.stage(group, run_id)
+
+    def publish_shard(self, staged: StagedShard, run_id: str) -> list[KvManifestRow]:
+        """Make a staged shard valid: move it to the next ``shard-NNNNNN`` (atomic) and append
+        its manifest rows (``run_id``: the publishing run's). Only the write-lock holder calls
+        this, so shard numbers are given in publication order."""
+        if staged.kv_fp != self.kv_fp:
+            raise KvFingerprintMismatch(staged.kv_fp, self.kv_fp, f"staged {staged.tmp_name}")
+        from storage.tables import append_rows
+
+        tmp = self.root / staged.tmp_name
+        if not self.store.is_file(tmp / "zarr.json"):
+            raise KvError(
+                f"staged shard {self.store.uri(tmp)} is missing "
+                "(was it written on another machine's local disk?)"
+            )
+        try:
+            name = self.transport.publish(tmp, self.root, self._next_shard_number(), self.fsync)
+        except BaseException:
+            self.store.remove(tmp)
+            raise
+        rows = staged.manifest_rows(name, self.layout, run_id)
+        st = self.write_stats
+        st.add(staged)
+        t0 = time.perf_counter()
+        append_rows(self.store, rows, run_id, "kv")
+        st.manifest_s += time.perf_counter() - t0
+        manifest = self.manifest()
+        for row in rows:
+            manifest[row.content_key] = row
+        self._max_manifest_shard = max(
+            self._max_manifest_shard, location_order(rows[0].location)[0]
+        )
+        return rows
+
+    # ------------------------------------------------------------------ prefix
+
+    def write_prefix(self, prefix_kv: torch.Tensor, prefix_ids: Sequence[int]) -> None:
+        """Store ``C_p``: ``(layers, 2, kv_heads, len(prefix_ids), head_dim)``. Written once;
+        a second call with the same ids is a no-op."""
+        self._prefix.write(prefix_kv, prefix_ids)
+
+    def has_prefix(self) -> bool:
+        return self._prefix.exists()
+
+    def read_prefix(self) -> tuple[torch.Tensor, list[int]]:
+        """``(C_p, prefix_ids)``: ``(layers, 2, kv_heads, |p|, head_dim)``, sha256-checked."""
+        return self._prefix.read()
+
+    def corrupt_prefix(self) -> str | None:
+        """Why the stored ``C_p`` fails its check, or None (``prefix.PrefixFolder.problem``)."""
+        return self._prefix.problem()
+
+    def repair_prefix(self, prefix_kv: torch.Tensor, prefix_ids: Sequence[int]) -> bool:
+        """Replace a stored ``C_p`` that fails its check by ``prefix_kv``; True when it is bit
+        for bit the one it replaces, so the entries stay valid (``prefix.PrefixFolder.repair``)."""
+        return self._prefix.repair(prefix_kv, prefix_ids)
+
+    # ------------------------------------------------------------------ garbage
+
+    def garbage(self) -> list[PurePath]:
+        """Folders no current manifest row points to: orphan and superseded shards, ``.tmp-``
+        leftovers of killed writes (``reclaim.find_garbage``)."""
+        return find_garbage(self)
+
+    def gc(self) -> list[PurePath]:
+        """Remove :meth:`garbage` (the caller holds the store's write lock); return it."""
+        return remove_garbage(self)
+
+    def reclaim(self, live: set[str], run_id: str, dry_run: bool = False) -> KvReclaim:
+        """Drop the entries whose content_key is not in ``live``; return what was (or, with
+        ``dry_run``, would be) reclaimed (``reclaim.reclaim_dead``). The caller holds the
+        store's write lock."""
+        return reclaim_dead(self, live, run_id, dry_run)
+
+
+def stored_content_keys(store: Store, layout: KvLayout) -> set[str]:
+    """The content_keys with a manifest row under ``layout``'s kv_fp (no shard is read)."""
+    return set(KvStore(store, layout).manifest())
+
+
+def kv_free_bytes(store: Store) -> int | None:
+    """Bytes free on the file system that holds ``STORE/kv/`` (the nearest existing folder on
+    the way there); None for an object store, which has no such limit to check."""
+    return transport_for(store).free_bytes(store.root / "kv")

@@ -1,0 +1,173 @@
+"""Staging shards: entries checked, encoded into a shard, written, read back and verified.
+
+A staged shard lies under ``STORE/kv/<kv_fp>/.tmp-<uuid>/`` and is not valid yet: only
+``KvStore.publish_shard`` (the write-lock holder, ``storage/kv/store.py``) moves it into place
+and appends its manifest rows. Staging writes only its own new folder, so workers of a
+distributed build stage shards in parallel; :class:`StagedShard` is what they hand back.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+
+import torch
+
+from schemas.keys import CODE_VERSION
+from schemas.tables import ChunkRow, KvManifestRow
+from storage.kv.codecs import entry_checksum
+from storage.kv.layout import KvLayout
+from storage.kv.shard import shard_attributes, write_shard_direct, write_shard_zarr
+from storage.kv.transport import KvTransport, LocalFiles, ScratchBuffers
+
+SHARD_WRITERS = {"direct": write_shard_direct, "zarr": write_shard_zarr}
+
+
+@dataclass(frozen=True)
+class StagedShard:
+    """A shard written and verified under ``.tmp-<uuid>/`` but not yet valid: no manifest row
+    points to it until :meth:`KvStore.publish_shard` renames it into place and appends its rows.
+
+    It can be made on another process or machine that sees the same store folder (a worker of
+    a distributed build) and published by the holder of the store's write lock. Per slot:
+    ``chunk_ids``, ``content_keys``, ``tokens`` and ``checksums`` (sha256 of the stored bytes).
+    """
+
+    kv_fp: str
+    tmp_name: str  # folder name under STORE/kv/<kv_fp>/
+    chunk_ids: tuple[str, ...]
+    content_keys: tuple[str, ...]
+    tokens: tuple[int, ...]
+    checksums: tuple[str, ...]
+    logical_bytes: int
+    disk_bytes: int
+    encode_write_s: float
+    verify_s: float
+
+    def manifest_rows(self, shard: str, layout: KvLayout, run_id: str) -> list[KvManifestRow]:
+        """Its manifest rows once published as ``shard`` (``run_id``: the publishing run's)."""
+        return [
+            KvManifestRow(
+                chunk_id=chunk_id,
+                content_key=content_key,
+                model_fp=layout.model_fp,
+                location=f"{self.kv_fp}/{shard}#slot-{i}",
+                tokens=tokens,
+                bytes=layout.entry_bytes(tokens),
+                checksum=checksum,
+                run_id=run_id,
+                code_version=CODE_VERSION,
+            )
+            for i, (chunk_id, content_key, tokens, checksum) in enumerate(
+                zip(self.chunk_ids, self.content_keys, self.tokens, self.checksums, strict=True)
+            )
+        ]
+
+
+@dataclass
+class WriteStats:
+    """Cumulative cost of writes through one KvStore."""
+
+    shards: int = 0
+    entries: int = 0
+    logical_bytes: int = 0
+    disk_bytes: int = 0
+    encode_write_s: float = 0.0
+    verify_s: float = 0.0
+    manifest_s: float = 0.0
+
+    def add(self, staged: StagedShard) -> None:
+        """Count a published shard."""
+        self.shards += 1
+        self.entries += len(staged.content_keys)
+        self.logical_bytes += staged.logical_bytes
+        self.disk_bytes += staged.disk_bytes
+        self.encode_write_s += staged.encode_write_s
+        self.verify_s += staged.verify_s
+
+
+def distinct_entries(
+    layout: KvLayout, entries: Sequence[tuple[ChunkRow, torch.Tensor]]
+) -> list[tuple[ChunkRow, torch.Tensor]]:
+    """The entries with distinct content_keys (first wins), each checked against the
+    layout's shape and dtype (ValueError naming the chunk)."""
+    seen: set[str] = set()
+    unique: list[tuple[ChunkRow, torch.Tensor]] = []
+    for chunk, kv in entries:
+        if chunk.content_key in seen:
+            continue
+        seen.add(chunk.content_key)
+        expected = layout.entry_shape(chunk.n_tokens)
+        if tuple(kv.shape) != expected:
+            raise ValueError(
+                f"KV of {chunk.chunk_id} has shape {tuple(kv.shape)}, expected {expected}"
+            )
+        if kv.dtype != layout.torch_dtype:
+            raise ValueError(f"KV of {chunk.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
+        unique.append((chunk, kv))
+    return unique
+
+
+class ShardStager:
+    """Writes staged shards of one KV store (``root``) through its transport.
+
+    ``encoder``: ``"direct"`` (``shard.encode_shard``, one strided copy into a reused,
+    page-aligned buffer, written with O_DIRECT where ``direct_io`` and the file system allow)
+    or ``"zarr"`` (Zarr's own writer, the reference). ``fsync``: durability against power loss.
+    """
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        root: PurePath,
+        transport: KvTransport,
+        *,
+        encoder: str = "direct",
+        fsync: bool = False,
+        direct_io: bool = True,
+    ) -> None:
+        if encoder not in SHARD_WRITERS:
+            raise ValueError(f"unknown shard encoder {encoder!r} (direct, zarr)")
+        self.layout = layout
+        self.root = root
+        self.transport = transport
+        self.encoder = encoder
+        self.fsync = fsync
+        self.scratch = ScratchBuffers()
+        self.files = LocalFiles(direct_io)
+
+    def stage(self, group: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str) -> StagedShard:
+        """Write one shard of ``group`` (``(chunk, kv)``, distinct content_keys, at most
+        ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it."""
+        lay = self.layout
+        group = distinct_entries(lay, group)
+        if not 0 < len(group) <= lay.slots_per_shard:
+            raise ValueError(f"a shard holds 1..{lay.slots_per_shard} entries, got {len(group)}")
+        t0 = time.perf_counter()
+        views = [lay.codec.view(kv) for _, kv in group]
+        tokens = [int(v.shape[3]) for v in views]
+        block = lay.block_tokens
+        width = max(block, -(-max(tokens) // block) * block)
+        shape = (len(group), *lay.entry_shape(width))
+        checksums = [entry_checksum(v) for v in views]
+        tmp_name = f".tmp-{uuid.uuid4().hex}"
+        keys = [chunk.content_key for chunk, _ in group]
+        attrs = shard_attributes(lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder)
+        write = SHARD_WRITERS[self.encoder]
+        with self.transport.staging(self.root, tmp_name, self.fsync) as folder:
+            files, t1 = write(folder, lay, views, shape, attrs, self.scratch, self.files)
+        return StagedShard(
+            kv_fp=lay.kv_fp,
+            tmp_name=tmp_name,
+            chunk_ids=tuple(chunk.chunk_id for chunk, _ in group),
+            content_keys=tuple(keys),
+            tokens=tuple(tokens),
+            checksums=tuple(checksums),
+            logical_bytes=sum(lay.entry_bytes(t) for t in tokens),
+            disk_bytes=sum(files.values()),
+            encode_write_s=t1 - t0,
+            verify_s=time.perf_counter() - t1,
+        )
