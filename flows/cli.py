@@ -314,7 +314,7 @@ def query(
     import json
 
     from flows import preflight
-    from inference.prompt import BlankQuestion, require_question
+    from schemas.qa import BlankQuestion, require_question
     from schemas.settings import RAG_METHODS
 
     if method not in (*RAG_METHODS, "cartridge"):
@@ -399,7 +399,7 @@ def eval_cmd(
     With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead.
     The report is printed on stdout, progress on stderr."""
     from flows import preflight
-    from inference.evaluate import QuestionsError, load_questions
+    from schemas.qa import QuestionsError, load_questions
     from schemas.settings import RAG_METHODS
 
     bad = [m for m in methods or [] if m not in RAG_METHODS]
@@ -639,7 +639,7 @@ def train_nuggets_cmd(
     _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
-    from training.nuggets import DataError, load_examples
+    from schemas.qa import DataError, load_examples
 
     try:
         examples = load_examples(data)  # every line checked before any model loads

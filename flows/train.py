@@ -32,10 +32,11 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from schemas.keys import new_run_id
+from schemas.qa import load_examples
 from schemas.settings import settings_from_toml
 from storage.runs import finish_run, start_run
 from storage.store import Store
-from training.nuggets import TrainConfig, file_sha256, load_examples, run_training, write_documents
+from training.nuggets import TrainConfig, file_sha256, run_training, write_documents
 
 FLOW_NAME = "coinrag-train-nuggets"
 

@@ -11,14 +11,13 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS
 
+from schemas.qa import DataError, load_examples
 from training.nuggets import (
     ContextBuilder,
-    DataError,
     Killed,
     TrainConfig,
     answer_loss_sum,
     attach_lora,
-    load_examples,
     make_plans,
     raft_drop,
     run_training,

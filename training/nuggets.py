@@ -76,6 +76,7 @@ from inference.prompt import RagPrompt
 from inference.retrieve import Evidence, Retriever
 from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from schemas.keys import canonical_json
+from schemas.qa import DataError, QAExample, load_examples
 from schemas.tables import ChunkRow
 from storage.kv import KvLayout, KvStore
 from storage.store import Store
@@ -86,10 +87,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CHECKPOINT_FORMAT = 1
 
 log = logging.getLogger("coinrag.train.nuggets")
-
-
-class DataError(ValueError):
-    """A malformed QA example; the message names the file and line."""
 
 
 class ResumeMismatch(RuntimeError):
@@ -157,123 +154,6 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------ data
-
-
-@dataclass(frozen=True)
-class QAExample:
-    """One training example (``line``: 1-based line in the JSONL)."""
-
-    line: int
-    question: str
-    answer: str
-    doc_ids: tuple[str, ...]
-    gold_doc_ids: tuple[str, ...]
-    documents: tuple[tuple[str, str], ...] = ()  # (id, text) when given inline
-
-
-def _str_list(value: Any, where: str, name: str) -> list[str]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise DataError(f"{where}: {name!r} must be a non-empty list of non-empty strings")
-    if len(set(value)) != len(value):
-        raise DataError(f"{where}: {name!r} repeats an id")
-    return value
-
-
-def parse_example(obj: Any, where: str, line: int) -> QAExample:
-    """Validate one JSON object (see :func:`load_examples`)."""
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if not isinstance(obj.get("question"), str) or not obj["question"].strip():
-        raise DataError(f"{where}: 'question' must be a non-empty string")
-    answer = obj.get("answer")
-    if answer is None and "answers" in obj:  # the eval format: the first gold answer
-        answers = obj["answers"]
-        if not isinstance(answers, list) or not answers:
-            raise DataError(f"{where}: 'answers' must be a non-empty list of strings")
-        answer = answers[0]
-    if not isinstance(answer, str) or not answer.strip():
-        raise DataError(
-            f"{where}: 'answer' must be a non-empty string (or 'answers' a list of them)"
-        )
-    has_docs, has_ids = "documents" in obj, "doc_ids" in obj
-    if has_docs == has_ids:
-        raise DataError(f"{where}: give exactly one of 'documents' or 'doc_ids'")
-    documents: list[tuple[str, str]] = []
-    flagged: list[str] = []
-    if has_docs:
-        docs = obj["documents"]
-        if not isinstance(docs, list) or not docs:
-            raise DataError(f"{where}: 'documents' must be a non-empty list")
-        for j, d in enumerate(docs):
-            if not isinstance(d, dict):
-                raise DataError(f"{where}: documents[{j}] must be an object with id and text")
-            if not isinstance(d.get("id"), str | int) or str(d["id"]) == "":
-                raise DataError(f"{where}: documents[{j}].id must be a non-empty string")
-            if not isinstance(d.get("text"), str) or not d["text"].strip():
-                raise DataError(f"{where}: documents[{j}].text must be a non-empty string")
-            if "gold" in d and not isinstance(d["gold"], bool):
-                raise DataError(f"{where}: documents[{j}].gold must be true or false")
-            documents.append((str(d["id"]), d["text"]))
-            if d.get("gold"):
-                flagged.append(str(d["id"]))
-        doc_ids = [i for i, _ in documents]
-        if len(set(doc_ids)) != len(doc_ids):
-            raise DataError(f"{where}: 'documents' repeats an id")
-    else:
-        doc_ids = _str_list(obj["doc_ids"], where, "doc_ids")
-    if "gold_doc_ids" in obj:
-        gold = _str_list(obj["gold_doc_ids"], where, "gold_doc_ids")
-        if flagged and set(flagged) != set(gold):
-            raise DataError(f"{where}: 'gold_doc_ids' disagrees with the documents' gold flags")
-    else:
-        gold = flagged or list(doc_ids)  # no gold marked: every document is gold
-    unknown = set(gold) - set(doc_ids)
-    if unknown:
-        raise DataError(f"{where}: gold ids {sorted(unknown)} are not among the documents")
-    return QAExample(
-        line=line,
-        question=obj["question"].strip(),
-        answer=answer.strip(),
-        doc_ids=tuple(doc_ids),
-        gold_doc_ids=tuple(gold),
-        documents=tuple(documents),
-    )
-
-
-def load_examples(path: str | os.PathLike[str]) -> list[QAExample]:
-    """Read a QA JSONL: one object per line with ``question``, ``answer`` and either
-    ``documents`` (``[{"id", "text", "gold"?}]``: gold and distractor passages) or ``doc_ids``
-    (documents already in the store). Gold documents: ``gold_doc_ids`` or the ``gold`` flags;
-    if neither is given, every document of the example is gold. Blank lines are skipped.
-
-    The ``coinrag eval`` format is read too: ``{"question", "answers": [...], "doc_ids":
-    [...]}`` trains on the first answer, retrieving inside (all gold) ``doc_ids``.
-    Raises :class:`DataError` naming the line.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    examples: list[QAExample] = []
-    texts: dict[str, str] = {}
-    with path.open(encoding="utf-8") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg})") from exc
-            ex = parse_example(obj, where, n)
-            for doc_id, text in ex.documents:
-                if texts.setdefault(doc_id, text) != text:
-                    raise DataError(
-                        f"{where}: document {doc_id!r} has another text on an earlier line"
-                    )
-            examples.append(ex)
-    if not examples:
-        raise DataError(f"{path}: no examples")
-    return examples
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
