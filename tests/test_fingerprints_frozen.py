@@ -11,21 +11,24 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from flows.cartridges import CartridgeSettings
-from schemas.settings import BuildSettings
+from schemas.settings import (
+    BuildSettings,
+    CartridgeSettings,
+    CartridgeTrainSettings,
+    FinetuneSettings,
+    TeacherSettings,
+)
 from tasks.extractors.local import DECODING, LOCAL_PROMPT_VERSION, LocalConstrainedExtractor
 from tasks.extractors.none import NoExtractor
 from tasks.extractors.openai_batch import OpenAIBatchExtractor
 from tasks.extractors.openai_chat import OpenAIChatExtractor
 from tasks.extractors.prompt import PROMPT_VERSION
 from tasks.extractors.rules import RulesExtractor
-from training.budget import TrainConfig as CartridgeTrainConfig
 from training.cartridges import CartridgeSpec, cartridge_fingerprint
-from training.nuggets import TrainConfig as FinetuneConfig
 from training.questions import ACCEPTS_VERSION
 from training.selfstudy import PROMPT_VERSION as QUESTION_PROMPT_VERSION
 from training.selfstudy import LocalQuestionGenerator, OpenAIQuestionGenerator
-from training.teacher import TeacherConfig, teacher_fingerprint
+from training.teacher import teacher_fingerprint
 
 KEY = "sk-frozen-test"  # a client needs a key; none reaches a fingerprint
 LOADED = SimpleNamespace(model_fp="model-x")  # a LoadedModel as far as fingerprints look
@@ -56,7 +59,7 @@ def test_question_generator_fingerprints() -> None:
 
 def test_teacher_and_cartridge_fingerprints() -> None:
     settings = CartridgeSettings()
-    assert teacher_fingerprint("m", "p", TeacherConfig()) == "teacher-ac41f481a100c307"
+    assert teacher_fingerprint("m", "p", TeacherSettings()) == "teacher-ac41f481a100c307"
     assert teacher_fingerprint("m", "p", settings.teacher()) == "teacher-ac41f481a100c307"
     assert settings.teacher().value_dict() == {
         "max_new_tokens": 48,
@@ -65,10 +68,10 @@ def test_teacher_and_cartridge_fingerprints() -> None:
         "decoding": "greedy-v1",
     }
     plain = cartridge_fingerprint(
-        "m", "p", "t", CartridgeSpec(), CartridgeTrainConfig().value_dict()
+        "m", "p", "t", CartridgeSpec(), CartridgeTrainSettings().value_dict()
     )
     assert plain == "cartridge-449c99d9ee581eea"
-    spec = settings.spec()
+    spec = CartridgeSpec.from_settings(settings)
     fp = cartridge_fingerprint("m", "p", "t", spec, settings.train().value_dict())
     assert fp == "cartridge-d91c50cf33c7b10e"
     assert spec.to_dict() == {
@@ -188,6 +191,6 @@ def test_settings_dicts() -> None:
 
 def test_finetune_resume_identity() -> None:
     """A run resumes a checkpoint only when its identity equals the checkpoint's."""
-    identity = FinetuneConfig().identity()
+    identity = FinetuneSettings().identity()
     assert identity == FINETUNE_IDENTITY
     assert list(identity) == list(FINETUNE_IDENTITY)

@@ -12,10 +12,10 @@ import torch
 from store_fixtures import TINY_DIMS
 
 from schemas.qa import DataError, load_examples
+from schemas.settings import FinetuneSettings
 from training.nuggets import (
     ContextBuilder,
     Killed,
-    TrainConfig,
     answer_loss_sum,
     attach_lora,
     make_plans,
@@ -122,7 +122,7 @@ def parts(built):
     }
 
 
-def _cfg(**kw) -> TrainConfig:
+def _cfg(**kw) -> FinetuneSettings:
     base = {
         "batch_size": 2,
         "lr": 3e-3,
@@ -132,7 +132,7 @@ def _cfg(**kw) -> TrainConfig:
         "warmup_ratio": 0.0,
         "checkpoint_every": 2,
     }
-    return TrainConfig(**{**base, **kw}).validate()
+    return FinetuneSettings(**{**base, **kw}).validate()
 
 
 # ------------------------------------------------------------------------------------------ data
