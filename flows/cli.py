@@ -27,6 +27,8 @@ from rich.table import Table
 
 from flows.cli_lists import ListOptionsCommand
 from flows.preflight import Preflight
+from flows.settings_options import with_settings_options
+from schemas.settings import BuildSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -129,49 +131,16 @@ def _require_local(store: str, what: str) -> None:
         _fail(str(exc), 1)
 
 
-# Build settings as options, declared once: `build` and `serve` both take them (None: the
-# [build] table of --config, else the default).
-ExtractorOption = Annotated[
-    str | None,
-    typer.Option(
-        help="openai | openai-batch | local | rules | none "
-        "(default: openai if OPENAI_API_KEY is set, else local)."
-    ),
-]
-LlmModelOption = Annotated[
-    str | None, typer.Option("--llm-model", help="LLM for extraction (default gpt-4o-mini).")
-]
-ModelOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Generation model whose tokenizer chunks: a folder, a .gguf file, or "
-        "'smollm2' (default, the packaged SmolLM2-135M-Instruct)."
-    ),
-]
-EmbedderOption = Annotated[
-    str | None,
-    typer.Option(help="'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder."),
-]
+# Build settings as options: generated from the fields of BuildSettings marked cli=True
+# (flows/settings_options.py), the same for `build` and `serve`; None: the [build] table of
+# --config, else the default.
 ConfigOption = Annotated[
     Path | None, typer.Option(help="TOML file with a \\[build] table of the same settings.")
-]
-ChunkerOption = Annotated[str | None, typer.Option(help="fixed (default) | sentence | content")]
-ChunkSizeOption = Annotated[int | None, typer.Option(help="Tokens per chunk (default 512).")]
-TauOption = Annotated[float | None, typer.Option(help="Fuzzy recovery threshold (default 0.7).")]
-ConcurrencyOption = Annotated[
-    int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
-]
-KvDtypeOption = Annotated[
-    str | None,
-    typer.Option(
-        "--kv-dtype",
-        help="auto | float32 | bfloat16 | float16: dtype of the KV forward and of the stored "
-        "KV (default auto: bfloat16 where the device computes it natively, else float32).",
-    ),
 ]
 
 
 @app.command()
+@with_settings_options(BuildSettings)
 def build(
     source: Annotated[
         str,
@@ -186,46 +155,9 @@ def build(
             "--store", help="The store: a folder (created if absent) or s3://bucket/prefix."
         ),
     ],
-    extractor: ExtractorOption = None,
-    llm_model: LlmModelOption = None,
-    model: ModelOption = None,
-    embedder: EmbedderOption = None,
     config: ConfigOption = None,
-    chunker: ChunkerOption = None,
-    chunk_size: ChunkSizeOption = None,
-    tau: TauOption = None,
-    concurrency: ConcurrencyOption = None,
-    prune: Annotated[
-        bool | None,
-        typer.Option(
-            "--prune", help="Tombstone the store's documents that are absent from SOURCE."
-        ),
-    ] = None,
-    runner: Annotated[
-        str | None,
-        typer.Option(help="Where tasks run: default (this process) | dask | ray."),
-    ] = None,
-    runner_address: Annotated[
-        str | None,
-        typer.Option(
-            "--runner-address",
-            help="Dask scheduler (tcp://host:8786) or Ray address; default: a local cluster.",
-        ),
-    ] = None,
-    workers: Annotated[
-        int | None, typer.Option(help="Worker processes of a local Dask/Ray cluster (default 2).")
-    ] = None,
-    kv_resources: Annotated[
-        str | None,
-        typer.Option(
-            "--kv-resources",
-            help="Worker resources each KV task needs, e.g. GPU=1 (dask/ray).",
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="Torch device of the generation model (default cpu).")
-    ] = None,
-    kv_dtype: KvDtypeOption = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Build or update STORE from SOURCE: chunks, nuggets, and (later stages) KV and indexes."""
     from schemas.settings import SettingsError, load_settings
@@ -234,26 +166,7 @@ def build(
     if source == "sample":
         source = str(SAMPLE)
     try:
-        settings = load_settings(
-            config,
-            {
-                "extractor": extractor,
-                "llm_model": llm_model,
-                "model": model,
-                "embedder": embedder,
-                "chunker": chunker,
-                "chunk_size": chunk_size,
-                "tau": tau,
-                "concurrency": concurrency,
-                "prune": prune,
-                "runner": runner,
-                "runner_address": runner_address,
-                "workers": workers,
-                "kv_resources": kv_resources,
-                "device": device,
-                "kv_dtype": kv_dtype,
-            },
-        )
+        settings = load_settings(config, overrides)
     except SettingsError as exc:
         _fail(str(exc), 2)
     from flows import preflight
@@ -672,6 +585,7 @@ def train_nuggets_cmd(
 
 
 @app.command()
+@with_settings_options(BuildSettings)
 def serve(
     source: Annotated[
         str, typer.Argument(help="What to build (as for `coinrag build`), or 'sample'.")
@@ -695,15 +609,8 @@ def serve(
         Path | None, typer.Option("--train-out", help="Folder of the fine-tuned model.")
     ] = None,
     config: ConfigOption = None,
-    extractor: ExtractorOption = None,
-    llm_model: LlmModelOption = None,
-    model: ModelOption = None,
-    embedder: EmbedderOption = None,
-    chunker: ChunkerOption = None,
-    chunk_size: ChunkSizeOption = None,
-    tau: TauOption = None,
-    concurrency: ConcurrencyOption = None,
-    kv_dtype: KvDtypeOption = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
 
@@ -721,17 +628,6 @@ def serve(
         _fail("--train-data and --train-out go together", 2)
     if train_data is not None and not train_data.is_file():
         _fail(f"--train-data {train_data} does not exist", 1)
-    overrides = {
-        "extractor": extractor,
-        "llm_model": llm_model,
-        "model": model,
-        "embedder": embedder,
-        "chunker": chunker,
-        "chunk_size": chunk_size,
-        "tau": tau,
-        "concurrency": concurrency,
-        "kv_dtype": kv_dtype,
-    }
     try:
         settings = load_settings(config, overrides)
     except SettingsError as exc:

@@ -53,38 +53,90 @@ class SettingsError(ValueError):
     """A setting with an invalid value, or an unknown setting name."""
 
 
+def setting(default: Any, help: str = "", *, cli: bool = False, flag: str | None = None) -> Any:
+    """A dataclass field with its documentation: ``help`` (``{default}`` in it becomes the
+    default) and, with ``cli=True``, a command-line option of the commands that take these
+    settings (``flows/settings_options.py``; ``flag``: its name when not ``--field-name``).
+    Plain strings only: ``schemas/`` knows no CLI library."""
+    meta = {"help": help, "cli": cli, "flag": flag}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class BuildSettings:
-    """Everything that decides what a build produces (plus how hard it may push an endpoint)."""
+    """Everything that decides what a build produces (plus how hard it may push an endpoint).
 
-    extractor: str | None = None  # None: "openai" if OPENAI_API_KEY is set, else "local"
-    llm_model: str = "gpt-4o-mini"
-    model: str = "smollm2"
-    chunker: str = "fixed"
-    chunk_size: int = 512
-    tau: float = 0.7
-    concurrency: int = 8  # simultaneous requests to the LLM endpoint
+    The fields marked ``cli=True`` are the options of ``coinrag build`` and ``coinrag serve``
+    (generated from here; the others are set in the config file's ``[build]`` table).
+    """
+
+    extractor: str | None = setting(
+        None,  # None: "openai" if OPENAI_API_KEY is set, else "local"
+        "openai | openai-batch | local | rules | none "
+        "(default: openai if OPENAI_API_KEY is set, else local).",
+        cli=True,
+    )
+    llm_model: str = setting("gpt-4o-mini", "LLM for extraction (default {default}).", cli=True)
+    model: str = setting(
+        "smollm2",
+        "Generation model whose tokenizer chunks: a folder, a .gguf file, or "
+        "'smollm2' (default, the packaged SmolLM2-135M-Instruct).",
+        cli=True,
+    )
+    chunker: str = setting("fixed", "fixed (default) | sentence | content", cli=True)
+    chunk_size: int = setting(512, "Tokens per chunk (default {default}).", cli=True)
+    tau: float = setting(0.7, "Fuzzy recovery threshold (default {default}).", cli=True)
+    concurrency: int = setting(8, "Simultaneous LLM requests (default {default}).", cli=True)
     max_attempts: int = 5  # per chunk, for 429/5xx/timeouts/malformed answers
     request_timeout: float = 60.0  # seconds, per request
     batch_poll_interval: float = 30.0  # seconds between Batch API status polls
     batch_max_rounds: int = 3  # resubmissions of failed/expired batch requests
     local_max_nuggets: int = 8  # local extractor: spans per chunk at least (1.5 per clause head)
     extract_batch_size: int = 32  # chunks per Prefect extraction task
-    device: str = "cpu"
-    embedder: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)
+    device: str = setting(
+        "cpu", "Torch device of the generation model (default {default}).", cli=True
+    )
+    embedder: str = setting(
+        "minilm",  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)
+        "'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder.",
+        cli=True,
+    )
     kv: bool = True  # build the per-chunk KV of `model`
-    kv_dtype: str = "auto"  # dtype of the KV forward and of the stored KV (KV_DTYPES)
+    kv_dtype: str = setting(
+        "auto",  # dtype of the KV forward and of the stored KV (KV_DTYPES)
+        "auto | float32 | bfloat16 | float16: dtype of the KV forward and of the stored "
+        "KV (default auto: bfloat16 where the device computes it natively, else float32).",
+        cli=True,
+    )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
-    prune: bool = False  # tombstone live documents that are absent from SOURCE
+    prune: bool = setting(
+        False,  # tombstone live documents that are absent from SOURCE
+        "Tombstone the store's documents that are absent from SOURCE.",
+        cli=True,
+        flag="--prune",
+    )
     embed_batch_size: int = 4096  # texts per embedding task (and per embeddings-cache file)
     # Scale-out (flows/runners.py): where the tasks run. Never changes what is built.
-    runner: str = "default"  # default (in the flow process) | dask | ray
-    runner_address: str = ""  # Dask scheduler / Ray address; "" = a local cluster of `workers`
-    workers: int = 2  # worker processes of the local Dask/Ray cluster
-    kv_resources: str = ""  # e.g. "GPU=1": only workers offering these take the KV tasks
+    runner: str = setting(
+        "default", "Where tasks run: default (this process) | dask | ray.", cli=True
+    )
+    runner_address: str = setting(
+        "",  # "" = a local cluster of `workers`
+        "Dask scheduler (tcp://host:8786) or Ray address; default: a local cluster.",
+        cli=True,
+    )
+    workers: int = setting(
+        2, "Worker processes of a local Dask/Ray cluster (default {default}).", cli=True
+    )
+    kv_resources: str = setting(
+        "",  # e.g. "GPU=1": only workers offering these take the KV tasks
+        "Worker resources each KV task needs, e.g. GPU=1 (dask/ray).",
+        cli=True,
+    )
     # KV safety (README "The KV cache"): what a reused entry is checked with before the build
-    # counts it valid, and the disk-space check before extraction.
+    # counts it valid, and the disk-space check before extraction. Config file only: the
+    # space check's error names the config setting that turns it off.
     kv_verify: str = "crc32c"  # crc32c (every block of reused entries) | stat | sha256
     kv_space_check: bool = True  # refuse a build whose new KV does not fit on the store's disk
     kv_min_free_bytes: int = 0  # bytes the new KV must leave free on that disk
@@ -159,6 +211,11 @@ def parse_resources(spec: str) -> dict[str, float]:
 
 def setting_names() -> list[str]:
     return [f.name for f in dataclasses.fields(BuildSettings)]
+
+
+def cli_settings(cls: type) -> list[dataclasses.Field]:
+    """The fields of a settings class that are command-line options (``setting(cli=True)``)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli")]
 
 
 def load_settings(
