@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 import openai
 
+from inference.llm_pricing import call_cost
 from schemas.keys import sha256_hex
 from tasks.extractors.base import (
     CallRecord,
@@ -69,7 +70,6 @@ from tasks.extractors.openai_chat import (
     scrub,
     spread_results,
 )
-from tasks.extractors.pricing import call_cost
 from tasks.extractors.prompt import PROMPT_VERSION, MalformedResponse, build_messages, parse_nuggets
 
 log = logging.getLogger(__name__)

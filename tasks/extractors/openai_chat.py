@@ -39,6 +39,7 @@ from typing import Any
 
 import openai
 
+from inference.llm_pricing import call_cost
 from schemas.keys import fingerprint as _fingerprint
 from tasks.extractors.base import (
     CallRecord,
@@ -47,7 +48,6 @@ from tasks.extractors.base import (
     ResultFn,
     ResultReporter,
 )
-from tasks.extractors.pricing import call_cost
 from tasks.extractors.prompt import (
     PROMPT_VERSION,
     RESPONSE_SCHEMA,
