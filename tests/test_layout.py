@@ -25,9 +25,6 @@ KNOWN_UPWARD = {
     ("inference/methods.py", "tasks.kv"),
     ("training/nuggets.py", "tasks.kv"),
     ("training/selfstudy.py", "tasks.extract"),
-    ("training/selfstudy.py", "tasks.extractors.base"),
-    ("training/selfstudy.py", "tasks.extractors.openai_chat"),
-    ("training/selfstudy.py", "tasks.extractors.prompt"),
 }
 # Files over MAX_LINES lines.
 KNOWN_LONG = {"storage/kv.py"}

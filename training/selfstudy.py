@@ -21,9 +21,9 @@ are dropped and counted per call (``n_raw - n_questions``) and per reason
 Backends:
 
 - ``openai`` (:class:`OpenAIQuestionGenerator`): chat completions on api.openai.com or any
-  compatible endpoint, through the helpers of ``tasks/extractors/openai_chat.py`` (client without
-  its own retries, retries with backoff and ``Retry-After``, fatal errors stop the run, secrets
-  scrubbed); every HTTP attempt is a ledger row (``extraction_calls``, backend
+  compatible endpoint, through ``inference/llm_client.py`` as the extractors use it (client
+  without its own retries, retries with backoff and ``Retry-After``, fatal errors stop the run,
+  secrets scrubbed); every HTTP attempt is a ledger row (``extraction_calls``, backend
   ``selfstudy-openai``).
 - ``local`` (:class:`LocalQuestionGenerator`): the packaged SmolLM2-135M-Instruct is too weak to
   write free JSON, so the structure is forced: the answer is decoded under a constraint that
@@ -55,6 +55,15 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
+from inference.llm_client import (
+    CallRecord,
+    LlmEndpoint,
+    MalformedResponse,
+    RetryPolicy,
+    classify_error,
+    content_of,
+    new_call_id,
+)
 from schemas.keys import CODE_VERSION, fingerprint, sha256_hex, text_hash
 from schemas.tables import (
     DocumentRow,
@@ -64,20 +73,6 @@ from schemas.tables import (
 from storage.store import Store
 from storage.tables import append_rows, read_rows
 from tasks.extract import ledger_row
-from tasks.extractors.base import CallRecord
-from tasks.extractors.openai_chat import (
-    _content_of,
-    backoff_delay,
-    chat_call_record,
-    classify_error,
-    describe_error,
-    known_secrets,
-    make_client,
-    new_call_id,
-    retry_after_seconds,
-    scrub,
-)
-from tasks.extractors.prompt import MalformedResponse
 from training.questions import (
     ACCEPTS_VERSION,
     MalformedQuestions,
@@ -306,14 +301,15 @@ class OpenAIQuestionGenerator:
         self.n_questions = n_questions
         self.temperature = temperature
         self.concurrency = concurrency
-        self.max_attempts = max_attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.retry_after_max_s = retry_after_max_s
-        self._client = make_client(client, base_url=base_url, api_key=api_key, timeout_s=timeout_s)
-        self._secrets = known_secrets(self._client) + ((api_key,) if api_key else ())
-        self._sleep = sleep
-        self._rng = random.Random()
+        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
+        self.endpoint = LlmEndpoint(
+            model,
+            client=client,
+            base_url=base_url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            retry=retry,
+        )
         self._fatal: str | None = None
         self._lock = threading.Lock()
 
@@ -342,7 +338,7 @@ class OpenAIQuestionGenerator:
             try:
                 result = self._one(req)
             except Exception as exc:  # noqa: BLE001 - one call must not sink the run
-                result = QuestionResult(req.key, "failed", error=describe_error(exc, self._secrets))
+                result = QuestionResult(req.key, "failed", error=self.endpoint.describe(exc))
             if progress is not None:
                 with self._lock:
                     progress(self.n_questions)
@@ -353,14 +349,6 @@ class OpenAIQuestionGenerator:
         workers = min(self.concurrency, len(requests))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selfstudy") as pool:
             return list(pool.map(run, requests))
-
-    def _record(
-        self, req: QuestionRequest, attempt: int, status: str, started: datetime, t0: float,
-        tokens_in: int = 0, tokens_out: int = 0, error: str | None = None,
-    ) -> CallRecord:  # fmt: skip
-        return chat_call_record(
-            req.key, self.llm_model, attempt, status, started, t0, tokens_in, tokens_out, error
-        )
 
     def _one(self, req: QuestionRequest) -> QuestionResult:
         calls: list[CallRecord] = []
@@ -374,38 +362,38 @@ class OpenAIQuestionGenerator:
             attempt += 1
             started, t0 = datetime.now(UTC), time.perf_counter()
             try:
-                completion = self._client.chat.completions.create(
+                completion = self.endpoint.client.chat.completions.create(
                     model=self.llm_model, messages=messages, temperature=self.temperature
                 )
             except Exception as exc:  # noqa: BLE001 - classified below
-                msg = describe_error(exc, self._secrets)
+                msg = self.endpoint.describe(exc)
                 status, retryable, fatal = classify_error(exc)
-                calls.append(self._record(req, attempt, status, started, t0, error=msg))
+                calls.append(self.endpoint.record(req.key, attempt, status, started, t0, error=msg))
                 if fatal:
                     self._fatal = msg
                     log.error("fatal endpoint error, failing the rest of the run: %s", msg)
-                if fatal or not retryable or attempt >= self.max_attempts:
+                if fatal or not retryable or attempt >= self.endpoint.retry.max_attempts:
                     error = f"{status} after {attempt} attempt(s): {msg}"
                     return QuestionResult(req.key, "failed", error=error, calls=calls)
-                delay = backoff_delay(attempt, self.backoff_base_s, self.backoff_max_s, self._rng)
-                server = retry_after_seconds(exc)
-                if server is not None:
-                    delay = min(server, self.retry_after_max_s)
-                self._sleep(delay)
+                self.endpoint.retry.sleep(self.endpoint.retry.delay(attempt, exc))
                 continue
             usage = getattr(completion, "usage", None)
             t_in = int(getattr(usage, "prompt_tokens", 0) or 0)
             t_out = int(getattr(usage, "completion_tokens", 0) or 0)
             try:
-                items = parse_questions(_content_of(completion))
+                items = parse_questions(content_of(completion))
             except (MalformedQuestions, MalformedResponse) as exc:
-                msg = scrub(f"malformed answer: {exc}", self._secrets)
-                calls.append(self._record(req, attempt, "malformed", started, t0, t_in, t_out, msg))
+                msg = self.endpoint.scrub(f"malformed answer: {exc}")
+                calls.append(
+                    self.endpoint.record(
+                        req.key, attempt, "malformed", started, t0, t_in, t_out, msg
+                    )
+                )
                 reason = getattr(exc, "reason", "no_content")
                 return QuestionResult(
                     req.key, "malformed", error=msg, calls=calls, malformed_reason=reason
                 )
-            calls.append(self._record(req, attempt, "ok", started, t0, t_in, t_out))
+            calls.append(self.endpoint.record(req.key, attempt, "ok", started, t0, t_in, t_out))
             return QuestionResult(req.key, "ok", items=items, calls=calls)
 
 

@@ -60,9 +60,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from inference.llm_client import CallRecord
 from schemas.keys import fingerprint, sha256_hex
 from tasks.extractors.base import (
-    CallRecord,
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
