@@ -514,6 +514,12 @@ class SkeletonMachine:
         """Logit bonus of the closing tokens: ``per_token`` per token beyond the minimum."""
         return max(0, self.q_tokens - self.min_question_tokens) * per_token
 
+    def logit_bonus(self, per_token: float) -> torch.Tensor | None:
+        """``(vocab,)`` bonus added to the logits before sampling: :meth:`close_boost` on the
+        closing tokens (None when it is 0)."""
+        boost = self.close_boost(per_token)
+        return self.sv.close.float() * boost if boost else None
+
     def advance(self, token: int) -> None:
         if self.done:
             return

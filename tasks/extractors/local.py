@@ -308,6 +308,11 @@ class SpanCopyMachine:
         soft = pt.soft_end[pt.word_of[c.pos]] and c.n_words >= self._min_len(c)
         return soft or self._forced_end(c)
 
+    def forced(self) -> int | None:
+        """The one token that must come next, or None when there is a choice."""
+        allowed = self.allowed()
+        return allowed[0] if len(allowed) == 1 else None
+
     def allowed(self) -> list[int]:
         """Token ids that may come next (never empty; ``[eos]`` once done)."""
         sp, pt = self.special, self.passage
