@@ -1,6 +1,10 @@
 """inference/constrained.py: the one constrained-decoding driver makes the choices of the drivers
 it replaced, token for token (greedy: the extractor's jump-forward loop and ``model.generate``;
-sampled: the question generator's skeleton loop, per seed), on a tiny random-weight Llama."""
+sampled: the question generator's skeleton loop, per seed), on a tiny random-weight Llama.
+
+The replaced drivers were compared directly while they existed (commit "A6" of issue 14); the
+digests below are the tokens they chose then. Greedy decoding is also checked against
+``model.generate`` (``decode_with_generate``) and against one-token-per-step feeding."""
 
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ DOCS = [
 
 
 # Digests of the tokens the replaced drivers chose on this module's tiny Llama (recorded while
-# they existed; the equality tests above them compared the drivers directly).
+# they existed, next to tests that compared them with this driver directly).
 GREEDY_DIGEST = {3: "401a01aa3924c3c8", 1: "b73584d7cdb9bec7"}  # by batch size
 SAMPLED_DIGEST = [  # by seed
     "87752599613b4f57",
@@ -114,28 +118,17 @@ def _result(machines: list[Recording]) -> list[tuple[list[int], list[tuple[int, 
 
 
 @pytest.mark.parametrize("batch", [PASSAGES, PASSAGES[:1]])
-def test_greedy_equals_the_old_drivers(loaded, batch) -> None:
-    from tasks.extractors.local import run_generate, run_jump_forward
-
-    ex, prompts, old_jump, pad = _extractor_run(loaded, batch)
-    run_jump_forward(loaded.model, prompts, old_jump, pad, prefix=ex._prompt_prefix())
-    *_, old_generate, _ = _extractor_run(loaded, batch)
-    run_generate(loaded.model, prompts, old_generate, pad)
-    assert _result(old_jump) == _result(old_generate)
-
-    *_, new_jump, _ = _extractor_run(loaded, batch)
-    decode_constrained(
-        loaded.model, prompts, new_jump, GreedyChoice(), pad, prefix=ex._prompt_prefix()
-    )
+def test_greedy_makes_the_old_choices(loaded, batch) -> None:
+    ex, prompts, jump, pad = _extractor_run(loaded, batch)
+    decode_constrained(loaded.model, prompts, jump, GreedyChoice(), pad, prefix=ex._prompt_prefix())
     *_, one_by_one, _ = _extractor_run(loaded, batch)
     decode_constrained(loaded.model, prompts, one_by_one, GreedyChoice(), pad, jump_forward=False)
-    *_, new_generate, _ = _extractor_run(loaded, batch)
-    eos = new_generate[0].special.eos
-    decode_with_generate(loaded.model, prompts, new_generate, pad, eos)
-    for got in (new_jump, one_by_one, new_generate):
-        assert _result(got) == _result(old_jump)
-    assert all(m.spans for m in new_jump)
-    assert _digest(_result(new_jump)) == GREEDY_DIGEST[len(batch)]
+    *_, generate, _ = _extractor_run(loaded, batch)
+    decode_with_generate(loaded.model, prompts, generate, pad, generate[0].special.eos)
+    for got in (one_by_one, generate):
+        assert _result(got) == _result(jump)
+    assert all(m.spans for m in jump)
+    assert _digest(_result(jump)) == GREEDY_DIGEST[len(batch)]
 
 
 def _skeleton_run(loaded, seed: int):
@@ -158,22 +151,17 @@ def _skeleton_run(loaded, seed: int):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_sampled_equals_the_skeleton_loop(loaded, seed: int) -> None:
-    from training.selfstudy import run_skeleton
-
-    gen, prompts, old, gens, sv = _skeleton_run(loaded, seed)
-    old_closed: list[int] = []
-    run_skeleton(
-        loaded.model, prompts, old, gens, temperature=gen.temperature, top_k=gen.top_k,
-        repetition_penalty=gen.repetition_penalty, close_boost=gen.close_boost, pad_id=sv.eos,
-        on_question=lambda: old_closed.append(1),
-    )  # fmt: skip
-    gen, prompts, new, gens, sv = _skeleton_run(loaded, seed)
+def test_sampled_makes_the_old_choices(loaded, seed: int) -> None:
+    gen, prompts, machines, gens, sv = _skeleton_run(loaded, seed)
     choice = SampledChoice(
         gen.temperature, gen.top_k, gens, gen.repetition_penalty, bonus=gen.close_boost
     )
-    decode_constrained(loaded.model, prompts, new, choice, sv.eos, jump_forward=False)
-    assert [m.generated for m in new] == [m.generated for m in old]
-    assert all(m.done and m.questions == 3 for m in new)
-    assert len(old_closed) == 9
-    assert _digest([m.generated for m in new]) == SAMPLED_DIGEST[seed]
+    advanced: list[int] = []
+    decode_constrained(
+        loaded.model, prompts, machines, choice, sv.eos, jump_forward=False,
+        on_advance=advanced.append,
+    )  # fmt: skip
+    assert all(m.done and m.questions == 3 for m in machines)
+    steps = max(len(m.generated) - 1 for m in machines)  # tokens taken (generated ends in EOS)
+    assert advanced == list(range(len(machines))) * steps  # every row, once per step
+    assert _digest([m.generated for m in machines]) == SAMPLED_DIGEST[seed]

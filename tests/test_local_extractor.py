@@ -14,13 +14,8 @@ import pytest
 from store_fixtures import TINY_DIMS
 
 from tasks.extractors.base import ExtractionRequest, ExtractionResult
-from tasks.extractors.local import (
-    BOUNDARIES,
-    LocalConstrainedExtractor,
-    SpanCopyMachine,
-    SpecialIds,
-    tokenize_passage,
-)
+from tasks.extractors.local import LocalConstrainedExtractor
+from tasks.extractors.span_copy import BOUNDARIES, SpanCopyMachine, SpecialIds, tokenize_passage
 
 PASSAGES = [
     "Gabriel García Márquez (6 March 1927 – 17 April 2014) was a Colombian novelist, "

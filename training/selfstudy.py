@@ -55,6 +55,7 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
+from inference.constrained import SampledChoice, decode_constrained
 from inference.llm_client import (
     CallRecord,
     LlmEndpoint,
@@ -547,81 +548,20 @@ class SkeletonMachine:
         return self.n * (self.max_question_tokens + 1 + len(self.sv.sep)) + sk
 
 
-def run_skeleton(
-    model: Any,
-    prompts: Sequence[Sequence[int]],
-    machines: Sequence[SkeletonMachine],
-    generators: Sequence[torch.Generator],
-    *,
-    temperature: float,
-    top_k: int,
-    repetition_penalty: float,
-    close_boost: float = 0.0,
-    pad_id: int,
-    on_question: Callable[[], None] | None = None,
-) -> None:
-    """Sample the answers of several prompts at once (left-padded batch ``(B, max P)``) under
-    their machines; each row samples with its own generator (seeded per call).
-    ``on_question()`` each time a row closes a question."""
-    from transformers import DynamicCache
+def _question_progress(
+    machines: Sequence[SkeletonMachine], progress: QuestionsDone | None
+) -> Callable[[int], None] | None:
+    """``on_advance`` for the decoder: ``progress(1)`` each time a row closes a question."""
+    if progress is None:
+        return None
+    closed = [0] * len(machines)
 
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    b = len(prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p) :] = torch.tensor(list(p))
-        mask[r, width - len(p) :] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    limit = max(m.max_new_tokens() for m in machines)
-    with torch.no_grad():
-        out = model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=pos.to(device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        last_pos = pos[:, -1]
-        for _ in range(limit):
-            logits = out.logits[:, -1].float().cpu()
-            nxt = []
-            for r, m in enumerate(machines):
-                tok = m.forced()
-                if tok is None:
-                    row = logits[r]
-                    if repetition_penalty != 1.0 and m.generated:
-                        seen = torch.tensor(sorted(set(m.generated)))
-                        vals = row[seen]
-                        row = row.clone()
-                        row[seen] = torch.where(
-                            vals > 0, vals / repetition_penalty, vals * repetition_penalty
-                        )
-                    boost = m.close_boost(close_boost)
-                    if boost:
-                        row = row + m.sv.close.float() * boost
-                    row = row.masked_fill(~m.allowed(), float("-inf")) / max(temperature, 1e-6)
-                    top = torch.topk(row, min(top_k, int(torch.isfinite(row).sum())))
-                    probs = torch.softmax(top.values, -1)
-                    tok = int(top.indices[torch.multinomial(probs, 1, generator=generators[r])])
-                before = m.questions
-                m.advance(tok)
-                nxt.append(tok)
-                if on_question is not None and m.questions > before:
-                    on_question()
-            if all(m.done for m in machines):
-                break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
-            last_pos = last_pos + 1
-            out = model(
-                input_ids=torch.tensor(nxt, device=device)[:, None],
-                attention_mask=mask.to(device),
-                position_ids=last_pos.to(device)[:, None],
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+    def advanced(row: int) -> None:
+        if machines[row].questions > closed[row]:
+            closed[row] = machines[row].questions
+            progress(1)
+
+    return advanced
 
 
 class LocalQuestionGenerator:
@@ -721,19 +661,21 @@ class LocalQuestionGenerator:
             gens = [
                 torch.Generator().manual_seed(int(requests[i].key[-12:], 16) % 2**62) for i in idx
             ]
+            choice = SampledChoice(
+                self.temperature, self.top_k, gens, self.repetition_penalty, self.close_boost
+            )
             started, t0 = datetime.now(UTC), time.perf_counter()
             try:
-                run_skeleton(
+                # one token per step, every row to the end: how the cached questions were
+                # sampled (the generator's fingerprint says "json-skeleton-v2")
+                decode_constrained(
                     self.loaded.model,
                     [prompts[i] for i in idx],
                     machines,
-                    gens,
-                    temperature=self.temperature,
-                    top_k=self.top_k,
-                    repetition_penalty=self.repetition_penalty,
-                    close_boost=self.close_boost,
-                    pad_id=pad,
-                    on_question=None if progress is None else lambda: progress(1),
+                    choice,
+                    pad,
+                    jump_forward=False,
+                    on_advance=_question_progress(machines, progress),
                 )
                 error = None
             except Exception as exc:  # noqa: BLE001 - recorded as failed calls

@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
+from inference.constrained import left_pad
 from inference.generate import _eos_ids
 from inference.prompt import RagPrompt
 from schemas.keys import CODE_VERSION, fingerprint, sha256_hex
@@ -87,14 +88,10 @@ def teacher_answers(
     results: list[TeacherOutput] = []
     for s in range(0, len(questions), cfg.batch_size):
         qs = [prompt.query_ids(q) for q in questions[s : s + cfg.batch_size]]
-        b, width = len(qs), max(len(q) for q in qs)
-        ids = torch.full((b, width), pad, dtype=torch.long)
-        mask = torch.ones((b, t + width), dtype=torch.long)
-        pos = torch.full((b, width), t, dtype=torch.long)
-        for r, q in enumerate(qs):
-            ids[r, width - len(q) :] = torch.tensor(q)
-            mask[r, t : t + width - len(q)] = 0
-            pos[r, width - len(q) :] = torch.arange(t, t + len(q))
+        b = len(qs)
+        ids, qmask = left_pad(qs, pad)  # (B, Q): the padding sits between context and query
+        mask = torch.cat([torch.ones((b, t), dtype=torch.long), qmask], dim=1)  # (B, T + Q)
+        pos = t + (qmask.cumsum(-1) - 1).clamp(min=0)  # real tokens at T..T+len-1
         cache = DynamicCache(config=model.config)
         for i, (k, v) in enumerate(layers):
             cache.update(
