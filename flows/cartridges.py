@@ -36,20 +36,20 @@ from storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, c
 from storage.corpus import live_documents
 from storage.runs import finish_run, start_run
 from storage.store import Store
-from training.budget import CartridgeTrainer, PoolDoc
-from training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
-from training.selfstudy import (
+from tasks.questions import (
     LocalQuestionGenerator,
     OpenAIQuestionGenerator,
     Question,
     selfstudy_stage,
 )
-from training.teacher import (
+from tasks.teacher import (
     doc_token_ids,
     teacher_fingerprint,
     teacher_stage,
     topk_tensors,
 )
+from training.budget import CartridgeTrainer, PoolDoc
+from training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
 
 # ---------------------------------------------------------------------------- pure helpers
 

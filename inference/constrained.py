@@ -1,6 +1,6 @@
 """Batched constrained decoding: one driver for every caller that lets a causal LM choose only
 among the tokens a state machine allows (the local nugget extractor,
-``tasks/extractors/local.py``; the local question generator, ``training/selfstudy.py``).
+``tasks/extractors/local.py``; the local question generator, ``tasks/questions.py``).
 
 A *constraint* is one row's state machine (:class:`Constraint`): ``forced()`` is the one token
 that must come next, or None when the model chooses among ``allowed()`` (token ids, or a bool

@@ -6,7 +6,7 @@ pipeline compute, with their defaults and checks.
 - :class:`FinetuneSettings`: nugget-aware fine-tuning (``coinrag train nuggets``,
   ``training/nuggets.py``);
 - :class:`CartridgeSettings`: the cartridge pipeline (``coinrag train cartridges``), and the
-  two views of it the stages take: :class:`TeacherSettings` (``training/teacher.py``) and
+  two views of it the stages take: :class:`TeacherSettings` (``tasks/teacher.py``) and
   :class:`CartridgeTrainSettings` (``training/budget.py``).
 
 Build settings
@@ -318,7 +318,7 @@ class FinetuneSettings:
 
 @dataclass(frozen=True)
 class TeacherSettings:
-    """Self-study's teacher (``training/teacher.py``): greedy answers of at most
+    """Self-study's teacher (``tasks/teacher.py``): greedy answers of at most
     ``max_new_tokens`` tokens, ``top_k`` log-probs per position; documents longer than
     ``max_doc_tokens`` are cut (the cartridge stands for the same cut)."""
 

@@ -51,6 +51,13 @@ from storage.cartridges import (
 )
 from storage.store import Store
 from storage.tables import append_rows, read_rows
+from tasks.questions import (
+    LocalQuestionGenerator,
+    OpenAIQuestionGenerator,
+    plan_calls,
+    selfstudy_stage,
+)
+from tasks.teacher import teacher_answers
 from training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
 from training.cartridges import (
     CartridgeSpec,
@@ -63,13 +70,6 @@ from training.cartridges import (
     student_logprobs,
     topk_kl,
 )
-from training.selfstudy import (
-    LocalQuestionGenerator,
-    OpenAIQuestionGenerator,
-    plan_calls,
-    selfstudy_stage,
-)
-from training.teacher import teacher_answers
 
 KL_ATOL = 1e-6
 LOGP_ATOL = 1e-4

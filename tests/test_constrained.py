@@ -132,7 +132,7 @@ def test_greedy_makes_the_old_choices(loaded, batch) -> None:
 
 
 def _skeleton_run(loaded, seed: int):
-    from training.selfstudy import (
+    from tasks.questions import (
         LocalQuestionGenerator,
         QuestionRequest,
         SkeletonMachine,

@@ -24,11 +24,11 @@ from tasks.extractors.openai_batch import OpenAIBatchExtractor
 from tasks.extractors.openai_chat import OpenAIChatExtractor
 from tasks.extractors.prompt import PROMPT_VERSION
 from tasks.extractors.rules import RulesExtractor
+from tasks.question_generators.accept import ACCEPTS_VERSION
+from tasks.questions import PROMPT_VERSION as QUESTION_PROMPT_VERSION
+from tasks.questions import LocalQuestionGenerator, OpenAIQuestionGenerator
+from tasks.teacher import teacher_fingerprint
 from training.cartridges import CartridgeSpec, cartridge_fingerprint
-from training.questions import ACCEPTS_VERSION
-from training.selfstudy import PROMPT_VERSION as QUESTION_PROMPT_VERSION
-from training.selfstudy import LocalQuestionGenerator, OpenAIQuestionGenerator
-from training.teacher import teacher_fingerprint
 
 KEY = "sk-frozen-test"  # a client needs a key; none reaches a fingerprint
 LOADED = SimpleNamespace(model_fp="model-x")  # a LoadedModel as far as fingerprints look

@@ -24,7 +24,6 @@ KNOWN_UPWARD = {
     ("inference/cartridge_rag.py", "training.cartridges"),
     ("inference/methods.py", "tasks.kv"),
     ("training/nuggets.py", "tasks.kv"),
-    ("training/selfstudy.py", "tasks.extract"),
 }
 # Files over MAX_LINES lines.
 KNOWN_LONG = {"storage/kv.py"}

@@ -58,6 +58,11 @@ from schemas.tables import DocumentRow  # noqa: E402
 from storage.cartridges import CartridgeLayout, CartridgeStore  # noqa: E402
 from storage.store import Store  # noqa: E402
 from storage.tables import append_rows  # noqa: E402
+from tasks.questions import (  # noqa: E402
+    LocalQuestionGenerator,
+    selfstudy_stage,
+)
+from tasks.teacher import teacher_stage  # noqa: E402
 from training.budget import CartridgeTrainer, train_bytes  # noqa: E402
 from training.cartridges import (  # noqa: E402
     CartridgeSpec,
@@ -68,11 +73,6 @@ from training.cartridges import (  # noqa: E402
     student_logprobs,
     topk_kl,
 )
-from training.selfstudy import (  # noqa: E402
-    LocalQuestionGenerator,
-    selfstudy_stage,
-)
-from training.teacher import teacher_stage  # noqa: E402
 
 MIB = 2**20
 

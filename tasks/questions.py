@@ -16,7 +16,7 @@ reason (``status="malformed"``, cached, not retried; a JSON object is malformed 
 holds a list); items that are not usable questions (not a string, a statement rather than a
 question or request, too few or too many words, duplicates, no content word of the document)
 are dropped and counted per call (``n_raw - n_questions``) and per reason
-(:class:`SelfStudyCounts`; the rules are ``training/questions.py``).
+(:class:`SelfStudyCounts`; the rules are ``tasks/question_generators/accept.py``).
 
 Backends:
 
@@ -34,8 +34,8 @@ Backends:
   ``max_question_tokens``), emits ``", "`` between questions and ``"]`` after the ``n``-th. The
   output always parses; usability is measured by the same filter as the OpenAI path.
 
-The teacher's answers to these questions are ``training/teacher.py``; what counts as a usable
-question is ``training/questions.py``.
+The teacher's answers to these questions are ``tasks/teacher.py``; what counts as a usable
+question is ``tasks/question_generators/accept.py``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from schemas.tables import (
 from storage.store import Store
 from storage.tables import append_rows, read_rows
 from tasks.extract import ledger_row
-from training.questions import (
+from tasks.question_generators.accept import (
     ACCEPTS_VERSION,
     MalformedQuestions,
     parse_questions,
@@ -723,7 +723,7 @@ class SelfStudyCounts:
     planned: int = 0
     cached: int = 0  # answered (ok or malformed) by an earlier run
     ok: int = 0
-    malformed: int = 0  # dropped calls (not a JSON array: training/questions.py)
+    malformed: int = 0  # dropped calls (not a JSON array: question_generators/accept.py)
     malformed_reasons: dict[str, int] = field(default_factory=dict)
     failed: int = 0
     raw_items: int = 0

@@ -29,7 +29,7 @@ from schemas.settings import TeacherSettings
 from schemas.tables import DocumentRow, TeacherAnswerRow
 from storage.store import Store
 from storage.tables import append_rows, read_rows
-from training.selfstudy import Question
+from tasks.questions import Question
 
 
 def teacher_fingerprint(model_fp: str, prefix_sha: str, cfg: TeacherSettings) -> str:
