@@ -33,15 +33,11 @@ from schemas.keys import fingerprint, new_run_id, sha256_hex
 from schemas.settings import CartridgeSettings
 from schemas.tables import DocumentRow, TeacherAnswerRow
 from storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, cartridge_id
-from storage.corpus import live_documents
+from storage.corpus import live_documents_in
 from storage.runs import finish_run, start_run
 from storage.store import Store
-from tasks.questions import (
-    LocalQuestionGenerator,
-    OpenAIQuestionGenerator,
-    Question,
-    selfstudy_stage,
-)
+from tasks.question_generators.factory import make_generator
+from tasks.questions import Question, selfstudy_stage
 from tasks.teacher import (
     doc_token_ids,
     teacher_fingerprint,
@@ -54,35 +50,9 @@ from training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
 # ---------------------------------------------------------------------------- pure helpers
 
 
-def latest_documents(store: Store, doc_ids: Sequence[str] | None = None) -> list[DocumentRow]:
-    """The live version of each live document (``storage.corpus``: deleted ones excluded),
-    by doc_id.
-
-    Raises KeyError naming the ids that are not live documents of the store.
-    """
-    latest = live_documents(store)
-    if doc_ids is None:
-        return [latest[d] for d in sorted(latest)]
-    missing = [d for d in doc_ids if d not in latest]
-    if missing:
-        raise KeyError(f"documents not in the store {store}: {', '.join(missing[:10])}")
-    return [latest[d] for d in dict.fromkeys(doc_ids)]
-
-
 @lru_cache(maxsize=2)
 def _model(ref: str | None, device: str) -> LoadedModel:
     return load_model(ref, device=device)
-
-
-def make_generator(settings: CartridgeSettings, loaded: LoadedModel) -> Any:
-    """The question generator the settings name (OpenAI key and URL come from the env)."""
-    if settings.resolved_generator() == "openai":
-        return OpenAIQuestionGenerator(
-            settings.llm_model, base_url=settings.base_url, n_questions=settings.n_questions
-        )
-    return LocalQuestionGenerator(
-        loaded, n_questions=settings.n_questions, batch_size=settings.local_batch_size
-    )
 
 
 def build_pool(
@@ -270,7 +240,7 @@ def _run_pipeline(
     with st.write_lock(run_id):
         run = start_run(st, run_id, flow_name, params)
         try:
-            docs = latest_documents(st, doc_ids)
+            docs = live_documents_in(st, doc_ids)
             if not docs:
                 raise ValueError(f"the store {st} has no documents: run coinrag build first")
             loaded = _model(s.model, s.device)

@@ -1,6 +1,7 @@
 """Batched constrained decoding: one driver for every caller that lets a causal LM choose only
 among the tokens a state machine allows (the local nugget extractor,
-``tasks/extractors/local.py``; the local question generator, ``tasks/questions.py``).
+``tasks/extractors/local.py``; the local question generator,
+``tasks/question_generators/local.py``).
 
 A *constraint* is one row's state machine (:class:`Constraint`): ``forced()`` is the one token
 that must come next, or None when the model chooses among ``allowed()`` (token ids, or a bool

@@ -1,6 +1,6 @@
 """An OpenAI-compatible chat endpoint as every LLM caller of coinrag uses it: the nugget
 extractors (``tasks/extractors/openai_chat.py``, ``openai_batch.py``) and the self-study question
-generator (``tasks/questions.py``).
+generator (``tasks/question_generators/openai_chat.py``).
 
 - :class:`LlmEndpoint`: the official ``openai.OpenAI`` client with its own retries switched off
   (``max_retries=0``: every HTTP attempt is retried, timed and ledgered by the caller), the

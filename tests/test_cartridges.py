@@ -51,12 +51,9 @@ from storage.cartridges import (
 )
 from storage.store import Store
 from storage.tables import append_rows, read_rows
-from tasks.questions import (
-    LocalQuestionGenerator,
-    OpenAIQuestionGenerator,
-    plan_calls,
-    selfstudy_stage,
-)
+from tasks.question_generators.local import LocalQuestionGenerator
+from tasks.question_generators.openai_chat import OpenAIQuestionGenerator
+from tasks.questions import plan_calls, selfstudy_stage
 from tasks.teacher import teacher_answers
 from training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
 from training.cartridges import (

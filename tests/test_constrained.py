@@ -132,12 +132,9 @@ def test_greedy_makes_the_old_choices(loaded, batch) -> None:
 
 
 def _skeleton_run(loaded, seed: int):
-    from tasks.questions import (
-        LocalQuestionGenerator,
-        QuestionRequest,
-        SkeletonMachine,
-        skeleton_vocab,
-    )
+    from tasks.question_generators.base import QuestionRequest
+    from tasks.question_generators.local import LocalQuestionGenerator
+    from tasks.question_generators.skeleton import SkeletonMachine, skeleton_vocab
 
     gen = LocalQuestionGenerator(
         loaded, n_questions=3, min_question_tokens=2, max_question_tokens=6

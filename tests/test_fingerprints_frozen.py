@@ -25,8 +25,9 @@ from tasks.extractors.openai_chat import OpenAIChatExtractor
 from tasks.extractors.prompt import PROMPT_VERSION
 from tasks.extractors.rules import RulesExtractor
 from tasks.question_generators.accept import ACCEPTS_VERSION
-from tasks.questions import PROMPT_VERSION as QUESTION_PROMPT_VERSION
-from tasks.questions import LocalQuestionGenerator, OpenAIQuestionGenerator
+from tasks.question_generators.local import LocalQuestionGenerator
+from tasks.question_generators.openai_chat import OpenAIQuestionGenerator
+from tasks.question_generators.prompt import PROMPT_VERSION as QUESTION_PROMPT_VERSION
 from tasks.teacher import teacher_fingerprint
 from training.cartridges import CartridgeSpec, cartridge_fingerprint
 

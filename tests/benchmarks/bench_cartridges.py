@@ -58,10 +58,8 @@ from schemas.tables import DocumentRow  # noqa: E402
 from storage.cartridges import CartridgeLayout, CartridgeStore  # noqa: E402
 from storage.store import Store  # noqa: E402
 from storage.tables import append_rows  # noqa: E402
-from tasks.questions import (  # noqa: E402
-    LocalQuestionGenerator,
-    selfstudy_stage,
-)
+from tasks.question_generators.local import LocalQuestionGenerator  # noqa: E402
+from tasks.questions import selfstudy_stage  # noqa: E402
 from tasks.teacher import teacher_stage  # noqa: E402
 from training.budget import CartridgeTrainer, train_bytes  # noqa: E402
 from training.cartridges import (  # noqa: E402
