@@ -1,5 +1,5 @@
 """Recovery stage: turn each chunk's candidates into nugget rows (exact token spans) and
-abandoned rows, with :func:`tasks.recover.recover_candidates`.
+abandoned rows, with :func:`tasks.span_match.recover_candidates`.
 
 Recovery is pure and fast, so it is keyed by ``(chunk_id, extractor_fp, tau)``: a chunk already
 recovered with this extractor and threshold is skipped; anything else is recomputed.
@@ -18,7 +18,7 @@ from schemas.tables import AbandonedRow, ChunkRow, ExtractionRow, NuggetRow
 from storage.store import Store
 from storage.tables import append_rows, read_table
 from tasks.chunk import token_spans_pairs
-from tasks.recover import recover_candidates
+from tasks.span_match import recover_candidates
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Nugget recovery: map an LLM's "verbatim" candidate back to exact offsets inside a chunk.
+"""Span matching of nugget recovery: map an LLM's "verbatim" candidate back to exact offsets inside
+a chunk (pure; the recover stage, ``tasks/recover.py``, applies it to the store).
 
 CoinRAG step 3. Candidates are processed in the given order; each one is either recovered to a
 token-aligned span of the chunk (:class:`RecoveredSpan`) or abandoned (:class:`AbandonedCandidate`):
