@@ -49,7 +49,7 @@ from tasks.extract import (
 from tasks.extractors.base import ExtractionRequest
 from tasks.extractors.factory import make_extractor
 from tasks.ingest import ingest_stage
-from tasks.nuggets import current_nuggets, recover_stage
+from tasks.recover import current_nuggets, recover_stage
 
 
 @task(name="ingest", cache_policy=NO_CACHE)
