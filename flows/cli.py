@@ -678,7 +678,7 @@ def watch(
     _check(preflight.source, source)
     _check(preflight.store_to_write, store, False)
 
-    from infra.source_events import watch_source
+    from flows.source_events import watch_source
     from tasks.changes import deleted_doc_ids
     from tasks.ingest import SourceError
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.source_events import SOURCE_CHANGED_EVENT, source_resource_id
+from flows.source_events import SOURCE_CHANGED_EVENT, source_resource_id
 
 DEPLOYMENT_NAME = "coinrag-build-scheduled"
 TRAIN_DEPLOYMENT_NAME = "coinrag-train-after-build"

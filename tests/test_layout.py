@@ -20,7 +20,6 @@ MAX_LINES = 1000
 # (file, imported module) of the imports that still run against the layers.
 KNOWN_UPWARD = {
     ("flows/cli.py", "infra.build_deployment"),
-    ("flows/cli.py", "infra.source_events"),
     ("inference/cartridge_rag.py", "training.cartridges"),
     ("inference/methods.py", "tasks.kv"),
     ("training/nuggets.py", "tasks.kv"),

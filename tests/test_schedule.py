@@ -372,8 +372,8 @@ def test_prefect_yaml_deploys_and_the_worker_runs_it(server, tmp_path):
 
 
 def test_serve_deployments_construct(tmp_path):
+    from flows.source_events import source_resource_id
     from infra.build_deployment import make_build_deployment, make_serve_deployments
-    from infra.source_events import source_resource_id
     from schemas.settings import SettingsError
 
     build, train = make_serve_deployments(
