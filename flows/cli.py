@@ -615,7 +615,7 @@ def serve(
     """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
 
     Long-running (needs PREFECT_API_URL, see infra/prefect_server.py); Ctrl-C stops it and
-    pauses its schedule. Deployment construction: infra/build_deployment.py.
+    pauses its schedule. Deployment construction: flows/deployments.py.
     """
     from flows import preflight
     from schemas.settings import SettingsError, load_settings
@@ -634,7 +634,7 @@ def serve(
         _fail(str(exc), 2)
     _check(preflight.build_settings, settings)
 
-    from infra.build_deployment import make_serve_deployments, serve_build
+    from flows.deployments import make_serve_deployments, serve_build
 
     try:
         deployments = make_serve_deployments(

@@ -42,7 +42,7 @@ def test_serve_passes_every_build_option_to_its_deployment(
     """Before the options were generated, `serve` lacked --runner & co (exit 2)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    import infra.build_deployment as deployment
+    import flows.deployments as deployment
 
     seen: dict = {}
 

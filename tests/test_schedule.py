@@ -373,7 +373,7 @@ def test_prefect_yaml_deploys_and_the_worker_runs_it(server, tmp_path):
 
 def test_serve_deployments_construct(tmp_path):
     from flows.source_events import source_resource_id
-    from infra.build_deployment import make_build_deployment, make_serve_deployments
+    from flows.deployments import make_build_deployment, make_serve_deployments
     from schemas.settings import SettingsError
 
     build, train = make_serve_deployments(
