@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -23,8 +22,6 @@ from training.nuggets import (
     run_training,
     write_documents,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 DOCS = {
     "zorvath": "Zorvath is a mountain town in northern Keldia. The town was founded in 1724 by "
@@ -331,15 +328,12 @@ def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
 
 
 def test_deployment_constructs():
-    spec = importlib.util.spec_from_file_location(
-        "train_deployment", REPO / "infra" / "train_deployment.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    dep = mod.make_deployment("/s", "/d.jsonl", "/o")
+    from flows.deployments import make_train_deployment
+
+    dep = make_train_deployment("/s", "/d.jsonl", "/o")
     assert dep.triggers and "prefect.flow-run.Completed" in dep.triggers[0].expect
     assert dep.triggers[0].match_related.root["prefect.resource.name"] == "coinrag-build"
-    assert mod.make_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
+    assert make_train_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
 
 
 def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path):
