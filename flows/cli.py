@@ -23,7 +23,6 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from flows.cli_lists import ListOptionsCommand
 from flows.preflight import Preflight
@@ -189,7 +188,9 @@ def build(
     except BaseException:
         preflight.remove_skeleton(st, existed)
         raise
-    _print_summary(summary)
+    from flows import render
+
+    render.print_build_summary(Console(), summary)
     rejected, failures = summary["rejected"], summary["failures"]
     for r in rejected:
         console.print(f"[yellow]rejected[/] {r['doc_id'] or '-'}: {r['reason']}: {r['detail']}")
@@ -439,9 +440,9 @@ def lineage(
     """Lineage of a store's assets: run SQL over its views, walk the chain through one nugget,
     chunk or document, or list stale assets. Without any of these: list the views. Read-only
     (works while a build runs)."""
-    from flows import lineage as lin
-    from flows import preflight
+    from flows import preflight, render
     from storage.lineage import LineageError
+    from tasks import lineage as queries
 
     walks = {k: v for k, v in {"nugget": nugget, "chunk": chunk, "doc": doc}.items() if v}
     modes = len(walks) + (sql is not None) + stale
@@ -454,30 +455,30 @@ def lineage(
     st = _check(preflight.built_store, store)
     out = Console()
     if modes == 0:
-        lin.print_views(out)
+        render.print_views(out)
         return
     try:
         if walks:
             ((kind, ident),) = walks.items()
-            sections = lin.lineage_walk(st, kind, ident)
+            sections = queries.lineage_walk(st, kind, ident)
         else:
-            result = lin.lineage_stale(st) if stale else lin.lineage_sql(st, sql or "")
+            result = queries.lineage_stale(st) if stale else queries.lineage_sql(st, sql or "")
     except LineageError as exc:
         _fail(str(exc), 1 if walks else 2)
     except (OSError, ValueError) as exc:  # settings or producers of --stale that cannot load
         _fail(f"cannot compute the current producers from {st.uri(st.settings_path)}: {exc}", 1)
     if walks:
         if json_out:
-            print(lin.to_json(sections))
+            print(render.to_json(sections))
         else:
             for name, table in sections.items():
-                lin.print_section(out, name, table)
+                render.print_section(out, name, table)
     elif json_out:
-        print(lin.to_json(result))
+        print(render.to_json(result))
     elif csv_out:
-        sys.stdout.write(lin.to_csv(result))
+        sys.stdout.write(render.to_csv(result))
     else:
-        lin.print_table(out, result, "stale assets" if stale else None)
+        render.print_table(out, result, "stale assets" if stale else None)
 
 
 train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
@@ -749,18 +750,9 @@ def gc(
         _fail(str(exc), 1)
     counts = gc_counts(report)
     verb = "would reclaim" if dry_run else "reclaimed"
-    table = Table(title=f"coinrag gc ({verb})")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in counts.items():
-        if key != "kv":
-            table.add_row(key, str(value))
-    Console().print(table)
-    Console().print(
-        f"{verb} {counts['kv_entries_dropped']} KV entries, "
-        f"{counts['index_versions_removed']} index versions, "
-        f"{counts['temp_paths_removed']} leftovers: {counts['bytes_reclaimed']} bytes"
-    )
+    from flows import render
+
+    render.print_gc(Console(), counts, verb)
 
 
 @app.command()
@@ -799,19 +791,6 @@ def verify(
     if report.corrupt:
         command = repair_command(Store.at(store))
         _fail(f"{len(report.corrupt)} corrupt KV entries: {command} recomputes them", 1)
-
-
-def _print_summary(summary: dict) -> None:
-    table = Table(title=f"coinrag build {summary['run_id']}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        if isinstance(value, dict):  # stage_seconds: one row per stage
-            for name, sub in value.items():
-                table.add_row(f"{key}.{name}", str(sub))
-        elif key not in ("run_id", "rejected", "failures"):
-            table.add_row(key, str(value))
-    Console().print(table)
 
 
 def main() -> None:

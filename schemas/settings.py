@@ -117,7 +117,7 @@ class BuildSettings:
         flag="--prune",
     )
     embed_batch_size: int = 4096  # texts per embedding task (and per embeddings-cache file)
-    # Scale-out (flows/runners.py): where the tasks run. Never changes what is built.
+    # Scale-out (flows/scaleout.py): where the tasks run. Never changes what is built.
     runner: str = setting(
         "default", "Where tasks run: default (this process) | dask | ray.", cli=True
     )
