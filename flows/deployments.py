@@ -39,6 +39,7 @@ stops it and pauses the schedules it registered. The fine-tuning deployment alon
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any
 
 from flows.source_events import SOURCE_CHANGED_EVENT, source_resource_id
@@ -125,36 +126,27 @@ def make_train_deployment(
     store: str,
     data: str,
     out: str,
-    mode: str = "live",
-    lora: bool = False,
-    max_steps: int | None = None,
-    settings: dict[str, Any] | None = None,
+    *,
     cron: str | None = None,
     name: str = TRAIN_ALONE_NAME,
     build_deployment: str | None = None,
+    **flow_parameters: Any,
 ) -> Any:
     """A ``RunnerDeployment`` of :func:`flows.train.train_nuggets_flow` (not registered yet).
 
-    Without ``cron``: triggered by the build flow's completion; with ``cron``: scheduled.
-    ``build_deployment`` narrows the trigger to completed runs of that build deployment (its
-    name): the training flow's own document build is a ``coinrag-build`` subflow run without a
-    deployment, so it cannot retrigger training. The flow's parameters are fixed here, with
-    ``rebuild_kv=False`` (module docstring).
+    ``flow_parameters``: any other parameter of the flow (``mode``, ``lora``, ``max_steps``,
+    ``settings``, ...; TypeError for one it does not take), fixed in the deployment with
+    ``rebuild_kv=False`` (module docstring). Without ``cron``: triggered by the build flow's
+    completion; with ``cron``: scheduled. ``build_deployment`` narrows the trigger to completed
+    runs of that build deployment (its name): the training flow's own document build is a
+    ``coinrag-build`` subflow run without a deployment, so it cannot retrigger training.
     """
     from prefect.events import DeploymentEventTrigger
 
     from flows.train import train_nuggets_flow
 
-    parameters = {
-        "store": store,
-        "data": data,
-        "out": out,
-        "mode": mode,
-        "lora": lora,
-        "max_steps": max_steps,
-        "settings": settings,
-        "rebuild_kv": False,
-    }
+    parameters = {"store": store, "data": data, "out": out, **flow_parameters, "rebuild_kv": False}
+    inspect.signature(train_nuggets_flow.fn).bind(**parameters)  # TypeError: not a parameter
     kwargs: dict[str, Any] = {"name": name, "parameters": parameters, "tags": ["coinrag", "train"]}
     if cron:
         kwargs["cron"] = cron
@@ -204,7 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--cron", default=None)
     a = ap.parse_args(argv)
-    serve(make_train_deployment(a.store, a.data, a.out, a.mode, a.lora, a.max_steps, cron=a.cron))
+    serve(
+        make_train_deployment(
+            a.store, a.data, a.out, cron=a.cron, mode=a.mode, lora=a.lora, max_steps=a.max_steps
+        )
+    )
 
 
 if __name__ == "__main__":

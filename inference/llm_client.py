@@ -11,8 +11,8 @@ generator (``tasks/question_generators/openai_chat.py``).
 - :func:`classify_error`: what an exception means: ledger status, retryable (429, 5xx, 408/409,
   timeouts, connection errors), fatal for the whole run (401/403/404, ``insufficient_quota``).
 - :class:`CallRecord`: one request sent to an endpoint (or one local generation): a row of the
-  call ledger; :func:`chat_call_record` builds one for a chat-completions attempt (list prices,
-  ``inference/llm_pricing.py``).
+  call ledger; :meth:`LlmEndpoint.record` builds one for a chat-completions attempt (list
+  prices, ``inference/llm_pricing.py``).
 - :func:`content_of`: the message content of a completion; a refusal or an odd shape is a
   :class:`MalformedResponse`.
 
@@ -207,31 +207,11 @@ def new_call_id() -> str:
     return "call-" + uuid.uuid4().hex
 
 
-def chat_call_record(
-    key: str,
-    llm_model: str,
-    attempt: int,
-    status: str,
-    started_at: datetime,
-    t0: float,
-    tokens_in: int = 0,
-    tokens_out: int = 0,
-    error: str | None = None,
-) -> CallRecord:
-    """The ledger record of one chat-completions attempt that began at ``perf_counter() == t0``
-    (list prices; latency measured up to now)."""
-    return CallRecord(
-        call_id=new_call_id(),
-        key=key,
-        attempt=attempt,
-        status=status,
-        tokens_in=tokens_in,
-        tokens_out=tokens_out,
-        cost_usd=call_cost(llm_model, tokens_in, tokens_out, batch=False),
-        latency_ms=(time.perf_counter() - t0) * 1000.0,
-        started_at=started_at,
-        error=error,
-    )
+def usage_of(completion: Any) -> tuple[int, int]:
+    """``(prompt tokens, completion tokens)`` a completion reports (0 where it reports none)."""
+    usage = getattr(completion, "usage", None)
+    tokens_in = int(getattr(usage, "prompt_tokens", 0) or 0)
+    return tokens_in, int(getattr(usage, "completion_tokens", 0) or 0)
 
 
 def content_of(completion: Any) -> str | None:
@@ -262,7 +242,6 @@ class LlmEndpoint:
     def __init__(
         self,
         model: str,
-        *,
         client: openai.OpenAI | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
@@ -293,7 +272,17 @@ class LlmEndpoint:
         tokens_out: int = 0,
         error: str | None = None,
     ) -> CallRecord:
-        """:func:`chat_call_record` of one attempt of this endpoint's model."""
-        return chat_call_record(
-            key, self.model, attempt, status, started_at, t0, tokens_in, tokens_out, error
+        """The ledger record of one chat-completions attempt of this endpoint's model that began
+        at ``perf_counter() == t0`` (list prices; latency measured up to now)."""
+        return CallRecord(
+            call_id=new_call_id(),
+            key=key,
+            attempt=attempt,
+            status=status,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            cost_usd=call_cost(self.model, tokens_in, tokens_out, batch=False),
+            latency_ms=(time.perf_counter() - t0) * 1000.0,
+            started_at=started_at,
+            error=error,
         )

@@ -30,6 +30,19 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread while a module runs (``pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")``): on a CPU shared with other jobs, two OpenMP
+    threads spin-wait on each other and small models run several times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The packaged SmolLM2 tokenizer (converted once into the coinrag cache)."""

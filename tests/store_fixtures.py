@@ -23,13 +23,9 @@ TINY_DIMS: dict[str, int] = dict(
 )
 
 
-def save_tiny_llama(path: Path, tokenizer: Any, seed: int, **config: Any) -> Path:
-    """A random-weight 2-layer Llama with ``tokenizer`` (SmolLM2's), saved as a model folder.
-
-    Two seeds give two generation models with one tokenizer: another ``model_fp``, the same
-    ``tokenizer_fp`` (so the same chunks and content keys). ``config`` overrides LlamaConfig
-    arguments (e.g. ``rope_parameters``, ``max_position_embeddings``).
-    """
+def tiny_llama(tokenizer: Any, seed: int, **config: Any) -> Any:
+    """A random-weight 2-layer Llama (TINY_DIMS) for ``tokenizer``'s vocabulary, in memory, in
+    eval mode; ``config`` overrides LlamaConfig arguments (e.g. ``initializer_range``)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -44,7 +40,17 @@ def save_tiny_llama(path: Path, tokenizer: Any, seed: int, **config: Any) -> Pat
         }
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def save_tiny_llama(path: Path, tokenizer: Any, seed: int, **config: Any) -> Path:
+    """A random-weight 2-layer Llama with ``tokenizer`` (SmolLM2's), saved as a model folder.
+
+    Two seeds give two generation models with one tokenizer: another ``model_fp``, the same
+    ``tokenizer_fp`` (so the same chunks and content keys). ``config`` overrides LlamaConfig
+    arguments (e.g. ``rope_parameters``, ``max_position_embeddings``).
+    """
+    model = tiny_llama(tokenizer, seed, **config)
     path.mkdir(parents=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from store_fixtures import TINY_DIMS
+from store_fixtures import tiny_llama
 
 from inference.constrained import (
     GreedyChoice,
@@ -72,28 +72,14 @@ class Recording:
         return getattr(self.machine, name)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def loaded(smollm2_tokenizer):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from inference.models import LoadedModel
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer),
-        **TINY_DIMS,
-        max_position_embeddings=2048,
-        initializer_range=0.2,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_llama(smollm2_tokenizer, 0, max_position_embeddings=2048, initializer_range=0.2)
     return LoadedModel(model, smollm2_tokenizer, Path("random-llama"), "model-x", "tok-x")
 
 

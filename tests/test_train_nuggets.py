@@ -334,6 +334,8 @@ def test_deployment_constructs():
     assert dep.triggers and "prefect.flow-run.Completed" in dep.triggers[0].expect
     assert dep.triggers[0].match_related.root["prefect.resource.name"] == "coinrag-build"
     assert make_train_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
+    with pytest.raises(TypeError, match="lr"):  # not a parameter of the flow
+        make_train_deployment("/s", "/d.jsonl", "/o", lr=1e-3)
 
 
 def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path):

@@ -178,14 +178,7 @@ class OpenAIBatchExtractor:
         self.max_bytes_per_batch = max_bytes_per_batch
         self.state_path = Path(state_path) if state_path is not None else None
         retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
-        self.endpoint = LlmEndpoint(
-            model,
-            client=client,
-            base_url=base_url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            retry=retry,
-        )
+        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._state_jobs: list[_Job] = []

@@ -42,6 +42,7 @@ from inference.llm_client import (
     RetryPolicy,
     classify_error,
     content_of,
+    usage_of,
 )
 from schemas.keys import fingerprint as _fingerprint
 from tasks.extractors.base import (
@@ -162,14 +163,7 @@ class OpenAIChatExtractor:
         self.temperature = temperature
         self.structured = structured
         retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
-        self.endpoint = LlmEndpoint(
-            model,
-            client=client,
-            base_url=base_url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            retry=retry,
-        )
+        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._fatal: str | None = None
@@ -235,22 +229,6 @@ class OpenAIChatExtractor:
         text = f"{exc} {getattr(exc, 'param', '') or ''}".lower()
         return any(word in text for word in ("response_format", "json_schema", "json_object"))
 
-    def _record(
-        self,
-        req: ExtractionRequest,
-        attempt: int,
-        status: str,
-        started_at: datetime,
-        t0: float,
-        *,
-        tokens_in: int = 0,
-        tokens_out: int = 0,
-        error: str | None = None,
-    ) -> CallRecord:
-        return self.endpoint.record(
-            req.key, attempt, status, started_at, t0, tokens_in, tokens_out, error
-        )
-
     def _extract_one(self, req: ExtractionRequest) -> ExtractionResult:
         calls: list[CallRecord] = []
         messages = build_messages(req.text)
@@ -281,10 +259,14 @@ class OpenAIChatExtractor:
                 if self._format_unsupported(exc, mode):
                     new_mode = self._downgrade(mode)
                     note = f"response_format {mode} unsupported, falling back to {new_mode}: {msg}"
-                    calls.append(self._record(req, attempt, "error", started_at, t0, error=note))
+                    rec = self.endpoint.record(
+                        req.key, attempt, "error", started_at, t0, error=note
+                    )
+                    calls.append(rec)
                     continue
                 status, retryable, fatal = classify_error(exc)
-                calls.append(self._record(req, attempt, status, started_at, t0, error=msg))
+                rec = self.endpoint.record(req.key, attempt, status, started_at, t0, error=msg)
+                calls.append(rec)
                 spent += 1
                 failures += 1
                 if fatal:
@@ -301,25 +283,15 @@ class OpenAIChatExtractor:
                 continue
 
             failures = 0
-            usage = getattr(completion, "usage", None)
-            tokens_in = int(getattr(usage, "prompt_tokens", 0) or 0)
-            tokens_out = int(getattr(usage, "completion_tokens", 0) or 0)
+            tokens_in, tokens_out = usage_of(completion)
             try:
                 nuggets = parse_nuggets(content_of(completion))
             except MalformedResponse as exc:
                 msg = self.endpoint.scrub(f"malformed answer: {exc}")
-                calls.append(
-                    self._record(
-                        req,
-                        attempt,
-                        "malformed",
-                        started_at,
-                        t0,
-                        tokens_in=tokens_in,
-                        tokens_out=tokens_out,
-                        error=msg,
-                    )
+                rec = self.endpoint.record(
+                    req.key, attempt, "malformed", started_at, t0, tokens_in, tokens_out, msg
                 )
+                calls.append(rec)
                 spent += 1
                 if spent >= self.endpoint.retry.max_attempts:
                     error = f"malformed after {spent} attempt(s): {exc}"
@@ -327,9 +299,8 @@ class OpenAIChatExtractor:
                     return ExtractionResult(req.key, "failed", error=error, calls=calls)
                 log.info("%s attempt %d: %s; retrying", req.key, attempt, msg)
                 continue
-            calls.append(
-                self._record(
-                    req, attempt, "ok", started_at, t0, tokens_in=tokens_in, tokens_out=tokens_out
-                )
+            rec = self.endpoint.record(
+                req.key, attempt, "ok", started_at, t0, tokens_in, tokens_out
             )
+            calls.append(rec)
             return ExtractionResult(req.key, "ok", candidates=nuggets, calls=calls)

@@ -22,6 +22,7 @@ from inference.llm_client import (
     RetryPolicy,
     classify_error,
     content_of,
+    usage_of,
 )
 from schemas.settings import CartridgeSettings
 from tasks.question_generators.accept import ACCEPTS_VERSION, MalformedQuestions, parse_questions
@@ -65,14 +66,7 @@ class OpenAIQuestionGenerator:
         self.temperature = temperature
         self.concurrency = concurrency
         retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
-        self.endpoint = LlmEndpoint(
-            model,
-            client=client,
-            base_url=base_url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            retry=retry,
-        )
+        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._fatal: str | None = None
         self._lock = threading.Lock()
 
@@ -147,9 +141,7 @@ class OpenAIQuestionGenerator:
                     return QuestionResult(req.key, "failed", error=error, calls=calls)
                 self.endpoint.retry.sleep(self.endpoint.retry.delay(attempt, exc))
                 continue
-            usage = getattr(completion, "usage", None)
-            t_in = int(getattr(usage, "prompt_tokens", 0) or 0)
-            t_out = int(getattr(usage, "completion_tokens", 0) or 0)
+            t_in, t_out = usage_of(completion)
             try:
                 items = parse_questions(content_of(completion))
             except (MalformedQuestions, MalformedResponse) as exc:
