@@ -23,10 +23,11 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from flows.cli_lists import ListOptionsCommand
 from flows.preflight import Preflight
+from flows.settings_options import with_settings_options
+from schemas.settings import BuildSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -129,49 +130,16 @@ def _require_local(store: str, what: str) -> None:
         _fail(str(exc), 1)
 
 
-# Build settings as options, declared once: `build` and `serve` both take them (None: the
-# [build] table of --config, else the default).
-ExtractorOption = Annotated[
-    str | None,
-    typer.Option(
-        help="openai | openai-batch | local | rules | none "
-        "(default: openai if OPENAI_API_KEY is set, else local)."
-    ),
-]
-LlmModelOption = Annotated[
-    str | None, typer.Option("--llm-model", help="LLM for extraction (default gpt-4o-mini).")
-]
-ModelOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Generation model whose tokenizer chunks: a folder, a .gguf file, or "
-        "'smollm2' (default, the packaged SmolLM2-135M-Instruct)."
-    ),
-]
-EmbedderOption = Annotated[
-    str | None,
-    typer.Option(help="'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder."),
-]
+# Build settings as options: generated from the fields of BuildSettings marked cli=True
+# (flows/settings_options.py), the same for `build` and `serve`; None: the [build] table of
+# --config, else the default.
 ConfigOption = Annotated[
     Path | None, typer.Option(help="TOML file with a \\[build] table of the same settings.")
-]
-ChunkerOption = Annotated[str | None, typer.Option(help="fixed (default) | sentence | content")]
-ChunkSizeOption = Annotated[int | None, typer.Option(help="Tokens per chunk (default 512).")]
-TauOption = Annotated[float | None, typer.Option(help="Fuzzy recovery threshold (default 0.7).")]
-ConcurrencyOption = Annotated[
-    int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
-]
-KvDtypeOption = Annotated[
-    str | None,
-    typer.Option(
-        "--kv-dtype",
-        help="auto | float32 | bfloat16 | float16: dtype of the KV forward and of the stored "
-        "KV (default auto: bfloat16 where the device computes it natively, else float32).",
-    ),
 ]
 
 
 @app.command()
+@with_settings_options(BuildSettings)
 def build(
     source: Annotated[
         str,
@@ -186,46 +154,9 @@ def build(
             "--store", help="The store: a folder (created if absent) or s3://bucket/prefix."
         ),
     ],
-    extractor: ExtractorOption = None,
-    llm_model: LlmModelOption = None,
-    model: ModelOption = None,
-    embedder: EmbedderOption = None,
     config: ConfigOption = None,
-    chunker: ChunkerOption = None,
-    chunk_size: ChunkSizeOption = None,
-    tau: TauOption = None,
-    concurrency: ConcurrencyOption = None,
-    prune: Annotated[
-        bool | None,
-        typer.Option(
-            "--prune", help="Tombstone the store's documents that are absent from SOURCE."
-        ),
-    ] = None,
-    runner: Annotated[
-        str | None,
-        typer.Option(help="Where tasks run: default (this process) | dask | ray."),
-    ] = None,
-    runner_address: Annotated[
-        str | None,
-        typer.Option(
-            "--runner-address",
-            help="Dask scheduler (tcp://host:8786) or Ray address; default: a local cluster.",
-        ),
-    ] = None,
-    workers: Annotated[
-        int | None, typer.Option(help="Worker processes of a local Dask/Ray cluster (default 2).")
-    ] = None,
-    kv_resources: Annotated[
-        str | None,
-        typer.Option(
-            "--kv-resources",
-            help="Worker resources each KV task needs, e.g. GPU=1 (dask/ray).",
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="Torch device of the generation model (default cpu).")
-    ] = None,
-    kv_dtype: KvDtypeOption = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Build or update STORE from SOURCE: chunks, nuggets, and (later stages) KV and indexes."""
     from schemas.settings import SettingsError, load_settings
@@ -234,26 +165,7 @@ def build(
     if source == "sample":
         source = str(SAMPLE)
     try:
-        settings = load_settings(
-            config,
-            {
-                "extractor": extractor,
-                "llm_model": llm_model,
-                "model": model,
-                "embedder": embedder,
-                "chunker": chunker,
-                "chunk_size": chunk_size,
-                "tau": tau,
-                "concurrency": concurrency,
-                "prune": prune,
-                "runner": runner,
-                "runner_address": runner_address,
-                "workers": workers,
-                "kv_resources": kv_resources,
-                "device": device,
-                "kv_dtype": kv_dtype,
-            },
-        )
+        settings = load_settings(config, overrides)
     except SettingsError as exc:
         _fail(str(exc), 2)
     from flows import preflight
@@ -276,7 +188,9 @@ def build(
     except BaseException:
         preflight.remove_skeleton(st, existed)
         raise
-    _print_summary(summary)
+    from flows import render
+
+    render.print_build_summary(Console(), summary)
     rejected, failures = summary["rejected"], summary["failures"]
     for r in rejected:
         console.print(f"[yellow]rejected[/] {r['doc_id'] or '-'}: {r['reason']}: {r['detail']}")
@@ -314,7 +228,7 @@ def query(
     import json
 
     from flows import preflight
-    from inference.prompt import BlankQuestion, require_question
+    from schemas.qa import BlankQuestion, require_question
     from schemas.settings import RAG_METHODS
 
     if method not in (*RAG_METHODS, "cartridge"):
@@ -399,7 +313,7 @@ def eval_cmd(
     With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead.
     The report is printed on stdout, progress on stderr."""
     from flows import preflight
-    from inference.evaluate import QuestionsError, load_questions
+    from schemas.qa import QuestionsError, load_questions
     from schemas.settings import RAG_METHODS
 
     bad = [m for m in methods or [] if m not in RAG_METHODS]
@@ -526,9 +440,9 @@ def lineage(
     """Lineage of a store's assets: run SQL over its views, walk the chain through one nugget,
     chunk or document, or list stale assets. Without any of these: list the views. Read-only
     (works while a build runs)."""
-    from flows import lineage as lin
-    from flows import preflight
+    from flows import preflight, render
     from storage.lineage import LineageError
+    from tasks import lineage as queries
 
     walks = {k: v for k, v in {"nugget": nugget, "chunk": chunk, "doc": doc}.items() if v}
     modes = len(walks) + (sql is not None) + stale
@@ -541,30 +455,30 @@ def lineage(
     st = _check(preflight.built_store, store)
     out = Console()
     if modes == 0:
-        lin.print_views(out)
+        render.print_views(out)
         return
     try:
         if walks:
             ((kind, ident),) = walks.items()
-            sections = lin.lineage_walk(st, kind, ident)
+            sections = queries.lineage_walk(st, kind, ident)
         else:
-            result = lin.lineage_stale(st) if stale else lin.lineage_sql(st, sql or "")
+            result = queries.lineage_stale(st) if stale else queries.lineage_sql(st, sql or "")
     except LineageError as exc:
         _fail(str(exc), 1 if walks else 2)
     except (OSError, ValueError) as exc:  # settings or producers of --stale that cannot load
         _fail(f"cannot compute the current producers from {st.uri(st.settings_path)}: {exc}", 1)
     if walks:
         if json_out:
-            print(lin.to_json(sections))
+            print(render.to_json(sections))
         else:
             for name, table in sections.items():
-                lin.print_section(out, name, table)
+                render.print_section(out, name, table)
     elif json_out:
-        print(lin.to_json(result))
+        print(render.to_json(result))
     elif csv_out:
-        sys.stdout.write(lin.to_csv(result))
+        sys.stdout.write(render.to_csv(result))
     else:
-        lin.print_table(out, result, "stale assets" if stale else None)
+        render.print_table(out, result, "stale assets" if stale else None)
 
 
 train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
@@ -639,7 +553,7 @@ def train_nuggets_cmd(
     _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
-    from training.nuggets import DataError, load_examples
+    from schemas.qa import DataError, load_examples
 
     try:
         examples = load_examples(data)  # every line checked before any model loads
@@ -672,6 +586,7 @@ def train_nuggets_cmd(
 
 
 @app.command()
+@with_settings_options(BuildSettings)
 def serve(
     source: Annotated[
         str, typer.Argument(help="What to build (as for `coinrag build`), or 'sample'.")
@@ -695,20 +610,13 @@ def serve(
         Path | None, typer.Option("--train-out", help="Folder of the fine-tuned model.")
     ] = None,
     config: ConfigOption = None,
-    extractor: ExtractorOption = None,
-    llm_model: LlmModelOption = None,
-    model: ModelOption = None,
-    embedder: EmbedderOption = None,
-    chunker: ChunkerOption = None,
-    chunk_size: ChunkSizeOption = None,
-    tau: TauOption = None,
-    concurrency: ConcurrencyOption = None,
-    kv_dtype: KvDtypeOption = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
 
     Long-running (needs PREFECT_API_URL, see infra/prefect_server.py); Ctrl-C stops it and
-    pauses its schedule. Deployment construction: infra/build_deployment.py.
+    pauses its schedule. Deployment construction: flows/deployments.py.
     """
     from flows import preflight
     from schemas.settings import SettingsError, load_settings
@@ -721,24 +629,13 @@ def serve(
         _fail("--train-data and --train-out go together", 2)
     if train_data is not None and not train_data.is_file():
         _fail(f"--train-data {train_data} does not exist", 1)
-    overrides = {
-        "extractor": extractor,
-        "llm_model": llm_model,
-        "model": model,
-        "embedder": embedder,
-        "chunker": chunker,
-        "chunk_size": chunk_size,
-        "tau": tau,
-        "concurrency": concurrency,
-        "kv_dtype": kv_dtype,
-    }
     try:
         settings = load_settings(config, overrides)
     except SettingsError as exc:
         _fail(str(exc), 2)
     _check(preflight.build_settings, settings)
 
-    from infra.build_deployment import make_serve_deployments, serve_build
+    from flows.deployments import make_serve_deployments, serve_build
 
     try:
         deployments = make_serve_deployments(
@@ -782,7 +679,7 @@ def watch(
     _check(preflight.source, source)
     _check(preflight.store_to_write, store, False)
 
-    from infra.source_events import watch_source
+    from flows.source_events import watch_source
     from tasks.changes import deleted_doc_ids
     from tasks.ingest import SourceError
 
@@ -853,18 +750,9 @@ def gc(
         _fail(str(exc), 1)
     counts = gc_counts(report)
     verb = "would reclaim" if dry_run else "reclaimed"
-    table = Table(title=f"coinrag gc ({verb})")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in counts.items():
-        if key != "kv":
-            table.add_row(key, str(value))
-    Console().print(table)
-    Console().print(
-        f"{verb} {counts['kv_entries_dropped']} KV entries, "
-        f"{counts['index_versions_removed']} index versions, "
-        f"{counts['temp_paths_removed']} leftovers: {counts['bytes_reclaimed']} bytes"
-    )
+    from flows import render
+
+    render.print_gc(Console(), counts, verb)
 
 
 @app.command()
@@ -903,19 +791,6 @@ def verify(
     if report.corrupt:
         command = repair_command(Store.at(store))
         _fail(f"{len(report.corrupt)} corrupt KV entries: {command} recomputes them", 1)
-
-
-def _print_summary(summary: dict) -> None:
-    table = Table(title=f"coinrag build {summary['run_id']}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        if isinstance(value, dict):  # stage_seconds: one row per stage
-            for name, sub in value.items():
-                table.add_row(f"{key}.{name}", str(sub))
-        elif key not in ("run_id", "rejected", "failures"):
-            table.add_row(key, str(value))
-    Console().print(table)
 
 
 def main() -> None:

@@ -29,13 +29,11 @@ method among sweep points whose P99 TTFT <= budget) and the plots ``f1_vs_p99_tt
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from schemas.qa import load_questions
 from schemas.settings import RAG_METHODS
 
 DEFAULT_METHODS = RAG_METHODS
@@ -109,90 +108,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     if len(values) == 0:
         return math.nan
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))
-
-
-# ---------------------------------------------------------------------------- questions
-
-
-class QuestionsError(ValueError):
-    """The questions file is malformed: the message names the file and the line."""
-
-
-@dataclass(frozen=True)
-class Question:
-    question: str
-    answers: list[str]
-    doc_ids: list[str] | None
-    line: int
-
-
-def _str_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-
-def _gold_doc_ids(obj: dict[str, Any], where: str) -> list[str] | None:
-    """Gold document ids: ``doc_ids`` (the eval format); in the ``train nuggets`` format,
-    ``gold_doc_ids``, else the ``gold`` documents of ``documents`` (all of them if none is
-    flagged), else ``doc_ids``."""
-    for name in ("gold_doc_ids", "doc_ids"):
-        if obj.get(name) is not None:
-            if not _str_list(obj[name]):
-                raise QuestionsError(f"{where}: {name!r} must be a list of strings if given")
-            return list(obj[name]) or None
-    docs = obj.get("documents")
-    if docs is None:
-        return None
-    if not isinstance(docs, list) or not all(
-        isinstance(d, dict) and isinstance(d.get("id"), str | int) for d in docs
-    ):
-        raise QuestionsError(f"{where}: 'documents' must be a list of objects with an id")
-    gold = [str(d["id"]) for d in docs if d.get("gold")]
-    return gold or [str(d["id"]) for d in docs] or None
-
-
-def load_questions(path: str | Path) -> list[Question]:
-    """Read ``{"question": str, "answers": [str, ...], "doc_ids": [str, ...]?}`` lines.
-
-    The ``coinrag train nuggets`` format is read too: ``"answer": str`` for ``answers``, and
-    gold documents from ``gold_doc_ids`` or ``documents`` (see :func:`_gold_doc_ids`).
-    Blank lines are skipped; any other malformed line (a blank question too) raises
-    :class:`QuestionsError` naming ``path:line`` and what is wrong.
-    """
-    from inference.prompt import BlankQuestion, require_question
-
-    path = Path(path)
-    if not path.is_file():
-        raise QuestionsError(f"{path}: no such questions file")
-    out: list[Question] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise QuestionsError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise QuestionsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            q = obj.get("question")
-            try:
-                require_question(q)  # type: ignore[arg-type]
-            except BlankQuestion:
-                raise QuestionsError(
-                    f"{where}: 'question' must be a non-empty string, got {q!r}"
-                ) from None
-            answers = obj.get("answers")
-            if answers is None and isinstance(obj.get("answer"), str):
-                answers = [obj["answer"]]
-            if not _str_list(answers) or not answers:
-                raise QuestionsError(
-                    f"{where}: 'answers' must be a non-empty list of strings (or 'answer' a string)"
-                )
-            out.append(Question(q.strip(), list(answers), _gold_doc_ids(obj, where), lineno))
-    if not out:
-        raise QuestionsError(f"{path}: no questions")
-    return out
 
 
 # ---------------------------------------------------------------------------- aggregation

@@ -11,17 +11,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from inference.evaluate import (
-    QuestionsError,
     aggregate,
     best_under_budget,
     doc_recall,
     evaluate,
     exact_match,
-    load_questions,
     normalize_answer,
     p99,
     token_f1,
 )
+from schemas.qa import QuestionsError, load_questions
 
 # ---------------------------------------------------------------------------- metrics
 

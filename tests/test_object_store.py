@@ -445,10 +445,11 @@ def test_staged_answers_move_into_an_object_store_table_once(s3) -> None:
     nothing left to move."""
     from datetime import UTC, datetime
 
+    from inference.llm_client import CallRecord
     from schemas.tables import ExtractionCallRow, ExtractionRow
     from storage.tables import staged_files
     from tasks.extract import ExtractCounts, ExtractionWriter, stage_result
-    from tasks.extractors.base import CallRecord, ExtractionResult
+    from tasks.extractors.base import ExtractionResult
     from tasks.extractors.rules import RulesExtractor
 
     st = Store.at(f"s3://{BUCKET}/staging-test")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,21 +10,18 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS
 
+from schemas.qa import DataError, load_examples
+from schemas.settings import FinetuneSettings
 from training.nuggets import (
     ContextBuilder,
-    DataError,
     Killed,
-    TrainConfig,
     answer_loss_sum,
     attach_lora,
-    load_examples,
     make_plans,
     raft_drop,
     run_training,
     write_documents,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 DOCS = {
     "zorvath": "Zorvath is a mountain town in northern Keldia. The town was founded in 1724 by "
@@ -123,7 +119,7 @@ def parts(built):
     }
 
 
-def _cfg(**kw) -> TrainConfig:
+def _cfg(**kw) -> FinetuneSettings:
     base = {
         "batch_size": 2,
         "lr": 3e-3,
@@ -133,7 +129,7 @@ def _cfg(**kw) -> TrainConfig:
         "warmup_ratio": 0.0,
         "checkpoint_every": 2,
     }
-    return TrainConfig(**{**base, **kw}).validate()
+    return FinetuneSettings(**{**base, **kw}).validate()
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -332,15 +328,14 @@ def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
 
 
 def test_deployment_constructs():
-    spec = importlib.util.spec_from_file_location(
-        "train_deployment", REPO / "infra" / "train_deployment.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    dep = mod.make_deployment("/s", "/d.jsonl", "/o")
+    from flows.deployments import make_train_deployment
+
+    dep = make_train_deployment("/s", "/d.jsonl", "/o")
     assert dep.triggers and "prefect.flow-run.Completed" in dep.triggers[0].expect
     assert dep.triggers[0].match_related.root["prefect.resource.name"] == "coinrag-build"
-    assert mod.make_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
+    assert make_train_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
+    with pytest.raises(TypeError, match="lr"):  # not a parameter of the flow
+        make_train_deployment("/s", "/d.jsonl", "/o", lr=1e-3)
 
 
 def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path):

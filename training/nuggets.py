@@ -33,12 +33,12 @@ the served pair. ``frozen`` is much cheaper (no chunk forward/backward: one shor
 example) and is a fair approximation for small updates (lr 5e-6, one epoch); it also trains the
 query side to read stale caches, which is what a store serves until its KV is rebuilt.
 
-Hyperparameters (:class:`TrainConfig`) default to the paper's: 1 epoch, lr 5e-6, effective batch
-16 (micro-batch 1 and gradient accumulation), max length 1024 (evidence is truncated from the
-end to fit, examples whose query + answer alone do not fit are skipped; both counted), kc=5,
-k=10, RAFT 0.15. Full fine-tuning or LoRA (peft; q/k/v/o projections; merged for serving).
-fp32 on CPU, bf16 on accelerators. AdamW, gradient clipping 1.0, linear warmup (3%) then linear
-decay.
+Hyperparameters (``schemas.settings.FinetuneSettings``) default to the paper's: 1 epoch, lr
+5e-6, effective batch 16 (micro-batch 1 and gradient accumulation), max length 1024 (evidence
+is truncated from the end to fit, examples whose query + answer alone do not fit are skipped;
+both counted), kc=5, k=10, RAFT 0.15. Full fine-tuning or LoRA (peft; q/k/v/o projections;
+merged for serving). fp32 on CPU, bf16 on accelerators. AdamW, gradient clipping 1.0, linear
+warmup (3%) then linear decay.
 
 Checkpoints (``OUT/checkpoints/step-NNNNNN``, every ``checkpoint_every`` optimizer steps,
 written to a temporary folder and renamed; ``OUT/checkpoints/LATEST`` names the newest): the
@@ -63,7 +63,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,204 +77,24 @@ from inference.prompt import RagPrompt
 from inference.retrieve import Evidence, Retriever
 from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from schemas.keys import canonical_json
+from schemas.qa import DataError, QAExample, load_examples
+from schemas.settings import FinetuneSettings
 from schemas.tables import ChunkRow
 from storage.kv import KvLayout, KvStore
 from storage.store import Store
 from storage.tables import read_table
 
-MODES = ("live", "frozen")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CHECKPOINT_FORMAT = 1
 
 log = logging.getLogger("coinrag.train.nuggets")
 
 
-class DataError(ValueError):
-    """A malformed QA example; the message names the file and line."""
-
-
 class ResumeMismatch(RuntimeError):
     """A checkpoint exists in OUT but belongs to another run (config, data or base model)."""
 
 
-# ---------------------------------------------------------------------------------------- config
-
-
-@dataclass
-class TrainConfig:
-    """Everything that decides what training computes (the paper's values as defaults)."""
-
-    mode: str = "live"
-    lora: bool = False
-    epochs: int = 1
-    lr: float = 5e-6
-    batch_size: int = 16  # effective batch: examples per optimizer step (gradient accumulation)
-    max_length: int = 1024  # prefix + context + query + answer tokens
-    kc: int = 5
-    k: int = 10
-    raft_p: float = 0.15
-    seed: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    warmup_ratio: float = 0.03
-    schedule: str = "linear"  # linear (warmup, then decay to 0) | constant (after warmup)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    checkpoint_every: int = 50  # optimizer steps
-    max_steps: int | None = None  # cap on optimizer steps
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 elsewhere
-
-    def validate(self) -> TrainConfig:
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if not 0.0 <= self.raft_p <= 1.0:
-            raise ValueError(f"raft_p {self.raft_p} is outside [0, 1]")
-        if self.schedule not in ("linear", "constant"):
-            raise ValueError(f"schedule {self.schedule!r} is not linear or constant")
-        for name in ("epochs", "batch_size", "max_length", "kc", "k", "checkpoint_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError("max_steps must be >= 1")
-        if self.lr <= 0:
-            raise ValueError("lr must be > 0")
-        return self
-
-    def resolved_dtype(self) -> str:
-        from inference.models import default_dtype
-
-        return self.dtype or default_dtype(self.device)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def identity(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint (checkpoint_every may change)."""
-        d = self.to_dict()
-        d.pop("checkpoint_every")
-        return d
-
-
 # ------------------------------------------------------------------------------------------ data
-
-
-@dataclass(frozen=True)
-class QAExample:
-    """One training example (``line``: 1-based line in the JSONL)."""
-
-    line: int
-    question: str
-    answer: str
-    doc_ids: tuple[str, ...]
-    gold_doc_ids: tuple[str, ...]
-    documents: tuple[tuple[str, str], ...] = ()  # (id, text) when given inline
-
-
-def _str_list(value: Any, where: str, name: str) -> list[str]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise DataError(f"{where}: {name!r} must be a non-empty list of non-empty strings")
-    if len(set(value)) != len(value):
-        raise DataError(f"{where}: {name!r} repeats an id")
-    return value
-
-
-def parse_example(obj: Any, where: str, line: int) -> QAExample:
-    """Validate one JSON object (see :func:`load_examples`)."""
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if not isinstance(obj.get("question"), str) or not obj["question"].strip():
-        raise DataError(f"{where}: 'question' must be a non-empty string")
-    answer = obj.get("answer")
-    if answer is None and "answers" in obj:  # the eval format: the first gold answer
-        answers = obj["answers"]
-        if not isinstance(answers, list) or not answers:
-            raise DataError(f"{where}: 'answers' must be a non-empty list of strings")
-        answer = answers[0]
-    if not isinstance(answer, str) or not answer.strip():
-        raise DataError(
-            f"{where}: 'answer' must be a non-empty string (or 'answers' a list of them)"
-        )
-    has_docs, has_ids = "documents" in obj, "doc_ids" in obj
-    if has_docs == has_ids:
-        raise DataError(f"{where}: give exactly one of 'documents' or 'doc_ids'")
-    documents: list[tuple[str, str]] = []
-    flagged: list[str] = []
-    if has_docs:
-        docs = obj["documents"]
-        if not isinstance(docs, list) or not docs:
-            raise DataError(f"{where}: 'documents' must be a non-empty list")
-        for j, d in enumerate(docs):
-            if not isinstance(d, dict):
-                raise DataError(f"{where}: documents[{j}] must be an object with id and text")
-            if not isinstance(d.get("id"), str | int) or str(d["id"]) == "":
-                raise DataError(f"{where}: documents[{j}].id must be a non-empty string")
-            if not isinstance(d.get("text"), str) or not d["text"].strip():
-                raise DataError(f"{where}: documents[{j}].text must be a non-empty string")
-            if "gold" in d and not isinstance(d["gold"], bool):
-                raise DataError(f"{where}: documents[{j}].gold must be true or false")
-            documents.append((str(d["id"]), d["text"]))
-            if d.get("gold"):
-                flagged.append(str(d["id"]))
-        doc_ids = [i for i, _ in documents]
-        if len(set(doc_ids)) != len(doc_ids):
-            raise DataError(f"{where}: 'documents' repeats an id")
-    else:
-        doc_ids = _str_list(obj["doc_ids"], where, "doc_ids")
-    if "gold_doc_ids" in obj:
-        gold = _str_list(obj["gold_doc_ids"], where, "gold_doc_ids")
-        if flagged and set(flagged) != set(gold):
-            raise DataError(f"{where}: 'gold_doc_ids' disagrees with the documents' gold flags")
-    else:
-        gold = flagged or list(doc_ids)  # no gold marked: every document is gold
-    unknown = set(gold) - set(doc_ids)
-    if unknown:
-        raise DataError(f"{where}: gold ids {sorted(unknown)} are not among the documents")
-    return QAExample(
-        line=line,
-        question=obj["question"].strip(),
-        answer=answer.strip(),
-        doc_ids=tuple(doc_ids),
-        gold_doc_ids=tuple(gold),
-        documents=tuple(documents),
-    )
-
-
-def load_examples(path: str | os.PathLike[str]) -> list[QAExample]:
-    """Read a QA JSONL: one object per line with ``question``, ``answer`` and either
-    ``documents`` (``[{"id", "text", "gold"?}]``: gold and distractor passages) or ``doc_ids``
-    (documents already in the store). Gold documents: ``gold_doc_ids`` or the ``gold`` flags;
-    if neither is given, every document of the example is gold. Blank lines are skipped.
-
-    The ``coinrag eval`` format is read too: ``{"question", "answers": [...], "doc_ids":
-    [...]}`` trains on the first answer, retrieving inside (all gold) ``doc_ids``.
-    Raises :class:`DataError` naming the line.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    examples: list[QAExample] = []
-    texts: dict[str, str] = {}
-    with path.open(encoding="utf-8") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg})") from exc
-            ex = parse_example(obj, where, n)
-            for doc_id, text in ex.documents:
-                if texts.setdefault(doc_id, text) != text:
-                    raise DataError(
-                        f"{where}: document {doc_id!r} has another text on an earlier line"
-                    )
-            examples.append(ex)
-    if not examples:
-        raise DataError(f"{path}: no examples")
-    return examples
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -335,7 +155,7 @@ def make_plans(
     retriever: Retriever,
     prompt: RagPrompt,
     tokenizer: Any,
-    cfg: TrainConfig,
+    cfg: FinetuneSettings,
 ) -> tuple[list[Plan], dict[str, int]]:
     """Tokenise and retrieve every example; skip those whose query + answer alone exceed
     ``max_length`` after the prefix. Returns the plans and counts."""
@@ -513,7 +333,7 @@ def answer_loss_sum(
     return torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
 
 
-def attach_lora(model: Any, cfg: TrainConfig) -> Any:
+def attach_lora(model: Any, cfg: FinetuneSettings) -> Any:
     from peft import LoraConfig, get_peft_model
 
     lcfg = LoraConfig(
@@ -531,7 +351,7 @@ def trainable_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def lr_lambda_for(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+def lr_lambda_for(cfg: FinetuneSettings, total_steps: int) -> Callable[[int], float]:
     warmup = int(math.ceil(cfg.warmup_ratio * total_steps))
 
     def fn(step: int) -> float:
@@ -662,7 +482,7 @@ def train(
     model: Any,
     builder: ContextBuilder,
     plans: Sequence[Plan],
-    cfg: TrainConfig,
+    cfg: FinetuneSettings,
     out_dir: str | os.PathLike[str],
     *,
     identity: dict[str, Any],
@@ -882,7 +702,7 @@ def run_training(
     store_path: str | os.PathLike[str],
     data: str | os.PathLike[str],
     out: str | os.PathLike[str],
-    cfg: TrainConfig,
+    cfg: FinetuneSettings,
     *,
     model: str | None = None,
     embedder: str | None = None,
@@ -909,7 +729,7 @@ def run_training(
     base_ref = model or settings.model
     examples = list(examples) if examples is not None else load_examples(data)
     data_sha = file_sha256(data)
-    loaded = load_model(base_ref, device=cfg.device, dtype=cfg.resolved_dtype())
+    loaded = load_model(base_ref, device=cfg.device, dtype=cfg.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     emb = load_embedder(embedder or settings.embedder)
     retriever = Retriever(store, emb, LanceIndex.open(store))
