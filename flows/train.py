@@ -31,6 +31,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
+from inference.context import FINETUNE_CONTEXTS
 from schemas.keys import new_run_id
 from schemas.qa import load_examples
 from schemas.settings import FinetuneSettings, settings_from_toml
@@ -95,7 +96,7 @@ def train_nuggets_flow(
     if model is not None:
         build_settings["model"] = model
     base_ref = build_settings["model"]
-    if cfg.mode == "frozen":
+    if FINETUNE_CONTEXTS[cfg.mode].reads_stored_kv:
         build_settings["kv"] = True  # frozen mode reads the base model's stored KV
     docs_source = st.root / "train-data" / f"{data_sha[:16]}.jsonl"
     n_docs = write_documents(examples, docs_source)

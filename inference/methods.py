@@ -21,19 +21,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import pyarrow.compute as pc
-
-from inference.assemble import KvSlice, assemble_context
+from inference.context import ChunkTokens, PrefixMismatch, StoredKvContext
 from inference.encode import kv_layout, to_dynamic_cache
 from inference.generate import prefill_and_decode
 from inference.prompt import RagPrompt, require_question
 from inference.retrieve import RetrievalResult, Retriever
 from inference.rope import RopeSpec
 from schemas.settings import RAG_METHODS
-from schemas.tables import ChunkRow
 from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
 from storage.store import Store
-from storage.tables import read_rows, read_table
+from storage.tables import read_rows
 
 METHODS = RAG_METHODS
 
@@ -140,15 +137,15 @@ class RagEngine:
         try:
             layout = kv_layout(loaded, self.prompt)
             self.kv = KvStore.open(store, layout.kv_fp, layout)
-            self.prefix_kv, prefix_ids = self.kv.read_prefix()
+            self.context = StoredKvContext(store, self.model, self.prompt, self.kv)
         except CorruptKvEntry as exc:
             raise CorruptAssets(store, "the prompt prefix", exc) from exc
         except (MissingKvEntry, FileNotFoundError) as exc:
             raise MissingAssets(_no_kv_message(store, loaded.model_fp, layout.dtype)) from exc
-        if prefix_ids != self.prompt.prefix_ids:
-            raise MissingAssets("the stored prompt prefix differs from this prompt's")
+        except PrefixMismatch as exc:
+            raise MissingAssets(str(exc)) from exc
         self.retriever = Retriever(store, embedder)
-        self._chunk_ids: dict[str, list[int]] = {}
+        self.chunk_token_ids = ChunkTokens(store)
 
     @classmethod
     def open(
@@ -173,26 +170,6 @@ class RagEngine:
         loaded = load_model(model or settings.model, device=settings.device, dtype=dtype)
         emb = load_embedder(embedder or settings.embedder)
         return cls(store, loaded, emb, max_new_tokens=max_new_tokens)
-
-    # ------------------------------------------------------------------ assets
-
-    def chunk_token_ids(self, chunk_ids: list[str]) -> dict[str, list[int]]:
-        """Token ids of chunks (read once, then memoised)."""
-        missing = [c for c in chunk_ids if c not in self._chunk_ids]
-        if missing:
-            table = read_table(
-                self.store,
-                ChunkRow,
-                columns=["chunk_id", "token_ids"],
-                filter=pc.field("chunk_id").isin(missing),
-            )
-            for cid, ids in zip(
-                table.column("chunk_id").to_pylist(),
-                table.column("token_ids").to_pylist(),
-                strict=True,
-            ):
-                self._chunk_ids[cid] = ids
-        return {c: self._chunk_ids[c] for c in chunk_ids}
 
     # ------------------------------------------------------------------ methods
 
@@ -231,10 +208,8 @@ class RagEngine:
             )
             active = sum(len(c) for c in context)
         elif method in ("turborag", "coinrag"):
-            requests = [(e.content_key, e.tok_start, e.tok_end) for e in retrieval.evidence]
-            t0 = time.perf_counter()
             try:
-                blocks = self.kv.read_slices(requests)
+                ctx, total = self.context.build(retrieval.evidence, len(query_ids), timings)
             except MissingKvEntry as exc:
                 raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
             except CorruptKvEntry as exc:
@@ -247,22 +222,9 @@ class RagEngine:
                     f"entry {exc.content_key}",
                 )
                 raise CorruptAssets(self.store, what, exc) from exc
-            t1 = time.perf_counter()
-            manifest = self.kv.manifest()
-            slices = [
-                KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens)
-                for block, e in zip(blocks, retrieval.evidence, strict=True)
-            ]
-            total = p + sum(s.tokens for s in slices)
-            ctx = assemble_context(
-                self.prefix_kv, slices, self.spec, new_seq_len=total + len(query_ids)
-            )
-            cache = to_dynamic_cache(
-                ctx.to(next(self.model.parameters()).device), self.model.config
-            )
-            t2 = time.perf_counter()
-            timings["kv_load"] = (t1 - t0) * 1000
-            timings["assembly"] = (t2 - t1) * 1000
+            t0 = time.perf_counter()
+            cache = to_dynamic_cache(ctx, self.model.config)
+            timings["assembly"] += (time.perf_counter() - t0) * 1000
             gen = prefill_and_decode(
                 self.model,
                 self.tokenizer,

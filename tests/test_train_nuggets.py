@@ -10,10 +10,10 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS
 
+from inference.context import LiveKvContext, StoredKvContext
 from schemas.qa import DataError, load_examples
 from schemas.settings import FinetuneSettings
 from training.nuggets import (
-    ContextBuilder,
     Killed,
     answer_loss_sum,
     attach_lora,
@@ -185,8 +185,8 @@ def test_training_context_equals_inference_context(built, parts, monkeypatch):
     monkeypatch.setattr(
         methods, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
     )
-    frozen = ContextBuilder(parts["store"], loaded.model, prompt, "frozen", parts["kv"])
-    live = ContextBuilder(parts["store"], loaded.model, prompt, "live")
+    frozen = StoredKvContext(parts["store"], loaded.model, prompt, parts["kv"])
+    live = LiveKvContext(parts["store"], loaded.model, prompt)
     for ex in built["ex"]:
         ret = parts["ret"].two_stage(ex.question, kc=2, k=4, doc_ids=ex.doc_ids)
         assert ret.evidence
@@ -210,7 +210,10 @@ def _grads(parts, mode: str, lora: bool = False):
     loaded = load_model(parts["loaded"].model_dir)
     net = attach_lora(loaded.model, _cfg(lora=True)) if lora else loaded.model
     prompt = parts["prompt"]
-    b = ContextBuilder(parts["store"], net, prompt, mode, parts["kv"] if mode == "frozen" else None)
+    if mode == "frozen":
+        b = StoredKvContext(parts["store"], net, prompt, parts["kv"])
+    else:
+        b = LiveKvContext(parts["store"], net, prompt)
     q, a = prompt.query_ids("Who founded Zorvath?"), [1, 2, 3]
     ev = parts["ret"].two_stage("Who founded Zorvath?", 2, 4, doc_ids=["zorvath"]).evidence
     ctx, total = b.build(ev, len(q))
