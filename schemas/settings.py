@@ -44,8 +44,13 @@ KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
-RAG_METHODS = ("coinrag", "turborag", "standard")  # the methods of inference/methods.py
-FINETUNE_MODES = ("live", "frozen")  # training/nuggets.py: who encodes the context
+# The RAG methods: the names of inference/methods' registry (METHODS; a test keeps them equal),
+# known here so the CLI checks them before anything loads.
+RAG_METHODS = ("coinrag", "turborag", "standard", "cartridge")
+DEFAULT_RAG_METHODS = ("coinrag", "turborag", "standard")  # eval's default (cartridge: trained)
+LOCAL_STORE_METHODS = ("cartridge",)  # read assets only a local store holds (cartridges)
+# Fine-tuning: who encodes the context (inference.context.FINETUNE_CONTEXTS maps each to a class).
+FINETUNE_MODES = ("live", "frozen")
 QUESTION_GENERATORS = ("openai", "local")  # self-study question generators
 
 

@@ -177,13 +177,14 @@ def test_raft_rate_and_gold_removal(built, parts):
 
 def test_training_context_equals_inference_context(built, parts, monkeypatch):
     import inference.methods as methods
+    import inference.methods.kv_reuse as kv_reuse
 
     loaded, prompt = parts["loaded"], parts["prompt"]
     engine = methods.RagEngine(parts["store"], loaded, parts["emb"], max_new_tokens=1)
     captured = []
-    real = methods.to_dynamic_cache
+    real = kv_reuse.to_dynamic_cache
     monkeypatch.setattr(
-        methods, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
+        kv_reuse, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
     )
     frozen = StoredKvContext(parts["store"], loaded.model, prompt, parts["kv"])
     live = LiveKvContext(parts["store"], loaded.model, prompt)

@@ -1,151 +1,75 @@
-"""The three RAG methods on one store's assets, with the same model and the same retrieval.
+"""The RAG methods on one store's assets, with the same model, prompt and retrieval.
 
-- ``standard``: prefill ``prefix ⊕ chunk tokens ⊕ query`` from scratch (no KV reuse);
-- ``turborag``: load whole precomputed chunks' KV, re-rotated to contiguous positions after the
-  cached prefix ``C_p``; prefill only the query;
-- ``coinrag``: load only the retrieved nugget slices ``C_b[s:e]`` of those chunks, re-rotated
-  likewise (``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...``); prefill only the query.
+:class:`RagEngine` loads the model, the prompt and the store once, then opens the methods
+asked for (``inference.methods.METHODS``), each loading its model and the assets it needs
+(shared between methods: one stored-KV context, one retriever). Method code takes a retrieval
+result as input (:meth:`RagEngine.run`), so any retriever plugs in unchanged;
+:meth:`RagEngine.answer` retrieves first, as the method retrieves (two-stage for ``coinrag``,
+top-kc chunks for ``turborag`` and ``standard``, top-k documents for ``cartridge``).
 
-Method code takes a :class:`~inference.retrieve.RetrievalResult` as input (:meth:`RagEngine.run`),
-so any retriever plugs in unchanged; :meth:`RagEngine.answer` retrieves first (two-stage for
-``coinrag``, top-kc chunks for the others).
-
-Timings (milliseconds): ``retrieval`` (embedding + index search), ``kv_load``, ``assembly``
-(rotation, concatenation, cache construction), ``prefill`` (query prefill up to the first
-token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining tokens).
+A warm server keeps one engine: methods not opened at first open on first use.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
-from inference.context import ChunkTokens, PrefixMismatch, StoredKvContext
-from inference.encode import kv_layout, to_dynamic_cache
-from inference.generate import prefill_and_decode
+from inference.embedders import Embedder
+from inference.methods.assets import Index
+from inference.methods.base import METHODS, Answer, Asset, MissingAssets, OnToken, RagMethod
+from inference.models import LoadedModel
 from inference.prompt import RagPrompt, require_question
-from inference.retrieve import RetrievalResult, Retriever
-from inference.rope import RopeSpec
-from schemas.settings import RAG_METHODS
-from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
+from inference.retrieve import Retriever
+from schemas.settings import DEFAULT_RAG_METHODS
 from storage.store import Store
-from storage.tables import read_rows
 
-METHODS = RAG_METHODS
-
-
-class MissingAssets(RuntimeError):
-    """The store lacks what a method needs (KV, index): the message says which build step."""
+T = TypeVar("T")
+DEFAULT_METHODS = DEFAULT_RAG_METHODS
 
 
-class CorruptAssets(MissingAssets):
-    """A stored KV entry (or the prompt prefix's) failed its check: never served; the message
-    names the chunk and document and the build that recomputes it."""
-
-    def __init__(self, store: Store, what: str, exc: CorruptKvEntry) -> None:
-        super().__init__(
-            f"the KV of {what} is corrupt ({exc.reason}, at kv/{exc.location}): "
-            f"{repair_command(store)} recomputes it"
-        )
-
-
-def repair_command(store: Store) -> str:
-    """The build that repairs a store's KV: its last SOURCE, with the settings it was built with
-    (``STORE/coinrag.toml``, for a local store)."""
-    import json
-
-    from schemas.tables import RunRow
-
-    source = "SOURCE"
-    try:
-        runs = [r for r in read_rows(store, RunRow) if (r.flow, r.status) == ("build", "completed")]
-        if runs:
-            last = max(runs, key=lambda r: r.started_at)
-            source = json.loads(last.parameters_json).get("source") or source
-    except Exception:  # unreadable runs: the generic form still says what to run
-        pass
-    config = f" --config {store.uri(store.settings_path)}" if store.is_local else ""
-    return f"`coinrag build {source} --store {store.url}{config}`"
-
-
-def _no_kv_message(store: Store, model_fp: str, dtype: str) -> str:
-    """Why a model cannot answer from ``store``: both fingerprints (the model asked for, the
-    models the store's KV was built by, with their dtypes) and the ways out."""
-    from storage.gc import kv_fps
-    from storage.kv import KvError
-
-    built: set[str] = set()
-    for kv_fp in kv_fps(store):
-        try:
-            layout = KvStore.open(store, kv_fp).layout
-        except (KvError, FileNotFoundError, KeyError):
-            continue
-        built.add(f"{layout.model_fp} ({layout.dtype})")
-    have = (
-        f"its KV was built by model {', '.join(sorted(built))}"
-        if built
-        else "it holds no KV at all (built with kv = false?)"
-    )
-    return (
-        f"store {store} has no KV for model {model_fp} in {dtype}; {have}: query with the "
-        "store's own model (no --model), or run `coinrag build SOURCE --store ... --model ... "
-        f"--kv-dtype {dtype}` with this model first (or set kv_dtype in the store's coinrag.toml "
-        "to the dtype it was built in)"
-    )
-
-
-@dataclass
-class Answer:
-    """One answered question."""
-
-    answer: str
-    method: str
-    evidence: list[dict[str, Any]]  # {doc_id, chunk_id, tok_start, tok_end, text}
-    active_tokens: int  # context tokens after the prompt prefix (KV-memory proxy)
-    timings: dict[str, float]
-    kc: int
-    k: int
-    model_fp: str = ""
-    token_ids: list[int] = field(default_factory=list, repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("token_ids")
-        return out
+def dtype_name(model: Any) -> str:
+    """``"float32"`` etc.: the dtype ``model``'s parameters are in."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 class RagEngine:
-    """Model, prompt, KV store, index and retriever of one store, loaded once."""
+    """Model, prompt and store of one store, loaded once; the methods asked for and their
+    assets.
+
+    ``loaded``: the generation model (its dtype is the store's KV dtype unless ``kv_dtype``
+    says otherwise); ``embedder``: an embedder, or a reference (``"minilm"``, a folder) loaded
+    when retrieval first needs it; ``model_ref``: what ``loaded`` was loaded from, to load it in
+    another dtype for a method that computes in one (cartridges: the default dtype).
+    """
 
     def __init__(
         self,
         store: Store,
-        loaded: Any,
-        embedder: Any,
+        loaded: LoadedModel,
+        embedder: Embedder | str,
         *,
         prompt: RagPrompt | None = None,
         max_new_tokens: int = 32,
+        methods: Sequence[str] = DEFAULT_METHODS,
+        model_ref: str | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.store = store
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.prompt = prompt or RagPrompt.for_tokenizer(self.tokenizer)
-        self.spec = RopeSpec.from_config(self.model.config)
         self.max_new_tokens = max_new_tokens
-        try:
-            layout = kv_layout(loaded, self.prompt)
-            self.kv = KvStore.open(store, layout.kv_fp, layout)
-            self.context = StoredKvContext(store, self.model, self.prompt, self.kv)
-        except CorruptKvEntry as exc:
-            raise CorruptAssets(store, "the prompt prefix", exc) from exc
-        except (MissingKvEntry, FileNotFoundError) as exc:
-            raise MissingAssets(_no_kv_message(store, loaded.model_fp, layout.dtype)) from exc
-        except PrefixMismatch as exc:
-            raise MissingAssets(str(exc)) from exc
-        self.retriever = Retriever(store, embedder)
-        self.chunk_token_ids = ChunkTokens(store)
+        self.embedder = embedder
+        self.model_ref = model_ref or str(loaded.model_dir)
+        self.device = str(next(self.model.parameters()).device)
+        self.kv_dtype = kv_dtype or dtype_name(self.model)
+        self._models = {dtype_name(self.model): loaded}
+        self._assets: dict[type[Asset[Any]], Any] = {}
+        self.methods: dict[str, RagMethod] = {}
+        for name in methods:
+            self.method(name)
 
     @classmethod
     def open(
@@ -154,111 +78,99 @@ class RagEngine:
         model: str | None = None,
         embedder: str | None = None,
         max_new_tokens: int = 32,
+        methods: Sequence[str] = DEFAULT_METHODS,
     ) -> RagEngine:
-        """Load everything for ``store_path``; model and embedder default to the store's. The
-        model computes in the store's ``kv_dtype`` (the dtype its KV was built in)."""
-        from inference.embedders import load_embedder
+        """Load everything ``methods`` need from ``store_path``; model and embedder default to
+        the store's. The KV methods' model computes in the store's ``kv_dtype`` (the dtype its
+        KV was built in)."""
         from inference.kv_dtype import resolve_kv_dtype
         from inference.models import load_model
         from schemas.settings import settings_from_toml
 
+        methods = list(dict.fromkeys(methods))
+        _check_names(methods)
         store = Store.at(store_path)
         if not store.exists():
             raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
         settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-        dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-        loaded = load_model(model or settings.model, device=settings.device, dtype=dtype)
-        emb = load_embedder(embedder or settings.embedder)
-        return cls(store, loaded, emb, max_new_tokens=max_new_tokens)
+        kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
+        ref = model or settings.model
+        first = METHODS[methods[0]].model_dtype(kv_dtype, settings.device)
+        loaded = load_model(ref, device=settings.device, dtype=first)
+        return cls(
+            store,
+            loaded,
+            embedder or settings.embedder,
+            max_new_tokens=max_new_tokens,
+            methods=methods,
+            model_ref=ref,
+            kv_dtype=kv_dtype,
+        )
 
-    # ------------------------------------------------------------------ methods
+    # ------------------------------------------------------------------ what methods share
 
-    def retrieve(self, question: str, method: str, kc: int, k: int) -> RetrievalResult:
-        if method == "coinrag":
-            return self.retriever.two_stage(question, kc=kc, k=k)
-        return self.retriever.chunks_only(question, kc=kc)
+    def model_at(self, dtype: str) -> LoadedModel:
+        """The generation model computing in ``dtype`` (loaded once per dtype)."""
+        if dtype not in self._models:
+            from inference.models import load_model
 
-    def answer(self, question: str, method: str = "coinrag", kc: int = 4, k: int = 10) -> Answer:
-        """Retrieve, then answer with ``method`` (``BlankQuestion``, a ValueError, for a blank
-        question)."""
+            self._models[dtype] = load_model(self.model_ref, device=self.device, dtype=dtype)
+        return self._models[dtype]
+
+    def asset(self, kind: type[Asset[T]]) -> T:
+        """The store's asset of ``kind``, loaded on first use (then shared)."""
+        if kind not in self._assets:
+            self._assets[kind] = kind.load(self)
+        return self._assets[kind]
+
+    @property
+    def retriever(self) -> Retriever:
+        return self.asset(Index)
+
+    def method(self, name: str) -> RagMethod:
+        """The method ``name``, opened on first use (its model and assets loaded)."""
+        if name not in self.methods:
+            _check_names([name])
+            self.methods[name] = METHODS[name](self)
+        return self.methods[name]
+
+    # ------------------------------------------------------------------ answering
+
+    def retrieve(self, question: str, method: str, kc: int, k: int) -> Any:
+        return self.method(method).retrieve(question, kc, k)
+
+    def answer(
+        self,
+        question: str,
+        method: str = "coinrag",
+        kc: int = 4,
+        k: int = 10,
+        *,
+        doc_ids: Sequence[str] | None = None,
+        on_token: OnToken | None = None,
+    ) -> Answer:
+        """Retrieve (among ``doc_ids`` only, if given), then answer with ``method``
+        (``BlankQuestion``, a ValueError, for a blank question: before anything loads)."""
         require_question(question)
-        if method not in METHODS:
-            raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
-        return self.run(question, method, self.retrieve(question, method, kc, k), kc=kc, k=k)
+        return self.method(method).answer(question, kc, k, doc_ids=doc_ids, on_token=on_token)
 
     def run(
-        self, question: str, method: str, retrieval: RetrievalResult, kc: int = 0, k: int = 0
+        self,
+        question: str,
+        method: str,
+        retrieval: Any,
+        kc: int = 0,
+        k: int = 0,
+        *,
+        on_token: OnToken | None = None,
     ) -> Answer:
         """Answer from given retrieval results (evidence in assembly order)."""
-        retrieval_ms = retrieval.embed_ms + retrieval.search_ms
-        query_ids = self.prompt.query_ids(question)
-        p = self.prompt.n_prefix
-        timings = {"retrieval": retrieval_ms, "kv_load": 0.0, "assembly": 0.0}
-        if method == "standard":
-            chunk_ids = list(dict.fromkeys(e.chunk_id for e in retrieval.evidence))
-            ids = self.chunk_token_ids(chunk_ids)
-            context = [ids[c] for c in chunk_ids]
-            gen = prefill_and_decode(
-                self.model,
-                self.tokenizer,
-                None,
-                0,
-                self.prompt.standard_ids(context, question),
-                max_new_tokens=self.max_new_tokens,
-            )
-            active = sum(len(c) for c in context)
-        elif method in ("turborag", "coinrag"):
-            try:
-                ctx, total = self.context.build(retrieval.evidence, len(query_ids), timings)
-            except MissingKvEntry as exc:
-                raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
-            except CorruptKvEntry as exc:
-                what = next(
-                    (
-                        f"chunk {e.chunk_id} (document {e.doc_id})"
-                        for e in retrieval.evidence
-                        if e.content_key == exc.content_key
-                    ),
-                    f"entry {exc.content_key}",
-                )
-                raise CorruptAssets(self.store, what, exc) from exc
-            t0 = time.perf_counter()
-            cache = to_dynamic_cache(ctx, self.model.config)
-            timings["assembly"] += (time.perf_counter() - t0) * 1000
-            gen = prefill_and_decode(
-                self.model,
-                self.tokenizer,
-                cache,
-                total,
-                query_ids,
-                max_new_tokens=self.max_new_tokens,
-            )
-            active = total - p
-        else:
-            raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
-        timings["prefill"] = gen.prefill_ms
-        timings["ttft"] = (
-            timings["retrieval"] + timings["kv_load"] + timings["assembly"] + gen.prefill_ms
-        )
-        timings["decode"] = gen.decode_ms
-        evidence = [
-            {
-                "doc_id": e.doc_id,
-                "chunk_id": e.chunk_id,
-                "tok_start": e.tok_start,
-                "tok_end": e.tok_end,
-                "text": e.text,
-            }
-            for e in retrieval.evidence
-        ]
-        return Answer(
-            answer=gen.text,
-            method=method,
-            evidence=evidence,
-            active_tokens=active,
-            timings={key: round(v, 3) for key, v in timings.items()},
-            kc=kc,
-            k=k,
-            model_fp=self.loaded.model_fp,
-            token_ids=gen.token_ids,
-        )
+        return self.method(method).run(question, retrieval, kc, k, on_token)
+
+
+def _check_names(methods: Sequence[str]) -> None:
+    if not methods:
+        raise ValueError(f"no method asked for: give some of {', '.join(METHODS)}")
+    for name in methods:
+        if name not in METHODS:
+            raise ValueError(f"method {name!r} is not one of {', '.join(METHODS)}")
