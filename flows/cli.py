@@ -27,7 +27,7 @@ from rich.markup import escape
 from flows.cli_lists import ListOptionsCommand
 from flows.preflight import Preflight
 from flows.settings_options import with_settings_options
-from schemas.settings import BuildSettings
+from schemas.settings import BuildSettings, FinetuneSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -480,6 +480,7 @@ def train_cartridges_cmd(
 
 
 @train_app.command("nuggets")
+@with_settings_options(FinetuneSettings, panel="Fine-tuning settings")
 def train_nuggets_cmd(
     store: Annotated[str, typer.Option("--store", help="A built store (a local folder).")],
     data: Annotated[
@@ -491,22 +492,21 @@ def train_nuggets_cmd(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned model.")],
-    mode: Annotated[str, typer.Option(help="live (default) | frozen")] = "live",
-    lora: Annotated[bool, typer.Option("--lora", help="Train LoRA adapters (merged).")] = False,
-    max_steps: Annotated[
-        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
-    ] = None,
     rebuild_kv: Annotated[
         bool, typer.Option("--rebuild-kv", help="Rebuild the store's KV for the new model.")
     ] = False,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Nugget-aware fine-tuning on (C_ctx, question) -> answer, with the inference assembly."""
     import json
 
     from flows import preflight
+    from schemas.settings import FINETUNE_MODES
 
-    if mode not in ("live", "frozen"):
-        _fail(f"--mode {mode!r} is not one of live, frozen", 2)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    if given.get("mode", "live") not in FINETUNE_MODES:
+        _fail(f"--mode {given['mode']!r} is not one of {', '.join(FINETUNE_MODES)}", 2)
     _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
@@ -532,10 +532,8 @@ def train_nuggets_cmd(
             str(store),
             str(data),
             str(out),
-            mode=mode,
-            lora=lora,
-            max_steps=max_steps,
             rebuild_kv=rebuild_kv,
+            **given,
         )
     except (KeyError, ValueError, StoreLocked) as exc:
         _fail(str(exc), 1)

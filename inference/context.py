@@ -14,7 +14,7 @@ between the builders, and the one thing a subclass says (:meth:`ContextBuilder.l
   grad mode: gradients reach how the prefix and the chunks are encoded.
 
 So the structure the model is trained on is the structure it serves (``tests/
-test_train_nuggets.py`` compares them tensor for tensor). ``FINETUNE_CONTEXTS`` maps the
+test_finetune.py`` compares them tensor for tensor). ``FINETUNE_CONTEXTS`` maps the
 fine-tuning mode (``schemas.settings.FINETUNE_MODES``) to its builder.
 
 Shapes: KV blocks are ``(layers, 2, kv_heads, tokens, head_dim)`` (``storage/kv/layout.py``);

@@ -1,4 +1,4 @@
-"""Nugget-aware fine-tuning (training/nuggets.py, flows/train.py) on a tiny random Qwen2."""
+"""Nugget-aware fine-tuning (training/finetune.py, flows/train.py) on a tiny random Qwen2."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from store_fixtures import TINY_DIMS
 from inference.context import LiveKvContext, StoredKvContext
 from schemas.qa import DataError, load_examples
 from schemas.settings import FinetuneSettings
-from training.nuggets import (
+from training.finetune import (
     Killed,
     answer_loss_sum,
     attach_lora,

@@ -87,6 +87,7 @@ from storage.store import Store
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CHECKPOINT_FORMAT = 1
 
+# The name users' log configurations know (it is the `train nuggets` command's), kept.
 log = logging.getLogger("coinrag.train.nuggets")
 
 
