@@ -72,7 +72,18 @@ def repair_command(store: Store) -> str:
     return f"`coinrag build {source} --store {store.url}{config}`"
 
 
-def _no_kv_message(store: Store, model_fp: str, dtype: str) -> str:
+def _store_kv_codec(store: Store) -> str:
+    """The ``kv_codec`` recorded in ``STORE/coinrag.toml`` (``none`` where it has none)."""
+    from schemas.settings import settings_from_toml
+
+    return settings_from_toml(store.read_toml(), store.uri(store.settings_path)).kv_codec
+
+
+def _codec_note(kv_codec: str) -> str:
+    return "" if kv_codec == "none" else f", kv_codec {kv_codec}"
+
+
+def _no_kv_message(store: Store, model_fp: str, dtype: str, kv_codec: str = "none") -> str:
     """Why a model cannot answer from ``store``: both fingerprints (the model asked for, the
     models the store's KV was built by, with their dtypes) and the ways out."""
     from storage.gc import kv_fps
@@ -84,14 +95,15 @@ def _no_kv_message(store: Store, model_fp: str, dtype: str) -> str:
             layout = KvStore.open(store, kv_fp).layout
         except (KvError, FileNotFoundError, KeyError):
             continue
-        built.add(f"{layout.model_fp} ({layout.dtype})")
+        built.add(f"{layout.model_fp} ({layout.dtype}{_codec_note(layout.kv_codec)})")
     have = (
         f"its KV was built by model {', '.join(sorted(built))}"
         if built
         else "it holds no KV at all (built with kv = false?)"
     )
     return (
-        f"store {store} has no KV for model {model_fp} in {dtype}; {have}: query with the "
+        f"store {store} has no KV for model {model_fp} in {dtype}{_codec_note(kv_codec)}; "
+        f"{have}: query with the "
         "store's own model (no --model), or run `coinrag build SOURCE --store ... --model ... "
         f"--kv-dtype {dtype}` with this model first (or set kv_dtype in the store's coinrag.toml "
         "to the dtype it was built in)"
@@ -129,7 +141,9 @@ class RagEngine:
         *,
         prompt: RagPrompt | None = None,
         max_new_tokens: int = 32,
+        kv_codec: str | None = None,
     ) -> None:
+        """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting)."""
         self.store = store
         self.loaded = loaded
         self.model = loaded.model
@@ -138,13 +152,14 @@ class RagEngine:
         self.spec = RopeSpec.from_config(self.model.config)
         self.max_new_tokens = max_new_tokens
         try:
-            layout = kv_layout(loaded, self.prompt)
+            layout = kv_layout(loaded, self.prompt, kv_codec=kv_codec or _store_kv_codec(store))
             self.kv = KvStore.open(store, layout.kv_fp, layout)
             self.prefix_kv, prefix_ids = self.kv.read_prefix()
         except CorruptKvEntry as exc:
             raise CorruptAssets(store, "the prompt prefix", exc) from exc
         except (MissingKvEntry, FileNotFoundError) as exc:
-            raise MissingAssets(_no_kv_message(store, loaded.model_fp, layout.dtype)) from exc
+            message = _no_kv_message(store, loaded.model_fp, layout.dtype, layout.kv_codec)
+            raise MissingAssets(message) from exc
         if prefix_ids != self.prompt.prefix_ids:
             raise MissingAssets("the stored prompt prefix differs from this prompt's")
         self.retriever = Retriever(store, embedder)
@@ -249,8 +264,9 @@ class RagEngine:
                 raise CorruptAssets(self.store, what, exc) from exc
             t1 = time.perf_counter()
             manifest = self.kv.manifest()
+            at_zero = self.kv.layout.keys_at_zero
             slices = [
-                KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens)
+                KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens, at_zero)
                 for block, e in zip(blocks, retrieval.evidence, strict=True)
             ]
             total = p + sum(s.tokens for s in slices)

@@ -46,6 +46,8 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from schemas.settings import KV_CODECS  # the setting's values: the names registered below
+
 # model dtype -> the numpy dtype its values are stored as (identity codec)
 STORAGE_DTYPES = {
     "float32": np.dtype("<f4"),
@@ -284,8 +286,9 @@ def quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, ...]
     and ``step`` (``(max - lo) / levels`` rounded up), so ``codes * step + lo`` is within
     ``step / 2`` of ``x``.
 
-    E.g. ``[0.0, 0.5, 1.0]`` at 2 bits (levels 3): lo 0, step 0.33337, codes ``[0, 1, 3]``
-    (0.5 / 0.33337 = 1.4998 rounds to 1: 0.33337, within step / 2 of 0.5).
+    E.g. ``[0.0, 0.5, 1.0]`` at 2 bits (levels 3): lo 0, step 0.33350 (1/3 rounded up to
+    float16), codes ``[0, 1, 3]``: 0.5 / 0.3335 = 1.4993 rounds to 1, so 0.5 decodes to 0.3335,
+    within step / 2 of it; 1.0 decodes to 1.0005.
     """
     lo = _fp16_down(x.amin(dim=dim, keepdim=True))
     lo32 = lo.to(torch.float32)
@@ -489,7 +492,7 @@ class Int4Codec(QuantizedCodec, name="int4"):
     bits = 4
 
 
-KV_CODECS = ("none", "int8", "int4")
+assert set(KV_CODECS) == set(KvCodec._registry), "schemas.settings.KV_CODECS names every codec"
 
 
 def codec_named(name: str) -> KvCodec:

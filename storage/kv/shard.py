@@ -55,6 +55,8 @@ def data_key(ndim: int) -> str:
 
 EMPTY = np.uint64(2**64 - 1)  # index entry of an inner chunk that is not stored
 _DIRECT_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+# uint8 values (the quantized codecs' payloads) have no byte order: Zarr writes no endian
+_DIRECT_BYTE_CODECS = [{"name": "bytes"}, {"name": "crc32c"}]
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -271,7 +273,7 @@ def is_direct_format(meta: dict[str, Any], sharding: dict[str, Any]) -> bool:
     grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
     return (
         sharding.get("name") == "sharding_indexed"
-        and config.get("codecs") == _DIRECT_CODECS
+        and config.get("codecs") in (_DIRECT_CODECS, _DIRECT_BYTE_CODECS)
         and config.get("index_codecs") == _DIRECT_CODECS
         and config.get("index_location", "end") == "end"
         and grid == shape
