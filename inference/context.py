@@ -146,8 +146,9 @@ class StoredKvContext(ContextBuilder):
         requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
         blocks = self.kv.read_slices(requests) if requests else []
         manifest = self.kv.manifest()
+        at_zero = self.kv.layout.keys_at_zero
         slices = [
-            KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens)
+            KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens, at_zero)
             for block, e in zip(blocks, evidence, strict=True)
         ]
         return self.prefix_kv, slices

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from inference.prompt import RagPrompt
-from inference.rope import ForwardFrequencies, reset_rotary
+from inference.rope import ForwardFrequencies, RopeSpec, rerotate_keys, reset_rotary
 from schemas.tables import ChunkRow
 from storage.kv import KvLayout
 
@@ -75,7 +75,8 @@ def pad_id(tokenizer: Any) -> int:
 
 
 def kv_layout(loaded: Any, prompt: RagPrompt, **kwargs: Any) -> KvLayout:
-    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt."""
+    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt
+    (``kwargs``: ``kv_codec``, ``block_tokens``, ``slots_per_shard``)."""
     return KvLayout.for_model(loaded.model, loaded.model_fp, prompt.prefix_sha, **kwargs)
 
 
@@ -258,15 +259,44 @@ def compute_group_kv(
     batch_size: int,
     pad_id: int = 0,
     timings: dict[str, float] | None = None,
+    layout: KvLayout | None = None,
 ) -> list[tuple[ChunkRow, torch.Tensor]]:
     """``(chunk, kv)`` for a group of chunks (``tasks.kv.kv_groups``), in the group's order,
     computed in the batches of :class:`KvBatching` (at most ``batch_size`` chunks each); kv is
-    ``(layers, 2, kv_heads, n_tokens, head_dim)``."""
+    ``(layers, 2, kv_heads, n_tokens, head_dim)``, in the frame ``layout`` stores
+    (:func:`stored_frame`; as the model cached it when no layout is given)."""
     batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
+    spec = RopeSpec.from_config(model.config) if layout and layout.keys_at_zero else None
+    p = prefix_kv.shape[3]
     out: list[tuple[ChunkRow, torch.Tensor]] = []
     for batch in batching.split(group):
-        out += zip(batch, compute_chunk_kv(model, prefix_kv, batch, pad_id, timings), strict=True)
+        kvs = compute_chunk_kv(model, prefix_kv, batch, pad_id, timings)
+        if spec is not None:
+            kvs = [keys_to_position_zero(kv, spec, p) for kv in kvs]
+        out += zip(batch, kvs, strict=True)
     return out
+
+
+def keys_to_position_zero(kv: torch.Tensor, spec: RopeSpec, start: int) -> torch.Tensor:
+    """A chunk's KV as computed (keys after RoPE at ``start .. start + n - 1``, in a forward
+    of length ``start + n``) -> float32, keys rotated back to position 0: the frame of a
+    quantized store (``storage/kv/layout.py``; KVQuant: per-channel key quantization before
+    RoPE). Exact up to float32 rounding; values unchanged.
+
+    E.g. a 40-token chunk after a 21-token prefix: its key ``t`` is rotated by ``-a(21 + t)``
+    at the frequencies of a 61-token forward (``inference.rope``: those of dynamic NTK and
+    longrope depend on it)."""
+    n = kv.shape[3]
+    old = torch.arange(start, start + n)
+    keys = rerotate_keys(
+        kv[:, 0].to(torch.float32),
+        old,
+        torch.zeros(n, dtype=torch.long),
+        spec,
+        old_seq_len=start + n,
+        new_seq_len=1,
+    )
+    return torch.stack([keys, kv[:, 1].to(torch.float32)], dim=1)
 
 
 def bare_forward_seconds(

@@ -23,6 +23,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     chunk_size = 512
     tau = 0.7
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
+    kv_codec = "none"           # none | int8 | int4 (how the stored KV is encoded)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
 environment, and nothing in this module reads or records them.
@@ -41,6 +42,9 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
 # (inference/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 (quantized per block:
+# keys per channel, values per token; storage/kv/codecs.py states the error bounds).
+KV_CODECS = ("none", "int8", "int4")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
@@ -121,6 +125,12 @@ class BuildSettings:
         "KV (default auto: bfloat16 where the device computes it natively, else float32).",
         cli=True,
     )
+    kv_codec: str = setting(
+        "none",  # how the stored KV is encoded (KV_CODECS)
+        "none | int8 | int4: how the stored KV is encoded (default none: as computed; "
+        "int8 ~0.58, int4 ~0.33 of the raw bfloat16 bytes, quantized per block).",
+        cli=True,
+    )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
     prune: bool = setting(
@@ -168,6 +178,8 @@ class BuildSettings:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise SettingsError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.kv_codec not in KV_CODECS:
+            raise SettingsError(f"kv_codec {self.kv_codec!r} is not one of {', '.join(KV_CODECS)}")
         if self.chunker not in CHUNKERS:
             raise SettingsError(f"chunker {self.chunker!r} is not one of {', '.join(CHUNKERS)}")
         if not 8 <= self.chunk_size <= 32768:

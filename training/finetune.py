@@ -565,10 +565,12 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 # ------------------------------------------------------------------------------------ end to end
 
 
-def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, KvLayout]:
+def _kv_identity(
+    loaded: Any, prompt: RagPrompt, kv_dtype: str, kv_codec: str = "none"
+) -> tuple[str, KvLayout]:
     """``(model_fp, layout)`` of ``loaded``'s weights as the store computes KV: at the store's
     ``kv_dtype``, which may differ from the dtype training computes in (stored entries are then
-    cast when the context is assembled)."""
+    cast when the context is assembled), stored with its ``kv_codec``."""
     import dataclasses
 
     from inference.encode import kv_layout
@@ -580,7 +582,9 @@ def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, Kv
         kv_dtype,
         loaded.tokenizer_fp,
     )
-    layout = dataclasses.replace(kv_layout(loaded, prompt), model_fp=model_fp, dtype=kv_dtype)
+    layout = dataclasses.replace(
+        kv_layout(loaded, prompt, kv_codec=kv_codec), model_fp=model_fp, dtype=kv_dtype
+    )
     return model_fp, layout
 
 
@@ -625,7 +629,7 @@ def run_training(
     # Model fingerprints as this store computes KV (its kv_dtype): the base model's KV is what
     # frozen mode reads, and --rebuild-kv stores the new model's under the model_fp recorded here.
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype)
+    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype, settings.kv_codec)
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
     builder = FINETUNE_CONTEXTS[cfg.mode].for_finetuning(

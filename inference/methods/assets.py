@@ -58,13 +58,14 @@ class StoredKv(Asset[StoredKvContext]):
         loaded = engine.model_at(engine.kv_dtype)
         store = engine.store
         try:
-            layout = kv_layout(loaded, engine.prompt)
+            layout = kv_layout(loaded, engine.prompt, kv_codec=engine.kv_codec)
             kv = KvStore.open(store, layout.kv_fp, layout)
             return StoredKvContext(store, loaded.model, engine.prompt, kv)
         except CorruptKvEntry as exc:
             raise CorruptAssets(store, "the prompt prefix", exc) from exc
         except (MissingKvEntry, FileNotFoundError) as exc:
-            raise MissingAssets(_no_kv_message(store, loaded.model_fp, layout.dtype)) from exc
+            message = _no_kv_message(store, loaded.model_fp, layout.dtype, layout.kv_codec)
+            raise MissingAssets(message) from exc
         except PrefixMismatch as exc:
             raise MissingAssets(str(exc)) from exc
 
@@ -110,7 +111,11 @@ def stored_context(
         raise CorruptAssets(context.store, what, exc) from exc
 
 
-def _no_kv_message(store: Store, model_fp: str, dtype: str) -> str:
+def _codec_note(kv_codec: str) -> str:
+    return "" if kv_codec == "none" else f", kv_codec {kv_codec}"
+
+
+def _no_kv_message(store: Store, model_fp: str, dtype: str, kv_codec: str = "none") -> str:
     """Why a model cannot answer from ``store``: both fingerprints (the model asked for, the
     models the store's KV was built by, with their dtypes) and the ways out."""
     from storage.gc import kv_fps
@@ -122,14 +127,15 @@ def _no_kv_message(store: Store, model_fp: str, dtype: str) -> str:
             layout = KvStore.open(store, kv_fp).layout
         except (KvError, FileNotFoundError, KeyError):
             continue
-        built.add(f"{layout.model_fp} ({layout.dtype})")
+        built.add(f"{layout.model_fp} ({layout.dtype}{_codec_note(layout.kv_codec)})")
     have = (
         f"its KV was built by model {', '.join(sorted(built))}"
         if built
         else "it holds no KV at all (built with kv = false?)"
     )
     return (
-        f"store {store} has no KV for model {model_fp} in {dtype}; {have}: query with the "
+        f"store {store} has no KV for model {model_fp} in {dtype}{_codec_note(kv_codec)}; "
+        f"{have}: query with the "
         "store's own model (no --model), or run `coinrag build SOURCE --store ... --model ... "
         f"--kv-dtype {dtype}` with this model first (or set kv_dtype in the store's coinrag.toml "
         "to the dtype it was built in)"

@@ -54,7 +54,9 @@ class RagEngine:
         methods: Sequence[str] = DEFAULT_METHODS,
         model_ref: str | None = None,
         kv_dtype: str | None = None,
+        kv_codec: str | None = None,
     ) -> None:
+        """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting)."""
         self.store = store
         self.loaded = loaded
         self.model = loaded.model
@@ -65,6 +67,7 @@ class RagEngine:
         self.model_ref = model_ref or str(loaded.model_dir)
         self.device = str(next(self.model.parameters()).device)
         self.kv_dtype = kv_dtype or dtype_name(self.model)
+        self.kv_codec = kv_codec or _store_kv_codec(store)
         self._models = {dtype_name(self.model): loaded}
         self._assets: dict[type[Asset[Any]], Any] = {}
         self.methods: dict[str, RagMethod] = {}
@@ -105,6 +108,7 @@ class RagEngine:
             methods=methods,
             model_ref=ref,
             kv_dtype=kv_dtype,
+            kv_codec=settings.kv_codec,
         )
 
     # ------------------------------------------------------------------ what methods share
@@ -174,3 +178,10 @@ def _check_names(methods: Sequence[str]) -> None:
     for name in methods:
         if name not in METHODS:
             raise ValueError(f"method {name!r} is not one of {', '.join(METHODS)}")
+
+
+def _store_kv_codec(store: Store) -> str:
+    """The ``kv_codec`` recorded in ``STORE/coinrag.toml`` (``none`` where it has none)."""
+    from schemas.settings import settings_from_toml
+
+    return settings_from_toml(store.read_toml(), store.uri(store.settings_path)).kv_codec
