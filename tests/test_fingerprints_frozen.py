@@ -166,6 +166,7 @@ BUILD_SETTINGS = {
     "embedder": "minilm",
     "kv": True,
     "kv_dtype": "auto",
+    "kv_codec": "none",
     "kv_batch_size": 4,
     "index": True,
     "prune": False,
