@@ -27,7 +27,11 @@ def current_producers(settings: BuildSettings) -> dict[str, str]:
     """
     from coinrag.inference.embedders import load_embedder
     from coinrag.inference.kv_dtype import resolve_kv_dtype
-    from coinrag.inference.models import load_tokenizer, reference_model_fingerprint, tokenizer_fingerprint
+    from coinrag.inference.models import (
+        load_tokenizer,
+        reference_model_fingerprint,
+        tokenizer_fingerprint,
+    )
     from coinrag.tasks.chunk import chunker_fingerprint
     from coinrag.tasks.extractors.factory import make_extractor
 

@@ -476,7 +476,7 @@ def test_second_run_computes_nothing(tmp_path, qwen2, prompt, text):
 
 
 def test_crash_before_the_manifest_leaves_an_orphan(tmp_path, qwen2, prompt, text, monkeypatch):
-    import storage.tables
+    import coinrag.storage.tables as storage_tables
 
     chunks = make_chunks(qwen2.tokenizer, text, 64, 2)
     store = store_at(tmp_path)
@@ -484,7 +484,7 @@ def test_crash_before_the_manifest_leaves_an_orphan(tmp_path, qwen2, prompt, tex
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage.tables, "append_rows", crash)
+    monkeypatch.setattr(storage_tables, "append_rows", crash)
     with pytest.raises(OSError):
         kv_stage(store, chunks, qwen2, prompt, "run-1", slots_per_shard=2)
     monkeypatch.undo()

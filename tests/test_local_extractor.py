@@ -15,7 +15,12 @@ from store_fixtures import TINY_DIMS
 
 from coinrag.tasks.extractors.base import ExtractionRequest, ExtractionResult
 from coinrag.tasks.extractors.local import LocalConstrainedExtractor
-from coinrag.tasks.extractors.span_copy import BOUNDARIES, SpanCopyMachine, SpecialIds, tokenize_passage
+from coinrag.tasks.extractors.span_copy import (
+    BOUNDARIES,
+    SpanCopyMachine,
+    SpecialIds,
+    tokenize_passage,
+)
 
 PASSAGES = [
     "Gabriel García Márquez (6 March 1927 – 17 April 2014) was a Colombian novelist, "

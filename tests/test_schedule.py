@@ -303,7 +303,15 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
 
         # A changed source: `coinrag watch` emits coinrag.source.changed; the trigger rebuilds.
         _write_jsonl(source, [*DOCS, {"id": "gamma", "text": "Gamma is the third letter."}])
-        watch = [sys.executable, "-m", "coinrag.flows.cli", "watch", str(source), "--store", str(store)]
+        watch = [
+            sys.executable,
+            "-m",
+            "coinrag.flows.cli",
+            "watch",
+            str(source),
+            "--store",
+            str(store),
+        ]
         got = subprocess.run([*watch, "--once"], env=env, capture_output=True, text=True)
         assert got.returncode == 0, got.stderr
         assert "1 document(s): gamma" in got.stderr

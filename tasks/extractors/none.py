@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coinrag.schemas.keys import fingerprint
-from coinrag.tasks.extractors.base import ExtractionRequest, ExtractionResult, ResultFn, ResultReporter
+from coinrag.tasks.extractors.base import (
+    ExtractionRequest,
+    ExtractionResult,
+    ResultFn,
+    ResultReporter,
+)
 
 
 class NoExtractor:

@@ -25,7 +25,11 @@ from coinrag.inference.llm_client import (
     usage_of,
 )
 from coinrag.schemas.settings import CartridgeSettings
-from coinrag.tasks.question_generators.accept import ACCEPTS_VERSION, MalformedQuestions, parse_questions
+from coinrag.tasks.question_generators.accept import (
+    ACCEPTS_VERSION,
+    MalformedQuestions,
+    parse_questions,
+)
 from coinrag.tasks.question_generators.base import (
     QuestionRequest,
     QuestionResult,
