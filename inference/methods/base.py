@@ -95,6 +95,13 @@ class Answer:
         out.pop("token_ids")
         return out
 
+    def to_json_text(self) -> str:
+        """The one JSON text of an answer (``coinrag query --json`` prints it, ``coinrag api``
+        answers it)."""
+        import json
+
+        return json.dumps(self.to_json(), ensure_ascii=False)
+
 
 class Asset(Generic[T]):
     """A kind of store asset methods read, loaded at most once per engine (:meth:`load`) and
