@@ -289,24 +289,31 @@ def create_app(server: ApiServer) -> FastAPI:
         headers = {RUN_HEADER: version.run_id}
         done = asyncio.wrap_future(future)
 
-        def finished() -> tuple[int, Answer | str]:
-            exc = done.exception()
-            if exc is None:
-                answer = done.result()
-                metrics.answered(req.method, answer.timings, time.perf_counter() - started)
-                metrics.requests.labels(endpoint, req.method, "200").inc()
-                return 200, answer
-            status, message = _failure(exc)
-            if status == 499:
-                metrics.cancelled.inc()
-            metrics.requests.labels(endpoint, req.method, str(status)).inc()
-            return status, message
+        outcome: dict[str, Any] = {}
 
+        def finished(_: Any = None) -> tuple[int, Answer | str]:
+            """The status and answer (or message), counted in the metrics once: when the job
+            ends, whether or not a client is still there to read it."""
+            if not outcome:
+                exc = done.exception()
+                if exc is None:
+                    answer = done.result()
+                    metrics.answered(req.method, answer.timings, time.perf_counter() - started)
+                    outcome["result"] = (200, answer)
+                else:
+                    outcome["result"] = _failure(exc)
+                    if outcome["result"][0] == 499:
+                        metrics.cancelled.inc()
+                status = str(outcome["result"][0])
+                metrics.requests.labels(endpoint, req.method, status).inc()
+            return outcome["result"]
+
+        done.add_done_callback(finished)
         if not stream:
             while not done.done():
                 await asyncio.wait({done}, timeout=0.2)
                 if not done.done() and await request.is_disconnected():
-                    cancel.set()
+                    cancel.set()  # the job stops at its next token
             status, result = finished()
             if isinstance(result, Answer):
                 return Response(
@@ -323,10 +330,6 @@ def create_app(server: ApiServer) -> FastAPI:
                     if kind == "token":
                         yield _sse("token", json.dumps(data, ensure_ascii=False))
                         continue
-                    while not events.empty():  # tokens emitted before the done callback ran
-                        _, late = events.get_nowait()
-                        if late is not None:
-                            yield _sse("token", json.dumps(late, ensure_ascii=False))
                     status, result = finished()
                     if isinstance(result, Answer):
                         yield _sse("answer", result.to_json_text())

@@ -45,6 +45,8 @@ _TYPES: dict[str, type] = {
     "stream": bool,
 }
 
+_KIND_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+
 
 def parse_query(
     body: bytes, settings: ApiSettings, methods: Sequence[str], max_new_tokens: int
@@ -70,7 +72,7 @@ def parse_query(
             continue
         kind = _TYPES[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise BadRequest(422, f"{name} must be a {kind.__name__}, got {value!r}")
+            raise BadRequest(422, f"{name} must be {_KIND_NAMES[kind]}, got {value!r}")
     values: dict[str, Any] = {"max_new_tokens": max_new_tokens, **data}
     req = QueryRequest(**values)
     _check(req, settings, methods)
