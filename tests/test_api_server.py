@@ -213,6 +213,39 @@ def test_health_and_metrics(server, client, store: Path) -> None:
     assert values[("coinrag_served_run_info", (("run_id", health["run_id"]),))] == 1
 
 
+def test_a_version_for_another_kv_dtype_is_refused_and_the_old_one_serves(
+    server, client, store: Path, caplog
+) -> None:
+    """A publish whose KV is in another dtype than the served model computes in (as `coinrag
+    build --kv-dtype ...` records it) is refused with one log line; the old version serves."""
+    base, srv = server
+    st = Store.at(store)
+    toml = st.read_toml()
+    served = client.get(f"{base}/health").json()
+    other = "float32" if served["fingerprints"]["kv_dtype"] != "float32" else "bfloat16"
+    refused = {**toml["published"], "run_id": "build-refused", "time": "2099-01-01T00:00:00"}
+    before = metric_values(client.get(f"{base}/metrics").text)[
+        ("coinrag_version_refusals_total", ())
+    ]
+    caplog.set_level("ERROR", logger="coinrag.api")
+    try:
+        st.write_settings({**toml["build"], "kv_dtype": other}, refused)
+        deadline = time.monotonic() + 60
+        while srv.watcher.checks < 3 or not caplog.records:
+            assert time.monotonic() < deadline, "the watcher never saw the publish"
+            time.sleep(0.1)
+        response = client.post(f"{base}/query", json={"question": QUESTION})
+        assert response.status_code == 200
+        assert response.headers[RUN_HEADER] == served["run_id"]
+    finally:
+        st.write_settings(toml["build"], toml["published"])
+    (line,) = [r.getMessage() for r in caplog.records if "build-refused" in r.getMessage()]
+    assert f"KV in {other}" in line and f"still serving run {served['run_id']}" in line
+    after = metric_values(client.get(f"{base}/metrics").text)
+    assert after[("coinrag_version_refusals_total", ())] == before + 1
+    assert client.get(f"{base}/health").json()["run_id"] == served["run_id"]
+
+
 def _chunk_ids(store: Path, published: dict) -> set[str]:
     """The chunk ids of the index at a published version."""
     table = LanceIndex.open(Store.at(store), published).table("chunks")
@@ -238,7 +271,7 @@ def test_hot_swap_across_build_and_delete(server, client, store: Path, sample_co
     docs = sample_docs(sample_corpus, 5)
     deleted, edited = docs[1]["id"], docs[2]["id"]
     questions = [QUESTION, "Who founded Zorvath?", f"What is {deleted}?", f"What is {edited}?"]
-    results: list[tuple[float, int, str, dict]] = []
+    results: list[tuple[float, int, str, dict]] = []  # (sent, status, run id, answer)
     stop = threading.Event()
 
     def loop() -> None:
@@ -247,9 +280,10 @@ def test_hot_swap_across_build_and_delete(server, client, store: Path, sample_co
                 if stop.is_set():
                     return
                 body = {"question": questions[i % 4], "kc": 4, "k": 10, "max_new_tokens": 2}
+                sent = time.monotonic()
                 r = c.post(f"{base}/query", json=body)
                 data = r.json()
-                results.append((time.monotonic(), r.status_code, r.headers.get(RUN_HEADER), data))
+                results.append((sent, r.status_code, r.headers.get(RUN_HEADER), data))
 
     worker = threading.Thread(target=loop)
     worker.start()
@@ -285,7 +319,7 @@ def test_hot_swap_across_build_and_delete(server, client, store: Path, sample_co
         if run_id == delete_run:
             assert deleted not in {e["doc_id"] for e in answer["evidence"]}
     assert seen == set(versions), "every published version answered some request"
-    after = [a for t, _, _, a in results if t > served_delete]
+    after = [a for sent, _, _, a in results if sent > served_delete]  # sent after the swap
     assert after and all(deleted not in {e["doc_id"] for e in a["evidence"]} for a in after)
     new_run_docs = {
         e["doc_id"]
