@@ -166,6 +166,7 @@ BUILD_SETTINGS = {
     "embedder": "minilm",
     "kv": True,
     "kv_dtype": "auto",
+    "kv_codec": "none",
     "kv_batch_size": 4,
     "index": True,
     "prune": False,
@@ -177,6 +178,7 @@ BUILD_SETTINGS = {
     "kv_verify": "crc32c",
     "kv_space_check": True,
     "kv_min_free_bytes": 0,
+    "threads": 0,  # how many threads the build computes with (never what it builds)
 }
 
 
