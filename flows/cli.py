@@ -337,11 +337,9 @@ def api(
     import logging
 
     from inference.methods import MissingAssets
-    from inference.server.app import ServerConfig, serve
+    from inference.server.app import LOG_FORMAT, ServerConfig, serve
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     served = ServerConfig(
         store=str(store),
         model=model,

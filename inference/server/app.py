@@ -49,6 +49,7 @@ log = logging.getLogger("coinrag.api")
 CONFIG_ENV = "COINRAG_API_CONFIG"  # the ServerConfig of `coinrag api`, as JSON, for workers
 RUN_HEADER = "X-Coinrag-Run-Id"
 WARM_QUESTION = "What is this about?"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)
@@ -360,6 +361,8 @@ def create_app(server: ApiServer) -> FastAPI:
 def app_from_env() -> FastAPI:
     """The app of the :class:`ServerConfig` in ``$COINRAG_API_CONFIG`` (uvicorn's factory in
     each worker process of ``coinrag api``)."""
+    if not logging.getLogger().handlers:  # a worker process: log as `coinrag api` does
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     config = ServerConfig.from_json(os.environ[CONFIG_ENV])
     return create_app(ApiServer.open(config))
 

@@ -106,8 +106,8 @@ def _close(version: ServedVersion) -> None:
 class PublishWatcher(threading.Thread):
     """Polls the store's published version every ``interval`` seconds; on a change, opens and
     warms an engine for it (``prepare``: called with the new engine, runs the throwaway query on
-    the model thread) and swaps it in. Never raises: a failure is logged and retried at the next
-    change of the file."""
+    the model thread) and swaps it in. Never raises: a version that fails to open or warm is
+    retried at the next polls, then refused (one log line) after ``attempts`` failures."""
 
     def __init__(
         self,
@@ -124,7 +124,17 @@ class PublishWatcher(threading.Thread):
         self._stop = threading.Event()
         self._stamp: Any = self._read_stamp()
         self._refused: tuple[Any, ...] | None = None
+        self._failures: dict[tuple[Any, ...], int] = {}  # version -> failed attempts to open
+        self.attempts = 3  # a version that fails to open this often is refused
         self.checks = 0
+
+    def _refuse(self, stamp: Any, key: tuple[Any, ...], why: str) -> None:
+        """Never try this version again (until the file changes); the old one keeps serving."""
+        self._stamp, self._refused = stamp, key
+        current = self.holder.current.run_id
+        message = f"refused published run {key[0]}: {why}; still serving run {current}"
+        log.error(message)
+        self.on_refused(message)
 
     def stop(self) -> None:
         self._stop.set()
@@ -161,15 +171,21 @@ class PublishWatcher(threading.Thread):
             self._stamp = stamp
             return False
         started = time.perf_counter()
+        engine = None
         try:
             engine = current.engine.reopen(toml)
+            self.prepare(engine)
         except VersionRefused as exc:
-            self._stamp, self._refused = stamp, key
-            message = f"refused published run {key[0]}: {exc}; still serving run {current.run_id}"
-            log.error(message)
-            self.on_refused(message)
+            self._refuse(stamp, key, str(exc))
             return False
-        self.prepare(engine)
+        except Exception as exc:  # e.g. a corrupt entry met by the warm-up: retried, then refused
+            if engine is not None:
+                engine.close()
+            self._failures[key] = self._failures.get(key, 0) + 1
+            if self._failures[key] >= self.attempts:
+                self._refuse(stamp, key, f"{type(exc).__name__}: {exc}")
+                return False
+            raise
         self.holder.swap(ServedVersion(engine))
         self._stamp = stamp
         log.info("opened run %s in %.0f ms", key[0], (time.perf_counter() - started) * 1000)
