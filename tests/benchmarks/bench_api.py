@@ -226,6 +226,7 @@ def main() -> None:
                 before = json.loads(httpx.get(f"{base}/health").text)["run_id"]
                 rebuild = build(source, store, env)
                 ttft, e2e, failed, runs = [], [], 0, []
+                deadline = None
                 while True:  # query until the build is done and the new version answered
                     a, b, f, r = load(base, questions, args, clients, clients * 2)
                     ttft += a
@@ -237,6 +238,9 @@ def main() -> None:
                         break
                     if done and rebuild.returncode != 0:
                         raise SystemExit(f"rebuild failed: {rebuild.stderr.read().decode()}")
+                    deadline = deadline or (time.monotonic() + 600 if done else None)
+                    if deadline and time.monotonic() > deadline:
+                        raise SystemExit("the server never answered on the rebuilt version")
                 published = settings.stat().st_mtime
                 first_new = min(t for t, run in runs if run != before)
                 rows.append(summary(f"{clients} client(s), rebuild running", ttft, e2e, failed))
