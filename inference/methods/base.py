@@ -152,6 +152,9 @@ class MethodRegistry(Mapping[str, "type[RagMethod]"]):
             raise ValueError(f"two RAG methods named {name!r}")
         self._classes[name] = cls
 
+    def __delitem__(self, name: str) -> None:  # a probe subclass of a test, unregistered
+        del self._classes[name]
+
     def __getitem__(self, name: str) -> type[RagMethod]:
         if name not in self._classes and name in RAG_METHODS:
             import_module(f"inference.methods.{name}")
