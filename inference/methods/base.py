@@ -157,7 +157,7 @@ class MethodRegistry(Mapping[str, "type[RagMethod]"]):
 
     def __getitem__(self, name: str) -> type[RagMethod]:
         if name not in self._classes and name in RAG_METHODS:
-            import_module(f"inference.methods.{name}")
+            import_module(f"{__package__}.{name}")  # this package, whatever it is named
         return self._classes[name]
 
     def __contains__(self, name: object) -> bool:

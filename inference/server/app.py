@@ -376,4 +376,4 @@ def serve(config: ServerConfig, host: str, port: int, workers: int) -> None:
         uvicorn.run(create_app(ApiServer.open(config)), **options)
         return
     os.environ[CONFIG_ENV] = config.to_json()
-    uvicorn.run("inference.server.app:app_from_env", factory=True, workers=workers, **options)
+    uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **options)
