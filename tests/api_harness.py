@@ -28,7 +28,7 @@ def serving(config: Any) -> Iterator[tuple[str, Any]]:
     uvicorn) on exit."""
     import uvicorn
 
-    from inference.server.app import ApiServer, create_app
+    from coinrag.inference.server.app import ApiServer, create_app
 
     server = ApiServer.open(config)
     port = free_port()

@@ -15,8 +15,8 @@ import pytest
 from api_harness import free_port
 from typer.testing import CliRunner
 
-from flows.cli import app
-from inference import threads
+from coinrag.flows.cli import app
+from coinrag.inference import threads
 
 COINRAG = str(Path(sys.executable).with_name("coinrag"))
 

@@ -11,10 +11,10 @@ import pytest
 from api_harness import serving
 from typer.testing import CliRunner
 
-from flows.cli import app
-from inference.server.app import RUN_HEADER, ServerConfig
-from storage.location import object_filesystem
-from storage.store import Store
+from coinrag.flows.cli import app
+from coinrag.inference.server.app import RUN_HEADER, ServerConfig
+from coinrag.storage.location import object_filesystem
+from coinrag.storage.store import Store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
 

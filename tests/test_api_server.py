@@ -19,10 +19,10 @@ from api_harness import metric_values, serving, sse_events, stream_query
 from store_fixtures import sample_docs, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from inference.server.app import RUN_HEADER, ServerConfig
-from storage.index import LanceIndex
-from storage.store import Store
+from coinrag.flows.cli import app
+from coinrag.inference.server.app import RUN_HEADER, ServerConfig
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.store import Store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
 
@@ -263,7 +263,7 @@ def test_hot_swap_across_build_and_delete(server, client, store: Path, sample_co
     """A client loop while a build adds a document and edits another and a delete removes a
     third: no failed request, every answer's evidence from the index of the one version it
     names, the deleted document gone once its version is served, the new one found."""
-    from flows.build import build_flow
+    from coinrag.flows.build import build_flow
 
     base, srv = server
     st = Store.at(store)

@@ -14,7 +14,7 @@ A new method is a module here named as the method, with one subclass of :class:`
 when the name is first looked up (a process imports only the methods it uses).
 """
 
-from inference.methods.base import (
+from coinrag.inference.methods.base import (
     METHODS,
     Answer,
     CorruptAssets,
@@ -22,7 +22,7 @@ from inference.methods.base import (
     RagMethod,
     repair_command,
 )
-from inference.methods.engine import RagEngine
+from coinrag.inference.methods.engine import RagEngine
 
 __all__ = [
     "METHODS",

@@ -37,13 +37,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from inference.methods import MissingAssets, RagEngine
-from inference.methods.base import Answer
-from inference.server.metrics import ServerMetrics
-from inference.server.queue import Cancel, Cancelled, ModelQueue, QueueFull
-from inference.server.requests import BadRequest, QueryRequest, parse_query
-from inference.server.versions import PublishWatcher, ServedVersion, VersionHolder
-from schemas.settings import ApiSettings
+from coinrag.inference.methods import MissingAssets, RagEngine
+from coinrag.inference.methods.base import Answer
+from coinrag.inference.server.metrics import ServerMetrics
+from coinrag.inference.server.queue import Cancel, Cancelled, ModelQueue, QueueFull
+from coinrag.inference.server.requests import BadRequest, QueryRequest, parse_query
+from coinrag.inference.server.versions import PublishWatcher, ServedVersion, VersionHolder
+from coinrag.schemas.settings import ApiSettings
 
 log = logging.getLogger("coinrag.api")
 CONFIG_ENV = "COINRAG_API_CONFIG"  # the ServerConfig of `coinrag api`, as JSON, for workers
@@ -98,7 +98,7 @@ class ApiServer:
     def open(cls, config: ServerConfig) -> ApiServer:
         """Set the process's threads, load the model, embedder and store views of the methods,
         and warm them (one throwaway query per method): the first request pays no cold start."""
-        from inference.threads import set_process_threads
+        from coinrag.inference.threads import set_process_threads
 
         settings = config.api_settings()
         threads = set_process_threads(settings.threads)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.qa import BlankQuestion, require_question
-from schemas.settings import ApiSettings
+from coinrag.schemas.qa import BlankQuestion, require_question
+from coinrag.schemas.settings import ApiSettings
 
 
 class BadRequest(ValueError):

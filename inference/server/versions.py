@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from inference.methods.engine import RagEngine, VersionRefused
+from coinrag.inference.methods.engine import RagEngine, VersionRefused
 
 log = logging.getLogger("coinrag.api")
 
