@@ -292,6 +292,9 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
     rejected records) and ``failures`` (one line per kind of work that failed and that the next
     build retries, e.g. chunk texts the extractor could not answer; empty when all was built)."""
     s = BuildSettings(**(settings or {})).validate()
+    from coinrag.inference.threads import set_process_threads
+
+    set_process_threads(s.threads)  # this process's torch/BLAS pools (a served build's too)
     st = Store.at(store).init()
     run_id = new_run_id("build")
     logger = get_run_logger()

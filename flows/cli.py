@@ -27,7 +27,7 @@ from rich.markup import escape
 from coinrag.flows.cli_lists import ListOptionsCommand
 from coinrag.flows.preflight import Preflight
 from coinrag.flows.settings_options import with_settings_options
-from coinrag.schemas.settings import BuildSettings, FinetuneSettings
+from coinrag.schemas.settings import ApiSettings, BuildSettings, FinetuneSettings, RuntimeSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -203,6 +203,7 @@ def build(
 
 
 @app.command()
+@with_settings_options(RuntimeSettings, panel="Runtime settings")
 def query(
     question: Annotated[str, typer.Argument(help="The question.")],
     store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
@@ -226,13 +227,13 @@ def query(
         ),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Answer QUESTION from STORE: retrieval, KV assembly, query prefill, greedy decoding.
 
     ``--method cartridge`` retrieves --k documents and answers from their trained cartridges.
     """
-    import json
-
     from coinrag.flows import preflight
     from coinrag.schemas.qa import BlankQuestion, require_question
     from coinrag.schemas.settings import LOCAL_STORE_METHODS, RAG_METHODS
@@ -249,6 +250,9 @@ def query(
     if model is not None:
         _check(preflight.model, model)
 
+    from coinrag.inference.threads import set_process_threads
+
+    set_process_threads(RuntimeSettings(**_given(overrides)).threads)
     from coinrag.inference.methods import MissingAssets, RagEngine
 
     doc_ids = [oracle_doc] if oracle_doc else None
@@ -260,7 +264,7 @@ def query(
     except (MissingAssets, LookupError, ValueError) as exc:
         _fail(str(exc), 1)
     if json_out:
-        print(json.dumps(result.to_json(), ensure_ascii=False))
+        print(result.to_json_text())
         return
     out = Console()
     out.print(result.answer, style="bold", markup=False, highlight=False)
@@ -283,7 +287,84 @@ def _evidence_line(e: dict[str, Any]) -> str:
     )
 
 
+@app.command(cls=ListOptionsCommand)
+@with_settings_options(ApiSettings, panel="Server settings")
+def api(
+    store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Server processes (each loads the model once).")
+    ] = 1,
+    methods: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--methods",
+            help="Methods served (default: coinrag turborag standard): --methods coinrag",
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Generation model (default: the store's).")
+    ] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option(min=1, help="A request's max_new_tokens when it gives none.")
+    ] = 32,
+    config: Annotated[
+        Path | None, typer.Option(help="TOML file with an \\[api] table of the server settings.")
+    ] = None,
+    *,
+    overrides: dict[str, Any],
+) -> None:
+    """Serve STORE over HTTP: POST /query (and streaming), GET /health, GET /metrics.
+
+    Loads the model, embedder, index and KV readers once and warms them; follows every version
+    a build, delete or gc publishes (in-flight requests finish on theirs). Runs until Ctrl-C.
+    """
+    from coinrag.flows import preflight
+    from coinrag.schemas.settings import (
+        DEFAULT_RAG_METHODS,
+        RAG_METHODS,
+        SettingsError,
+        load_api_settings,
+    )
+
+    bad = [m for m in methods or [] if m not in RAG_METHODS]
+    if bad:
+        _fail(f"--methods {' '.join(bad)}: not among {', '.join(RAG_METHODS)}", 2)
+    try:
+        settings = load_api_settings(config, overrides)
+    except SettingsError as exc:
+        _fail(str(exc), 2)
+    _check(preflight.built_store, store)
+    if model is not None:
+        _check(preflight.model, model)
+    import dataclasses
+    import logging
+
+    from coinrag.inference.methods import MissingAssets
+    from coinrag.inference.server.app import LOG_FORMAT, ServerConfig, serve
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    served = ServerConfig(
+        store=str(store),
+        model=model,
+        methods=tuple(dict.fromkeys(methods or DEFAULT_RAG_METHODS)),
+        max_new_tokens=max_new_tokens,
+        settings=dataclasses.asdict(settings),
+    )
+    try:
+        serve(served, host, port, workers)
+    except (MissingAssets, LookupError, ValueError) as exc:
+        _fail(str(exc), 1)
+
+
+def _given(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The generated options that were given (``None``: not given)."""
+    return {name: value for name, value in overrides.items() if value is not None}
+
+
 @app.command("eval", cls=ListOptionsCommand)
+@with_settings_options(RuntimeSettings, panel="Runtime settings")
 def eval_cmd(
     questions: Annotated[
         Path,
@@ -316,6 +397,8 @@ def eval_cmd(
             help="Only recall of gold documents (chunks, two-stage, one-stage): no model, no KV.",
         ),
     ] = False,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Answer QUESTIONS with each method and (kc, k); write results.parquet, per-question rows,
     best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens).
@@ -337,6 +420,9 @@ def eval_cmd(
     _check(preflight.output_folder, out, "--out")
     _check(preflight.built_store, store)
 
+    from coinrag.inference.threads import set_process_threads
+
+    set_process_threads(RuntimeSettings(**_given(overrides)).threads)
     from coinrag.inference.evaluate import evaluate
 
     if retrieval_only:

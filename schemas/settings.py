@@ -79,6 +79,20 @@ def setting(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def threads_setting() -> Any:
+    """The ``threads`` setting (one declaration, a field of each settings class that runs
+    models): torch's and the BLAS/OpenMP pools' threads, set once per process
+    (``inference/threads.py``; 0 = auto: 1 on at most 2 usable CPUs, else min(physical cores,
+    4))."""
+    return setting(
+        0,
+        "Threads of torch and the BLAS/OpenMP pools (default 0: auto = 1 on a machine with at "
+        "most 2 usable CPUs, else min(physical cores, 4)).",
+        cli=True,
+        min=0,
+    )
+
+
 @dataclass(frozen=True)
 class BuildSettings:
     """Everything that decides what a build produces (plus how hard it may push an endpoint).
@@ -163,6 +177,7 @@ class BuildSettings:
     kv_verify: str = "crc32c"  # crc32c (every block of reused entries) | stat | sha256
     kv_space_check: bool = True  # refuse a build whose new KV does not fit on the store's disk
     kv_min_free_bytes: int = 0  # bytes the new KV must leave free on that disk
+    threads: int = threads_setting()  # of the build process (never changes what is built)
 
     def resolved_extractor(self) -> str:
         """The extractor to use: the setting, else openai when a key is set, else local."""
@@ -210,6 +225,8 @@ class BuildSettings:
             )
         if self.kv_min_free_bytes < 0:
             raise SettingsError(f"kv_min_free_bytes must be >= 0, got {self.kv_min_free_bytes}")
+        if self.threads < 0:
+            raise SettingsError(f"threads must be >= 0 (0: auto), got {self.threads}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -278,6 +295,81 @@ def settings_from_toml(
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return BuildSettings(**values).validate()
+    except TypeError as exc:
+        raise SettingsError(str(exc)) from exc
+
+
+# ---------------------------------------------------------------------------- answering
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How a reading process computes (``coinrag query``, ``coinrag eval``): options generated
+    from the ``cli=True`` fields."""
+
+    threads: int = threads_setting()
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """The query server (``coinrag api``, ``inference/server/``): options generated from the
+    ``cli=True`` fields; ``--config FILE`` reads an ``[api]`` table of the same names.
+
+    Requests are answered one at a time per worker process (the model's rotary state and the
+    CPU are shared); up to ``queue_limit`` more wait in its queue, and one past that is
+    answered 503 with ``Retry-After``.
+    """
+
+    threads: int = threads_setting()
+    queue_limit: int = setting(
+        16, "Requests waiting for the model at most; more get 503 (default {default}).", cli=True
+    )
+    poll_interval: float = setting(
+        1.0,
+        "Seconds between checks of the store's published version (default {default}).",
+        cli=True,
+    )
+    max_body_bytes: int = 65536  # larger request bodies get 413
+    max_question_chars: int = 4096  # longer questions get 422
+    max_kc: int = 64  # chunks retrieved in stage 1 at most
+    max_k: int = 256  # nuggets (documents) at most
+    max_new_tokens: int = 512  # answer tokens a request may ask for at most
+    retry_after_s: int = 1  # Retry-After of a 503
+
+    def validate(self) -> ApiSettings:
+        for name in ("queue_limit", "max_body_bytes", "max_question_chars", "max_kc", "max_k"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.poll_interval <= 0:
+            raise SettingsError(f"poll_interval must be > 0, got {self.poll_interval}")
+        if self.threads < 0:
+            raise SettingsError(f"threads must be >= 0 (0: auto), got {self.threads}")
+        return self
+
+
+def load_api_settings(
+    config_path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+) -> ApiSettings:
+    """Defaults, then the ``[api]`` table of a TOML file, then non-None ``overrides``."""
+    table: dict[str, Any] = {}
+    if config_path is not None:
+        path = Path(config_path)
+        try:
+            table = tomllib.loads(path.read_text(encoding="utf-8")).get("api", {})
+        except FileNotFoundError as exc:
+            raise SettingsError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {path} is not valid TOML: {exc}") from exc
+        known = [f.name for f in dataclasses.fields(ApiSettings)]
+        unknown = sorted(set(table) - set(known))
+        if unknown:
+            raise SettingsError(
+                f"config file {path}: unknown [api] setting(s) {', '.join(unknown)}; "
+                f"known: {', '.join(known)}"
+            )
+    values = {**table, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    try:
+        return ApiSettings(**values).validate()
     except TypeError as exc:
         raise SettingsError(str(exc)) from exc
 

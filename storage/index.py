@@ -194,13 +194,16 @@ class LanceIndex:
         self.store.write_bytes_atomic(path, self.meta.to_json().encode("utf-8"))
 
     @classmethod
-    def open(cls, store: Store) -> LanceIndex:
+    def open(cls, store: Store, published: dict[str, Any] | None = None) -> LanceIndex:
         """Open the published index for searching; :class:`IndexNotBuilt` if there is none.
 
         The tables are checked out at the versions the last completed build (or deletion)
-        published; a store that never published anything is read at its latest versions.
+        published (``published``: that ``[published]`` record, as read once by the caller;
+        default: read now); a store that never published anything is read at its latest
+        versions.
         """
-        published = store.published()
+        if published is None:
+            published = store.published()
         if published is not None:
             state = published.get("index")
             if not state:

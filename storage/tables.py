@@ -19,15 +19,17 @@ import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePath
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from coinrag.schemas.tables import TABLES, arrow_schema, table_name
 from coinrag.storage.store import Store, safe_component
+
+if TYPE_CHECKING:  # imported where used: readers of rows (a query) never pay for DuckDB
+    import duckdb
 
 R = TypeVar("R")
 
@@ -194,6 +196,8 @@ def connect_duckdb(store: Store, tables: Iterable[str] | None = None) -> duckdb.
     (``con.register``) stay readable. On an object store the files are read through the
     store's fsspec filesystem, registered before the lock.
     """
+    import duckdb
+
     con = duckdb.connect(":memory:")
     if not store.is_local:
         con.register_filesystem(store.fs)  # DuckDB reads s3:// paths through s3fs

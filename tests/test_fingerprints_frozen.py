@@ -178,6 +178,7 @@ BUILD_SETTINGS = {
     "kv_verify": "crc32c",
     "kv_space_check": True,
     "kv_min_free_bytes": 0,
+    "threads": 0,  # how many threads the build computes with (never what it builds)
 }
 
 

@@ -9,11 +9,11 @@
 - the methods: ``coinrag.py``, ``turborag.py`` (both ``kv_reuse.py``), ``standard.py``,
   ``cartridge.py``.
 
-A new method is a module here with one subclass of :class:`RagMethod` (``name=...``), imported
-below, and its name in ``schemas.settings.RAG_METHODS``.
+A new method is a module here named as the method, with one subclass of :class:`RagMethod`
+(``name=...``), and its name in ``schemas.settings.RAG_METHODS``; ``METHODS`` imports the module
+when the name is first looked up (a process imports only the methods it uses).
 """
 
-from coinrag.inference.methods import cartridge, coinrag, standard, turborag
 from coinrag.inference.methods.base import (
     METHODS,
     Answer,
@@ -31,9 +31,5 @@ __all__ = [
     "MissingAssets",
     "RagEngine",
     "RagMethod",
-    "cartridge",
-    "coinrag",
     "repair_command",
-    "standard",
-    "turborag",
 ]

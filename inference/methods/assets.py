@@ -38,7 +38,10 @@ class Index(Asset[Retriever]):
         embedder = engine.embedder
         if isinstance(embedder, str):
             embedder = load_embedder(embedder)
-        return Retriever(engine.store, embedder)
+        from coinrag.storage.index import LanceIndex
+
+        index = LanceIndex.open(engine.store, engine.published)
+        return Retriever(engine.store, embedder, index)
 
 
 class ChunkTokenIds(Asset[ChunkTokens]):

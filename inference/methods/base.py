@@ -1,7 +1,8 @@
 """One interface for every RAG method: :class:`RagMethod`, its registry, and what it returns.
 
 A method is a subclass of :class:`RagMethod` registered by name (``class CoinRag(KvReuseMethod,
-name="coinrag")`` fills ``METHODS["coinrag"]``; ``schemas.settings.RAG_METHODS`` lists the same
+name="coinrag")`` in ``inference/methods/coinrag.py`` fills ``METHODS["coinrag"]``, imported on
+first look-up: :class:`MethodRegistry`; ``schemas.settings.RAG_METHODS`` lists the same
 names for the CLI, which checks them before anything loads). A method declares
 
 - ``needs``: the :class:`Asset` kinds it reads (the index, chunk token ids, stored chunk KV,
@@ -25,12 +26,14 @@ token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib import import_module
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from coinrag.inference.generate import Generation
 from coinrag.inference.prompt import require_question
+from coinrag.schemas.settings import RAG_METHODS
 from coinrag.storage.kv import CorruptKvEntry
 from coinrag.storage.store import Store
 
@@ -95,6 +98,13 @@ class Answer:
         out.pop("token_ids")
         return out
 
+    def to_json_text(self) -> str:
+        """The one JSON text of an answer (``coinrag query --json`` prints it, ``coinrag api``
+        answers it)."""
+        import json
+
+        return json.dumps(self.to_json(), ensure_ascii=False)
+
 
 class Asset(Generic[T]):
     """A kind of store asset methods read, loaded at most once per engine (:meth:`load`) and
@@ -127,7 +137,42 @@ class Retrieval(ABC):
         the time it took; ``doc_ids``: only these documents (an oracle's gold documents)."""
 
 
-METHODS: dict[str, type[RagMethod]] = {}  # name -> class, filled by subclassing
+class MethodRegistry(Mapping[str, "type[RagMethod]"]):
+    """``name -> RagMethod subclass``, filled by subclassing. The names are
+    ``schemas.settings.RAG_METHODS``; a method's module, ``inference/methods/<name>.py``, is
+    imported when its name is first looked up, so a process imports only the methods it uses
+    (``coinrag query --method standard`` never imports the cartridge code). ``in`` imports
+    nothing; iterating imports every method."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, type[RagMethod]] = {}
+
+    def register(self, name: str, cls: type[RagMethod]) -> None:
+        if name in self._classes:
+            raise ValueError(f"two RAG methods named {name!r}")
+        self._classes[name] = cls
+
+    def __delitem__(self, name: str) -> None:  # a probe subclass of a test, unregistered
+        del self._classes[name]
+
+    def __getitem__(self, name: str) -> type[RagMethod]:
+        if name not in self._classes and name in RAG_METHODS:
+            import_module(f"{__package__}.{name}")  # this package, whatever it is named
+        return self._classes[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes or name in RAG_METHODS
+
+    def __iter__(self) -> Iterator[str]:
+        for name in RAG_METHODS:
+            self[name]
+        return iter(dict(self._classes))
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+METHODS = MethodRegistry()
 
 
 class RagMethod(ABC):
@@ -146,10 +191,8 @@ class RagMethod(ABC):
     def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if name is not None:
-            if name in METHODS:
-                raise ValueError(f"two RAG methods named {name!r}")
+            METHODS.register(name, cls)
             cls.name = name
-            METHODS[name] = cls
 
     def __init__(self, engine: RagEngine) -> None:
         self.engine = engine

@@ -55,9 +55,13 @@ class RagEngine:
         model_ref: str | None = None,
         kv_dtype: str | None = None,
         kv_codec: str | None = None,
+        published: dict[str, Any] | None = None,
     ) -> None:
-        """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting)."""
+        """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting);
+        ``published``: the store's ``[published]`` record this engine reads (its index versions;
+        default: the one published when the index first loads)."""
         self.store = store
+        self.published = published
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -95,7 +99,8 @@ class RagEngine:
         store = Store.at(store_path)
         if not store.exists():
             raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
-        settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
+        toml = store.read_toml()  # read once: the settings and the published version agree
+        settings = settings_from_toml(toml, store.uri(store.settings_path))
         kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
         ref = model or settings.model
         first = METHODS[methods[0]].model_dtype(kv_dtype, settings.device)
@@ -109,7 +114,78 @@ class RagEngine:
             model_ref=ref,
             kv_dtype=kv_dtype,
             kv_codec=settings.kv_codec,
+            published=toml.get("published"),
         )
+
+    def reopen(self, toml: dict[str, Any] | None = None) -> RagEngine:
+        """A new engine on the store's version now published (``toml``: ``coinrag.toml`` as
+        already read), sharing this engine's models, embedder and prompt (only the store views
+        are new: the index at the new versions, the KV manifest, chunk tokens). Opens the same
+        methods, so every asset loads now. :class:`VersionRefused` when the version needs
+        another model than the one loaded (another ``model``, ``kv_dtype`` or embedder, or no
+        KV for this model); the message names both."""
+        from coinrag.inference.kv_dtype import resolve_kv_dtype
+        from coinrag.schemas.settings import settings_from_toml
+
+        toml = self.store.read_toml() if toml is None else toml
+        settings = settings_from_toml(toml, self.store.uri(self.store.settings_path))
+        kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
+        run_id = (toml.get("published") or {}).get("run_id", "")
+        if kv_dtype != self.kv_dtype:
+            raise VersionRefused(
+                f"published run {run_id} has KV in {kv_dtype}; the served model computes in "
+                f"{self.kv_dtype}: restart the server to serve it"
+            )
+        index = (toml.get("published") or {}).get("index") or {}
+        embedder_fp = getattr(self._embedder_loaded(), "fingerprint", None)
+        if embedder_fp and index.get("embedder_fp") not in (None, embedder_fp):
+            raise VersionRefused(
+                f"published run {run_id} was embedded by {index['embedder_fp']}; the served "
+                f"embedder is {embedder_fp}: restart the server to serve it"
+            )
+        engine = RagEngine.__new__(RagEngine)
+        engine.__dict__.update(self.__dict__)
+        engine.published = toml.get("published")
+        engine.kv_codec = settings.kv_codec
+        engine._assets = {}
+        engine.methods = {}
+        engine.embedder = self._embedder_loaded()
+        try:
+            for name in self.methods:
+                engine.method(name)
+        except MissingAssets as exc:
+            raise VersionRefused(f"published run {run_id}: {exc}") from exc
+        return engine
+
+    def _embedder_loaded(self) -> Embedder | str:
+        """The loaded embedder (the index's retriever's), else the reference."""
+        retriever = self._assets.get(Index)
+        return retriever.embedder if retriever is not None else self.embedder
+
+    def fingerprints(self) -> dict[str, str]:
+        """What this engine serves: the model's, its KV's and the index's embedder's
+        fingerprints (those of assets loaded so far), with the KV dtype and codec."""
+        from coinrag.inference.methods.assets import StoredKv
+
+        out = {"model_fp": self.loaded.model_fp, "kv_dtype": self.kv_dtype}
+        out["kv_codec"] = self.kv_codec
+        kv = self._assets.get(StoredKv)
+        if kv is not None:
+            out["kv_fp"] = kv.kv.kv_fp
+        retriever = self._assets.get(Index)
+        if retriever is not None:
+            out["embedder_fp"] = retriever.embedder.fingerprint
+        return out
+
+    def close(self) -> None:
+        """Drop this engine's store views (index tables, KV readers, chunk tokens); the models
+        stay (another engine may share them). The engine answers nothing afterwards."""
+        for asset in self._assets.values():
+            closer = getattr(asset, "close", None)
+            if callable(closer):
+                closer()
+        self._assets.clear()
+        self.methods.clear()
 
     # ------------------------------------------------------------------ what methods share
 
@@ -170,6 +246,11 @@ class RagEngine:
     ) -> Answer:
         """Answer from given retrieval results (evidence in assembly order)."""
         return self.method(method).run(question, retrieval, kc, k, on_token)
+
+
+class VersionRefused(MissingAssets):
+    """A published version the loaded model cannot serve (another KV dtype, embedder, or no KV
+    for this model): the server keeps serving the version it has."""
 
 
 def _check_names(methods: Sequence[str]) -> None:

@@ -1,0 +1,379 @@
+"""The query server: one warm :class:`~inference.methods.RagEngine` per published version of
+the store, behind FastAPI on uvicorn (``coinrag api``, ``flows/cli.py``).
+
+Endpoints:
+
+- ``POST /query``: ``{"question", "method", "kc", "k", "max_new_tokens", "oracle_doc",
+  "stream"}`` (the options of ``coinrag query``, same defaults); answers the JSON ``coinrag query
+  --json`` prints (:meth:`~inference.methods.base.Answer.to_json_text`), with the published
+  run it was answered from in the header ``X-Coinrag-Run-Id``. ``"stream": true`` (or ``POST
+  /query/stream``) answers server-sent events instead: ``event: token`` per answer token as it
+  is decoded (``{"index", "token_id", "text"}``: ``text`` is what the token adds to the
+  decoded answer; the first one is sent at TTFT), then one ``event: answer`` with the full
+  answer JSON (or ``event: error`` with ``{"error", "status"}``).
+- ``GET /health``: the run served, its ``[published]`` record and fingerprints, the queue.
+- ``GET /metrics``: Prometheus text (``inference/server/metrics.py``).
+
+Errors are JSON ``{"error": "..."}``: 400 (not a JSON object), 413 (body over
+``max_body_bytes``), 422 (blank or over-long question, method not served, kc/k/max_new_tokens
+out of range, unknown field), 503 + ``Retry-After`` (queue full: ``inference/server/queue.py``),
+500 (an answer that failed, e.g. a corrupt KV entry: the message names it). A client that
+disconnects stops its generation at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from coinrag.inference.methods import MissingAssets, RagEngine
+from coinrag.inference.methods.base import Answer
+from coinrag.inference.server.metrics import ServerMetrics
+from coinrag.inference.server.queue import Cancel, Cancelled, ModelQueue, QueueFull
+from coinrag.inference.server.requests import BadRequest, QueryRequest, parse_query
+from coinrag.inference.server.versions import PublishWatcher, ServedVersion, VersionHolder
+from coinrag.schemas.settings import ApiSettings
+
+log = logging.getLogger("coinrag.api")
+CONFIG_ENV = "COINRAG_API_CONFIG"  # the ServerConfig of `coinrag api`, as JSON, for workers
+RUN_HEADER = "X-Coinrag-Run-Id"
+WARM_QUESTION = "What is this about?"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What ``coinrag api`` serves: the store, the model (None: the store's), the methods
+    opened at start, the default ``max_new_tokens`` of a request, and the API settings."""
+
+    store: str
+    model: str | None = None
+    methods: tuple[str, ...] = ("coinrag", "turborag", "standard")
+    max_new_tokens: int = 32
+    settings: dict[str, Any] | None = None
+
+    def api_settings(self) -> ApiSettings:
+        return ApiSettings(**(self.settings or {})).validate()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerConfig:
+        data = json.loads(text)
+        data["methods"] = tuple(data["methods"])
+        return cls(**data)
+
+
+class ApiServer:
+    """What one server process holds: the served versions, the model thread and its queue,
+    the metrics, the publish watcher."""
+
+    def __init__(self, config: ServerConfig, engine: RagEngine) -> None:
+        self.config = config
+        self.settings = config.api_settings()
+        self.methods: tuple[str, ...] = tuple(engine.methods)
+        self.metrics = ServerMetrics()
+        self.queue = ModelQueue(self.settings.queue_limit)
+        self.warm(engine)
+        self.holder = VersionHolder(
+            ServedVersion(engine), lambda v: self.metrics.serve_run(v.run_id)
+        )
+        self.watcher = PublishWatcher(
+            self.holder, self.settings.poll_interval, self.warm, self._refused
+        )
+
+    @classmethod
+    def open(cls, config: ServerConfig) -> ApiServer:
+        """Set the process's threads, load the model, embedder and store views of the methods,
+        and warm them (one throwaway query per method): the first request pays no cold start."""
+        from coinrag.inference.threads import set_process_threads
+
+        settings = config.api_settings()
+        threads = set_process_threads(settings.threads)
+        started = time.perf_counter()
+        engine = RagEngine.open(
+            config.store,
+            model=config.model,
+            max_new_tokens=config.max_new_tokens,
+            methods=config.methods,
+        )
+        server = cls(config, engine)
+        log.info(
+            "loaded and warmed %s (run %s, %s) in %.1f s, %d thread(s)",
+            config.store,
+            server.holder.current.run_id or "-",
+            ", ".join(server.methods),
+            time.perf_counter() - started,
+            threads,
+        )
+        return server
+
+    def _refused(self, message: str) -> None:
+        self.metrics.refusals.inc()
+
+    def warm(self, engine: RagEngine) -> None:
+        """One throwaway query per method, on the model thread (the indexes' first search, the
+        KV manifest and readers, the model's first forwards)."""
+
+        def run() -> None:
+            saved = engine.max_new_tokens
+            engine.max_new_tokens = 2
+            try:
+                for method in engine.methods:
+                    engine.answer(WARM_QUESTION, method)
+            finally:
+                engine.max_new_tokens = saved
+
+        self.queue.submit(run, force=True).result()
+
+    def health(self) -> dict[str, Any]:
+        version = self.holder.current
+        return {
+            "status": "ok",
+            "store": self.config.store,
+            "run_id": version.run_id,
+            "published": version.published,
+            "fingerprints": version.engine.fingerprints(),
+            "methods": list(self.methods),
+            "queue": {"admitted": self.queue.admitted, "limit": self.queue.limit},
+            "versions_held": 1 + len(self.holder.retired_open),
+            "pid": os.getpid(),
+        }
+
+    def answer_job(
+        self, version: ServedVersion, req: QueryRequest, cancel: Cancel, emit: Callable | None
+    ) -> Answer:
+        """Runs on the model thread: answer ``req`` on ``version`` (released at the end)."""
+        try:
+            cancel.check()  # the client left while the request waited
+            engine = version.engine
+            engine.max_new_tokens = req.max_new_tokens  # only the model thread calls engines
+            tokenizer = engine.tokenizer
+            ids: list[int] = []
+            said = [""]
+
+            def on_token(token_id: int) -> None:
+                cancel.check()
+                if emit is not None:
+                    ids.append(token_id)
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    delta, said[0] = text[len(said[0]) :], text
+                    emit({"index": len(ids) - 1, "token_id": token_id, "text": delta})
+
+            return engine.answer(
+                req.question, req.method, kc=req.kc, k=req.k, doc_ids=req.doc_ids, on_token=on_token
+            )
+        finally:
+            self.holder.release(version)
+
+    def admit(
+        self, req: QueryRequest, cancel: Cancel, emit: Callable | None = None
+    ) -> tuple[ServedVersion, Any]:
+        """Take the current version and queue the answer; :class:`QueueFull` past the limit."""
+        version = self.holder.acquire()
+        try:
+            future = self.queue.submit(self.answer_job, version, req, cancel, emit)
+        except BaseException:
+            self.holder.release(version)
+            raise
+        return version, future
+
+    def start(self) -> None:
+        self.watcher.start()
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        self.queue.shutdown()
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _failure(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and message of an answer that raised."""
+    if isinstance(exc, Cancelled):
+        return 499, str(exc)
+    if isinstance(exc, MissingAssets):
+        return 500, str(exc)
+    if isinstance(exc, (ValueError, LookupError)):  # e.g. an unknown oracle_doc
+        return 422, str(exc)
+    log.error("answer failed", exc_info=exc)
+    return 500, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit + 1`` bytes read (enough to refuse an oversized one)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(413, f"request body over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(413, f"request body over {limit} bytes")
+    return b"".join(chunks)
+
+
+def _sse(event: str, data: str) -> bytes:
+    return f"event: {event}\ndata: {data}\n\n".encode()
+
+
+def create_app(server: ApiServer) -> FastAPI:
+    """The FastAPI app of ``server`` (its watcher runs while the app does)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.start()
+        try:
+            yield
+        finally:
+            server.stop()
+
+    app = FastAPI(title="coinrag", lifespan=lifespan)
+    metrics = server.metrics
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error", exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(server.health())
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        metrics.queue_depth.set(server.queue.admitted)
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def handle(request: Request, endpoint: str, force_stream: bool) -> Response:
+        try:
+            body = await _read_body(request, server.settings.max_body_bytes)
+            req = parse_query(body, server.settings, server.methods, server.config.max_new_tokens)
+        except BadRequest as exc:
+            metrics.requests.labels(endpoint, "-", str(exc.status)).inc()
+            return _error(exc.status, str(exc))
+        stream = force_stream or req.stream
+        endpoint = "stream" if stream else endpoint
+        started = time.perf_counter()
+        cancel = Cancel()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def emit(data: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ("token", data))
+
+        try:
+            version, future = server.admit(req, cancel, emit if stream else None)
+        except QueueFull as exc:
+            metrics.requests.labels(endpoint, req.method, "503").inc()
+            retry = str(server.settings.retry_after_s)
+            return _error(503, f"server busy: {exc}; retry later", {"Retry-After": retry})
+        headers = {RUN_HEADER: version.run_id}
+        done = asyncio.wrap_future(future)
+
+        outcome: dict[str, Any] = {}
+
+        def finished(_: Any = None) -> tuple[int, Answer | str]:
+            """The status and answer (or message), counted in the metrics once: when the job
+            ends, whether or not a client is still there to read it."""
+            if not outcome:
+                exc = done.exception()
+                if exc is None:
+                    answer = done.result()
+                    metrics.answered(req.method, answer.timings, time.perf_counter() - started)
+                    outcome["result"] = (200, answer)
+                else:
+                    outcome["result"] = _failure(exc)
+                    if outcome["result"][0] == 499:
+                        metrics.cancelled.inc()
+                status = str(outcome["result"][0])
+                metrics.requests.labels(endpoint, req.method, status).inc()
+            return outcome["result"]
+
+        done.add_done_callback(finished)
+        if not stream:
+            while not done.done():
+                await asyncio.wait({done}, timeout=0.2)
+                if not done.done() and await request.is_disconnected():
+                    cancel.set()  # the job stops at its next token
+            status, result = finished()
+            if isinstance(result, Answer):
+                return Response(
+                    result.to_json_text(), media_type="application/json", headers=headers
+                )
+            return _error(status, result, headers)
+
+        done.add_done_callback(lambda _: events.put_nowait(("done", None)))
+
+        async def events_body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    kind, data = await events.get()
+                    if kind == "token":
+                        yield _sse("token", json.dumps(data, ensure_ascii=False))
+                        continue
+                    status, result = finished()
+                    if isinstance(result, Answer):
+                        yield _sse("answer", result.to_json_text())
+                    else:
+                        payload = {"error": result, "status": status}
+                        yield _sse("error", json.dumps(payload, ensure_ascii=False))
+                    return
+            finally:
+                cancel.set()  # a client gone mid-stream: stop at the next token
+
+        return StreamingResponse(
+            events_body(),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache"},
+        )
+
+    @app.post("/query")
+    async def query(request: Request) -> Response:
+        return await handle(request, "query", False)
+
+    @app.post("/query/stream")
+    async def query_stream(request: Request) -> Response:
+        return await handle(request, "stream", True)
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """The app of the :class:`ServerConfig` in ``$COINRAG_API_CONFIG`` (uvicorn's factory in
+    each worker process of ``coinrag api``)."""
+    if not logging.getLogger().handlers:  # a worker process: log as `coinrag api` does
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    config = ServerConfig.from_json(os.environ[CONFIG_ENV])
+    return create_app(ApiServer.open(config))
+
+
+def serve(config: ServerConfig, host: str, port: int, workers: int) -> None:
+    """Run uvicorn: ``workers`` processes, each loading and warming before it listens."""
+    import uvicorn
+
+    options: dict[str, Any] = dict(host=host, port=port, timeout_graceful_shutdown=30)
+    if workers == 1:  # load here: a store that cannot be served fails before the port opens
+        uvicorn.run(create_app(ApiServer.open(config)), **options)
+        return
+    os.environ[CONFIG_ENV] = config.to_json()
+    uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **options)

@@ -1,0 +1,109 @@
+"""`coinrag api` as users start it (a subprocess on a free port, stopped with Ctrl-C), its
+one-line errors, and the ``threads`` setting every model-running command takes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from api_harness import free_port
+from typer.testing import CliRunner
+
+from coinrag.flows.cli import app
+from coinrag.inference import threads
+
+COINRAG = str(Path(sys.executable).with_name("coinrag"))
+
+
+def test_coinrag_api_serves_the_sample_store_until_ctrl_c(sample_store: Path) -> None:
+    port = free_port()
+    cmd = [COINRAG, "api", "--store", str(sample_store), "--port", str(port), "--threads", "1"]
+    cmd += ["--methods", "coinrag", "--max-new-tokens", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, server.stdout.read().decode()
+            assert time.monotonic() < deadline, "coinrag api never answered /health"
+            try:
+                health = httpx.get(f"{base}/health", timeout=5)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert health.json()["methods"] == ["coinrag"]
+        body = {"question": "Who directed 2001: A Space Odyssey?"}
+        answer = httpx.post(f"{base}/query", json=body, timeout=300).json()
+        assert answer["method"] == "coinrag" and answer["evidence"]
+        assert 1 <= len(answer["answer"].split()) and answer["timings"]["ttft"] > 0
+        bad = httpx.post(f"{base}/query", json={**body, "method": "turborag"}, timeout=60)
+        assert bad.status_code == 422 and "not served" in bad.json()["error"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            code = server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    output = server.stdout.read().decode()
+    assert code == 0, output
+    assert "loaded and warmed" in output and "Shutting down" in output
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["--store", "/nonexistent/store"], 1, "/nonexistent/store"),
+        (["--store", "STORE", "--queue-limit", "0"], 2, "queue_limit must be >= 1"),
+        (["--store", "STORE", "--threads", "-1"], 2, "greater than or equal to 0"),
+        (["--store", "STORE", "--methods", "nope"], 2, "--methods nope"),
+        (["--store", "STORE", "--port", "0"], 2, "--port"),
+    ],
+)
+def test_coinrag_api_errors_are_one_line(tmp_path: Path, args, code, says) -> None:
+    (tmp_path / "store").mkdir()
+    args = [str(tmp_path / "store") if a == "STORE" else a for a in args]
+    result = CliRunner().invoke(app, ["api", *args])
+    assert result.exit_code == code, result.output
+    assert says in result.output
+
+
+def test_threads_default_holds_on_shared_cores(monkeypatch) -> None:
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 2)
+    assert threads.resolve_threads(0) == 1
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 8)
+    assert threads.resolve_threads(0) == 4
+    monkeypatch.setattr(threads, "physical_cores", lambda: 3)
+    assert threads.resolve_threads(0) == 3
+    assert threads.resolve_threads(6) == 6
+    with pytest.raises(ValueError):
+        threads.resolve_threads(-1)
+
+
+def test_set_process_threads_sets_torch_and_the_pools(monkeypatch) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    for name in threads.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    try:
+        assert threads.set_process_threads(2) == 2
+        assert torch.get_num_threads() == 2
+        assert all(os.environ[name] == "2" for name in threads.ENV_VARS)
+    finally:
+        threads.set_process_threads(before)
+
+
+def test_threads_is_an_option_of_build_query_eval_and_api() -> None:
+    for command in (["build"], ["query"], ["eval"], ["api"]):
+        result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+        assert "--threads" in result.output, command
