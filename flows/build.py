@@ -142,6 +142,7 @@ def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) ->
         batch_size=settings.kv_batch_size,
         progress=progress,
         check=settings.kv_verify,
+        kv_codec=settings.kv_codec,
     )
     return {"model_fp": loaded.model_fp, "kv_dtype": kv_dtype.dtype, **counts.as_dict()}
 

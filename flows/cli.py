@@ -27,7 +27,7 @@ from rich.markup import escape
 from flows.cli_lists import ListOptionsCommand
 from flows.preflight import Preflight
 from flows.settings_options import with_settings_options
-from schemas.settings import BuildSettings
+from schemas.settings import BuildSettings, FinetuneSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -210,14 +210,20 @@ def query(
         str, typer.Option(help="coinrag | turborag | standard | cartridge")
     ] = "coinrag",
     kc: Annotated[int, typer.Option(min=1, help="Chunks retrieved in stage 1.")] = 4,
-    k: Annotated[int, typer.Option(min=1, help="Nuggets retrieved in stage 2 (coinrag).")] = 10,
+    k: Annotated[
+        int,
+        typer.Option(min=1, help="Nuggets retrieved in stage 2 (coinrag); documents (cartridge)."),
+    ] = 10,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Upper bound on answer tokens.")] = 32,
     model: Annotated[
         str | None, typer.Option(help="Generation model (default: the store's).")
     ] = None,
     oracle_doc: Annotated[
         str | None,
-        typer.Option(help="cartridge only: answer with this document's cartridge (oracle mode)."),
+        typer.Option(
+            help="Oracle mode: answer from this document only (cartridge: its cartridge; the "
+            "others: retrieval among its chunks)."
+        ),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -229,28 +235,28 @@ def query(
 
     from flows import preflight
     from schemas.qa import BlankQuestion, require_question
-    from schemas.settings import RAG_METHODS
+    from schemas.settings import LOCAL_STORE_METHODS, RAG_METHODS
 
-    if method not in (*RAG_METHODS, "cartridge"):
-        _fail(f"--method {method!r} is not one of {', '.join(RAG_METHODS)}, cartridge", 2)
+    if method not in RAG_METHODS:
+        _fail(f"--method {method!r} is not one of {', '.join(RAG_METHODS)}", 2)
     try:
         require_question(question)
     except BlankQuestion as exc:
         _fail(str(exc), 2)
-    if method == "cartridge":
-        _require_local(store, "query --method cartridge")
+    if method in LOCAL_STORE_METHODS:
+        _require_local(store, f"query --method {method}")
     _check(preflight.built_store, store)
     if model is not None:
         _check(preflight.model, model)
 
     from inference.methods import MissingAssets, RagEngine
 
+    doc_ids = [oracle_doc] if oracle_doc else None
     try:
-        if method == "cartridge":
-            result = _cartridge_answer(str(store), question, k, oracle_doc, model, max_new_tokens)
-        else:
-            engine = RagEngine.open(str(store), model=model, max_new_tokens=max_new_tokens)
-            result = engine.answer(question, method=method, kc=kc, k=k)
+        engine = RagEngine.open(
+            str(store), model=model, max_new_tokens=max_new_tokens, methods=[method]
+        )
+        result = engine.answer(question, method, kc=kc, k=k, doc_ids=doc_ids)
     except (MissingAssets, LookupError, ValueError) as exc:
         _fail(str(exc), 1)
     if json_out:
@@ -290,7 +296,10 @@ def eval_cmd(
     out: Annotated[Path, typer.Option("--out", help="Folder for results, plots.")],
     methods: Annotated[
         list[str] | None,
-        typer.Option("--methods", help="Methods (default: all three): --methods coinrag standard"),
+        typer.Option(
+            "--methods",
+            help="Methods (default: coinrag turborag standard): --methods coinrag cartridge",
+        ),
     ] = None,
     kc: Annotated[
         list[int] | None, typer.Option("--kc", min=1, help="kc values to sweep: --kc 1 2 4")
@@ -314,11 +323,13 @@ def eval_cmd(
     The report is printed on stdout, progress on stderr."""
     from flows import preflight
     from schemas.qa import QuestionsError, load_questions
-    from schemas.settings import RAG_METHODS
+    from schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
 
     bad = [m for m in methods or [] if m not in RAG_METHODS]
     if bad:
         _fail(f"--methods {' '.join(bad)}: not among {', '.join(RAG_METHODS)}", 2)
+    for method in dict.fromkeys(m for m in methods or [] if m in LOCAL_STORE_METHODS):
+        _require_local(store, f"eval --methods {method}")
     try:
         load_questions(questions)  # every line checked before any model loads
     except QuestionsError as exc:
@@ -355,7 +366,7 @@ def eval_cmd(
             str(store),
             str(questions),
             str(out),
-            methods=tuple(methods or RAG_METHODS),
+            methods=tuple(methods or DEFAULT_RAG_METHODS),
             sweep=sweep,
             max_new_tokens=max_new_tokens,
             limit=limit,
@@ -364,60 +375,6 @@ def eval_cmd(
         _fail(str(exc), 1)
     except (ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 2)
-
-
-def _cartridge_answer(
-    store_path: str,
-    question: str,
-    k: int,
-    oracle_doc: str | None,
-    model: str | None,
-    max_new_tokens: int,
-):
-    """Cartridge RAG through the same Answer record as the other methods."""
-    from inference.cartridge_rag import CartridgeRag
-    from inference.embedders import load_embedder
-    from inference.methods import Answer, MissingAssets
-    from inference.models import load_model
-    from inference.retrieve import Retriever
-    from schemas.settings import settings_from_toml
-    from storage.store import Store
-
-    store = Store.at(store_path)
-    store.require_local("query --method cartridge")
-    if not store.exists():
-        raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
-    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-    loaded = load_model(model or settings.model, device=settings.device)
-    retriever = None if oracle_doc else Retriever(store, load_embedder(settings.embedder))
-    rag = CartridgeRag(store, loaded, retriever=retriever)
-    if oracle_doc:
-        got = rag.oracle(question, oracle_doc, max_new_tokens=max_new_tokens)
-    else:
-        got = rag.answer(question, k=k, max_new_tokens=max_new_tokens)
-    t = got.timings
-    ttft = t["retrieve_ms"] + t["load_ms"] + t["assemble_ms"] + t["prefill_ms"]
-    return Answer(
-        answer=got.answer,
-        method="cartridge",
-        evidence=[
-            {"doc_id": d, "cartridge_id": c}
-            for d, c in zip(got.doc_ids, got.cartridge_ids, strict=True)
-        ],
-        active_tokens=got.context_tokens - rag.prompt.n_prefix,
-        timings={
-            "retrieval": round(t["retrieve_ms"], 3),
-            "kv_load": round(t["load_ms"], 3),
-            "assembly": round(t["assemble_ms"], 3),
-            "prefill": round(t["prefill_ms"], 3),
-            "ttft": round(ttft, 3),
-            "decode": round(t["decode_ms"], 3),
-        },
-        kc=0,
-        k=len(got.doc_ids),
-        model_fp=loaded.model_fp,
-        token_ids=got.token_ids,
-    )
 
 
 @app.command()
@@ -523,6 +480,7 @@ def train_cartridges_cmd(
 
 
 @train_app.command("nuggets")
+@with_settings_options(FinetuneSettings, panel="Fine-tuning settings")
 def train_nuggets_cmd(
     store: Annotated[str, typer.Option("--store", help="A built store (a local folder).")],
     data: Annotated[
@@ -534,22 +492,21 @@ def train_nuggets_cmd(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned model.")],
-    mode: Annotated[str, typer.Option(help="live (default) | frozen")] = "live",
-    lora: Annotated[bool, typer.Option("--lora", help="Train LoRA adapters (merged).")] = False,
-    max_steps: Annotated[
-        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
-    ] = None,
     rebuild_kv: Annotated[
         bool, typer.Option("--rebuild-kv", help="Rebuild the store's KV for the new model.")
     ] = False,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Nugget-aware fine-tuning on (C_ctx, question) -> answer, with the inference assembly."""
     import json
 
     from flows import preflight
+    from schemas.settings import FINETUNE_MODES
 
-    if mode not in ("live", "frozen"):
-        _fail(f"--mode {mode!r} is not one of live, frozen", 2)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    if given.get("mode", "live") not in FINETUNE_MODES:
+        _fail(f"--mode {given['mode']!r} is not one of {', '.join(FINETUNE_MODES)}", 2)
     _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
@@ -575,10 +532,8 @@ def train_nuggets_cmd(
             str(store),
             str(data),
             str(out),
-            mode=mode,
-            lora=lora,
-            max_steps=max_steps,
             rebuild_kv=rebuild_kv,
+            **given,
         )
     except (KeyError, ValueError, StoreLocked) as exc:
         _fail(str(exc), 1)

@@ -161,7 +161,7 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
     get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
     loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-    layout = kv_layout(loaded, prompt)
+    layout = kv_layout(loaded, prompt, kv_codec=settings.kv_codec)
     kv = KvStore(store, layout)  # reads only: the flow creates the store
     usable = kv.has_prefix() and kv.corrupt_prefix() is None
     return KvPrep(

@@ -56,7 +56,12 @@ def settings_parameters(cls: type, panel: str = PANEL) -> list[inspect.Parameter
     for field in cli_settings(cls):
         base = _option_type(hints[field.name])
         help_text = str(field.metadata.get("help", "")).format(default=field.default)
-        option = typer.Option(_flag(field, base), help=help_text, rich_help_panel=panel)
+        option = typer.Option(
+            _flag(field, base),
+            help=help_text,
+            rich_help_panel=panel,
+            min=field.metadata.get("min"),
+        )
         out.append(
             inspect.Parameter(
                 field.name,

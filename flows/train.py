@@ -10,7 +10,7 @@ load+validate QA data -> build its documents (incremental build flow) -> train -
   :func:`flows.build.build_flow` (a subflow; incremental, so documents already built for the
   same model, chunker and extractor cost nothing). Examples with ``doc_ids`` use documents
   already in the store.
-- Training is :func:`training.nuggets.run_training` (see its module docstring for the modes;
+- Training is :func:`training.finetune.run_training` (see its module docstring for the modes;
   ``live`` is the default). Killed runs resume from ``OUT/checkpoints`` when started again with
   the same arguments.
 - The runs table gets a ``train-nuggets`` row: parameters (data path and sha256, base model,
@@ -31,12 +31,13 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
+from inference.context import FINETUNE_CONTEXTS
 from schemas.keys import new_run_id
 from schemas.qa import load_examples
 from schemas.settings import FinetuneSettings, settings_from_toml
 from storage.runs import finish_run, start_run
 from storage.store import Store
-from training.nuggets import file_sha256, run_training, write_documents
+from training.finetune import file_sha256, run_training, write_documents
 
 FLOW_NAME = "coinrag-train-nuggets"
 
@@ -95,7 +96,7 @@ def train_nuggets_flow(
     if model is not None:
         build_settings["model"] = model
     base_ref = build_settings["model"]
-    if cfg.mode == "frozen":
+    if FINETUNE_CONTEXTS[cfg.mode].reads_stored_kv:
         build_settings["kv"] = True  # frozen mode reads the base model's stored KV
     docs_source = st.root / "train-data" / f"{data_sha[:16]}.jsonl"
     n_docs = write_documents(examples, docs_source)

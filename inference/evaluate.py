@@ -14,10 +14,12 @@ The paper's measures, on a JSONL of questions, for every method x ``(kc, k)`` of
   and P99 (numpy's linear-interpolation percentile).
 - **active tokens**: context tokens after the cached prompt prefix (KV-memory proxy), mean.
 
-``k`` only matters for CoinRAG (nuggets of stage 2): TurboRAG and standard RAG run **once per
-distinct kc** and are recorded with ``k = 0`` ("not applicable"). Retrieval is computed once per
-(question, kc) for the chunk methods (``chunks_only``, shared by turborag and standard) and once
-per (question, kc, k) for CoinRAG (``two_stage``); each method's TTFT includes the retrieval time of
+A method runs once per distinct value of what its retrieval uses (``RagMethod.uses_kc``,
+``uses_k``) and records ``0`` for the other ("not applicable"): CoinRAG per (kc, k), TurboRAG and
+standard RAG once per kc with ``k = 0``, cartridge RAG once per k with ``kc = 0``. Retrieval is
+computed once per question and retrieval key (``RagMethod.retrieval_key``): once per (question,
+kc) for the chunk methods (``chunks_only``, shared by turborag and standard), once per
+(question, kc, k) for CoinRAG (``two_stage``); each method's TTFT includes the retrieval time of
 the result it used. Before measuring, every method answers the first question once, untimed, so
 lazy loading (weights, index, KV files) is not in the first measurement.
 
@@ -35,16 +37,19 @@ import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.qa import load_questions
-from schemas.settings import RAG_METHODS
+from schemas.settings import DEFAULT_RAG_METHODS
 
-DEFAULT_METHODS = RAG_METHODS
+if TYPE_CHECKING:
+    from inference.methods import RagMethod
+
+DEFAULT_METHODS = DEFAULT_RAG_METHODS
 DEFAULT_SWEEP = ((4, 10),)
 DEFAULT_BUDGETS_MS = (100.0, 200.0, 500.0, 1000.0, 2000.0, math.inf)
 
@@ -270,17 +275,19 @@ def plot_results(results: pa.Table, out_dir: str | Path) -> list[Path]:
 
 
 def _configs(
-    methods: Sequence[str], sweep: Sequence[tuple[int, int]]
+    methods: Sequence[RagMethod], sweep: Sequence[tuple[int, int]]
 ) -> list[tuple[str, int, int]]:
-    """(method, kc, k) to run: coinrag per (kc, k); the chunk methods once per kc with k = 0."""
+    """(method, kc, k) to run, for opened methods (``RagMethod``): each once per distinct value
+    of what it uses, 0 for what it does not (coinrag per (kc, k); the chunk methods once per kc
+    with k = 0; cartridge once per k with kc = 0)."""
     out: list[tuple[str, int, int]] = []
     for method in methods:
         seen: set[tuple[int, int]] = set()
         for kc, k in sweep:
-            key = (kc, k) if method == "coinrag" else (kc, 0)
+            key = (kc if method.uses_kc else 0, k if method.uses_k else 0)
             if key not in seen:
                 seen.add(key)
-                out.append((method, *key))
+                out.append((method.name, *key))
     return out
 
 
@@ -328,8 +335,10 @@ def evaluate(
 
     if engine is None:
         console.log(f"loading the model and the store {store_path}")
-        engine = RagEngine.open(str(store_path), model=model, max_new_tokens=max_new_tokens)
-    configs = _configs(methods, sweep)
+        engine = RagEngine.open(
+            str(store_path), model=model, max_new_tokens=max_new_tokens, methods=methods
+        )
+    configs = _configs([engine.method(m) for m in methods], sweep)
 
     # Warm-up: one untimed answer per method, on the first question.
     kc0, k0 = sweep[0]
@@ -348,17 +357,13 @@ def evaluate(
     ) as progress:
         task = progress.add_task("evaluating", total=total)
         for qi, q in enumerate(questions):
-            cache: dict[tuple[str, int, int], Any] = {}
+            cache: dict[Any, Any] = {}  # retrieval key -> result, shared between methods
             for method, kc, k in configs:
-                if method == "coinrag":
-                    key = ("two_stage", kc, k)
-                    if key not in cache:
-                        cache[key] = engine.retriever.two_stage(q.question, kc=kc, k=k)
-                else:
-                    key = ("chunks_only", kc, 0)
-                    if key not in cache:
-                        cache[key] = engine.retriever.chunks_only(q.question, kc=kc)
-                ans = engine.run(q.question, method, cache[key], kc=kc, k=k)
+                rag = engine.method(method)
+                key = rag.retrieval_key(kc, k)
+                if key not in cache:
+                    cache[key] = rag.retrieve(q.question, kc, k)
+                ans = rag.run(q.question, cache[key], kc, k)
                 ev_docs = list(dict.fromkeys(e["doc_id"] for e in ans.evidence))
                 rows.append(
                     {

@@ -4,7 +4,7 @@ pipeline compute, with their defaults and checks.
 - :class:`BuildSettings`: ``coinrag build`` / ``serve``, read from defaults < config file (TOML)
   < command line (:func:`load_settings`);
 - :class:`FinetuneSettings`: nugget-aware fine-tuning (``coinrag train nuggets``,
-  ``training/nuggets.py``);
+  ``training/finetune.py``);
 - :class:`CartridgeSettings`: the cartridge pipeline (``coinrag train cartridges``), and the
   two views of it the stages take: :class:`TeacherSettings` (``tasks/teacher.py``) and
   :class:`CartridgeTrainSettings` (``training/budget.py``).
@@ -23,6 +23,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     chunk_size = 512
     tau = 0.7
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
+    kv_codec = "none"           # none | int8 | int4 (how the stored KV is encoded)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
 environment, and nothing in this module reads or records them.
@@ -41,11 +42,19 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
 # (inference/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 (quantized per block:
+# keys per channel, values per token; storage/kv/codecs.py states the error bounds).
+KV_CODECS = ("none", "int8", "int4")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
-RAG_METHODS = ("coinrag", "turborag", "standard")  # the methods of inference/methods.py
-FINETUNE_MODES = ("live", "frozen")  # training/nuggets.py: who encodes the context
+# The RAG methods: the names of inference/methods' registry (METHODS; a test keeps them equal),
+# known here so the CLI checks them before anything loads.
+RAG_METHODS = ("coinrag", "turborag", "standard", "cartridge")
+DEFAULT_RAG_METHODS = ("coinrag", "turborag", "standard")  # eval's default (cartridge: trained)
+LOCAL_STORE_METHODS = ("cartridge",)  # read assets only a local store holds (cartridges)
+# Fine-tuning: who encodes the context (inference.context.FINETUNE_CONTEXTS maps each to a class).
+FINETUNE_MODES = ("live", "frozen")
 QUESTION_GENERATORS = ("openai", "local")  # self-study question generators
 
 
@@ -53,12 +62,20 @@ class SettingsError(ValueError):
     """A setting with an invalid value, or an unknown setting name."""
 
 
-def setting(default: Any, help: str = "", *, cli: bool = False, flag: str | None = None) -> Any:
+def setting(
+    default: Any,
+    help: str = "",
+    *,
+    cli: bool = False,
+    flag: str | None = None,
+    min: int | None = None,
+) -> Any:
     """A dataclass field with its documentation: ``help`` (``{default}`` in it becomes the
     default) and, with ``cli=True``, a command-line option of the commands that take these
-    settings (``flows/settings_options.py``; ``flag``: its name when not ``--field-name``).
-    Plain strings only: ``schemas/`` knows no CLI library."""
-    meta = {"help": help, "cli": cli, "flag": flag}
+    settings (``flows/settings_options.py``; ``flag``: its name when not ``--field-name``;
+    ``min``: the least value the option accepts). Plain values only: ``schemas/`` knows no CLI
+    library."""
+    meta = {"help": help, "cli": cli, "flag": flag, "min": min}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -108,6 +125,12 @@ class BuildSettings:
         "KV (default auto: bfloat16 where the device computes it natively, else float32).",
         cli=True,
     )
+    kv_codec: str = setting(
+        "none",  # how the stored KV is encoded (KV_CODECS)
+        "none | int8 | int4: how the stored KV is encoded (default none: as computed; "
+        "int8 ~0.58, int4 ~0.33 of the raw bfloat16 bytes, quantized per block).",
+        cli=True,
+    )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
     prune: bool = setting(
@@ -155,6 +178,8 @@ class BuildSettings:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise SettingsError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.kv_codec not in KV_CODECS:
+            raise SettingsError(f"kv_codec {self.kv_codec!r} is not one of {', '.join(KV_CODECS)}")
         if self.chunker not in CHUNKERS:
             raise SettingsError(f"chunker {self.chunker!r} is not one of {', '.join(CHUNKERS)}")
         if not 8 <= self.chunk_size <= 32768:
@@ -263,10 +288,11 @@ def settings_from_toml(
 @dataclass
 class FinetuneSettings:
     """Everything that decides what nugget-aware fine-tuning computes (the paper's values as
-    defaults; ``training/nuggets.py``)."""
+    defaults; ``training/finetune.py``). The fields marked ``cli=True`` are options of
+    ``coinrag train nuggets`` (generated from here)."""
 
-    mode: str = "live"  # FINETUNE_MODES
-    lora: bool = False
+    mode: str = setting("live", "live (default) | frozen", cli=True)  # FINETUNE_MODES
+    lora: bool = setting(False, "Train LoRA adapters (merged).", cli=True)
     epochs: int = 1
     lr: float = 5e-6
     batch_size: int = 16  # effective batch: examples per optimizer step (gradient accumulation)
@@ -283,7 +309,7 @@ class FinetuneSettings:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     checkpoint_every: int = 50  # optimizer steps
-    max_steps: int | None = None  # cap on optimizer steps
+    max_steps: int | None = setting(None, "Stop after N optimizer steps.", cli=True, min=1)
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 elsewhere
 

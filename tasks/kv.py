@@ -115,14 +115,17 @@ def kv_stage(
     check: str = "crc32c",
     rebuild: Iterable[str] = (),
     slots_per_shard: int = 0,
-    block_tokens: int = 16,
+    block_tokens: int = 0,
     overlap: bool = True,
+    kv_codec: str = "none",
 ) -> KvCounts:
     """Compute and store the KV of every chunk that has no valid entry yet.
 
     ``loaded`` is an ``inference.models.LoadedModel`` (``.model``, ``.tokenizer``,
     ``.model_fp``); ``prompt`` the RAG prompt whose prefix the chunks are encoded after.
-    ``slots_per_shard=0`` derives it from the entry size (shards of about 64 MiB).
+    ``slots_per_shard=0`` derives it from the entry size (shards of about 64 MiB);
+    ``block_tokens=0`` takes the codec's block size; ``kv_codec`` (``none`` | ``int8`` |
+    ``int4``) says how entries are stored (``storage/kv/codecs.py``).
     ``overlap`` writes each shard in a background thread while the next batch is computed.
     Returns counts and timings (``seconds``: check, prefix, forward, extract, write, verify,
     manifest (the last three in the writer), wait_write (the stage waiting for the writer),
@@ -130,7 +133,13 @@ def kv_stage(
     """
     t_start = time.perf_counter()
     model = loaded.model
-    layout = kv_layout(loaded, prompt, block_tokens=block_tokens, slots_per_shard=slots_per_shard)
+    layout = kv_layout(
+        loaded,
+        prompt,
+        block_tokens=block_tokens,
+        slots_per_shard=slots_per_shard,
+        kv_codec=kv_codec,
+    )
     kv = KvStore.create(store, layout)
     counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
     secs = counts.seconds
@@ -150,7 +159,7 @@ def kv_stage(
     writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
     try:
         for group in kv_groups(todo, batch_size, layout.slots_per_shard):
-            entries = compute_group_kv(model, prefix_kv, group, batch_size, pad, secs)
+            entries = compute_group_kv(model, prefix_kv, group, batch_size, pad, secs, layout)
             count_batches(counts, group, batching)
             for start in range(0, len(entries), layout.slots_per_shard):
                 writer.submit(entries[start : start + layout.slots_per_shard])
@@ -230,7 +239,7 @@ def stage_group_kv(
         )
     secs: dict[str, float] = {}
     entries = compute_group_kv(
-        loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs
+        loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs, kv.layout
     )
     step = kv.layout.slots_per_shard
     try:

@@ -149,3 +149,21 @@ def synthetic_chunk(i: int, n: int) -> Any:
         run_id="r",
         code_version="v",
     )
+
+
+def nugget_spans(
+    content_keys: list[str], k: int = 10, length: int = 12, tokens: int = 512, seed: int = 0
+) -> list[tuple[str, int, int]]:
+    """``k`` nugget-like slices ``(content_key, start, end)`` of ``length`` tokens, two per
+    entry (as coinrag's k = 10 nuggets among kc = 5 chunks), apart from each other, at seeded
+    random places of entries of ``tokens`` tokens."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(k):
+        ck = content_keys[(i // 2) % len(content_keys)]
+        half = tokens // 2  # the first of a pair in the first half, the second in the second
+        start = (i % 2) * half + rng.randrange(0, half - length)
+        out.append((ck, start, start + length))
+    return out

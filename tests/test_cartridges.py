@@ -28,8 +28,8 @@ from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from inference.assemble import assemble_cartridges
-from inference.cartridge_rag import CartridgeRag, text_rag_answer
 from inference.encode import from_cache, prefix_kv
+from inference.methods.cartridge import CartridgeRag, text_rag_answer
 from inference.models import LoadedModel
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec, rerotate_keys

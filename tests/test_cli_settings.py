@@ -74,3 +74,42 @@ def test_serve_passes_every_build_option_to_its_deployment(
     }
     assert {k: seen["settings"][k] for k in want} == want
     assert seen["settings"] == BuildSettings(**want).to_dict()
+
+
+def test_train_nuggets_options_come_from_the_finetune_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train nuggets --mode/--lora/--max-steps` are the cli=True fields of FinetuneSettings,
+    with their checks (--max-steps 0 and an unknown mode are usage errors), and reach the flow
+    as its arguments."""
+    import json
+
+    import flows.train as train
+    from schemas.settings import FinetuneSettings
+
+    command = typer.main.get_command(cli.app).commands["train"].commands["nuggets"]  # type: ignore[attr-defined]
+    declared = {f.name for f in cli_settings(FinetuneSettings)}
+    options = {p.name: p for p in command.params if p.name in declared}
+    assert set(options) == declared == {"mode", "lora", "max_steps"}
+    assert options["lora"].opts == ["--lora"] and options["lora"].is_flag
+    assert options["max_steps"].help == "Stop after N optimizer steps."
+
+    store, data = tmp_path / "store", tmp_path / "qa.jsonl"
+    line = {"question": "Q?", "answer": "A", "documents": [{"id": "d", "text": "A text."}]}
+    data.write_text(json.dumps(line) + "\n")
+    out = tmp_path / "model"
+    base = ["train", "nuggets", "--store", str(store), "--data", str(data), "--out", str(out)]
+    zero = CliRunner().invoke(cli.app, [*base, "--max-steps", "0"])
+    assert zero.exit_code == 2 and "--max-steps" in zero.output
+    bad = CliRunner().invoke(cli.app, [*base, "--mode", "thawed"])
+    assert bad.exit_code == 2 and "--mode 'thawed' is not one of live, frozen" in bad.output
+
+    seen: dict = {}
+    monkeypatch.setattr(cli, "_prefect_run", lambda: None)
+    monkeypatch.setattr(train, "train_nuggets", lambda *a, **kw: seen.update(kw) or {"ok": 1})
+    ok = CliRunner().invoke(cli.app, [*base, "--mode", "frozen", "--lora", "--max-steps", "3"])
+    assert ok.exit_code == 0, ok.output
+    assert seen == {"rebuild_kv": False, "mode": "frozen", "lora": True, "max_steps": 3}
+    seen.clear()
+    assert CliRunner().invoke(cli.app, base).exit_code == 0
+    assert seen == {"rebuild_kv": False}  # the flow's defaults (FinetuneSettings')

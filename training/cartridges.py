@@ -4,7 +4,7 @@ A cartridge ``Z`` is a tensor ``(layers, 2, kv_heads, p, head_dim)`` (the KV lay
 ``storage/kv/layout.py``) held as an ``nn.Parameter``; the model is frozen and only ``Z`` gets
 gradients. This module is the math: where a cartridge stands, how it is initialised, the student's
 forward, the loss, and the mixed-visibility sampler. The training loop with the budget manager is
-``training/budget.py``; serving is ``inference/cartridge_rag.py``.
+``training/budget.py``; serving is ``inference/methods/cartridge.py``.
 
 Where a cartridge stands (positions)
 ------------------------------------

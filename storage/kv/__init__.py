@@ -4,7 +4,8 @@ One module per job (import the public names from here):
 
 - ``layout.py``: the layout contract (in memory, after RoPE, on disk, after re-rotation), the
   identity ``kv_fp``, :class:`KvLayout`, the errors, entry locations;
-- ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name);
+- ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name:
+  ``none``, ``int8``, ``int4``);
 - ``shard.py``: the shard file (Zarr v3 sharding format, per-block crc32c, index), encoded and
   checked;
 - ``transport.py``: local disk or object store, one interface (stage, publish, ranged reads);
@@ -14,6 +15,7 @@ One module per job (import the public names from here):
 """
 
 from storage.kv.codecs import (
+    KV_CODECS,
     KvCodec,
     codec_named,
     entry_checksum,
@@ -43,6 +45,7 @@ from storage.kv.writes import StagedShard, WriteStats
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "KV_CHECK_LEVELS",
+    "KV_CODECS",
     "LAYOUT_VERSION",
     "SHARD_OVERHEAD_BYTES",
     "CorruptKvEntry",

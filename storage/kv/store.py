@@ -77,6 +77,7 @@ from storage.kv.reads import (
     gather_ranges,
     gather_zarr,
     plan_reads,
+    shard_geometry,
     slices_of,
 )
 from storage.kv.reclaim import KvReclaim, find_garbage, reclaim_dead, remove_garbage
@@ -255,31 +256,57 @@ class KvStore:
     # ------------------------------------------------------------------ reads
 
     def read_entry(self, content_key: str, verify: bool = True) -> torch.Tensor:
-        """The KV of one chunk: ``(layers, 2, kv_heads, tokens, head_dim)`` in the model dtype.
+        """The KV of one chunk: ``(layers, 2, kv_heads, tokens, head_dim)`` in the model dtype
+        (keys as the layout stores them: ``layout.keys_at_zero``).
 
         Every inner chunk's crc32c is checked by the read; ``verify`` also checks the manifest's
         sha256 of the whole entry. Raises :class:`CorruptKvEntry` or :class:`MissingKvEntry`.
         """
         t0 = time.perf_counter()
         before = (self._reader.data_bytes, self._reader.data_gets)
-        row, shard, slot = self._resolve(content_key)
-        try:
-            stored = shard.array[slot, :, :, :, : row.tokens, :]
-        except Exception as exc:
-            problem = self._catalog.diagnose(shard, slot, exc)
-            raise CorruptKvEntry(content_key, row.location, problem) from exc
-        stored = np.ascontiguousarray(stored)
-        if verify and entry_checksum(stored) != row.checksum:
-            raise CorruptKvEntry(content_key, row.location, "sha256 differs from the manifest")
+        row, stored, g = self._read_stored(content_key, verify)
+        tensor = self.layout.codec.decode(stored, g)[:, :, :, : row.tokens].contiguous()
         self.last_read = ReadStats(
             requests=1,
             bytes_read=self._reader.data_bytes - before[0],
-            bytes_needed=self.layout.entry_bytes(row.tokens),
+            bytes_needed=self.layout.needed_bytes(row.tokens),
             store_gets=self._reader.data_gets - before[1],
             zarr_reads=1,
             seconds=time.perf_counter() - t0,
         )
-        return self.layout.codec.decode(stored, self.layout.dtype)
+        return tensor
+
+    def read_stored(self, content_key: str) -> np.ndarray:
+        """One entry's stored values as the codec stored them (C-contiguous, sha256-checked
+        against the manifest): what :meth:`write_stored` takes, so moving an entry between
+        shards (``gc``) never decodes and re-encodes a lossy codec's values."""
+        return self._read_stored(content_key, verify=True)[1]
+
+    def _read_stored(
+        self, content_key: str, verify: bool
+    ) -> tuple[KvManifestRow, np.ndarray, KvLayout]:
+        """``(row, the entry's stored values, the geometry of its shard)``: one read of the
+        entry's blocks (a byte range where the transport reads ranges, else through Zarr)."""
+        ranged = self.transport.ranged_slice_reads
+        row, shard, slot = self._resolve(content_key, ranged=ranged)
+        g = shard_geometry(self.layout, shard)
+        block = shard.block_tokens
+        plan = SlicePlan(shard.name, slot, 0, -(-row.tokens // block) * block, [0])
+
+        def fail(_: SlicePlan, reason: str) -> CorruptKvEntry:
+            return CorruptKvEntry(content_key, row.location, reason)
+
+        shards = {shard.name: shard}
+        diagnose = self._catalog.diagnose
+        if ranged:
+            fetch = self._fetch_ranges
+            (got,) = gather_ranges([plan], shards, self.layout, self.root, fetch, fail, diagnose)
+        else:
+            (got,) = gather_zarr([plan], shards, self.layout, fail, diagnose)
+        stored = np.ascontiguousarray(self.layout.codec.trim(got, row.tokens, g))
+        if verify and entry_checksum(stored) != row.checksum:
+            raise CorruptKvEntry(content_key, row.location, "sha256 differs from the manifest")
+        return row, stored, g
 
     def verify_entry(self, content_key: str) -> bool:
         """True iff the entry has a manifest row and its stored bytes match it (sha256)."""
@@ -293,7 +320,8 @@ class KvStore:
         self, requests: Sequence[tuple[str, int, int]], merge_gap_blocks: int = 0
     ) -> list[torch.Tensor]:
         """Token ranges of entries: ``[(content_key, tok_start, tok_end), ...]`` ->
-        ``[(layers, 2, kv_heads, tok_end - tok_start, head_dim), ...]`` in request order.
+        ``[(layers, 2, kv_heads, tok_end - tok_start, head_dim), ...]`` in request order, in the
+        model dtype (keys as the layout stores them: ``layout.keys_at_zero``).
 
         Requests on the same entry whose block-aligned ranges overlap or touch (or lie at most
         ``merge_gap_blocks`` blocks apart) are served by one read; all reads are issued at once
@@ -318,7 +346,7 @@ class KvStore:
             if s == e:
                 out[i] = torch.empty(lay.entry_shape(0), dtype=lay.torch_dtype)
                 continue
-            needed += (e - s) * lay.token_bytes
+            needed += lay.needed_bytes(e - s)
             per_slot[(shard.name, slot)].append((s, e, i))
         plans = plan_reads(per_slot, lambda name: self._shards[name].block_tokens, merge_gap_blocks)
 
@@ -327,15 +355,18 @@ class KvStore:
             return CorruptKvEntry(ck, resolved[ck][0].location, reason)
 
         if plans:
+            diagnose = self._catalog.diagnose
             if self.transport.ranged_slice_reads:
                 fetch = self._fetch_ranges
-                results = gather_ranges(
-                    plans, self._shards, lay, self.root, fetch, fail, self._catalog.diagnose
-                )
+                results = gather_ranges(plans, self._shards, lay, self.root, fetch, fail, diagnose)
             else:
-                results = gather_zarr(plans, self._shards, fail, self._catalog.diagnose)
-            for i, piece in slices_of(plans, results, requests).items():
-                out[i] = lay.codec.decode(piece, lay.dtype)
+                results = gather_zarr(plans, self._shards, lay, fail, diagnose)
+            decoded = [
+                lay.codec.decode(stored, shard_geometry(lay, self._shards[plan.shard]))
+                for plan, stored in zip(plans, results, strict=True)
+            ]
+            for i, piece in slices_of(plans, decoded, requests).items():
+                out[i] = piece
         self.last_read = ReadStats(
             requests=len(requests),
             bytes_read=self._reader.data_bytes - before[0],
@@ -378,7 +409,7 @@ class KvStore:
                 continue
             try:
                 if level in ("sha256", "full"):
-                    self.read_entry(ck, verify=True)
+                    self._read_stored(ck, verify=True)
                 else:
                     _, shard, slot = self._resolve(ck, file_checks)
                     slots[shard.name][slot] = ck
@@ -403,16 +434,28 @@ class KvStore:
         """Store entries, ``slots_per_shard`` per shard, and append their manifest rows.
 
         ``entries``: ``(chunk, kv)`` with ``kv`` of shape ``(layers, 2, kv_heads,
-        chunk.n_tokens, head_dim)`` in the layout's dtype. Entries are keyed by
+        chunk.n_tokens, head_dim)`` in the layout's dtype, keys in the layout's frame (after
+        RoPE, or rotated back to position 0 where ``layout.keys_at_zero``: the model side,
+        ``inference/encode.py``, hands them so). Entries are keyed by
         ``chunk.content_key``; a key repeated in ``entries`` is stored once (first chunk wins).
         Each shard is written whole, read back and verified, renamed into place, and only then
         are its rows appended; the rows of all shards are returned.
         """
         unique = distinct_entries(self.layout, entries)
+        return self._write(unique, run_id, stored=False)
+
+    def write_stored(
+        self, entries: Sequence[tuple[ChunkRow, np.ndarray]], run_id: str
+    ) -> list[KvManifestRow]:
+        """:meth:`write_entries` for entries given as their stored values
+        (:meth:`read_stored`): written bit for bit as they are (no decode, no re-encode)."""
+        return self._write(list(entries), run_id, stored=True)
+
+    def _write(self, unique: list[Any], run_id: str, stored: bool) -> list[KvManifestRow]:
         rows: list[KvManifestRow] = []
         step = self.layout.slots_per_shard
         for start in range(0, len(unique), step):
-            staged = self.stage_shard(unique[start : start + step], run_id)
+            staged = self._stager.stage(unique[start : start + step], run_id, stored)
             rows += self.publish_shard(staged, run_id)
         return rows
 

@@ -13,7 +13,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
+from typing import Any
 
+import numpy as np
 import torch
 
 from schemas.keys import CODE_VERSION
@@ -105,9 +107,31 @@ def distinct_entries(
             raise ValueError(
                 f"KV of {chunk.chunk_id} has shape {tuple(kv.shape)}, expected {expected}"
             )
-        if kv.dtype != layout.torch_dtype:
+        lossy_input = not layout.codec.lossless and kv.dtype == torch.float32
+        if kv.dtype != layout.torch_dtype and not lossy_input:  # a lossy codec quantizes float32
             raise ValueError(f"KV of {chunk.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
         unique.append((chunk, kv))
+    return unique
+
+
+def distinct_stored(
+    layout: KvLayout, entries: Sequence[tuple[ChunkRow, np.ndarray]]
+) -> list[tuple[ChunkRow, np.ndarray]]:
+    """Like :func:`distinct_entries`, for entries given as the codec's stored values (checked
+    against what the codec stores for their token counts)."""
+    seen: set[str] = set()
+    unique: list[tuple[ChunkRow, np.ndarray]] = []
+    for chunk, stored in entries:
+        if chunk.content_key in seen:
+            continue
+        seen.add(chunk.content_key)
+        expected = layout.entry_bytes(chunk.n_tokens)
+        if stored.dtype != layout.storage_dtype or stored.nbytes != expected:
+            raise ValueError(
+                f"stored values of {chunk.chunk_id} are {stored.dtype} {tuple(stored.shape)}, "
+                f"expected {expected} bytes of {layout.storage_dtype}"
+            )
+        unique.append((chunk, stored))
     return unique
 
 
@@ -139,23 +163,29 @@ class ShardStager:
         self.scratch = ScratchBuffers()
         self.files = LocalFiles(direct_io)
 
-    def stage(self, group: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str) -> StagedShard:
+    def stage(
+        self, group: Sequence[tuple[ChunkRow, Any]], run_id: str, stored: bool = False
+    ) -> StagedShard:
         """Write one shard of ``group`` (``(chunk, kv)``, distinct content_keys, at most
-        ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it."""
+        ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it. ``stored``:
+        each ``kv`` is already the codec's stored values (``KvStore.read_stored``), written as
+        they are."""
         lay = self.layout
-        group = distinct_entries(lay, group)
+        group = distinct_stored(lay, group) if stored else distinct_entries(lay, group)
         if not 0 < len(group) <= lay.slots_per_shard:
             raise ValueError(f"a shard holds 1..{lay.slots_per_shard} entries, got {len(group)}")
         t0 = time.perf_counter()
-        views = [lay.codec.view(kv) for _, kv in group]
-        tokens = [int(v.shape[3]) for v in views]
+        views = [kv if stored else lay.codec.view(kv, lay) for _, kv in group]
+        tokens = [int(chunk.n_tokens) for chunk, _ in group]
         block = lay.block_tokens
         width = max(block, -(-max(tokens) // block) * block)
-        shape = (len(group), *lay.entry_shape(width))
+        shape = lay.codec.array_shape(lay, len(group), width)
         checksums = [entry_checksum(v) for v in views]
         tmp_name = f".tmp-{uuid.uuid4().hex}"
         keys = [chunk.content_key for chunk, _ in group]
-        attrs = shard_attributes(lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder)
+        attrs = shard_attributes(
+            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, lay.kv_codec
+        )
         write = SHARD_WRITERS[self.encoder]
         with self.transport.staging(self.root, tmp_name, self.fsync) as folder:
             files, t1 = write(folder, lay, views, shape, attrs, self.scratch, self.files)

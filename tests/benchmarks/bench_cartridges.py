@@ -47,9 +47,9 @@ sys.path.insert(0, str(REPO))
 
 from flows.cartridges import build_pool, train_key  # noqa: E402
 from inference.assemble import assemble_cartridges  # noqa: E402
-from inference.cartridge_rag import CartridgeRag, text_rag_answer  # noqa: E402
 from inference.encode import document_kv, prefix_kv, to_dynamic_cache  # noqa: E402
 from inference.generate import prefill_and_decode  # noqa: E402
+from inference.methods.cartridge import CartridgeRag, text_rag_answer  # noqa: E402
 from inference.models import load_model  # noqa: E402
 from inference.prompt import RagPrompt  # noqa: E402
 from inference.rope import RopeSpec  # noqa: E402

@@ -30,7 +30,7 @@ def run_one(args: argparse.Namespace, mode: str, lora: bool) -> dict:
     import torch
 
     from schemas.settings import FinetuneSettings
-    from training.nuggets import run_training
+    from training.finetune import run_training
 
     torch.set_num_threads(args.threads)
     stamps: list[float] = []

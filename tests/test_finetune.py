@@ -1,4 +1,4 @@
-"""Nugget-aware fine-tuning (training/nuggets.py, flows/train.py) on a tiny random Qwen2."""
+"""Nugget-aware fine-tuning (training/finetune.py, flows/train.py) on a tiny random Qwen2."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS
 
+from inference.context import LiveKvContext, StoredKvContext
 from schemas.qa import DataError, load_examples
 from schemas.settings import FinetuneSettings
-from training.nuggets import (
-    ContextBuilder,
+from training.finetune import (
     Killed,
     answer_loss_sum,
     attach_lora,
@@ -177,16 +177,17 @@ def test_raft_rate_and_gold_removal(built, parts):
 
 def test_training_context_equals_inference_context(built, parts, monkeypatch):
     import inference.methods as methods
+    import inference.methods.kv_reuse as kv_reuse
 
     loaded, prompt = parts["loaded"], parts["prompt"]
     engine = methods.RagEngine(parts["store"], loaded, parts["emb"], max_new_tokens=1)
     captured = []
-    real = methods.to_dynamic_cache
+    real = kv_reuse.to_dynamic_cache
     monkeypatch.setattr(
-        methods, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
+        kv_reuse, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
     )
-    frozen = ContextBuilder(parts["store"], loaded.model, prompt, "frozen", parts["kv"])
-    live = ContextBuilder(parts["store"], loaded.model, prompt, "live")
+    frozen = StoredKvContext(parts["store"], loaded.model, prompt, parts["kv"])
+    live = LiveKvContext(parts["store"], loaded.model, prompt)
     for ex in built["ex"]:
         ret = parts["ret"].two_stage(ex.question, kc=2, k=4, doc_ids=ex.doc_ids)
         assert ret.evidence
@@ -210,7 +211,10 @@ def _grads(parts, mode: str, lora: bool = False):
     loaded = load_model(parts["loaded"].model_dir)
     net = attach_lora(loaded.model, _cfg(lora=True)) if lora else loaded.model
     prompt = parts["prompt"]
-    b = ContextBuilder(parts["store"], net, prompt, mode, parts["kv"] if mode == "frozen" else None)
+    if mode == "frozen":
+        b = StoredKvContext(parts["store"], net, prompt, parts["kv"])
+    else:
+        b = LiveKvContext(parts["store"], net, prompt)
     q, a = prompt.query_ids("Who founded Zorvath?"), [1, 2, 3]
     ev = parts["ret"].two_stage("Who founded Zorvath?", 2, 4, doc_ids=["zorvath"]).evidence
     ctx, total = b.build(ev, len(q))

@@ -1,10 +1,10 @@
 """Nugget-aware fine-tuning: train the generator on the context it meets online.
 
-For every QA example the online CoinRAG context is rebuilt exactly as inference builds it
-(``inference/methods.py``): two-stage retrieval (top-``kc`` chunks, then the top-``k`` nuggets
-inside them), restricted to the example's own documents (gold + distractors, HotpotQA style),
-then ``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` with :func:`inference.assemble.assemble_context`
-after the RAG prompt prefix. The loss is the cross-entropy of the short answer (plus EOS) given
+For every QA example the online CoinRAG context is rebuilt exactly as inference builds it:
+two-stage retrieval (top-``kc`` chunks, then the top-``k`` nuggets inside them), restricted to
+the example's own documents (gold + distractors, HotpotQA style), then ``C_ctx = C_p ⊕
+Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` after the RAG prompt prefix, by the context builder serving uses
+(``inference/context.py``). The loss is the cross-entropy of the short answer (plus EOS) given
 ``(C_ctx, q)``: the input is ``query_ids(question) + answer_ids + [eos]`` prefilled at positions
 after ``C_ctx``, the labels are the answer tokens only (token mean over the effective batch).
 
@@ -22,6 +22,9 @@ Modes
   *slices*, cut out of their passage and moved to new positions, still carry the fact.
 - ``frozen``: ``C_p`` and the chunk KV are read from the KV store (computed by the base model),
   only the query/answer pass is trained.
+
+The mode picks the context builder (``inference.context.FINETUNE_CONTEXTS``: ``live`` ->
+``LiveKvContext``, ``frozen`` -> ``StoredKvContext``, the one serving reads with).
 
 Why ``live`` is the default: the paper fine-tunes the generator on the structure it meets
 online, and online the cache is always encoded by *the served model itself* (a new model gets a
@@ -68,25 +71,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
-from inference.assemble import KvSlice, assemble_context
-from inference.encode import causal_lm, decoder, to_dynamic_cache
+from inference.context import FINETUNE_CONTEXTS, ContextBuilder
+from inference.encode import causal_lm, to_dynamic_cache
 from inference.prompt import RagPrompt
 from inference.retrieve import Evidence, Retriever
-from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
+from inference.rope import reset_rotary
 from schemas.keys import canonical_json
 from schemas.qa import DataError, QAExample, load_examples
 from schemas.settings import FinetuneSettings
-from schemas.tables import ChunkRow
-from storage.kv import KvLayout, KvStore
+from storage.kv import KvLayout
 from storage.store import Store
-from storage.tables import read_table
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CHECKPOINT_FORMAT = 1
 
+# The name users' log configurations know (it is the `train nuggets` command's), kept.
 log = logging.getLogger("coinrag.train.nuggets")
 
 
@@ -194,121 +195,6 @@ def fit_evidence(
 
 
 # ------------------------------------------------------------------------------------- the model
-
-
-class ContextBuilder:
-    """Assembles ``C_ctx`` for a list of evidence, the way :class:`inference.methods.RagEngine`
-    does: ``live`` encodes prefix and chunks with the current model (with grad), ``frozen``
-    reads the stored KV of the base model (no grad)."""
-
-    def __init__(
-        self,
-        store: Store,
-        model: Any,
-        prompt: RagPrompt,
-        mode: str,
-        kv: KvStore | None = None,
-        pad_id: int = 0,
-    ) -> None:
-        self.store = store
-        self.model = model
-        self.prompt = prompt
-        self.mode = mode
-        self.spec = RopeSpec.from_config(causal_lm(model).config)
-        self.pad_id = pad_id
-        self.kv = kv
-        self._token_ids: dict[str, list[int]] = {}
-        if mode == "frozen":
-            if kv is None:
-                raise ValueError("frozen mode needs the store's KV")
-            self.prefix_kv, ids = kv.read_prefix()
-            if ids != list(prompt.prefix_ids):
-                raise ValueError("the stored prompt prefix differs from this prompt's")
-            self.manifest = kv.manifest()
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def chunk_token_ids(self, chunk_ids: Sequence[str]) -> dict[str, list[int]]:
-        missing = [c for c in dict.fromkeys(chunk_ids) if c not in self._token_ids]
-        if missing:
-            table = read_table(
-                self.store,
-                ChunkRow,
-                columns=["chunk_id", "token_ids"],
-                filter=pc.field("chunk_id").isin(missing),
-            )
-            for cid, ids in zip(
-                table.column("chunk_id").to_pylist(),
-                table.column("token_ids").to_pylist(),
-                strict=True,
-            ):
-                self._token_ids[cid] = list(ids)
-        return {c: self._token_ids[c] for c in chunk_ids}
-
-    def build(self, evidence: Sequence[Evidence], n_query: int) -> tuple[torch.Tensor, int]:
-        """``(C_ctx, total)``: the assembled KV ``(layers, 2, H, T, D)`` and ``T``."""
-        p = self.prompt.n_prefix
-        if self.mode == "frozen":
-            requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
-            blocks = self.kv.read_slices(requests) if requests else []
-            slices = [
-                KvSlice(block, p + e.tok_start, p + self.manifest[e.content_key].tokens)
-                for block, e in zip(blocks, evidence, strict=True)
-            ]
-            prefix_kv = self.prefix_kv
-        else:
-            prefix_kv, chunk_kv = self._encode_live(evidence)
-            slices = [
-                KvSlice(
-                    chunk_kv[e.chunk_id][:, :, :, e.tok_start : e.tok_end],
-                    p + e.tok_start,
-                    p + chunk_kv[e.chunk_id].shape[-2],
-                )
-                for e in evidence
-            ]
-        total = p + sum(s.tokens for s in slices)
-        ctx = assemble_context(prefix_kv, slices, self.spec, new_seq_len=total + n_query)
-        dtype = next(self.model.parameters()).dtype  # stored KV may be in another dtype
-        return ctx.to(self.device, dtype=dtype), total
-
-    def _encode_live(
-        self, evidence: Sequence[Evidence]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The prefix's KV and each evidence chunk's KV after it, by the current model, encoded
-        as the KV stage encodes them (``tasks.kv``): fresh rotary state per forward, and one
-        right-padded forward per run of chunks whose lengths give the same RoPE frequencies."""
-        from inference.encode import cache_to_kv, prefix_cache
-
-        dec = decoder(self.model)
-        dev = self.device
-        ids = torch.tensor([list(self.prompt.prefix_ids)], dtype=torch.long, device=dev)
-        reset_rotary(self.model)
-        out = dec(input_ids=ids, use_cache=True)
-        prefix_kv = cache_to_kv(out.past_key_values)[0]
-        chunk_ids = list(dict.fromkeys(e.chunk_id for e in evidence))
-        if not chunk_ids:
-            return prefix_kv, {}
-        tokens = self.chunk_token_ids(chunk_ids)
-        p = prefix_kv.shape[-2]
-        lm = causal_lm(self.model)
-        frequencies = ForwardFrequencies.from_config(lm.config)
-        encoded: dict[str, torch.Tensor] = {}
-        for run in frequencies.batches([len(tokens[c]) for c in chunk_ids], p, len(chunk_ids)):
-            names = [chunk_ids[i] for i in run]
-            width = max(len(tokens[c]) for c in names)
-            rows = [tokens[c] + [self.pad_id] * (width - len(tokens[c])) for c in names]
-            batch = torch.tensor(rows, dtype=torch.long, device=dev)
-            positions = torch.arange(p, p + width, device=dev)[None].expand(len(rows), -1)
-            cache = prefix_cache(lm, prefix_kv, len(rows))
-            reset_rotary(self.model)
-            out = dec(
-                input_ids=batch, position_ids=positions, past_key_values=cache, use_cache=True
-            )
-            kv = cache_to_kv(out.past_key_values, start=p)  # right padding: causal, so harmless
-            encoded.update({c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(names)})
-        return prefix_kv, encoded
 
 
 def answer_loss_sum(
@@ -679,10 +565,12 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 # ------------------------------------------------------------------------------------ end to end
 
 
-def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, KvLayout]:
+def _kv_identity(
+    loaded: Any, prompt: RagPrompt, kv_dtype: str, kv_codec: str = "none"
+) -> tuple[str, KvLayout]:
     """``(model_fp, layout)`` of ``loaded``'s weights as the store computes KV: at the store's
     ``kv_dtype``, which may differ from the dtype training computes in (stored entries are then
-    cast when the context is assembled)."""
+    cast when the context is assembled), stored with its ``kv_codec``."""
     import dataclasses
 
     from inference.encode import kv_layout
@@ -694,7 +582,9 @@ def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, Kv
         kv_dtype,
         loaded.tokenizer_fp,
     )
-    layout = dataclasses.replace(kv_layout(loaded, prompt), model_fp=model_fp, dtype=kv_dtype)
+    layout = dataclasses.replace(
+        kv_layout(loaded, prompt, kv_codec=kv_codec), model_fp=model_fp, dtype=kv_dtype
+    )
     return model_fp, layout
 
 
@@ -739,11 +629,12 @@ def run_training(
     # Model fingerprints as this store computes KV (its kv_dtype): the base model's KV is what
     # frozen mode reads, and --rebuild-kv stores the new model's under the model_fp recorded here.
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype)
-    kv = KvStore.open(store, layout.kv_fp, layout) if cfg.mode == "frozen" else None
+    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype, settings.kv_codec)
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
-    builder = ContextBuilder(store, net, prompt, cfg.mode, kv, pad_id(loaded.tokenizer))
+    builder = FINETUNE_CONTEXTS[cfg.mode].for_finetuning(
+        store, net, prompt, layout=layout, pad_id=pad_id(loaded.tokenizer)
+    )
     identity = {"data_sha256": data_sha, "base_model_fp": base_model_fp}
     result = train(
         net,
