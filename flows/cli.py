@@ -27,7 +27,7 @@ from rich.markup import escape
 from flows.cli_lists import ListOptionsCommand
 from flows.preflight import Preflight
 from flows.settings_options import with_settings_options
-from schemas.settings import BuildSettings, FinetuneSettings
+from schemas.settings import RAG_METHODS, BuildSettings, FinetuneSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -206,9 +206,7 @@ def build(
 def query(
     question: Annotated[str, typer.Argument(help="The question.")],
     store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
-    method: Annotated[
-        str, typer.Option(help="coinrag | turborag | standard | cartridge")
-    ] = "coinrag",
+    method: Annotated[str, typer.Option(help=" | ".join(RAG_METHODS))] = "coinrag",
     kc: Annotated[int, typer.Option(min=1, help="Chunks retrieved in stage 1.")] = 4,
     k: Annotated[
         int,

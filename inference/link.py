@@ -279,13 +279,19 @@ def save_link_adapter(
     return info
 
 
+def read_link_adapter_info(path: str | os.PathLike[str]) -> LinkAdapterInfo:
+    """The ``kvlink.json`` of an adapter folder."""
+    data = json.loads((Path(path) / ADAPTER_FILE).read_text(encoding="utf-8"))
+    return LinkAdapterInfo(**data)
+
+
 def load_link_adapter(path: str | os.PathLike[str]) -> tuple[LinkEmbeddings, LinkAdapterInfo]:
     """The link embeddings of an adapter folder and its ``kvlink.json``; ValueError when the
     weights are not the ones the JSON names."""
     from safetensors.torch import load_file
 
     folder = Path(path)
-    info = LinkAdapterInfo(**json.loads((folder / ADAPTER_FILE).read_text(encoding="utf-8")))
+    info = read_link_adapter_info(folder)
     weight = load_file(str(folder / LINKS_FILE))["weight"]
     links = LinkEmbeddings(info.max_docs, info.n_link, int(weight.shape[1]))
     with torch.no_grad():

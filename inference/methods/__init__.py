@@ -7,13 +7,23 @@
 - ``assets.py``, ``retrievals.py``: the index, chunk tokens and stored KV methods read, and how
   the chunk and nugget methods retrieve;
 - the methods: ``coinrag.py``, ``turborag.py`` (both ``kv_reuse.py``), ``standard.py``,
-  ``cartridge.py``.
+  ``cartridge.py``; the baselines ``cacheblend.py`` (``cacheblend``, ``cacheblend-v``) and
+  ``kvlink.py``; CoinRAG's ablations ``coinrag_ablations.py`` (``coinrag-isolated``,
+  ``coinrag-noalign``, ``coinrag-onestage``).
 
 A new method is a module here with one subclass of :class:`RagMethod` (``name=...``), imported
 below, and its name in ``schemas.settings.RAG_METHODS``.
 """
 
-from inference.methods import cartridge, coinrag, standard, turborag
+from inference.methods import (
+    cacheblend,
+    cartridge,
+    coinrag,
+    coinrag_ablations,
+    kvlink,
+    standard,
+    turborag,
+)
 from inference.methods.base import (
     METHODS,
     Answer,
@@ -31,8 +41,11 @@ __all__ = [
     "MissingAssets",
     "RagEngine",
     "RagMethod",
+    "cacheblend",
     "cartridge",
     "coinrag",
+    "coinrag_ablations",
+    "kvlink",
     "repair_command",
     "standard",
     "turborag",

@@ -55,8 +55,10 @@ class RagEngine:
         model_ref: str | None = None,
         kv_dtype: str | None = None,
         kv_codec: str | None = None,
+        link_adapter: str | None = None,
     ) -> None:
-        """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting)."""
+        """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting);
+        ``link_adapter``: a folder of trained KVLink link tokens (``kvlink`` needs one)."""
         self.store = store
         self.loaded = loaded
         self.model = loaded.model
@@ -68,6 +70,7 @@ class RagEngine:
         self.device = str(next(self.model.parameters()).device)
         self.kv_dtype = kv_dtype or dtype_name(self.model)
         self.kv_codec = kv_codec or _store_kv_codec(store)
+        self.link_adapter = link_adapter
         self._models = {dtype_name(self.model): loaded}
         self._assets: dict[type[Asset[Any]], Any] = {}
         self.methods: dict[str, RagMethod] = {}
@@ -85,8 +88,10 @@ class RagEngine:
     ) -> RagEngine:
         """Load everything ``methods`` need from ``store_path``; model and embedder default to
         the store's. The KV methods' model computes in the store's ``kv_dtype`` (the dtype its
-        KV was built in)."""
+        KV was built in). ``model`` may be a KVLink adapter folder (``coinrag train kvlink``):
+        the transformer its ``kvlink.json`` names is loaded, and ``kvlink`` uses its links."""
         from inference.kv_dtype import resolve_kv_dtype
+        from inference.link import is_link_adapter, read_link_adapter_info
         from inference.models import load_model
         from schemas.settings import settings_from_toml
 
@@ -98,6 +103,9 @@ class RagEngine:
         settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
         kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
         ref = model or settings.model
+        link_adapter = None
+        if model is not None and is_link_adapter(model):
+            link_adapter, ref = model, read_link_adapter_info(model).model
         first = METHODS[methods[0]].model_dtype(kv_dtype, settings.device)
         loaded = load_model(ref, device=settings.device, dtype=first)
         return cls(
@@ -109,6 +117,7 @@ class RagEngine:
             model_ref=ref,
             kv_dtype=kv_dtype,
             kv_codec=settings.kv_codec,
+            link_adapter=link_adapter,
         )
 
     # ------------------------------------------------------------------ what methods share
