@@ -538,6 +538,81 @@ def train_nuggets_cmd(
     Console().print_json(json.dumps(summary, default=str))
 
 
+@train_app.command("kvlink")
+def train_kvlink_cmd(
+    store: Annotated[str, typer.Option("--store", help="A built store (a local folder).")],
+    data: Annotated[
+        Path,
+        typer.Option("--data", help="JSONL of QA examples (as for `train nuggets`)."),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the link adapter.")],
+    n_link: Annotated[int, typer.Option(min=1, help="Link tokens after each chunk.")] = 5,
+    max_docs: Annotated[
+        int, typer.Option(min=1, help="Document slots with their own links (bounds --kc).")
+    ] = 16,
+    kc: Annotated[int, typer.Option(min=1, help="Chunks per example (as kvlink serves).")] = 5,
+    lr: Annotated[float, typer.Option(min=0.0, help="Learning rate of the link tokens.")] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1, help="Examples per optimizer step.")] = 16,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the data.")] = 1,
+    max_steps: Annotated[
+        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
+    ] = None,
+    checkpoint_every: Annotated[
+        int, typer.Option(min=1, help="Checkpoint every N steps (a killed run resumes).")
+    ] = 50,
+    model: Annotated[
+        str | None, typer.Option(help="Base model (default: the store's); stays frozen.")
+    ] = None,
+) -> None:
+    """KVLink: train link tokens after each retrieved chunk's stored KV (the base model frozen);
+    serve them with `coinrag query --method kvlink --model OUT`."""
+    import json
+
+    from flows import preflight
+
+    _require_local(store, "coinrag train kvlink")
+    if not data.is_file():
+        _fail(f"--data {data} does not exist", 1)
+    if kc > max_docs:
+        _fail(f"--kc {kc} is more than --max-docs {max_docs}", 2)
+    if lr <= 0:
+        _fail("--lr must be > 0", 2)
+    from schemas.qa import DataError, load_examples
+
+    try:
+        examples = load_examples(data)
+    except DataError as exc:
+        _fail(str(exc), 2)
+    _check(preflight.output_folder, out, "--out")
+    if any(ex.documents for ex in examples):
+        st = _check(preflight.store_to_write, store)
+    else:
+        st = _check(preflight.built_store, store)
+    _check(preflight.unlocked, st)
+
+    from flows.train import train_kvlink_flow
+    from inference.methods import MissingAssets
+    from storage.kv import KvError
+    from storage.store import StoreLocked
+
+    settings = {
+        "kc": kc,
+        "lr": lr,
+        "batch_size": batch_size,
+        "epochs": epochs,
+        "max_steps": max_steps,
+        "checkpoint_every": checkpoint_every,
+    }
+    _prefect_run()
+    try:
+        summary = train_kvlink_flow(
+            str(store), str(data), str(out), n_link, max_docs, model=model, settings=settings
+        )
+    except (KeyError, ValueError, StoreLocked, MissingAssets, KvError, FileNotFoundError) as exc:
+        _fail(str(exc), 1)
+    Console().print_json(json.dumps(summary, default=str))
+
+
 @app.command()
 @with_settings_options(BuildSettings)
 def serve(

@@ -6,9 +6,11 @@ tokens, naming the command that trains them)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
@@ -68,3 +70,54 @@ def test_onestage_searches_every_nugget(tiny_store: dict) -> None:
 def test_kvlink_without_trained_links_names_the_training_command(tiny_store: dict) -> None:
     refused = query(tiny_store["store"], "kvlink", code=1)
     assert "error:" in refused and "coinrag train kvlink" in refused
+
+
+def test_train_kvlink_then_answer_with_its_links(tiny_store: dict, sample_corpus: Path) -> None:
+    from inference.link import load_link_adapter
+    from schemas.tables import RunRow
+    from storage.store import Store
+    from storage.tables import read_rows
+
+    docs = sample_docs(sample_corpus, 2)
+    data = tiny_store["root"] / "qa.jsonl"
+    data.write_text(
+        json.dumps({"question": QUESTION, "answer": "Stanley Kubrick", "doc_ids": [docs[0]["id"]]})
+        + "\n"
+        + json.dumps(
+            {
+                "question": "What is it about?",
+                "answer": "a voyage",
+                "doc_ids": [d["id"] for d in docs],
+            }
+        )
+        + "\n"
+    )
+    out = tiny_store["root"] / "links"
+    args = ["train", "kvlink", "--store", str(tiny_store["store"]), "--data", str(data)]
+    args += ["--out", str(out), "--kc", "2", "--batch-size", "2", "--epochs", "3"]
+    args += ["--max-steps", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    links, info = load_link_adapter(out)
+    summary = json.loads((out / "coinrag-training.json").read_text())
+    losses = [
+        json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()
+    ]
+    assert summary["steps"] == 2 and len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert summary["trainable_params"] == links.weight.numel()  # only the links trained
+    # the rows of the slots used (kc = 2, 5 links each) moved off their initial value (every
+    # row starts equal); the unused slots' rows did not
+    start = links.weight[-1]
+    assert not torch.equal(links.weight[0], start) and torch.equal(links.weight[10], start)
+    assert info.kvlink_fp.startswith("kvlink-") and info.kvlink_fp == summary["kvlink_fp"]
+    runs = read_rows(Store.at(tiny_store["store"]), RunRow)
+    done = [r for r in runs if (r.flow, r.status) == ("train-kvlink", "completed")]
+    assert done and json.loads(done[-1].fingerprints_json)["kvlink_fp"] == info.kvlink_fp
+
+    answer = query(tiny_store["store"], "kvlink", "--model", str(out))
+    assert answer["method"] == "kvlink" and answer["model_fp"] == info.kvlink_fp
+    turbo = query(tiny_store["store"], "turborag")
+    assert [e["chunk_id"] for e in answer["evidence"]] == [e["chunk_id"] for e in turbo["evidence"]]
+    assert answer["active_tokens"] == turbo["active_tokens"] + info.n_link * len(turbo["evidence"])
+    too_many = query(tiny_store["store"], "kvlink", "--model", str(out), "--kc", "17", code=1)
+    assert "at most 16 documents" in too_many

@@ -64,6 +64,10 @@ class KvLink(TurboRag, name="kvlink"):
     ) -> Answer:
         engine = self.engine
         links, info = engine.asset(LinkAdapter)
+        if kc > links.max_docs:  # link rows are per document slot: never wrap around
+            raise ValueError(
+                f"the link adapter covers at most {links.max_docs} documents; got kc {kc}"
+            )
         query_ids = engine.prompt.query_ids(question)
         timings = retrieval_timings(retrieval)
         context = engine.asset(StoredKv)
