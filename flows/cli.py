@@ -307,6 +307,22 @@ def eval_cmd(
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Upper bound on answer tokens.")] = 32,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N questions.")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            help="Models to compare, LABEL=REF (REF: a model folder, a KVLink adapter folder, or "
+            "default for the store's): --model trained=OUT base=default; run a method on one "
+            "with --methods coinrag@base (a bare name runs on the first).",
+        ),
+    ] = None,
+    limit_for: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--limit-for",
+            help="A method on the first N questions only: --limit-for standard=20 kvlink@links=20",
+        ),
+    ] = None,
     retrieval_only: Annotated[
         bool,
         typer.Option(
@@ -315,19 +331,30 @@ def eval_cmd(
         ),
     ] = False,
 ) -> None:
-    """Answer QUESTIONS with each method and (kc, k); write results.parquet, per-question rows,
-    best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens).
+    """Answer QUESTIONS with each method, model and (kc, k); write results.parquet,
+    per-question rows, Table 3 (table3.md / table3.parquet: best F1 under P99 TTFT budgets) and
+    plots (F1 vs P99 TTFT on a log axis, F1 vs active tokens, F1 vs budget, the ablations).
     With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead.
     The report is printed on stdout, progress on stderr."""
     from flows import preflight
+    from inference.evaluate import EvalModel, split_method
     from schemas.qa import QuestionsError, load_questions
     from schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
 
-    bad = [m for m in methods or [] if m not in RAG_METHODS]
+    try:
+        models = [EvalModel.parse(m) for m in model] if model else None
+        names = [split_method(m, models or [EvalModel("default")])[0] for m in methods or []]
+        limits = dict(_count(x, "--limit-for") for x in limit_for or [])
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    bad = [m for m in names if m not in RAG_METHODS]
     if bad:
         _fail(f"--methods {' '.join(bad)}: not among {', '.join(RAG_METHODS)}", 2)
-    for method in dict.fromkeys(m for m in methods or [] if m in LOCAL_STORE_METHODS):
+    for method in dict.fromkeys(m for m in names if m in LOCAL_STORE_METHODS):
         _require_local(store, f"eval --methods {method}")
+    for m in models or []:
+        if m.ref is not None:
+            _check(preflight.model, m.ref)
     try:
         load_questions(questions)  # every line checked before any model loads
     except QuestionsError as exc:
@@ -368,11 +395,21 @@ def eval_cmd(
             sweep=sweep,
             max_new_tokens=max_new_tokens,
             limit=limit,
+            models=models,
+            limit_for=limits,
         )
     except MissingAssets as exc:
         _fail(str(exc), 1)
     except (ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 2)
+
+
+def _count(text: str, option: str) -> tuple[str, int]:
+    """``NAME=N`` -> ``(NAME, N)`` (ValueError naming ``option`` otherwise)."""
+    name, _, n = text.rpartition("=")
+    if not name or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{option} {text!r}: give METHOD=N with N >= 1")
+    return name, int(n)
 
 
 @app.command()

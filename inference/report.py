@@ -6,6 +6,8 @@ Input: per-question rows (``inference/evaluate.py``), each with its ``dataset`` 
 name on the first model of the run and ``name [model]`` on another one (``coinrag [base]``:
 the no-fine-tuning ablation next to a fine-tuned ``coinrag``).
 
+The tables' columns are :mod:`schemas.evaluation`'s.
+
 - :func:`aggregate` -> ``results``: one row per (dataset, model, method, kc, k): means of F1,
   EM, recall (over questions with gold documents), active tokens; mean and P99 TTFT; ``n``.
 - :func:`best_under_budget` -> Table 3 (``table3.parquet``): per (dataset, model, method) and
@@ -34,38 +36,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from schemas.evaluation import RESULTS_SCHEMA, TABLE3_SCHEMA
+
 FULL_METHOD = "coinrag"  # the method the ablations are measured against
 ABLATION_PREFIX = "coinrag-"  # coinrag-isolated, coinrag-noalign, coinrag-onestage, ...
-
-GROUP_KEYS = ("dataset", "model", "method")
-RESULTS_SCHEMA = pa.schema(
-    [
-        ("dataset", pa.string()),
-        ("model", pa.string()),
-        ("method", pa.string()),
-        ("kc", pa.int32()),
-        ("k", pa.int32()),
-        ("f1", pa.float64()),
-        ("em", pa.float64()),
-        ("recall", pa.float64()),
-        ("ttft_mean_ms", pa.float64()),
-        ("ttft_p99_ms", pa.float64()),
-        ("active_tokens", pa.float64()),
-        ("n", pa.int32()),
-    ]
-)
-_MEASURES = [f for f in RESULTS_SCHEMA if f.name not in (*GROUP_KEYS, "kc", "k", "f1")]
-TABLE3_SCHEMA = pa.schema(
-    [
-        *[RESULTS_SCHEMA.field(k) for k in GROUP_KEYS],
-        ("label", pa.string()),
-        ("budget_ms", pa.float64()),
-        ("f1", pa.float64()),  # null: no sweep point meets the budget
-        RESULTS_SCHEMA.field("kc"),
-        RESULTS_SCHEMA.field("k"),
-        *_MEASURES,
-    ]
-)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -72,32 +72,32 @@ def test_kvlink_without_trained_links_names_the_training_command(tiny_store: dic
     assert "error:" in refused and "coinrag train kvlink" in refused
 
 
-def test_train_kvlink_then_answer_with_its_links(tiny_store: dict, sample_corpus: Path) -> None:
-    from inference.link import load_link_adapter
-    from schemas.tables import RunRow
-    from storage.store import Store
-    from storage.tables import read_rows
-
+@pytest.fixture(scope="module")
+def trained_links(tiny_store: dict, sample_corpus: Path) -> Path:
+    """Link tokens trained for 2 steps by ``coinrag train kvlink`` on the tiny store."""
     docs = sample_docs(sample_corpus, 2)
     data = tiny_store["root"] / "qa.jsonl"
-    data.write_text(
-        json.dumps({"question": QUESTION, "answer": "Stanley Kubrick", "doc_ids": [docs[0]["id"]]})
-        + "\n"
-        + json.dumps(
-            {
-                "question": "What is it about?",
-                "answer": "a voyage",
-                "doc_ids": [d["id"] for d in docs],
-            }
-        )
-        + "\n"
-    )
+    lines = [
+        {"question": QUESTION, "answer": "Stanley Kubrick", "doc_ids": [docs[0]["id"]]},
+        {"question": "What is it about?", "answer": "a voyage", "doc_ids": [d["id"] for d in docs]},
+    ]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tiny_store["root"] / "links"
     args = ["train", "kvlink", "--store", str(tiny_store["store"]), "--data", str(data)]
     args += ["--out", str(out), "--kc", "2", "--batch-size", "2", "--epochs", "3"]
     args += ["--max-steps", "2"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+    return out
+
+
+def test_train_kvlink_then_answer_with_its_links(tiny_store: dict, trained_links: Path) -> None:
+    from inference.link import load_link_adapter
+    from schemas.tables import RunRow
+    from storage.store import Store
+    from storage.tables import read_rows
+
+    out = trained_links
     links, info = load_link_adapter(out)
     summary = json.loads((out / "coinrag-training.json").read_text())
     losses = [
@@ -121,3 +121,51 @@ def test_train_kvlink_then_answer_with_its_links(tiny_store: dict, sample_corpus
     assert answer["active_tokens"] == turbo["active_tokens"] + info.n_link * len(turbo["evidence"])
     too_many = query(tiny_store["store"], "kvlink", "--model", str(out), "--kc", "17", code=1)
     assert "at most 16 documents" in too_many
+
+
+def test_eval_compares_every_method_and_model_in_table3_and_figure4(
+    tiny_store: dict, trained_links: Path
+) -> None:
+    import pyarrow.parquet as pq
+
+    root, store = tiny_store["root"], tiny_store["store"]
+    questions = root / "faq.jsonl"
+    lines = [
+        {
+            "question": QUESTION,
+            "answers": ["Stanley Kubrick"],
+            "doc_ids": ["2001:-a-space-odyssey"],
+        },
+        {"question": "What is the speed of light?", "answers": ["299,792 km/s"]},
+        {"question": "Who was Marie Curie?", "answers": ["a physicist"]},
+    ]
+    questions.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = root / "eval"
+    methods = ["standard", "turborag", "cacheblend", "cacheblend-v", "coinrag"]
+    methods += ["coinrag-isolated", "coinrag-noalign", "coinrag-onestage"]
+    methods += ["kvlink@links", "coinrag@links"]
+    args = ["eval", str(questions), "--store", str(store), "--out", str(out)]
+    args += ["--model", "default", f"links={trained_links}", "--methods", *methods]
+    args += ["--kc", "1", "2", "--k", "3", "--max-new-tokens", "3"]
+    args += ["--limit-for", "cacheblend-v=1", "standard@default=2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+
+    results = pq.read_table(out / "results.parquet").to_pylist()
+    n = {(r["model"], r["method"], r["kc"], r["k"]): r["n"] for r in results}
+    assert n[("default", "cacheblend-v", 1, 0)] == 1 and n[("default", "standard", 2, 0)] == 2
+    assert n[("default", "coinrag-onestage", 0, 3)] == 3  # one-stage: kc not used
+    assert n[("links", "kvlink", 2, 0)] == 3 and n[("links", "coinrag", 1, 3)] == 3
+    assert {r["dataset"] for r in results} == {"faq"}
+    table3 = pq.read_table(out / "table3.parquet").to_pylist()
+    labels = {r["label"] for r in table3}
+    expected = set(methods[:8]) | {"kvlink [links]", "coinrag [links]"}
+    assert labels == expected
+    markdown = (out / "table3.md").read_text()
+    assert all(f"| {label} |" in markdown for label in expected)
+    for name in ("f1_vs_p99_ttft.png", "f1_vs_active_tokens.png", "f1_vs_budget.png"):
+        assert (out / name).stat().st_size > 1000
+    assert (out / "ablation_f1.png").stat().st_size > 1000  # coinrag, its ablations, [links]
+
+    wrong = CliRunner().invoke(app, [*args[:8], "--methods", "coinrag@nope"])
+    assert wrong.exit_code == 2 and "no model labelled 'nope'" in " ".join(wrong.output.split())
