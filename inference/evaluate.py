@@ -343,8 +343,8 @@ def evaluate(
     ablation = plot_ablation(table3, out)
     figures += [ablation] if ablation else []
     report = Console(quiet=quiet)  # the report on stdout (as `coinrag query` prints answers)
-    report.print(results_text(results), highlight=False, soft_wrap=True)
-    report.print(budget_text(table3), highlight=False, soft_wrap=True)
+    report.print(results_text(results), highlight=False, soft_wrap=True, markup=False)
+    report.print(budget_text(table3), highlight=False, soft_wrap=True, markup=False)
     console.log(
         f"wrote {out}/results.parquet, per_question.parquet, table3.parquet, table3.md, "
         + ", ".join(p.name for p in figures)

@@ -151,6 +151,8 @@ def test_eval_compares_every_method_and_model_in_table3_and_figure4(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
 
+    # labels on stdout as in table3.md ("[links]" is text, not console markup)
+    assert "kvlink [links]" in result.stdout and "coinrag [links]" in result.stdout
     results = pq.read_table(out / "results.parquet").to_pylist()
     n = {(r["model"], r["method"], r["kc"], r["k"]): r["n"] for r in results}
     assert n[("default", "cacheblend-v", 1, 0)] == 1 and n[("default", "standard", 2, 0)] == 2
