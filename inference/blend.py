@@ -42,9 +42,9 @@ from typing import Any, ClassVar
 import torch
 from transformers import DynamicCache
 
-from inference.encode import causal_lm, decoder
-from inference.masks import check_attention, key_position_mask
-from inference.rope import reset_rotary
+from coinrag.inference.encode import causal_lm, decoder
+from coinrag.inference.masks import check_attention, key_position_mask
+from coinrag.inference.rope import reset_rotary
 
 DEFAULT_RATIO = 0.15  # LMCache's default recompute ratio
 DEFAULT_CHECK_LAYER = 1  # LMCache's check layer

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from inference.report import (
+from coinrag.inference.report import (
     aggregate,
     best_under_budget,
     budget_text,
@@ -65,12 +65,12 @@ from inference.report import (
     results_text,
     table3_markdown,
 )
-from schemas.evaluation import PER_QUESTION_SCHEMA
-from schemas.qa import load_questions
-from schemas.settings import DEFAULT_RAG_METHODS
+from coinrag.schemas.evaluation import PER_QUESTION_SCHEMA
+from coinrag.schemas.qa import load_questions
+from coinrag.schemas.settings import DEFAULT_RAG_METHODS
 
 if TYPE_CHECKING:
-    from inference.methods import RagMethod
+    from coinrag.inference.methods import RagMethod
 
 DEFAULT_METHODS = DEFAULT_RAG_METHODS
 DEFAULT_SWEEP = ((4, 10),)
@@ -230,7 +230,7 @@ def evaluate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from inference.methods import METHODS, RagEngine
+    from coinrag.inference.methods import METHODS, RagEngine
 
     models = list(models or [EvalModel(DEFAULT_MODEL_LABEL, model)])
     if len({m.label for m in models}) != len(models):

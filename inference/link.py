@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from inference.assemble import KvSlice, place_slices
-from inference.encode import causal_lm, to_dynamic_cache
-from inference.masks import check_attention, key_position_mask
-from inference.rope import RopeSpec, reset_rotary
-from schemas.keys import fingerprint, sha256_hex
+from coinrag.inference.assemble import KvSlice, place_slices
+from coinrag.inference.encode import causal_lm, to_dynamic_cache
+from coinrag.inference.masks import check_attention, key_position_mask
+from coinrag.inference.rope import RopeSpec, reset_rotary
+from coinrag.schemas.keys import fingerprint, sha256_hex
 
 DEFAULT_N_LINK = 5  # KVLink's reencode_num
 DEFAULT_MAX_DOCS = 16  # document slots with their own link rows (bounds kc)

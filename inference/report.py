@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from schemas.evaluation import RESULTS_SCHEMA, TABLE3_SCHEMA
+from coinrag.schemas.evaluation import RESULTS_SCHEMA, TABLE3_SCHEMA
 
 FULL_METHOD = "coinrag"  # the method the ablations are measured against
 ABLATION_PREFIX = "coinrag-"  # coinrag-isolated, coinrag-noalign, coinrag-onestage, ...

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from inference.assemble import KvSlice, assemble_context
-from inference.encode import from_cache, to_dynamic_cache
-from inference.rope import RopeSpec
+from coinrag.inference.assemble import KvSlice, assemble_context
+from coinrag.inference.encode import from_cache, to_dynamic_cache
+from coinrag.inference.rope import RopeSpec
 
 
 @torch.inference_mode()

@@ -19,9 +19,9 @@ import torch
 from kv_oracle import cached_logits, chunk_kv, max_abs, prefix_kv, standard_logits
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from inference.assemble import KvSlice, assemble_context
-from inference.context import UnalignedContext, encode_after_prefix
-from inference.rope import RopeSpec
+from coinrag.inference.assemble import KvSlice, assemble_context
+from coinrag.inference.context import UnalignedContext, encode_after_prefix
+from coinrag.inference.rope import RopeSpec
 
 LOGIT_ATOL_FP32 = 2e-4
 

@@ -22,7 +22,7 @@ import torch
 from kv_oracle import cached_logits, greedy_after, max_abs, standard_logits, turbo_context
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from inference.blend import (
+from coinrag.inference.blend import (
     KeyDeviation,
     UnsupportedBlend,
     ValueDeviation,
@@ -117,7 +117,7 @@ def test_selection_count_and_the_exact_first_chunk(tiny_case: Case) -> None:
 
 def test_smollm2_ends_of_the_ratio() -> None:
     """The same two oracles on SmolLM2-135M (30 layers, |logits| up to ~30)."""
-    from inference.models import load_shared_model
+    from coinrag.inference.models import load_shared_model
 
     loaded = load_shared_model(None)
     case = Case(loaded.model, 49152, lengths=(24, 20, 16), prefix_len=8, query_len=6)

@@ -14,8 +14,8 @@ import torch
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
 
@@ -92,10 +92,10 @@ def trained_links(tiny_store: dict, sample_corpus: Path) -> Path:
 
 
 def test_train_kvlink_then_answer_with_its_links(tiny_store: dict, trained_links: Path) -> None:
-    from inference.link import load_link_adapter
-    from schemas.tables import RunRow
-    from storage.store import Store
-    from storage.tables import read_rows
+    from coinrag.inference.link import load_link_adapter
+    from coinrag.schemas.tables import RunRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_rows
 
     out = trained_links
     links, info = load_link_adapter(out)

@@ -21,9 +21,9 @@ import torch
 from kv_oracle import chunk_kv, greedy_after, max_abs, prefix_kv
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from inference.assemble import KvSlice
-from inference.encode import from_cache
-from inference.link import (
+from coinrag.inference.assemble import KvSlice
+from coinrag.inference.encode import from_cache
+from coinrag.inference.link import (
     LinkEmbeddings,
     LinkLayout,
     kvlink_fingerprint,
@@ -32,7 +32,7 @@ from inference.link import (
     save_link_adapter,
     segment_mask,
 )
-from inference.rope import RopeSpec
+from coinrag.inference.rope import RopeSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,7 +7,7 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from inference.report import (
+from coinrag.inference.report import (
     ablation_bars,
     aggregate,
     best_under_budget,

@@ -30,20 +30,20 @@ from typing import Any
 
 import torch
 
-from inference.context import ContextBuilder, StoredKvContext
-from inference.link import (
+from coinrag.inference.context import ContextBuilder, StoredKvContext
+from coinrag.inference.link import (
     DEFAULT_MAX_DOCS,
     DEFAULT_N_LINK,
     LinkEmbeddings,
     link_forward,
     save_link_adapter,
 )
-from inference.prompt import RagPrompt
-from inference.retrieve import Evidence, Retriever
-from schemas.qa import QAExample, load_examples
-from schemas.settings import FinetuneSettings
-from storage.store import Store
-from training.finetune import (
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.retrieve import Evidence, Retriever
+from coinrag.schemas.qa import QAExample, load_examples
+from coinrag.schemas.settings import FinetuneSettings
+from coinrag.storage.store import Store
+from coinrag.training.finetune import (
     Objective,
     Plan,
     _kv_identity,
@@ -118,12 +118,12 @@ def run_kvlink_training(
 ) -> dict[str, Any]:
     """Train link tokens for the store's model (or ``model``) on the QA JSONL ``data``; write
     the adapter folder ``out``. Returns a summary with ``kvlink_fp`` and ``base_model_fp``."""
-    from inference.embedders import load_embedder
-    from inference.encode import pad_id
-    from inference.kv_dtype import resolve_kv_dtype
-    from inference.models import load_model
-    from schemas.settings import settings_from_toml
-    from storage.index import LanceIndex
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.encode import pad_id
+    from coinrag.inference.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.models import load_model
+    from coinrag.schemas.settings import settings_from_toml
+    from coinrag.storage.index import LanceIndex
 
     cfg.validate()
     if cfg.kc > max_docs:

@@ -15,7 +15,7 @@ A new method is a module here with one subclass of :class:`RagMethod` (``name=..
 below, and its name in ``schemas.settings.RAG_METHODS``.
 """
 
-from inference.methods import (
+from coinrag.inference.methods import (
     cacheblend,
     cartridge,
     coinrag,
@@ -24,7 +24,7 @@ from inference.methods import (
     standard,
     turborag,
 )
-from inference.methods.base import (
+from coinrag.inference.methods.base import (
     METHODS,
     Answer,
     CorruptAssets,
@@ -32,7 +32,7 @@ from inference.methods.base import (
     RagMethod,
     repair_command,
 )
-from inference.methods.engine import RagEngine
+from coinrag.inference.methods.engine import RagEngine
 
 __all__ = [
     "METHODS",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, ClassVar
 
-from inference.blend import (
+from coinrag.inference.blend import (
     DEFAULT_CHECK_LAYER,
     DEFAULT_RATIO,
     Deviation,
@@ -17,16 +17,16 @@ from inference.blend import (
     blend,
     check_blendable,
 )
-from inference.encode import causal_lm
-from inference.generate import decode_greedy
-from inference.methods.assets import ChunkTokenIds, Index, StoredChunkKv, stored_context
-from inference.methods.base import Answer, OnToken
-from inference.methods.retrievals import evidence_rows, retrieval_timings
-from inference.methods.turborag import TurboRag
-from inference.retrieve import RetrievalResult
+from coinrag.inference.encode import causal_lm
+from coinrag.inference.generate import decode_greedy
+from coinrag.inference.methods.assets import ChunkTokenIds, Index, StoredChunkKv, stored_context
+from coinrag.inference.methods.base import Answer, OnToken
+from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
+from coinrag.inference.methods.turborag import TurboRag
+from coinrag.inference.retrieve import RetrievalResult
 
 if TYPE_CHECKING:
-    from inference.methods.engine import RagEngine
+    from coinrag.inference.methods.engine import RagEngine
 
 
 class CacheBlend(TurboRag, name="cacheblend"):

@@ -13,9 +13,14 @@ fine-tuned one (``coinrag eval --model``, twice).
 
 from __future__ import annotations
 
-from inference.methods.assets import Index, IsolatedNuggetKv, StoredNuggetKv, UnalignedNuggetKv
-from inference.methods.coinrag import CoinRag
-from inference.methods.retrievals import OneStageNuggets
+from coinrag.inference.methods.assets import (
+    Index,
+    IsolatedNuggetKv,
+    StoredNuggetKv,
+    UnalignedNuggetKv,
+)
+from coinrag.inference.methods.coinrag import CoinRag
+from coinrag.inference.methods.retrievals import OneStageNuggets
 
 
 class CoinRagIsolated(CoinRag, name="coinrag-isolated"):

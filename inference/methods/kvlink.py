@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inference.generate import decode_greedy
-from inference.link import LinkAdapterInfo, LinkEmbeddings, link_forward, load_link_adapter
-from inference.methods.assets import Index, StoredChunkKv, StoredKv, kv_read_errors
-from inference.methods.base import Answer, Asset, MissingAssets, OnToken
-from inference.methods.retrievals import evidence_rows, retrieval_timings
-from inference.methods.turborag import TurboRag
-from inference.retrieve import RetrievalResult
+from coinrag.inference.generate import decode_greedy
+from coinrag.inference.link import LinkAdapterInfo, LinkEmbeddings, link_forward, load_link_adapter
+from coinrag.inference.methods.assets import Index, StoredChunkKv, StoredKv, kv_read_errors
+from coinrag.inference.methods.base import Answer, Asset, MissingAssets, OnToken
+from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
+from coinrag.inference.methods.turborag import TurboRag
+from coinrag.inference.retrieve import RetrievalResult
 
 if TYPE_CHECKING:
-    from inference.methods.engine import RagEngine
+    from coinrag.inference.methods.engine import RagEngine
 
 TRAIN_COMMAND = "coinrag train kvlink --store STORE --data qa.jsonl --out DIR"
 
