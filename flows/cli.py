@@ -27,7 +27,13 @@ from rich.markup import escape
 from coinrag.flows.cli_lists import ListOptionsCommand
 from coinrag.flows.preflight import Preflight
 from coinrag.flows.settings_options import with_settings_options
-from coinrag.schemas.settings import ApiSettings, BuildSettings, FinetuneSettings, RuntimeSettings
+from coinrag.schemas.settings import (
+    RAG_METHODS,
+    ApiSettings,
+    BuildSettings,
+    FinetuneSettings,
+    RuntimeSettings,
+)
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -207,9 +213,7 @@ def build(
 def query(
     question: Annotated[str, typer.Argument(help="The question.")],
     store: Annotated[str, typer.Option("--store", help="A built store (folder or s3:// URL).")],
-    method: Annotated[
-        str, typer.Option(help="coinrag | turborag | standard | cartridge")
-    ] = "coinrag",
+    method: Annotated[str, typer.Option(help=" | ".join(RAG_METHODS))] = "coinrag",
     kc: Annotated[int, typer.Option(min=1, help="Chunks retrieved in stage 1.")] = 4,
     k: Annotated[
         int,
@@ -390,6 +394,22 @@ def eval_cmd(
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Upper bound on answer tokens.")] = 32,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N questions.")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            help="Models to compare, LABEL=REF (REF: a model folder, a KVLink adapter folder, or "
+            "default for the store's): --model trained=OUT base=default; run a method on one "
+            "with --methods coinrag@base (a bare name runs on the first).",
+        ),
+    ] = None,
+    limit_for: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--limit-for",
+            help="A method on the first N questions only: --limit-for standard=20 kvlink@links=20",
+        ),
+    ] = None,
     retrieval_only: Annotated[
         bool,
         typer.Option(
@@ -400,19 +420,30 @@ def eval_cmd(
     *,
     overrides: dict[str, Any],
 ) -> None:
-    """Answer QUESTIONS with each method and (kc, k); write results.parquet, per-question rows,
-    best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens).
+    """Answer QUESTIONS with each method, model and (kc, k); write results.parquet,
+    per-question rows, Table 3 (table3.md / table3.parquet: best F1 under P99 TTFT budgets) and
+    plots (F1 vs P99 TTFT on a log axis, F1 vs active tokens, F1 vs budget, the ablations).
     With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead.
     The report is printed on stdout, progress on stderr."""
     from coinrag.flows import preflight
+    from coinrag.inference.evaluate import EvalModel, split_method
     from coinrag.schemas.qa import QuestionsError, load_questions
     from coinrag.schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
 
-    bad = [m for m in methods or [] if m not in RAG_METHODS]
+    try:
+        models = [EvalModel.parse(m) for m in model] if model else None
+        names = [split_method(m, models or [EvalModel("default")])[0] for m in methods or []]
+        limits = dict(_count(x, "--limit-for") for x in limit_for or [])
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    bad = [m for m in names if m not in RAG_METHODS]
     if bad:
         _fail(f"--methods {' '.join(bad)}: not among {', '.join(RAG_METHODS)}", 2)
-    for method in dict.fromkeys(m for m in methods or [] if m in LOCAL_STORE_METHODS):
+    for method in dict.fromkeys(m for m in names if m in LOCAL_STORE_METHODS):
         _require_local(store, f"eval --methods {method}")
+    for m in models or []:
+        if m.ref is not None:
+            _check(preflight.model, m.ref)
     try:
         load_questions(questions)  # every line checked before any model loads
     except QuestionsError as exc:
@@ -456,11 +487,21 @@ def eval_cmd(
             sweep=sweep,
             max_new_tokens=max_new_tokens,
             limit=limit,
+            models=models,
+            limit_for=limits,
         )
     except MissingAssets as exc:
         _fail(str(exc), 1)
     except (ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 2)
+
+
+def _count(text: str, option: str) -> tuple[str, int]:
+    """``NAME=N`` -> ``(NAME, N)`` (ValueError naming ``option`` otherwise)."""
+    name, _, n = text.rpartition("=")
+    if not name or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{option} {text!r}: give METHOD=N with N >= 1")
+    return name, int(n)
 
 
 @app.command()
@@ -622,6 +663,81 @@ def train_nuggets_cmd(
             **given,
         )
     except (KeyError, ValueError, StoreLocked) as exc:
+        _fail(str(exc), 1)
+    Console().print_json(json.dumps(summary, default=str))
+
+
+@train_app.command("kvlink")
+def train_kvlink_cmd(
+    store: Annotated[str, typer.Option("--store", help="A built store (a local folder).")],
+    data: Annotated[
+        Path,
+        typer.Option("--data", help="JSONL of QA examples (as for `train nuggets`)."),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the link adapter.")],
+    n_link: Annotated[int, typer.Option(min=1, help="Link tokens after each chunk.")] = 5,
+    max_docs: Annotated[
+        int, typer.Option(min=1, help="Document slots with their own links (bounds --kc).")
+    ] = 16,
+    kc: Annotated[int, typer.Option(min=1, help="Chunks per example (as kvlink serves).")] = 5,
+    lr: Annotated[float, typer.Option(min=0.0, help="Learning rate of the link tokens.")] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1, help="Examples per optimizer step.")] = 16,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the data.")] = 1,
+    max_steps: Annotated[
+        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
+    ] = None,
+    checkpoint_every: Annotated[
+        int, typer.Option(min=1, help="Checkpoint every N steps (a killed run resumes).")
+    ] = 50,
+    model: Annotated[
+        str | None, typer.Option(help="Base model (default: the store's); stays frozen.")
+    ] = None,
+) -> None:
+    """KVLink: train link tokens after each retrieved chunk's stored KV (the base model frozen);
+    serve them with `coinrag query --method kvlink --model OUT`."""
+    import json
+
+    from coinrag.flows import preflight
+
+    _require_local(store, "coinrag train kvlink")
+    if not data.is_file():
+        _fail(f"--data {data} does not exist", 1)
+    if kc > max_docs:
+        _fail(f"--kc {kc} is more than --max-docs {max_docs}", 2)
+    if lr <= 0:
+        _fail("--lr must be > 0", 2)
+    from coinrag.schemas.qa import DataError, load_examples
+
+    try:
+        examples = load_examples(data)
+    except DataError as exc:
+        _fail(str(exc), 2)
+    _check(preflight.output_folder, out, "--out")
+    if any(ex.documents for ex in examples):
+        st = _check(preflight.store_to_write, store)
+    else:
+        st = _check(preflight.built_store, store)
+    _check(preflight.unlocked, st)
+
+    from coinrag.flows.train import train_kvlink_flow
+    from coinrag.inference.methods import MissingAssets
+    from coinrag.storage.kv import KvError
+    from coinrag.storage.store import StoreLocked
+
+    settings = {
+        "kc": kc,
+        "lr": lr,
+        "batch_size": batch_size,
+        "epochs": epochs,
+        "max_steps": max_steps,
+        "checkpoint_every": checkpoint_every,
+    }
+    _prefect_run()
+    try:
+        summary = train_kvlink_flow(
+            str(store), str(data), str(out), n_link, max_docs, model=model, settings=settings
+        )
+    except (KeyError, ValueError, StoreLocked, MissingAssets, KvError, FileNotFoundError) as exc:
         _fail(str(exc), 1)
     Console().print_json(json.dumps(summary, default=str))
 

@@ -4,10 +4,12 @@
 Click gives an option one value per occurrence; :class:`ListOptionsCommand` rewrites the
 arguments before Click parses them. After a list option's first value, the next tokens are
 more of its values while they fit it: numbers for a number option, one of its known values for
-an option listed in :data:`KNOWN_VALUES` (``--methods``), and, for a string option of a
-command without positional arguments (``train cartridges --docs a b``), anything that does not
-start with ``-``. So a positional argument after a list option is never taken as one of its
-values (``eval --kc 1 2 questions.jsonl`` keeps ``questions.jsonl`` as QUESTIONS).
+an option listed in :data:`KNOWN_VALUES` (``--methods``, ``coinrag@base`` too), a
+``NAME=VALUE`` pair for one in :data:`PAIR_VALUES` (``--model``, ``--limit-for``), and, for a
+string option of a command without positional arguments (``train cartridges --docs a b``),
+anything that does not start with ``-``. So a positional argument after a list option is never
+taken as one of its values (``eval --kc 1 2 questions.jsonl`` keeps ``questions.jsonl`` as
+QUESTIONS).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from typer.core import TyperArgument, TyperCommand, TyperOption
 
 from coinrag.schemas.settings import RAG_METHODS
 
-KNOWN_VALUES: dict[str, Sequence[str]] = {"--methods": RAG_METHODS}
+KNOWN_VALUES: dict[str, Sequence[str]] = {"--methods": RAG_METHODS}  # also as NAME@LABEL
+# Options whose values are NAME=VALUE pairs (``eval --model base=default links=DIR``,
+# ``--limit-for standard=20``): a token with ``=`` is one more value (and ``default``, the
+# store's model, for ``--model``).
+PAIR_VALUES: dict[str, Sequence[str]] = {"--model": ("default",), "--limit-for": ()}
 
 
 def _is_number(token: str) -> bool:
@@ -44,7 +50,10 @@ def _item_type(param: TyperOption) -> Any:
 def _fits(param: TyperOption, option: str, token: str, free_strings: bool) -> bool:
     """Whether ``token`` can be one more value of the list option ``param``."""
     if option in KNOWN_VALUES:
-        return token in KNOWN_VALUES[option]
+        return token.partition("@")[0] in KNOWN_VALUES[option]
+    if option in PAIR_VALUES:
+        pair = "=" in token and not token.startswith("-")
+        return pair or token in PAIR_VALUES[option]
     if _item_type(param) in (int, float):
         return _is_number(token)
     return free_strings and not token.startswith("-")

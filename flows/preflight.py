@@ -91,10 +91,14 @@ def source(path: str) -> None:
 
 
 def model(ref: str | None) -> None:
-    """``--model`` names a model folder, a GGUF file, or the packaged default."""
+    """``--model`` names a model folder, a GGUF file, the packaged default, or a KVLink
+    adapter folder (``kvlink.json``) whose base model is one of those."""
+    from coinrag.inference.link import is_link_adapter, read_link_adapter_info
     from coinrag.inference.models import ModelNotFound, locate_model
 
     try:
+        if ref is not None and is_link_adapter(ref):
+            ref = read_link_adapter_info(ref).model
         locate_model(ref)
     except ModelNotFound as exc:
         raise Preflight(str(exc)) from None

@@ -196,3 +196,113 @@ def train_nuggets(
         rebuild_kv=rebuild_kv,
         source=source,
     )
+
+
+KVLINK_FLOW_NAME = "coinrag-train-kvlink"
+
+
+@task(name="train-kvlink", cache_policy=NONE)
+def train_kvlink_task(
+    store: str,
+    data: str,
+    out: str,
+    cfg: FinetuneSettings,
+    model: str | None,
+    examples: list,
+    link: dict[str, int],
+    lineage: dict[str, Any],
+) -> dict[str, Any]:
+    from coinrag.training.kvlink import run_kvlink_training
+
+    return run_kvlink_training(
+        store,
+        data,
+        out,
+        cfg,
+        model=model,
+        logger=get_run_logger(),
+        examples=examples,
+        lineage=lineage,
+        **link,
+    )
+
+
+@flow(name=KVLINK_FLOW_NAME)
+def train_kvlink_flow(
+    store: str,
+    data: str,
+    out: str,
+    n_link: int,
+    max_docs: int,
+    model: str | None = None,
+    settings: dict[str, Any] | None = None,
+    build: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train KVLink link tokens (``training/kvlink.py``) for ``model`` (default: the store's)
+    on the QA JSONL ``data``; write the adapter folder ``out``. The data's inline documents are
+    built into the store first (with KV: training reads the stored chunk KV); the runs table
+    gets a ``train-kvlink`` row with ``base_model_fp`` and the adapter's ``kvlink_fp``."""
+    logger = get_run_logger()
+    cfg = FinetuneSettings(**{**(settings or {}), "mode": "frozen", "lora": False}).validate()
+    st = Store.at(store)
+    st.require_local("coinrag train kvlink")
+    data_path = str(Path(data).expanduser().resolve())
+    data_sha = file_sha256(data_path)
+    examples = load_data_task(data_path)
+    build_settings = {**_build_settings(st, build), "kv": True}
+    if model is not None:
+        build_settings["model"] = model
+    docs_source = st.root / "train-data" / f"{data_sha[:16]}.jsonl"
+    n_docs = write_documents(examples, docs_source)
+    if n_docs:
+        from coinrag.flows.build import build_flow
+
+        logger.info("building %d training documents into %s", n_docs, st.root)
+        build_flow(str(docs_source), str(st.root), build_settings)
+    elif not st.exists():
+        raise FileNotFoundError(f"{st} is not a coinrag store and the data has no documents")
+    run_id = new_run_id("train")
+    params = {
+        "data": data_path,
+        "data_sha256": data_sha,
+        "out": str(Path(out).expanduser().resolve()),
+        "base_model": str(build_settings["model"]),
+        "hyperparameters": {**cfg.to_dict(), "n_link": n_link, "max_docs": max_docs},
+    }
+    with st.write_lock(run_id):
+        run = start_run(st, run_id, "train-kvlink", params)
+    try:
+        summary = train_kvlink_task(
+            str(st.root),
+            data_path,
+            out,
+            cfg,
+            build_settings["model"],
+            examples,
+            {"n_link": n_link, "max_docs": max_docs},
+            {"run_id": run_id},
+        )
+    except BaseException as exc:
+        with st.write_lock(run_id):
+            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    counts = {
+        **summary["counts"],
+        "steps": summary["steps"],
+        "first_loss": summary["first_loss"],
+        "final_loss": summary["final_loss"],
+        "resumed_from": summary["resumed_from"],
+    }
+    fingerprints = {"base_model_fp": summary["base_model_fp"], "kvlink_fp": summary["kvlink_fp"]}
+    with st.write_lock(run_id):
+        finish_run(st, run, "completed", fingerprints=fingerprints, counts=counts)
+    summary["run_id"] = run_id
+    logger.info(
+        "train-kvlink %s done: %d steps, loss %.4f -> %.4f, kvlink_fp %s",
+        run_id,
+        summary["steps"],
+        summary["first_loss"] or 0.0,
+        summary["final_loss"] or 0.0,
+        summary["kvlink_fp"],
+    )
+    return summary

@@ -76,9 +76,31 @@ def assemble_context(
 
     >>> # two slices of 3 and 2 tokens after a 5-token prefix land at positions 5..7 and 8..9
     """
+    starts, start = [], prefix_kv.shape[-2]
+    for s in slices:
+        starts.append(start)
+        start += s.tokens
+    return place_slices(prefix_kv, slices, starts, spec, new_seq_len=new_seq_len)
+
+
+def place_slices(
+    prefix_kv: torch.Tensor,
+    slices: Sequence[KvSlice],
+    starts: Sequence[int],
+    spec: RopeSpec,
+    *,
+    new_seq_len: int | None = None,
+) -> torch.Tensor:
+    """``C_p`` followed by each slice re-rotated to start at ``starts[i]`` (gaps allowed).
+
+    :func:`assemble_context` with chosen positions: KVLink leaves gaps for its link tokens
+    after each document. The result is in slice order, ``(layers, 2, kv_heads, P + Σ n_i,
+    head_dim)``; slice ``i``'s keys sit at positions ``starts[i] .. starts[i] + n_i - 1``.
+    ``new_seq_len`` defaults to the end of the last slice (or ``P``).
+    """
     n_prefix = prefix_kv.shape[-2]
-    total = n_prefix + sum(s.tokens for s in slices)
-    seq_len = new_seq_len or total
+    ends = [start + s.tokens for s, start in zip(slices, starts, strict=True)]
+    seq_len = new_seq_len or max([n_prefix, *ends])
     parts = [prefix_kv]
     if spec.seq_len_dependent and not torch.equal(
         spec.inv_freq_for(n_prefix), spec.inv_freq_for(seq_len)
@@ -86,11 +108,9 @@ def assemble_context(
         # C_p was encoded in a forward of its own length; a forward of length seq_len uses
         # other frequencies (dynamic NTK above max_position_embeddings, longrope's long factors).
         parts = [_rotated(KvSlice(prefix_kv, 0, n_prefix), 0, spec, seq_len)]
-    start = n_prefix
-    for s in slices:
+    for s, start in zip(slices, starts, strict=True):
         moved = s.old_start != start or spec.seq_len_dependent or s.at_zero
         parts.append(_rotated(s, start, spec, seq_len) if moved else s.kv)
-        start += s.tokens
     return torch.cat(parts, dim=-2)
 
 

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import pyarrow.compute as pc
 import torch
 
-from coinrag.inference.assemble import KvSlice, assemble_context
+from coinrag.inference.assemble import KvSlice, assemble_context, place_slices
 from coinrag.inference.encode import cache_to_kv, causal_lm, compute_prefix_kv, forward_after_prefix
 from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.retrieve import Evidence
@@ -105,13 +105,20 @@ class ContextBuilder(ABC):
         prefix_kv, slices = self.load(evidence)
         t1 = time.perf_counter()
         total = self.prompt.n_prefix + sum(s.tokens for s in slices)
-        ctx = assemble_context(prefix_kv, slices, self.spec, new_seq_len=total + n_query)
+        ctx = self.place(prefix_kv, slices, new_seq_len=total + n_query)
         dtype = next(self.model.parameters()).dtype  # stored KV may be in another dtype
         ctx = ctx.to(self.device, dtype=dtype)
         if timings is not None:
             timings["kv_load"] = timings.get("kv_load", 0.0) + (t1 - t0) * 1000
             timings["assembly"] = timings.get("assembly", 0.0) + (time.perf_counter() - t1) * 1000
         return ctx, total
+
+    def place(
+        self, prefix_kv: torch.Tensor, slices: Sequence[KvSlice], *, new_seq_len: int
+    ) -> torch.Tensor:
+        """``C_p`` then the slices, re-rotated to contiguous positions after it (the paper's
+        ``Rot``); ``(layers, 2, H, |p| + Σ n_i, D)``."""
+        return assemble_context(prefix_kv, slices, self.spec, new_seq_len=new_seq_len)
 
     @classmethod
     @abstractmethod
@@ -186,19 +193,74 @@ class LiveKvContext(ContextBuilder):
 
     def _encode(self, prefix_kv: torch.Tensor, chunk_ids: list[str]) -> dict[str, torch.Tensor]:
         """Each chunk's KV after ``C_p``: ``{chunk_id: (layers, 2, H, n_tokens, D)}``."""
-        if not chunk_ids:
-            return {}
         tokens = self.chunk_token_ids(chunk_ids)
-        p = prefix_kv.shape[-2]
-        frequencies = ForwardFrequencies.from_config(causal_lm(self.model).config)
-        encoded: dict[str, torch.Tensor] = {}
-        for run in frequencies.batches([len(tokens[c]) for c in chunk_ids], p, len(chunk_ids)):
-            names = [chunk_ids[i] for i in run]
-            rows = [tokens[c] for c in names]
-            cache = forward_after_prefix(self.model, prefix_kv, rows, self.pad_id)
-            kv = cache_to_kv(cache, start=p)  # right padding: causal, so harmless
-            encoded.update({c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(names)})
-        return encoded
+        rows = [tokens[c] for c in chunk_ids]
+        kvs = encode_after_prefix(self.model, prefix_kv, rows, self.pad_id)
+        return dict(zip(chunk_ids, kvs, strict=True))
+
+
+def encode_after_prefix(
+    model: Any, prefix_kv: torch.Tensor, rows: Sequence[Sequence[int]], pad_id: int = 0
+) -> list[torch.Tensor]:
+    """Each row of token ids encoded alone right after ``C_p`` (positions ``|p|..``), as the KV
+    stage encodes chunks: one right-padded forward per run of rows whose lengths give the same
+    RoPE frequencies, in the caller's grad mode. Returns ``(layers, 2, H, len(row), D)`` per
+    row, in order."""
+    if not rows:
+        return []
+    p = prefix_kv.shape[-2]
+    frequencies = ForwardFrequencies.from_config(causal_lm(model).config)
+    encoded: list[torch.Tensor | None] = [None] * len(rows)
+    for run in frequencies.batches([len(r) for r in rows], p, len(rows)):
+        cache = forward_after_prefix(model, prefix_kv, [rows[i] for i in run], pad_id)
+        kv = cache_to_kv(cache, start=p)  # right padding: causal, so harmless
+        for b, i in enumerate(run):
+            encoded[i] = kv[b, :, :, :, : len(rows[i])]
+    return [e for e in encoded if e is not None]
+
+
+class UnalignedContext(StoredKvContext):
+    """The ``no position alignment`` ablation: the stored slices keep the positions their keys
+    were encoded at (``|p| + s .. |p| + e - 1`` of their chunk), concatenated after ``C_p`` with
+    no ``Rot``; the query still starts at ``T = |p| + Σ n_i``. Keys of two slices may then
+    share positions, and a key may sit after the query's positions: that is the ablation."""
+
+    @classmethod
+    def sharing(cls, stored: StoredKvContext) -> UnalignedContext:
+        """This builder over ``stored``'s KV store and ``C_p`` (nothing read again)."""
+        new = cls.__new__(cls)
+        new.__dict__.update(stored.__dict__)
+        return new
+
+    def place(
+        self, prefix_kv: torch.Tensor, slices: Sequence[KvSlice], *, new_seq_len: int
+    ) -> torch.Tensor:
+        starts = [s.old_start for s in slices]
+        return place_slices(prefix_kv, slices, starts, self.spec, new_seq_len=new_seq_len)
+
+
+class IsolatedNuggetContext(StoredKvContext):
+    """The ``isolated encoding`` ablation: each evidence span's tokens (a nugget's
+    ``token_ids[s:e]`` of its chunk, not re-tokenised) encoded **alone** right after the stored
+    ``C_p``, online, with no chunk context before it; then placed as CoinRAG places its slices.
+    The encoding is in :meth:`build`'s ``kv_load`` time (so in TTFT)."""
+
+    @classmethod
+    def sharing(cls, stored: StoredKvContext, pad_id: int) -> IsolatedNuggetContext:
+        new = cls.__new__(cls)
+        new.__dict__.update(stored.__dict__)
+        new.pad_id = pad_id
+        return new
+
+    def load(self, evidence: Sequence[Evidence]) -> tuple[torch.Tensor, list[KvSlice]]:
+        tokens = self.chunk_token_ids([e.chunk_id for e in evidence])
+        rows = [tokens[e.chunk_id][e.tok_start : e.tok_end] for e in evidence]
+        dtype = next(self.model.parameters()).dtype
+        prefix_kv = self.prefix_kv.to(self.device, dtype=dtype)
+        with torch.inference_mode():
+            kvs = encode_after_prefix(self.model, prefix_kv, rows, self.pad_id)
+        p = self.prompt.n_prefix
+        return prefix_kv, [KvSlice(kv, p, p + kv.shape[-2]) for kv in kvs]
 
 
 # Fine-tuning's mode (schemas.settings.FINETUNE_MODES) -> who encodes the context.

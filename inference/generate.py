@@ -71,13 +71,44 @@ def prefill_and_decode(
     t0 = time.perf_counter()
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
     logits = out.logits[0, -1].float()
-    next_id = int(torch.argmax(logits))
+    prefill_ms = (time.perf_counter() - t0) * 1000
+    return decode_greedy(
+        model,
+        tokenizer,
+        out.past_key_values,
+        logits,
+        context_len + ids.shape[1],
+        prefill_ms=prefill_ms,
+        max_new_tokens=max_new_tokens,
+        keep_first_logits=keep_first_logits,
+        on_token=on_token,
+    )
+
+
+@torch.inference_mode()
+def decode_greedy(
+    model: Any,
+    tokenizer: Any,
+    cache: Any,
+    first_logits: torch.Tensor,
+    next_position: int,
+    *,
+    prefill_ms: float,
+    max_new_tokens: int = 32,
+    keep_first_logits: bool = False,
+    on_token: Callable[[int], None] | None = None,
+) -> Generation:
+    """Greedy decoding after a prefill that gave ``first_logits`` ``(vocab,)`` and left
+    ``cache`` ready for position ``next_position`` (the methods that prefill their own way,
+    CacheBlend and KVLink, continue here as :func:`prefill_and_decode` does). ``prefill_ms``:
+    what the prefill took (recorded as is)."""
+    device = next(model.parameters()).device
     t1 = time.perf_counter()
-    first = logits.clone() if keep_first_logits else None
+    next_id = int(torch.argmax(first_logits))
+    first = first_logits.clone() if keep_first_logits else None
     eos = _eos_ids(model, tokenizer)
     generated: list[int] = []
-    cache = out.past_key_values
-    pos = context_len + ids.shape[1]
+    pos = next_position
     while True:
         if next_id in eos:
             break
@@ -99,7 +130,7 @@ def prefill_and_decode(
     return Generation(
         token_ids=generated,
         text=tokenizer.decode(generated, skip_special_tokens=True).strip(),
-        prefill_ms=(t1 - t0) * 1000,
+        prefill_ms=prefill_ms,
         decode_ms=(t2 - t1) * 1000,
         first_logits=first,
     )

@@ -50,7 +50,18 @@ RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
 # The RAG methods: the names of inference/methods' registry (METHODS; a test keeps them equal),
 # known here so the CLI checks them before anything loads.
-RAG_METHODS = ("coinrag", "turborag", "standard", "cartridge")
+RAG_METHODS = (
+    "coinrag",
+    "turborag",
+    "standard",
+    "cartridge",
+    "cacheblend",
+    "cacheblend-v",
+    "kvlink",
+    "coinrag-isolated",
+    "coinrag-noalign",
+    "coinrag-onestage",
+)
 DEFAULT_RAG_METHODS = ("coinrag", "turborag", "standard")  # eval's default (cartridge: trained)
 LOCAL_STORE_METHODS = ("cartridge",)  # read assets only a local store holds (cartridges)
 # Fine-tuning: who encodes the context (inference.context.FINETUNE_CONTEXTS maps each to a class).

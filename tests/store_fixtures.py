@@ -23,6 +23,53 @@ TINY_DIMS: dict[str, int] = dict(
 )
 
 
+# The three verified architectures as tiny random-weight configs (vocabulary 500): Qwen2 with
+# default RoPE, Llama with llama3 RoPE, Qwen3 with default RoPE and q/k norms.
+TINY_ARCHITECTURES = ("qwen2", "llama3", "qwen3")
+
+
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    """A TINY_DIMS config of ``arch`` (one of TINY_ARCHITECTURES); ``overrides`` replace its
+    arguments (e.g. ``num_hidden_layers=4``, ``attn_implementation="eager"``)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    base: dict[str, Any] = dict(TINY_DIMS, vocab_size=500, max_position_embeddings=4096)
+    default_rope = {"rope_type": "default", "rope_theta": 1e6}
+    if arch == "qwen2":
+        return Qwen2Config(**{**base, "rope_parameters": default_rope, **overrides})
+    if arch == "llama3":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        }
+        return LlamaConfig(**{**base, "rope_parameters": rope, **overrides})
+    if arch == "qwen3":
+        return Qwen3Config(**{**base, "head_dim": 16, "rope_parameters": default_rope, **overrides})
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random-weight float32 model of :func:`tiny_config` in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def random_ids(n: int, seed: int, vocab: int = 500) -> list[int]:
+    """``n`` token ids in ``[3, vocab)``, reproducible by ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
 def tiny_llama(tokenizer: Any, seed: int, **config: Any) -> Any:
     """A random-weight 2-layer Llama (TINY_DIMS) for ``tokenizer``'s vocabulary, in memory, in
     eval mode; ``config`` overrides LlamaConfig arguments (e.g. ``initializer_range``)."""

@@ -180,8 +180,8 @@ def test_evaluate_end_to_end(tmp_path: Path) -> None:
     on_disk = pq.read_table(out / "results.parquet")
     assert on_disk.equals(results)
     assert results.column_names == [
-        "method", "kc", "k", "f1", "em", "recall", "ttft_mean_ms", "ttft_p99_ms",
-        "active_tokens", "n",
+        "dataset", "model", "method", "kc", "k", "f1", "em", "recall", "ttft_mean_ms",
+        "ttft_p99_ms", "active_tokens", "n",
     ]  # fmt: skip
     rows = results.to_pylist()
     assert {(r["method"], r["kc"], r["k"]) for r in rows} == expected

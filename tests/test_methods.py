@@ -32,10 +32,19 @@ def test_methods_declare_what_their_retrieval_uses() -> None:
         "turborag": (True, False),
         "standard": (True, False),
         "cartridge": (False, True),
+        "cacheblend": (True, False),
+        "cacheblend-v": (True, False),
+        "kvlink": (True, False),
+        "coinrag-isolated": (True, True),
+        "coinrag-noalign": (True, True),
+        "coinrag-onestage": (False, True),
     }
     key = {n: c.retrieval.key(4, 10) for n, c in METHODS.items()}
     assert key["turborag"] == key["standard"]  # one shared retrieval (eval retrieves once)
-    assert len({key["turborag"], key["coinrag"], key["cartridge"]}) == 3
+    assert len({key["turborag"], key["coinrag"], key["cartridge"], key["coinrag-onestage"]}) == 4
+    # the baselines share turborag's chunks, the ablations coinrag's two-stage nuggets
+    assert key["cacheblend"] == key["cacheblend-v"] == key["kvlink"] == key["turborag"]
+    assert key["coinrag-isolated"] == key["coinrag-noalign"] == key["coinrag"]
     assert METHODS["turborag"].retrieval.key(4, 10) == METHODS["turborag"].retrieval.key(4, 3)
 
 

@@ -157,9 +157,12 @@ def make_plans(
     prompt: RagPrompt,
     tokenizer: Any,
     cfg: FinetuneSettings,
+    objective: Objective | None = None,
 ) -> tuple[list[Plan], dict[str, int]]:
-    """Tokenise and retrieve every example; skip those whose query + answer alone exceed
-    ``max_length`` after the prefix. Returns the plans and counts."""
+    """Tokenise and retrieve every example (as ``objective`` retrieves: two-stage nuggets by
+    default); skip those whose query + answer alone exceed ``max_length`` after the prefix.
+    Returns the plans and counts."""
+    objective = objective or NuggetObjective()
     eos = getattr(tokenizer, "eos_token_id", None)
     plans: list[Plan] = []
     counts = {"examples": len(examples), "skipped_too_long": 0, "no_evidence": 0}
@@ -171,7 +174,7 @@ def make_plans(
         if prompt.n_prefix + len(q) + len(a) > cfg.max_length:
             counts["skipped_too_long"] += 1
             continue
-        ret = retriever.two_stage(ex.question, cfg.kc, cfg.k, doc_ids=ex.doc_ids)
+        ret = objective.retrieve(retriever, ex.question, cfg, ex.doc_ids)
         if not ret.evidence:
             counts["no_evidence"] += 1
         gold = set(ex.gold_doc_ids)
@@ -217,6 +220,38 @@ def answer_loss_sum(
     logits = out.logits[0, :-1].float()  # the positions that predict the answer tokens
     labels = torch.tensor(answer_ids, dtype=torch.long, device=dev)
     return torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+
+
+class Objective:
+    """What one training example costs: how its evidence is retrieved (:meth:`retrieve`), the
+    loss summed over its answer tokens given that evidence (:meth:`loss_sum`), the tokens its
+    context adds besides the evidence (:meth:`extra_tokens`) and which modules train
+    (:meth:`train_mode`). :class:`NuggetObjective` is nugget fine-tuning;
+    ``training/kvlink.py`` has KVLink's link tokens."""
+
+    def retrieve(
+        self, retriever: Retriever, question: str, cfg: FinetuneSettings, doc_ids: Any
+    ) -> Any:
+        """A ``RetrievalResult`` for ``question`` among ``doc_ids``' documents."""
+        return retriever.two_stage(question, cfg.kc, cfg.k, doc_ids=doc_ids)
+
+    def loss_sum(
+        self, model: Any, builder: ContextBuilder, plan: Plan, evidence: list[Evidence]
+    ) -> tuple[torch.Tensor, int]:
+        """``(Σ -log p(answer token), context tokens after the prefix)``."""
+        ctx, total = builder.build(evidence, len(plan.query_ids))
+        loss = answer_loss_sum(model, ctx, total, plan.query_ids, plan.answer_ids)
+        return loss, total - builder.prompt.n_prefix
+
+    def extra_tokens(self, cfg: FinetuneSettings) -> int:
+        return 0
+
+    def train_mode(self, model: Any) -> None:
+        model.train()
+
+
+class NuggetObjective(Objective):
+    """CoinRAG's: two-stage nuggets, ``C_ctx`` from the builder, answer cross-entropy."""
 
 
 def attach_lora(model: Any, cfg: FinetuneSettings) -> Any:
@@ -376,8 +411,10 @@ def train(
     logger: Any = None,
     on_step: Callable[[int, float], None] | None = None,
     resume: bool = True,
+    objective: Objective | None = None,
 ) -> TrainResult:
-    """Optimise ``model`` (already wrapped with LoRA if ``cfg.lora``) on ``plans``.
+    """Optimise ``model``'s trainable parameters (already wrapped with LoRA if ``cfg.lora``)
+    on ``plans``, with ``objective``'s loss (default: :class:`NuggetObjective`).
 
     ``identity`` (data hash, base model fp, ...) is stored in each checkpoint with the config; a
     checkpoint with another identity is refused (:class:`ResumeMismatch`). ``on_step(step,
@@ -385,6 +422,7 @@ def train(
     simulate a kill).
     """
     logger = logger or log
+    objective = objective or NuggetObjective()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_root = out / "checkpoints"
@@ -431,10 +469,10 @@ def train(
 
     log_path = out / "train_log.jsonl"
     log_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model.train()
+    objective.train_mode(model)
     t_start = time.perf_counter()
     first_step = step
-    n_tail_extra = 0
+    n_tail_extra = objective.extra_tokens(cfg)
     while step < total_steps:
         t0 = time.perf_counter()
         if cursor >= n:
@@ -457,9 +495,8 @@ def train(
                 cfg.max_length,
             )
             run_counts["truncated"] += int(truncated)
-            ctx, total = builder.build(evidence, len(pl.query_ids))
-            active += total - builder.prompt.n_prefix
-            loss = answer_loss_sum(model, ctx, total, pl.query_ids, pl.answer_ids)
+            loss, n_context = objective.loss_sum(model, builder, pl, evidence)
+            active += n_context
             (loss / n_tokens).backward()
             loss_sum += float(loss.detach())
         if cfg.max_grad_norm:

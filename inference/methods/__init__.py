@@ -7,11 +7,14 @@
 - ``assets.py``, ``retrievals.py``: the index, chunk tokens and stored KV methods read, and how
   the chunk and nugget methods retrieve;
 - the methods: ``coinrag.py``, ``turborag.py`` (both ``kv_reuse.py``), ``standard.py``,
-  ``cartridge.py``.
+  ``cartridge.py``; the baselines ``cacheblend.py`` (``cacheblend``, ``cacheblend-v``) and
+  ``kvlink.py``; CoinRAG's ablations ``coinrag_ablations.py`` (``coinrag-isolated``,
+  ``coinrag-noalign``, ``coinrag-onestage``).
 
-A new method is a module here named as the method, with one subclass of :class:`RagMethod`
-(``name=...``), and its name in ``schemas.settings.RAG_METHODS``; ``METHODS`` imports the module
-when the name is first looked up (a process imports only the methods it uses).
+A new method is a module here named as the method (or listed in ``base.METHOD_MODULES``),
+with one subclass of :class:`RagMethod` (``name=...``), and its name in
+``schemas.settings.RAG_METHODS``; ``METHODS`` imports the module when the name is first looked
+up (a process imports only the methods it uses).
 """
 
 from coinrag.inference.methods.base import (

@@ -11,12 +11,20 @@ kinds (each loaded once per engine), and the read errors they turn into what to 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
-from coinrag.inference.context import ChunkTokens, ContextBuilder, PrefixMismatch, StoredKvContext
+from coinrag.inference.context import (
+    ChunkTokens,
+    ContextBuilder,
+    IsolatedNuggetContext,
+    PrefixMismatch,
+    StoredKvContext,
+    UnalignedContext,
+)
 from coinrag.inference.encode import kv_layout
 from coinrag.inference.methods.base import Asset, CorruptAssets, MissingAssets
 from coinrag.inference.retrieve import Evidence, Retriever
@@ -89,6 +97,29 @@ class StoredNuggetKv(StoredKv):
         return engine.asset(StoredKv)
 
 
+class UnalignedNuggetKv(StoredKv):
+    """The nuggets' stored slices at the positions they were encoded at, not re-rotated
+    (the ``coinrag-noalign`` ablation; shares the stored KV and ``C_p``)."""
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> StoredKvContext:
+        return UnalignedContext.sharing(engine.asset(StoredKv))
+
+
+class IsolatedNuggetKv(StoredKv):
+    """The nuggets' tokens encoded alone after the stored ``C_p``, online (the
+    ``coinrag-isolated`` ablation)."""
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> StoredKvContext:
+        from coinrag.inference.encode import pad_id
+
+        stored = engine.asset(StoredKv)
+        return IsolatedNuggetContext.sharing(
+            stored, pad_id(engine.model_at(engine.kv_dtype).tokenizer)
+        )
+
+
 def stored_context(
     context: ContextBuilder,
     evidence: Sequence[Evidence],
@@ -98,8 +129,16 @@ def stored_context(
     """``context.build(...)`` (``(C_ctx, total)``; ``timings`` gets ``kv_load`` and
     ``assembly``), with a missing entry as :class:`MissingAssets` and a corrupt one as
     :class:`CorruptAssets` naming its chunk and document."""
-    try:
+    with kv_read_errors(context, evidence):
         return context.build(evidence, n_query, timings)
+
+
+@contextmanager
+def kv_read_errors(context: ContextBuilder, evidence: Sequence[Evidence]) -> Iterator[None]:
+    """Turn the KV store's read errors inside the block into :class:`MissingAssets` (what to
+    rebuild) and :class:`CorruptAssets` (naming the chunk and document)."""
+    try:
+        yield
     except MissingKvEntry as exc:
         raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
     except CorruptKvEntry as exc:

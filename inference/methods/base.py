@@ -137,11 +137,21 @@ class Retrieval(ABC):
         the time it took; ``doc_ids``: only these documents (an oracle's gold documents)."""
 
 
+# Methods that live in a module of another name (a variant beside the method it varies).
+METHOD_MODULES = {
+    "cacheblend-v": "cacheblend",
+    "coinrag-isolated": "coinrag_ablations",
+    "coinrag-noalign": "coinrag_ablations",
+    "coinrag-onestage": "coinrag_ablations",
+}
+
+
 class MethodRegistry(Mapping[str, "type[RagMethod]"]):
     """``name -> RagMethod subclass``, filled by subclassing. The names are
-    ``schemas.settings.RAG_METHODS``; a method's module, ``inference/methods/<name>.py``, is
-    imported when its name is first looked up, so a process imports only the methods it uses
-    (``coinrag query --method standard`` never imports the cartridge code). ``in`` imports
+    ``schemas.settings.RAG_METHODS``; a method's module, ``inference/methods/<name>.py`` (or
+    the one ``METHOD_MODULES`` names), is imported when its name is first looked up, so a
+    process imports only the methods it uses (``coinrag query --method standard`` never
+    imports the cartridge code). ``in`` imports
     nothing; iterating imports every method."""
 
     def __init__(self) -> None:
@@ -157,7 +167,8 @@ class MethodRegistry(Mapping[str, "type[RagMethod]"]):
 
     def __getitem__(self, name: str) -> type[RagMethod]:
         if name not in self._classes and name in RAG_METHODS:
-            import_module(f"{__package__}.{name}")  # this package, whatever it is named
+            module = METHOD_MODULES.get(name, name)
+            import_module(f"{__package__}.{module}")  # this package, whatever it is named
         return self._classes[name]
 
     def __contains__(self, name: object) -> bool:

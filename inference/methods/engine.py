@@ -56,10 +56,12 @@ class RagEngine:
         kv_dtype: str | None = None,
         kv_codec: str | None = None,
         published: dict[str, Any] | None = None,
+        link_adapter: str | None = None,
     ) -> None:
         """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting);
         ``published``: the store's ``[published]`` record this engine reads (its index versions;
-        default: the one published when the index first loads)."""
+        default: the one published when the index first loads); ``link_adapter``: a folder of
+        trained KVLink link tokens (``kvlink`` needs one)."""
         self.store = store
         self.published = published
         self.loaded = loaded
@@ -72,6 +74,7 @@ class RagEngine:
         self.device = str(next(self.model.parameters()).device)
         self.kv_dtype = kv_dtype or dtype_name(self.model)
         self.kv_codec = kv_codec or _store_kv_codec(store)
+        self.link_adapter = link_adapter
         self._models = {dtype_name(self.model): loaded}
         self._assets: dict[type[Asset[Any]], Any] = {}
         self.methods: dict[str, RagMethod] = {}
@@ -89,8 +92,10 @@ class RagEngine:
     ) -> RagEngine:
         """Load everything ``methods`` need from ``store_path``; model and embedder default to
         the store's. The KV methods' model computes in the store's ``kv_dtype`` (the dtype its
-        KV was built in)."""
+        KV was built in). ``model`` may be a KVLink adapter folder (``coinrag train kvlink``):
+        the transformer its ``kvlink.json`` names is loaded, and ``kvlink`` uses its links."""
         from coinrag.inference.kv_dtype import resolve_kv_dtype
+        from coinrag.inference.link import is_link_adapter, read_link_adapter_info
         from coinrag.inference.models import load_model
         from coinrag.schemas.settings import settings_from_toml
 
@@ -103,6 +108,9 @@ class RagEngine:
         settings = settings_from_toml(toml, store.uri(store.settings_path))
         kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
         ref = model or settings.model
+        link_adapter = None
+        if model is not None and is_link_adapter(model):
+            link_adapter, ref = model, read_link_adapter_info(model).model
         first = METHODS[methods[0]].model_dtype(kv_dtype, settings.device)
         loaded = load_model(ref, device=settings.device, dtype=first)
         return cls(
@@ -115,6 +123,7 @@ class RagEngine:
             kv_dtype=kv_dtype,
             kv_codec=settings.kv_codec,
             published=toml.get("published"),
+            link_adapter=link_adapter,
         )
 
     def reopen(self, toml: dict[str, Any] | None = None) -> RagEngine:

@@ -10,17 +10,24 @@ subclass's retrieval.
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
+from coinrag.inference.context import ContextBuilder
 from coinrag.inference.encode import to_dynamic_cache
 from coinrag.inference.generate import prefill_and_decode
 from coinrag.inference.methods.assets import StoredKv, stored_context
-from coinrag.inference.methods.base import Answer, OnToken, RagMethod
+from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod
 from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
 from coinrag.inference.retrieve import RetrievalResult
 
 
 class KvReuseMethod(RagMethod):
-    """Prefill only the query after ``C_ctx`` assembled from the store's KV of the evidence."""
+    """Prefill only the query after ``C_ctx`` assembled from the store's KV of the evidence.
+
+    ``context``: the asset that builds ``C_ctx`` (the stored KV, re-rotated; an ablation
+    places or encodes the spans its own way)."""
+
+    context: ClassVar[type[Asset[ContextBuilder]]] = StoredKv
 
     def run(
         self,
@@ -33,7 +40,7 @@ class KvReuseMethod(RagMethod):
         engine = self.engine
         query_ids = engine.prompt.query_ids(question)
         timings = retrieval_timings(retrieval)
-        context = engine.asset(StoredKv)
+        context = engine.asset(self.context)
         ctx, total = stored_context(context, retrieval.evidence, len(query_ids), timings)
         t0 = time.perf_counter()
         cache = to_dynamic_cache(ctx, self.loaded.model.config)

@@ -4,7 +4,8 @@
 - :class:`TopChunks`: the top-``kc`` chunks, each whole (turborag, standard: one shared result
   per ``kc``);
 - :class:`TwoStageNuggets`: the top-``kc`` chunks, then the top-``k`` nuggets inside them
-  (coinrag).
+  (coinrag and its isolated / no-alignment ablations);
+- :class:`OneStageNuggets`: the top-``k`` nuggets of the whole index (the one-stage ablation).
 
 ``doc_ids`` restricts either to those documents' chunks (an oracle's gold documents).
 """
@@ -43,6 +44,23 @@ class TwoStageNuggets(Retrieval):
         self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
     ) -> RetrievalResult:
         return engine.asset(Index).two_stage(question, kc=kc, k=k, doc_ids=doc_ids)
+
+
+class OneStageNuggets(Retrieval):
+    """The one-stage ablation (``Retriever.one_stage``): the top-``k`` nuggets over the whole
+    nugget index, no chunk stage (so ``kc`` is not used)."""
+
+    uses_k = True
+
+    def __call__(
+        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+    ) -> RetrievalResult:
+        if doc_ids:
+            raise ValueError(
+                "coinrag-onestage searches the whole nugget index: an oracle document does not "
+                "apply to it"
+            )
+        return engine.asset(Index).one_stage(question, k=k)
 
 
 def retrieval_timings(retrieval: RetrievalResult) -> dict[str, float]:

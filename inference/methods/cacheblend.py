@@ -1,0 +1,91 @@
+"""``cacheblend`` and ``cacheblend-v``: TurboRAG's context (the top-``kc`` chunks' stored KV,
+re-rotated), then the tokens whose K (LMCache) or V (the CacheBlend paper) deviate most at the
+check layer recomputed with the query (``inference.blend``). ``ratio`` (0.15) and
+``check_layer`` (1) are LMCache's defaults."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, ClassVar
+
+from coinrag.inference.blend import (
+    DEFAULT_CHECK_LAYER,
+    DEFAULT_RATIO,
+    Deviation,
+    KeyDeviation,
+    ValueDeviation,
+    blend,
+    check_blendable,
+)
+from coinrag.inference.encode import causal_lm
+from coinrag.inference.generate import decode_greedy
+from coinrag.inference.methods.assets import ChunkTokenIds, Index, StoredChunkKv, stored_context
+from coinrag.inference.methods.base import Answer, OnToken
+from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
+from coinrag.inference.methods.turborag import TurboRag
+from coinrag.inference.retrieve import RetrievalResult
+
+if TYPE_CHECKING:
+    from coinrag.inference.methods.engine import RagEngine
+
+
+class CacheBlend(TurboRag, name="cacheblend"):
+    """Blend with the deviation of the keys after RoPE (LMCache's ``LMCBlender``)."""
+
+    needs = (Index, StoredChunkKv, ChunkTokenIds)
+    deviation: ClassVar[Deviation] = KeyDeviation()
+    ratio: ClassVar[float] = DEFAULT_RATIO
+    check_layer: ClassVar[int] = DEFAULT_CHECK_LAYER
+
+    def __init__(self, engine: RagEngine) -> None:
+        super().__init__(engine)
+        check_blendable(causal_lm(self.loaded.model).config, self.ratio, self.check_layer)
+
+    def run(
+        self,
+        question: str,
+        retrieval: RetrievalResult,
+        kc: int,
+        k: int,
+        on_token: OnToken | None = None,
+    ) -> Answer:
+        engine = self.engine
+        query_ids = engine.prompt.query_ids(question)
+        timings = retrieval_timings(retrieval)
+        ctx, total = stored_context(
+            engine.asset(self.context), retrieval.evidence, len(query_ids), timings
+        )
+        t0 = time.perf_counter()
+        ids = engine.asset(ChunkTokenIds)([e.chunk_id for e in retrieval.evidence])
+        context_ids = [
+            t for e in retrieval.evidence for t in ids[e.chunk_id][e.tok_start : e.tok_end]
+        ]
+        timings["kv_load"] += (time.perf_counter() - t0) * 1000
+        t1 = time.perf_counter()
+        blended = blend(
+            self.loaded.model,
+            ctx,
+            context_ids,
+            query_ids,
+            ratio=self.ratio,
+            check_layer=self.check_layer,
+            deviation=self.deviation,
+        )
+        gen = decode_greedy(
+            self.loaded.model,
+            self.loaded.tokenizer,
+            blended.cache,
+            blended.first_logits,
+            blended.next_position,
+            prefill_ms=(time.perf_counter() - t1) * 1000,
+            max_new_tokens=engine.max_new_tokens,
+            on_token=on_token,
+        )
+        active = total - engine.prompt.n_prefix
+        return self.finish(gen, timings, evidence_rows(retrieval), active, kc, k)
+
+
+class CacheBlendV(CacheBlend, name="cacheblend-v"):
+    """Blend with the deviation of the values (the CacheBlend paper)."""
+
+    deviation = ValueDeviation()
