@@ -11,6 +11,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     chunk_size = 512
     tau = 0.7
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
+    kv_keep = "chunks"          # chunks | nuggets (store only the KV of nugget spans)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
 environment, and nothing in this module reads or records them.
@@ -29,6 +30,9 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
 # (inference/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What the KV store keeps of each chunk (storage/kv/kept.py): the whole chunk's KV (every method
+# can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
+KV_KEEPS = ("chunks", "nuggets")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
@@ -60,6 +64,7 @@ class BuildSettings:
     embedder: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)
     kv: bool = True  # build the per-chunk KV of `model`
     kv_dtype: str = "auto"  # dtype of the KV forward and of the stored KV (KV_DTYPES)
+    kv_keep: str = "chunks"  # what is stored of each chunk's KV (KV_KEEPS)
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
     prune: bool = False  # tombstone live documents that are absent from SOURCE
@@ -89,6 +94,13 @@ class BuildSettings:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise SettingsError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.kv_keep not in KV_KEEPS:
+            raise SettingsError(f"kv_keep {self.kv_keep!r} is not one of {', '.join(KV_KEEPS)}")
+        if self.kv_keep == "nuggets" and self.kv and self.extractor == "none":
+            raise SettingsError(
+                'kv_keep = "nuggets" stores the KV of nugget spans, and extractor none extracts '
+                'no nuggets: nothing would be stored; use kv_keep = "chunks" or an extractor'
+            )
         if self.chunker not in CHUNKERS:
             raise SettingsError(f"chunker {self.chunker!r} is not one of {', '.join(CHUNKERS)}")
         if not 8 <= self.chunk_size <= 32768:

@@ -4,6 +4,8 @@ One module per job (import the public names from here):
 
 - ``layout.py``: the layout contract (in memory, after RoPE, on disk, after re-rotation), the
   identity ``kv_fp``, :class:`KvLayout`, the errors, entry locations;
+- ``kept.py``: which tokens of its chunk an entry holds (``kv_keep``: whole chunks or only the
+  ranges its nuggets cover) and the entry's key;
 - ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name);
 - ``shard.py``: the shard file (Zarr v3 sharding format, per-block crc32c, index), encoded and
   checked;
@@ -21,6 +23,7 @@ from storage.kv.codecs import (
     storage_view,
     to_storage,
 )
+from storage.kv.kept import KeptRanges, KvEntry, entry_key
 from storage.kv.layout import (
     DEFAULT_BLOCK_TOKENS,
     KV_CHECK_LEVELS,
@@ -31,6 +34,7 @@ from storage.kv.layout import (
     KvFingerprintMismatch,
     KvLayout,
     MissingKvEntry,
+    UnstoredKvSlice,
     kv_fingerprint,
     parse_location,
 )
@@ -46,7 +50,9 @@ __all__ = [
     "LAYOUT_VERSION",
     "SHARD_OVERHEAD_BYTES",
     "CorruptKvEntry",
+    "KeptRanges",
     "KvCodec",
+    "KvEntry",
     "KvError",
     "KvFingerprintMismatch",
     "KvLayout",
@@ -55,9 +61,11 @@ __all__ = [
     "MissingKvEntry",
     "ReadStats",
     "StagedShard",
+    "UnstoredKvSlice",
     "WriteStats",
     "codec_named",
     "encode_shard",
+    "entry_key",
     "entry_checksum",
     "from_storage",
     "kv_fingerprint",

@@ -62,17 +62,32 @@ On disk (``STORE/kv/<kv_fp>/``, a Zarr 3 group)
   count and sha256. An entry is valid only once its manifest row exists
   (``storage/kv/store.py``).
 
+What an entry holds (``kv_keep``, ``storage/kv/kept.py``)
+------------------------------------------------------
+With ``kv_keep = "chunks"`` an entry is its whole chunk, as above. With ``kv_keep = "nuggets"``
+the chunk is encoded exactly the same way (in full, after ``C_p``), and the entry holds only the
+token ranges its nuggets cover, concatenated: ``(layers, 2, kv_heads, Σ (e_i - s_i), head_dim)``
+for kept ranges ``[s_i, e_i)`` of the chunk. Keys stay at the positions of the full forward
+(token ``t`` of the chunk at ``|p| + t``, whether or not its neighbours were kept), so a
+nugget's slice read from such an entry is bit for bit the slice of the whole-chunk entry. A read
+of chunk tokens outside the kept ranges raises :class:`UnstoredKvSlice` (never zeros).
+
 Manifest rows: ``model_fp`` is the generation model's fingerprint; ``location`` is the entry's
-path inside ``STORE/kv/``: ``"<kv_fp>/shard-000012#slot-5"``; ``bytes`` is the entry's logical
-size (tokens x bytes per token); ``checksum`` is the sha256 of the entry's bytes as stored
-(C-contiguous ``(layers, 2, kv_heads, tokens, head_dim)``, uint16 bits for bfloat16).
+path inside ``STORE/kv/``: ``"<kv_fp>/shard-000012#slot-5"``; ``tokens`` is the chunk's token
+count; ``kept`` the ranges the entry holds (NULL: the whole chunk); ``bytes`` is the entry's
+logical size (stored tokens x bytes per token); ``checksum`` is the sha256 of the entry's bytes as
+stored (C-contiguous ``(layers, 2, kv_heads, stored tokens, head_dim)``, uint16 bits for
+bfloat16).
 
 Identity
 --------
-``kv_fp = fingerprint("kv", {model_fp, prefix_sha, layout_version})``: the same tokens after the
-same prefix through the same model give the same KV. Entries are keyed by the chunk's
-``content_key``, so the same tokens in another document reuse the entry. Opening the KV of
-another fingerprint raises :class:`KvFingerprintMismatch` naming both.
+``kv_fp = fingerprint("kv", {model_fp, prefix_sha, layout_version[, kv_keep]})`` (``kv_keep``
+only when it is ``"nuggets"``, so stores of whole chunks keep their fingerprint): the same
+tokens after the same prefix through the same model give the same KV, and a store keeping only
+nugget spans is another store. Entries are keyed by the chunk's ``content_key`` (plus a digest of
+the kept ranges with ``kv_keep = "nuggets"``: ``storage/kv/kept.py``), so the same tokens in
+another document reuse the entry. Opening the KV of another fingerprint raises
+:class:`KvFingerprintMismatch` naming both.
 """
 
 from __future__ import annotations
@@ -85,6 +100,7 @@ from typing import Any
 import torch
 
 from schemas.keys import fingerprint
+from schemas.settings import KV_KEEPS
 from storage.kv.codecs import STORAGE_DTYPES, TORCH_DTYPES, KvCodec, codec_named
 
 LAYOUT_VERSION = 1
@@ -127,6 +143,21 @@ class MissingKvEntry(KvError, KeyError):
         return str(self.args[0]) if self.args else "missing KV entry"
 
 
+class UnstoredKvSlice(KvError, LookupError):
+    """Chunk tokens an entry does not hold (``kv_keep = "nuggets"`` keeps only nugget spans):
+    never served (as zeros or otherwise)."""
+
+    def __init__(self, content_key: str, start: int, end: int, held: str) -> None:
+        self.content_key = content_key
+        self.start = start
+        self.end = end
+        super().__init__(
+            f"tokens [{start}, {end}) of chunk content {content_key} are not stored: this KV "
+            f'store keeps only the KV of nugget spans (kv_keep = "nuggets"), and its entries of '
+            f"that chunk hold {held}"
+        )
+
+
 class KvFingerprintMismatch(KvError):
     """KV built for one fingerprint was asked for by another."""
 
@@ -144,11 +175,18 @@ class KvFingerprintMismatch(KvError):
 # ---------------------------------------------------------------------------- identity, layout
 
 
-def kv_fingerprint(model_fp: str, prefix_sha: str) -> str:
-    """The identity of a KV store: model, prompt prefix and this storage layout's version."""
-    return fingerprint(
-        "kv", {"model_fp": model_fp, "prefix_sha": prefix_sha, "layout_version": LAYOUT_VERSION}
-    )
+def kv_fingerprint(model_fp: str, prefix_sha: str, keep: str = "chunks") -> str:
+    """The identity of a KV store: model, prompt prefix, this storage layout's version and,
+    when it keeps only nugget spans, ``kv_keep`` (whole-chunk stores keep the fingerprint they
+    had before the setting existed)."""
+    parts: dict[str, Any] = {
+        "model_fp": model_fp,
+        "prefix_sha": prefix_sha,
+        "layout_version": LAYOUT_VERSION,
+    }
+    if keep != "chunks":
+        parts["kv_keep"] = keep
+    return fingerprint("kv", parts)
 
 
 @dataclass(frozen=True)
@@ -166,12 +204,15 @@ class KvLayout:
     kv_heads: int
     head_dim: int
     dtype: str  # float32 | bfloat16 | float16
+    keep: str = "chunks"  # kv_keep: whole chunks | only nugget spans (storage/kv/kept.py)
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     slots_per_shard: int = 0  # 0: derived from DEFAULT_SHARD_BYTES for 512-token entries
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r} (float32, bfloat16, float16)")
+        if self.keep not in KV_KEEPS:
+            raise ValueError(f"kv_keep {self.keep!r} is not one of {', '.join(KV_KEEPS)}")
         if self.slots_per_shard <= 0:
             per_entry = self.entry_bytes(512)
             slots = DEFAULT_SHARD_BYTES // per_entry
@@ -180,7 +221,13 @@ class KvLayout:
 
     @property
     def kv_fp(self) -> str:
-        return kv_fingerprint(self.model_fp, self.prefix_sha)
+        return kv_fingerprint(self.model_fp, self.prefix_sha, self.keep)
+
+    @property
+    def keeps_chunks(self) -> bool:
+        """True when entries hold whole chunks (``kv_keep = "chunks"``); False when they hold
+        only the ranges their nuggets cover."""
+        return self.keep == "chunks"
 
     @property
     def codec(self) -> KvCodec:
@@ -225,6 +272,7 @@ class KvLayout:
             "dtype": self.dtype,
             "storage_dtype": STORAGE_DTYPES[self.dtype].str,
             "axes": list(AXES),
+            "kv_keep": self.keep,
         }
 
     def disk_bytes(self, tokens: Sequence[int]) -> int:
@@ -279,6 +327,7 @@ def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) 
     ``layout`` when given and equal to what is stored, else the stored one. Raises
     :class:`KvFingerprintMismatch` when the stored identity (model_fp, prefix, dims, dtype,
     layout version) differs from ``layout`` or from ``kv_fp``."""
+    stored = {"kv_keep": "chunks", **stored}  # stores written before kv_keep kept chunks
     stored_fp = stored.get("kv_fp", "?")
     detail = f"model_fp {stored.get('model_fp')}, prefix {stored.get('prefix_sha')}"
     if stored_fp != kv_fp:
@@ -289,7 +338,12 @@ def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) 
         )
     if layout is None:
         kwargs = {k: stored[k] for k in ("layers", "kv_heads", "head_dim", "dtype")}
-        return KvLayout(model_fp=stored["model_fp"], prefix_sha=stored["prefix_sha"], **kwargs)
+        return KvLayout(
+            model_fp=stored["model_fp"],
+            prefix_sha=stored["prefix_sha"],
+            keep=stored["kv_keep"],
+            **kwargs,
+        )
     expected = layout.identity()
     diffs = [k for k, v in expected.items() if stored.get(k) != v]
     if diffs:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from schemas.tables import KvManifestRow
+from storage.kv.kept import KvEntry
 from storage.kv.layout import CorruptKvEntry, MissingKvEntry, parse_location
 from storage.kv.shard import DATA_KEY, create_shard_array, shard_attributes, shard_size
 
@@ -31,7 +32,7 @@ class KvReclaim:
 
     kv_fp: str
     entries_live: int = 0
-    entries_dropped: int = 0  # content_keys no live chunk references
+    entries_dropped: int = 0  # entries no live chunk (or live nugget set) uses
     logical_bytes_dropped: int = 0
     entries_moved: int = 0  # live entries copied out of partly dead shards
     entries_corrupt: int = 0  # failed their check while being moved: dropped
@@ -44,15 +45,6 @@ class KvReclaim:
     @property
     def bytes_reclaimed(self) -> int:
         return self.bytes_freed - self.bytes_written
-
-
-@dataclass(frozen=True)
-class _EntryRef:
-    """What :meth:`KvStore.write_entries` reads of a chunk, for an entry being moved."""
-
-    chunk_id: str
-    content_key: str
-    n_tokens: int
 
 
 def find_garbage(kv: KvStore) -> list[PurePath]:
@@ -74,8 +66,11 @@ def remove_garbage(kv: KvStore) -> list[PurePath]:
 
 
 def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False) -> KvReclaim:
-    """Drop the entries whose content_key is not in ``live``; return what was (or, with
-    ``dry_run``, would be) reclaimed. The caller holds the store's write lock.
+    """Drop the entries whose key is not in ``live``; return what was (or, with ``dry_run``,
+    would be) reclaimed. The caller holds the store's write lock. Keys are
+    ``storage.kv.kept.entry_key``: content_keys for whole chunks; with ``kv_keep = "nuggets"``
+    the content_key and the digest of the kept ranges a live chunk's nuggets need, so an entry
+    of spans no live nugget set uses any more (those of a replaced extractor) is dropped.
 
     Shards are written once and never modified, so a shard holding dead entries is dealt
     with whole: 1. the live entries of a partly dead shard are read (sha256-checked) and
@@ -130,9 +125,9 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
             except (CorruptKvEntry, MissingKvEntry):
                 out.entries_corrupt += 1
                 continue
-            group.append((_EntryRef(row.chunk_id, ck, row.tokens), entry))
+            group.append((KvEntry.of_row(row), entry))  # entry: what it stores, as stored
         if group:
-            rows = kv.write_entries(group, run_id)  # type: ignore[arg-type]
+            rows = kv.write_entries(group, run_id)
             new_shards.update(parse_location(r.location)[1] for r in rows)
     out.bytes_written = sum(kv.store.tree_bytes(kv.root / n) for n in new_shards)
     current = kv.manifest()
@@ -161,7 +156,7 @@ def planned_shard_bytes(kv: KvStore, rows: list[KvManifestRow], run_id: str) -> 
     by Zarr in a scratch folder, with the attributes the real shard gets)."""
     lay = kv.layout
     block = lay.block_tokens
-    tokens = [r.tokens for r in rows]
+    tokens = [KvEntry.of_row(r).stored_tokens for r in rows]
     width = max(block, -(-max(tokens) // block) * block)
     zero = np.zeros((), dtype=lay.storage_dtype)
     shapes = [np.broadcast_to(zero, lay.entry_shape(t)) for t in tokens]  # no memory
@@ -169,7 +164,8 @@ def planned_shard_bytes(kv: KvStore, rows: list[KvManifestRow], run_id: str) -> 
     # as stage_shard writes them (tests/test_cli_store_commands.py compares)
     keys = [r.content_key for r in rows]
     checksums = [r.checksum for r in rows]
-    attrs = shard_attributes(kv.kv_fp, keys, tokens, checksums, run_id, block, kv.encoder)
+    kept = [r.kept for r in rows]
+    attrs = shard_attributes(kv.kv_fp, keys, tokens, checksums, run_id, block, kv.encoder, kept)
     attrs["files"] = {DATA_KEY: data}
     with tempfile.TemporaryDirectory(prefix="coinrag-gc-plan-") as scratch:
         create_shard_array(Path(scratch), lay, (len(rows), *lay.entry_shape(width)), attrs)

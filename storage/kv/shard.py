@@ -23,6 +23,7 @@ crc32c without Zarr.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -183,9 +184,10 @@ class ShardMeta:
 
     name: str
     content_keys: list[str]
-    tokens: list[int]
+    tokens: list[int]  # stored tokens per slot
     files: dict[str, int]
     block_tokens: int
+    kept: list[list[int] | None] = dataclasses.field(default_factory=list)  # per slot, flat
     opener: Any = None
     _array: zarr.Array | None = None
     shape: tuple[int, ...] = ()  # (slots, layers, 2, kv_heads, width, head_dim)
@@ -202,6 +204,7 @@ class ShardMeta:
             name=name,
             content_keys=list(attrs.get("content_keys", [])),
             tokens=[int(t) for t in attrs.get("tokens", [])],
+            kept=list(attrs.get("kept") or [None] * len(attrs.get("content_keys", []))),
             files={str(k): int(v) for k, v in dict(attrs.get("files", {})).items()},
             block_tokens=int(sharding["configuration"]["chunk_shape"][4]),
             opener=opener,
@@ -252,10 +255,13 @@ def shard_attributes(
     run_id: str,
     block_tokens: int,
     encoder: str,
+    kept: Sequence[list[int] | None] | None = None,
 ) -> dict[str, Any]:
-    """A shard's ``coinrag_kv`` attributes, per slot content_key, token count and sha256 (the
-    writer adds ``files``: data file -> bytes)."""
-    return {
+    """A shard's ``coinrag_kv`` attributes, per slot content_key, stored token count and sha256
+    (the writer adds ``files``: data file -> bytes); ``kept``: per slot the chunk's token ranges
+    the entry holds, flat (``storage/kv/kept.py``), recorded only when some slot holds ranges
+    (``kv_keep = "nuggets"``)."""
+    attrs: dict[str, Any] = {
         "kv_fp": kv_fp,
         "content_keys": list(content_keys),
         "tokens": list(tokens),
@@ -264,6 +270,9 @@ def shard_attributes(
         "block_tokens": block_tokens,
         "encoder": encoder,
     }
+    if kept is not None and any(k is not None for k in kept):
+        attrs["kept"] = [None if k is None else list(k) for k in kept]
+    return attrs
 
 
 def create_shard_array(

@@ -19,6 +19,7 @@ import torch
 from schemas.keys import CODE_VERSION
 from schemas.tables import ChunkRow, KvManifestRow
 from storage.kv.codecs import entry_checksum
+from storage.kv.kept import KvEntry
 from storage.kv.layout import KvLayout
 from storage.kv.shard import shard_attributes, write_shard_direct, write_shard_zarr
 from storage.kv.transport import KvTransport, LocalFiles, ScratchBuffers
@@ -33,7 +34,9 @@ class StagedShard:
 
     It can be made on another process or machine that sees the same store folder (a worker of
     a distributed build) and published by the holder of the store's write lock. Per slot:
-    ``chunk_ids``, ``content_keys``, ``tokens`` and ``checksums`` (sha256 of the stored bytes).
+    ``chunk_ids``, ``content_keys``, ``tokens`` (stored), ``checksums`` (sha256 of the stored
+    bytes), ``chunk_tokens`` (the chunk's) and ``kept`` (the ranges held, flat; None: the whole
+    chunk, ``storage/kv/kept.py``).
     """
 
     kv_fp: str
@@ -46,24 +49,28 @@ class StagedShard:
     disk_bytes: int
     encode_write_s: float
     verify_s: float
+    chunk_tokens: tuple[int, ...] = ()
+    kept: tuple[tuple[int, ...] | None, ...] = ()
 
     def manifest_rows(self, shard: str, layout: KvLayout, run_id: str) -> list[KvManifestRow]:
         """Its manifest rows once published as ``shard`` (``run_id``: the publishing run's)."""
+        n = len(self.content_keys)
+        chunk_tokens = self.chunk_tokens or self.tokens
+        kept = self.kept or (None,) * n
         return [
             KvManifestRow(
-                chunk_id=chunk_id,
-                content_key=content_key,
+                chunk_id=self.chunk_ids[i],
+                content_key=self.content_keys[i],
                 model_fp=layout.model_fp,
                 location=f"{self.kv_fp}/{shard}#slot-{i}",
-                tokens=tokens,
-                bytes=layout.entry_bytes(tokens),
-                checksum=checksum,
+                tokens=chunk_tokens[i],
+                bytes=layout.entry_bytes(self.tokens[i]),
+                checksum=self.checksums[i],
                 run_id=run_id,
                 code_version=CODE_VERSION,
+                kept=None if kept[i] is None else list(kept[i]),  # type: ignore[arg-type]
             )
-            for i, (chunk_id, content_key, tokens, checksum) in enumerate(
-                zip(self.chunk_ids, self.content_keys, self.tokens, self.checksums, strict=True)
-            )
+            for i in range(n)
         ]
 
 
@@ -90,24 +97,37 @@ class WriteStats:
 
 
 def distinct_entries(
-    layout: KvLayout, entries: Sequence[tuple[ChunkRow, torch.Tensor]]
-) -> list[tuple[ChunkRow, torch.Tensor]]:
-    """The entries with distinct content_keys (first wins), each checked against the
-    layout's shape and dtype (ValueError naming the chunk)."""
+    layout: KvLayout, entries: Sequence[tuple[ChunkRow | KvEntry, torch.Tensor]]
+) -> list[tuple[KvEntry, torch.Tensor]]:
+    """The entries with distinct keys (first wins; ``storage/kv/kept.py``), each checked against
+    the layout's shape and dtype (ValueError naming the chunk).
+
+    An entry is a ``ChunkRow`` (the whole chunk: ``kv`` of its ``n_tokens``) or a
+    :class:`KvEntry`, whose ``kv`` is what it stores (``KvEntry.cut`` of the chunk's KV). A
+    layout that keeps only nugget spans takes only entries with kept ranges, and one keeping
+    chunks only whole ones."""
     seen: set[str] = set()
-    unique: list[tuple[ChunkRow, torch.Tensor]] = []
-    for chunk, kv in entries:
-        if chunk.content_key in seen:
+    unique: list[tuple[KvEntry, torch.Tensor]] = []
+    for ref, kv in entries:
+        entry = KvEntry.of(ref)
+        if entry.key in seen:
             continue
-        seen.add(chunk.content_key)
-        expected = layout.entry_shape(chunk.n_tokens)
+        seen.add(entry.key)
+        if (entry.kept is None) != layout.keeps_chunks:
+            held = "the whole chunk" if entry.kept is None else f"ranges {entry.kept}"
+            raise ValueError(
+                f"entry of {entry.chunk_id} holds {held}, but this KV store keeps "
+                f"{'whole chunks' if layout.keeps_chunks else 'nugget spans'} "
+                f"(kv_keep = {layout.keep})"
+            )
+        expected = layout.entry_shape(entry.stored_tokens)
         if tuple(kv.shape) != expected:
             raise ValueError(
-                f"KV of {chunk.chunk_id} has shape {tuple(kv.shape)}, expected {expected}"
+                f"KV of {entry.chunk_id} has shape {tuple(kv.shape)}, expected {expected}"
             )
         if kv.dtype != layout.torch_dtype:
-            raise ValueError(f"KV of {chunk.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
-        unique.append((chunk, kv))
+            raise ValueError(f"KV of {entry.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
+        unique.append((entry, kv))
     return unique
 
 
@@ -139,9 +159,11 @@ class ShardStager:
         self.scratch = ScratchBuffers()
         self.files = LocalFiles(direct_io)
 
-    def stage(self, group: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str) -> StagedShard:
-        """Write one shard of ``group`` (``(chunk, kv)``, distinct content_keys, at most
-        ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it."""
+    def stage(
+        self, group: Sequence[tuple[ChunkRow | KvEntry, torch.Tensor]], run_id: str
+    ) -> StagedShard:
+        """Write one shard of ``group`` (``(chunk or entry, kv)``: :func:`distinct_entries`, at
+        most ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it."""
         lay = self.layout
         group = distinct_entries(lay, group)
         if not 0 < len(group) <= lay.slots_per_shard:
@@ -154,15 +176,18 @@ class ShardStager:
         shape = (len(group), *lay.entry_shape(width))
         checksums = [entry_checksum(v) for v in views]
         tmp_name = f".tmp-{uuid.uuid4().hex}"
-        keys = [chunk.content_key for chunk, _ in group]
-        attrs = shard_attributes(lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder)
+        keys = [entry.content_key for entry, _ in group]
+        kept = [None if e.kept is None else e.kept.flat() for e, _ in group]
+        attrs = shard_attributes(
+            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, kept
+        )
         write = SHARD_WRITERS[self.encoder]
         with self.transport.staging(self.root, tmp_name, self.fsync) as folder:
             files, t1 = write(folder, lay, views, shape, attrs, self.scratch, self.files)
         return StagedShard(
             kv_fp=lay.kv_fp,
             tmp_name=tmp_name,
-            chunk_ids=tuple(chunk.chunk_id for chunk, _ in group),
+            chunk_ids=tuple(entry.chunk_id for entry, _ in group),
             content_keys=tuple(keys),
             tokens=tuple(tokens),
             checksums=tuple(checksums),
@@ -170,4 +195,6 @@ class ShardStager:
             disk_bytes=sum(files.values()),
             encode_write_s=t1 - t0,
             verify_s=time.perf_counter() - t1,
+            chunk_tokens=tuple(entry.n_tokens for entry, _ in group),
+            kept=tuple(None if k is None else tuple(k) for k in kept),
         )
