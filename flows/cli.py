@@ -169,6 +169,14 @@ KvDtypeOption = Annotated[
         "KV (default auto: bfloat16 where the device computes it natively, else float32).",
     ),
 ]
+KvKeepOption = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-keep",
+        help="chunks | nuggets: store each chunk's whole KV (default), or only the token ranges "
+        "its nuggets cover (coinrag and training read those; turborag cannot run).",
+    ),
+]
 
 
 @app.command()
@@ -226,6 +234,7 @@ def build(
         str | None, typer.Option(help="Torch device of the generation model (default cpu).")
     ] = None,
     kv_dtype: KvDtypeOption = None,
+    kv_keep: KvKeepOption = None,
 ) -> None:
     """Build or update STORE from SOURCE: chunks, nuggets, and (later stages) KV and indexes."""
     from schemas.settings import SettingsError, load_settings
@@ -252,6 +261,7 @@ def build(
                 "kv_resources": kv_resources,
                 "device": device,
                 "kv_dtype": kv_dtype,
+                "kv_keep": kv_keep,
             },
         )
     except SettingsError as exc:
@@ -325,7 +335,9 @@ def query(
         _fail(str(exc), 2)
     if method == "cartridge":
         _require_local(store, "query --method cartridge")
-    _check(preflight.built_store, store)
+    st = _check(preflight.built_store, store)
+    if method in RAG_METHODS:
+        _check(preflight.store_methods, st, [method])
     if model is not None:
         _check(preflight.model, model)
 
@@ -410,7 +422,7 @@ def eval_cmd(
     except QuestionsError as exc:
         _fail(str(exc), 2)
     _check(preflight.output_folder, out, "--out")
-    _check(preflight.built_store, store)
+    st = _check(preflight.built_store, store)
 
     from inference.evaluate import evaluate
 
@@ -433,15 +445,26 @@ def eval_cmd(
             _fail(str(exc), 2)
         Console().print(retrieval_text(table), highlight=False, soft_wrap=True)
         return
-    from inference.methods import MissingAssets
+    from inference.methods import MissingAssets, methods_for
 
+    if methods:
+        _check(preflight.store_methods, st, methods)
+    else:  # all the methods the store's assets can run
+        methods = methods_for(st, RAG_METHODS)
+        if len(methods) < len(RAG_METHODS):
+            left_out = ", ".join(m for m in RAG_METHODS if m not in methods)
+            console.print(
+                f"note: {left_out} left out: store {escape(str(st))} keeps only the KV of "
+                'nugget spans (kv_keep = "nuggets")',
+                soft_wrap=True,
+            )
     sweep = tuple((a, b) for a in (kc or [4]) for b in (k or [10]))
     try:
         evaluate(
             str(store),
             str(questions),
             str(out),
-            methods=tuple(methods or RAG_METHODS),
+            methods=tuple(methods),
             sweep=sweep,
             max_new_tokens=max_new_tokens,
             limit=limit,
@@ -704,6 +727,7 @@ def serve(
     tau: TauOption = None,
     concurrency: ConcurrencyOption = None,
     kv_dtype: KvDtypeOption = None,
+    kv_keep: KvKeepOption = None,
 ) -> None:
     """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
 
@@ -731,6 +755,7 @@ def serve(
         "tau": tau,
         "concurrency": concurrency,
         "kv_dtype": kv_dtype,
+        "kv_keep": kv_keep,
     }
     try:
         settings = load_settings(config, overrides)

@@ -9,6 +9,7 @@ that can never work (README, "Exit codes").
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,16 @@ def built_store(path: str) -> Store:
             f"{store} is not a coinrag store: run coinrag build SOURCE --store {path} first"
         )
     return store
+
+
+def store_methods(store: Store, methods: Sequence[str]) -> None:
+    """The store's KV can serve ``methods``: one that keeps only nugget spans (``kv_keep =
+    "nuggets"``) has no whole chunks' KV for ``turborag`` (exit 1, naming the setting)."""
+    from inference.methods import KvKeptNuggets, methods_for
+
+    refused = [m for m in methods if m not in methods_for(store, methods)]
+    if refused:
+        raise Preflight(str(KvKeptNuggets(store, refused[0])))
 
 
 def unlocked(store: Store) -> None:

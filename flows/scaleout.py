@@ -34,7 +34,7 @@ from flows.runners import kv_placement
 from inference.rope import ForwardFrequencies
 from schemas.settings import BuildSettings
 from schemas.tables import ChunkRow
-from storage.kv import KvLayout, KvStore, StagedShard
+from storage.kv import KeptRanges, KvLayout, KvStore, StagedShard
 from storage.store import Store
 
 
@@ -62,7 +62,7 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
     get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
     loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-    layout = kv_layout(loaded, prompt)
+    layout = kv_layout(loaded, prompt, keep=settings.kv_keep)
     kv = KvStore(store, layout)  # reads only: the flow creates the store
     usable = kv.has_prefix() and kv.corrupt_prefix() is None
     return KvPrep(
@@ -76,7 +76,12 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
 
 @task(name="kv-group", cache_policy=NO_CACHE)
 def kv_group_task(
-    store: Store, settings: BuildSettings, layout: KvLayout, group: list[ChunkRow], run_id: str
+    store: Store,
+    settings: BuildSettings,
+    layout: KvLayout,
+    group: list[ChunkRow],
+    run_id: str,
+    kept: dict[str, KeptRanges] | None = None,
 ) -> tuple[list[StagedShard], dict[str, float]]:
     from inference.models import load_shared_model
     from tasks.kv import stage_group_kv
@@ -84,16 +89,23 @@ def kv_group_task(
     loaded = load_shared_model(settings.model, settings.device, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
     prefix_kv, _ = kv.read_prefix()
-    return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size)
+    return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size, kept)
 
 
 def kv_on_workers(
-    runner: TaskRunner, store: Store, chunks: list[ChunkRow], settings: BuildSettings, run_id: str
+    runner: TaskRunner,
+    store: Store,
+    chunks: list[ChunkRow],
+    settings: BuildSettings,
+    run_id: str,
+    extractor_fp: str,
 ) -> dict[str, Any]:
-    """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
+    """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage`` (and,
+    with ``kv_keep = "nuggets"``, the same kept ranges of the chunks' nuggets)."""
     from inference.encode import KvBatching
     from tasks.kv import (
         KvCounts,
+        build_kept_ranges,
         count_batches,
         kv_groups,
         plan_kv,
@@ -115,7 +127,8 @@ def kv_on_workers(
         kv, counts, lambda: fresh_prefix, prep.prefix_ids
     ):
         rebuild = set(kv.manifest(refresh=True))
-    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, settings.kv_verify, rebuild)
+    kept = build_kept_ranges(store, chunks, settings.kv_keep, extractor_fp, settings.tau)
+    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, settings.kv_verify, rebuild, kept)
     stored_prefix_kv(kv, prep.prefix_ids)  # the stored C_p is this prompt's
     groups = kv_groups(todo, settings.kv_batch_size, prep.layout.slots_per_shard)
     batching = KvBatching(settings.kv_batch_size, len(prep.prefix_ids), prep.frequencies)
@@ -129,6 +142,7 @@ def kv_on_workers(
                     "layout": prep.layout,
                     "group": group,
                     "run_id": run_id,
+                    "kept": None if kept is None else {c.chunk_id: kept[c.chunk_id] for c in group},
                 },
             )
             for group in groups

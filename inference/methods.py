@@ -6,6 +6,10 @@
 - ``coinrag``: load only the retrieved nugget slices ``C_b[s:e]`` of those chunks, re-rotated
   likewise (``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...``); prefill only the query.
 
+A store built with ``kv_keep = "nuggets"`` holds only the KV of nugget spans: ``coinrag`` reads
+them as from a store of whole chunks (the same bits), ``standard`` needs no KV, and ``turborag``
+is refused with :class:`KvKeptNuggets` naming the setting.
+
 Method code takes a :class:`~inference.retrieve.RetrievalResult` as input (:meth:`RagEngine.run`),
 so any retriever plugs in unchanged; :meth:`RagEngine.answer` retrieves first (two-stage for
 ``coinrag``, top-kc chunks for the others).
@@ -18,24 +22,27 @@ token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow.compute as pc
+import torch
 
 from inference.assemble import KvSlice, assemble_context
 from inference.encode import kv_layout, to_dynamic_cache
 from inference.generate import prefill_and_decode
 from inference.prompt import RagPrompt, require_question
-from inference.retrieve import RetrievalResult, Retriever
+from inference.retrieve import Evidence, RetrievalResult, Retriever
 from inference.rope import RopeSpec
 from schemas.settings import RAG_METHODS
 from schemas.tables import ChunkRow
-from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
+from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry, UnstoredKvSlice
 from storage.store import Store
 from storage.tables import read_rows, read_table
 
 METHODS = RAG_METHODS
+WHOLE_CHUNK_METHODS = ("turborag",)  # load whole chunks' KV: need kv_keep = "chunks"
 
 
 class MissingAssets(RuntimeError):
@@ -51,6 +58,34 @@ class CorruptAssets(MissingAssets):
             f"the KV of {what} is corrupt ({exc.reason}, at kv/{exc.location}): "
             f"{repair_command(store)} recomputes it"
         )
+
+
+class KvKeptNuggets(MissingAssets):
+    """A method that needs whole chunks' KV (``turborag``) on a store that keeps only the KV of
+    nugget spans (``kv_keep = "nuggets"``)."""
+
+    def __init__(self, store: Store, method: str) -> None:
+        super().__init__(
+            f"--method {method} needs the KV of whole chunks, and store {store} keeps only the "
+            f'KV of nugget spans (kv_keep = "nuggets"): use --method coinrag or standard, or '
+            f'rebuild the store with --kv-keep chunks (kv_keep = "chunks")'
+        )
+
+
+def store_kv_keep(store: Store) -> str:
+    """What the store's KV keeps of each chunk: its ``kv_keep`` setting (``STORE/coinrag.toml``,
+    the published settings; ``"chunks"`` for a store built before the setting existed)."""
+    from schemas.settings import settings_from_toml
+
+    return settings_from_toml(store.read_toml(), store.uri(store.settings_path)).kv_keep
+
+
+def methods_for(store: Store, methods: Sequence[str]) -> list[str]:
+    """``methods`` the store's assets can run: all of them, less those that need whole chunks'
+    KV (turborag) when it keeps only nugget spans."""
+    if store_kv_keep(store) == "chunks":
+        return list(methods)
+    return [m for m in methods if m not in WHOLE_CHUNK_METHODS]
 
 
 def repair_command(store: Store) -> str:
@@ -129,7 +164,10 @@ class RagEngine:
         *,
         prompt: RagPrompt | None = None,
         max_new_tokens: int = 32,
+        kv_keep: str | None = None,
     ) -> None:
+        """``kv_keep``: what the store's KV keeps (``chunks`` | ``nuggets``; None: the store's
+        setting, :func:`store_kv_keep`)."""
         self.store = store
         self.loaded = loaded
         self.model = loaded.model
@@ -138,7 +176,7 @@ class RagEngine:
         self.spec = RopeSpec.from_config(self.model.config)
         self.max_new_tokens = max_new_tokens
         try:
-            layout = kv_layout(loaded, self.prompt)
+            layout = kv_layout(loaded, self.prompt, keep=kv_keep or store_kv_keep(store))
             self.kv = KvStore.open(store, layout.kv_fp, layout)
             self.prefix_kv, prefix_ids = self.kv.read_prefix()
         except CorruptKvEntry as exc:
@@ -194,6 +232,41 @@ class RagEngine:
                 self._chunk_ids[cid] = ids
         return {c: self._chunk_ids[c] for c in chunk_ids}
 
+    def assemble(
+        self, evidence: Sequence[Evidence], n_query: int
+    ) -> tuple[torch.Tensor, int, float]:
+        """``(C_ctx, total, load seconds)``: the context of ``evidence`` (its KV slices, read
+        from the store and re-rotated to contiguous positions after ``C_p``; ``(layers, 2,
+        kv_heads, total, head_dim)`` in the store's dtype, ``total`` = ``|p|`` + the evidence's
+        tokens) for a query of ``n_query`` tokens, and the seconds spent reading the KV.
+        Raises :class:`MissingAssets` (no entry, or a span the store does not hold) or
+        :class:`CorruptAssets`."""
+        requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
+        t0 = time.perf_counter()
+        try:
+            blocks = self.kv.read_slices(requests)
+        except (MissingKvEntry, UnstoredKvSlice) as exc:
+            raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
+        except CorruptKvEntry as exc:
+            what = next(
+                (
+                    f"chunk {e.chunk_id} (document {e.doc_id})"
+                    for e in evidence
+                    if e.content_key == exc.content_key
+                ),
+                f"entry {exc.content_key}",
+            )
+            raise CorruptAssets(self.store, what, exc) from exc
+        load_s = time.perf_counter() - t0
+        p = self.prompt.n_prefix
+        slices = [
+            KvSlice(block, p + e.tok_start, p + self.kv.chunk_tokens(e.content_key))
+            for block, e in zip(blocks, evidence, strict=True)
+        ]
+        total = p + sum(s.tokens for s in slices)
+        ctx = assemble_context(self.prefix_kv, slices, self.spec, new_seq_len=total + n_query)
+        return ctx, total, load_s
+
     # ------------------------------------------------------------------ methods
 
     def retrieve(self, question: str, method: str, kc: int, k: int) -> RetrievalResult:
@@ -231,38 +304,16 @@ class RagEngine:
             )
             active = sum(len(c) for c in context)
         elif method in ("turborag", "coinrag"):
-            requests = [(e.content_key, e.tok_start, e.tok_end) for e in retrieval.evidence]
+            if method in WHOLE_CHUNK_METHODS and not self.kv.layout.keeps_chunks:
+                raise KvKeptNuggets(self.store, method)
             t0 = time.perf_counter()
-            try:
-                blocks = self.kv.read_slices(requests)
-            except MissingKvEntry as exc:
-                raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
-            except CorruptKvEntry as exc:
-                what = next(
-                    (
-                        f"chunk {e.chunk_id} (document {e.doc_id})"
-                        for e in retrieval.evidence
-                        if e.content_key == exc.content_key
-                    ),
-                    f"entry {exc.content_key}",
-                )
-                raise CorruptAssets(self.store, what, exc) from exc
-            t1 = time.perf_counter()
-            manifest = self.kv.manifest()
-            slices = [
-                KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens)
-                for block, e in zip(blocks, retrieval.evidence, strict=True)
-            ]
-            total = p + sum(s.tokens for s in slices)
-            ctx = assemble_context(
-                self.prefix_kv, slices, self.spec, new_seq_len=total + len(query_ids)
-            )
+            ctx, total, load_s = self.assemble(retrieval.evidence, len(query_ids))
             cache = to_dynamic_cache(
                 ctx.to(next(self.model.parameters()).device), self.model.config
             )
             t2 = time.perf_counter()
-            timings["kv_load"] = (t1 - t0) * 1000
-            timings["assembly"] = (t2 - t1) * 1000
+            timings["kv_load"] = load_s * 1000
+            timings["assembly"] = (t2 - t0 - load_s) * 1000
             gen = prefill_and_decode(
                 self.model,
                 self.tokenizer,

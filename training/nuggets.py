@@ -404,7 +404,6 @@ class ContextBuilder:
             self.prefix_kv, ids = kv.read_prefix()
             if ids != list(prompt.prefix_ids):
                 raise ValueError("the stored prompt prefix differs from this prompt's")
-            self.manifest = kv.manifest()
 
     @property
     def device(self) -> torch.device:
@@ -434,7 +433,7 @@ class ContextBuilder:
             requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
             blocks = self.kv.read_slices(requests) if requests else []
             slices = [
-                KvSlice(block, p + e.tok_start, p + self.manifest[e.content_key].tokens)
+                KvSlice(block, p + e.tok_start, p + self.kv.chunk_tokens(e.content_key))
                 for block, e in zip(blocks, evidence, strict=True)
             ]
             prefix_kv = self.prefix_kv
@@ -859,10 +858,13 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 # ------------------------------------------------------------------------------------ end to end
 
 
-def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, KvLayout]:
+def _kv_identity(
+    loaded: Any, prompt: RagPrompt, kv_dtype: str, kv_keep: str = "chunks"
+) -> tuple[str, KvLayout]:
     """``(model_fp, layout)`` of ``loaded``'s weights as the store computes KV: at the store's
     ``kv_dtype``, which may differ from the dtype training computes in (stored entries are then
-    cast when the context is assembled)."""
+    cast when the context is assembled), keeping what its ``kv_keep`` keeps (frozen mode reads
+    only nugget slices, which a store of nugget spans holds)."""
     import dataclasses
 
     from inference.encode import kv_layout
@@ -874,7 +876,9 @@ def _kv_identity(loaded: Any, prompt: RagPrompt, kv_dtype: str) -> tuple[str, Kv
         kv_dtype,
         loaded.tokenizer_fp,
     )
-    layout = dataclasses.replace(kv_layout(loaded, prompt), model_fp=model_fp, dtype=kv_dtype)
+    layout = dataclasses.replace(
+        kv_layout(loaded, prompt, keep=kv_keep), model_fp=model_fp, dtype=kv_dtype
+    )
     return model_fp, layout
 
 
@@ -919,7 +923,7 @@ def run_training(
     # Model fingerprints as this store computes KV (its kv_dtype): the base model's KV is what
     # frozen mode reads, and --rebuild-kv stores the new model's under the model_fp recorded here.
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype)
+    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype, settings.kv_keep)
     kv = KvStore.open(store, layout.kv_fp, layout) if cfg.mode == "frozen" else None
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
