@@ -26,7 +26,7 @@ from flows.cli import app
 from inference.methods import MissingAssets, RagEngine
 from schemas.tables import ChunkRow, KvManifestRow, NuggetRow
 from storage.gc import kv_fps
-from storage.kv import KeptRanges, KvStore, entry_key
+from storage.kv import KeptRanges, KvStore, entry_key, parse_location
 from storage.store import Store
 from storage.tables import read_rows
 from tasks.extractors.factory import make_extractor
@@ -244,7 +244,27 @@ def test_unchanged_rebuild_and_frozen_training_on_a_nuggets_store(built, tmp_pat
     assert (again["kv_computed"], again["kv_reused"] + again["kv_nothing_kept"]) == (0, n)
     assert again["kv_nothing_kept"] > 0 and again["kv_keep"] == "nuggets"
     rows = read_rows(Store.at(store), KvManifestRow)
-    assert {r.run_id for r in rows} != {again["run_id"]}  # nothing written
+    assert again["run_id"] not in {r.run_id for r in rows}  # nothing written
+
+    # A flipped byte in an entry of kept ranges: verify names its chunk, a build rebuilds it.
+    kv = _kv(store)
+    key, row = min(kv.manifest().items(), key=lambda item: item[1].location)
+    before = kv.read_entry(key)
+    _, shard, slot = parse_location(row.location)
+    assert slot == 0
+    with (store / "kv" / kv.kv_fp / shard / "c/0/0/0/0/0/0").open("r+b") as f:  # block 0 first
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    checked = cli("verify", "--store", str(store))
+    assert checked.exit_code == 1 and row.chunk_id in checked.output, checked.output
+    repaired = build_flow(
+        str(built["src"]), str(store), {**built["settings"], "kv_keep": "nuggets"}
+    )
+    assert (repaired["kv_rebuilt"], repaired["kv_computed"]) == (1, 1)
+    assert cli("verify", "--store", str(store)).exit_code == 0
+    assert torch.equal(_kv(store).read_entry(key), before)
 
     data = tmp_path / "qa.jsonl"
     ids = [d["id"] for d in built["docs"]]

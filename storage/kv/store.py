@@ -282,14 +282,14 @@ class KvStore:
 
     def _resolve(
         self,
-        content_key: str,
+        key: str,
         file_checks: dict[str, str | None] | None = None,
         ranged: bool = False,
     ) -> tuple[KvManifestRow, ShardMeta, int]:
-        """The row of the entry ``content_key`` (an entry key: ``storage/kv/kept.py``), its
-        opened shard and slot; raises CorruptKvEntry (naming the row's content_key) on a cheap
-        failed check (``file_checks``, ``ranged``: ``catalog.ShardCatalog.file_problem``)."""
-        row = self._row(content_key)
+        """The row of the entry ``key`` (:meth:`manifest`), its opened shard and slot; raises
+        CorruptKvEntry (naming the row's content_key) on a cheap failed check (``file_checks``,
+        ``ranged``: ``catalog.ShardCatalog.file_problem``)."""
+        row = self._row(key)
         ck = row.content_key
         _, name, slot = parse_location(row.location)
         try:
