@@ -25,8 +25,7 @@ from prefect.task_runners import TaskRunner
 from prefect.utilities.annotations import quote
 
 from flows.progress import ProgressLog, result_with_ticks
-from flows.runners import task_runner
-from flows.scaleout import embed_on_workers, kv_on_workers
+from flows.scaleout import embed_on_workers, kv_on_workers, task_runner
 from inference.kv_dtype import resolve_kv_dtype
 from inference.models import load_tokenizer, tokenizer_fingerprint
 from schemas.keys import new_run_id
@@ -49,7 +48,7 @@ from tasks.extract import (
 from tasks.extractors.base import ExtractionRequest
 from tasks.extractors.factory import make_extractor
 from tasks.ingest import ingest_stage
-from tasks.nuggets import current_nuggets, recover_stage
+from tasks.recover import current_nuggets, recover_stage
 
 
 @task(name="ingest", cache_policy=NO_CACHE)
@@ -146,6 +145,7 @@ def kv_task(
         progress=progress,
         check=settings.kv_verify,
         kept=build_kept_ranges(store, chunks, settings.kv_keep, extractor_fp, settings.tau),
+        kv_codec=settings.kv_codec,
     )
     return {"model_fp": loaded.model_fp, "kv_dtype": kv_dtype.dtype, **counts.as_dict()}
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -31,132 +30,29 @@ from inference.models import LoadedModel, load_model
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec
 from schemas.keys import fingerprint, new_run_id, sha256_hex
+from schemas.settings import CartridgeSettings
 from schemas.tables import DocumentRow, TeacherAnswerRow
 from storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, cartridge_id
-from storage.corpus import live_documents
+from storage.corpus import live_documents_in
 from storage.runs import finish_run, start_run
 from storage.store import Store
-from training.budget import CartridgeTrainer, PoolDoc, TrainConfig
-from training.cartridges import CartridgeSpec, Example, Visibility, cartridge_fingerprint
-from training.selfstudy import (
-    LocalQuestionGenerator,
-    OpenAIQuestionGenerator,
-    Question,
-    selfstudy_stage,
-)
-from training.teacher import (
-    TeacherConfig,
+from tasks.question_generators.factory import make_generator
+from tasks.questions import Question, selfstudy_stage
+from tasks.teacher import (
     doc_token_ids,
     teacher_fingerprint,
     teacher_stage,
     topk_tensors,
 )
-
-
-@dataclass(frozen=True)
-class CartridgeSettings:
-    """Every knob of the cartridge pipeline, with its default (never secrets)."""
-
-    model: str | None = None  # generation model reference (None: packaged SmolLM2)
-    device: str = "cpu"
-    # self-study
-    generator: str | None = None  # openai | local (default: openai if OPENAI_API_KEY is set)
-    llm_model: str = "gpt-4o-mini"
-    base_url: str | None = None
-    n_questions: int = 20
-    n_calls: int | None = None  # default: 1 per document + 1 per chars_per_call characters
-    chars_per_call: int = 2000
-    seed: int = 0
-    local_batch_size: int = 8
-    # teacher
-    max_new_tokens: int = 48
-    top_k: int = 20
-    max_doc_tokens: int = 2048
-    teacher_batch_size: int = 8
-    # cartridges
-    p: int | None = None
-    ratio: float | None = 4.0
-    init: str = "first_tokens"
-    freeze_first: bool = True
-    # training
-    lr: float = 2e-2
-    p_iso: float = 0.5
-    k_min: int = 1
-    k_max: int = 3
-    budget: int = 8
-    rotate_every: int = 16
-    batch_size: int = 1
-    train_distractors: bool = True
-    checkpoint_every: int = 50
-
-    def resolved_generator(self) -> str:
-        if self.generator is not None:
-            if self.generator not in ("openai", "local"):
-                raise ValueError(f"generator must be openai or local, got {self.generator!r}")
-            return self.generator
-        return "openai" if os.environ.get("OPENAI_API_KEY") else "local"
-
-    def spec(self) -> CartridgeSpec:
-        return CartridgeSpec(
-            p=self.p, ratio=self.ratio, init=self.init, freeze_first=self.freeze_first
-        )
-
-    def teacher(self) -> TeacherConfig:
-        return TeacherConfig(
-            max_new_tokens=self.max_new_tokens,
-            top_k=self.top_k,
-            batch_size=self.teacher_batch_size,
-            max_doc_tokens=self.max_doc_tokens,
-        )
-
-    def train(self) -> TrainConfig:
-        return TrainConfig(
-            lr=self.lr,
-            visibility=Visibility(self.p_iso, self.k_min, self.k_max),
-            budget=self.budget,
-            rotate_every=self.rotate_every,
-            batch_size=self.batch_size,
-            train_distractors=self.train_distractors,
-            checkpoint_every=self.checkpoint_every,
-            seed=self.seed,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
+from training.budget import CartridgeTrainer, PoolDoc
+from training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
 
 # ---------------------------------------------------------------------------- pure helpers
-
-
-def latest_documents(store: Store, doc_ids: Sequence[str] | None = None) -> list[DocumentRow]:
-    """The live version of each live document (``storage.corpus``: deleted ones excluded),
-    by doc_id.
-
-    Raises KeyError naming the ids that are not live documents of the store.
-    """
-    latest = live_documents(store)
-    if doc_ids is None:
-        return [latest[d] for d in sorted(latest)]
-    missing = [d for d in doc_ids if d not in latest]
-    if missing:
-        raise KeyError(f"documents not in the store {store}: {', '.join(missing[:10])}")
-    return [latest[d] for d in dict.fromkeys(doc_ids)]
 
 
 @lru_cache(maxsize=2)
 def _model(ref: str | None, device: str) -> LoadedModel:
     return load_model(ref, device=device)
-
-
-def make_generator(settings: CartridgeSettings, loaded: LoadedModel) -> Any:
-    """The question generator the settings name (OpenAI key and URL come from the env)."""
-    if settings.resolved_generator() == "openai":
-        return OpenAIQuestionGenerator(
-            settings.llm_model, base_url=settings.base_url, n_questions=settings.n_questions
-        )
-    return LocalQuestionGenerator(
-        loaded, n_questions=settings.n_questions, batch_size=settings.local_batch_size
-    )
 
 
 def build_pool(
@@ -168,7 +64,7 @@ def build_pool(
     settings: CartridgeSettings,
 ) -> tuple[dict[str, PoolDoc], list[Example], str]:
     """The pool (one cartridge per document), the distillation examples, the cartridge_fp."""
-    spec, tcfg = settings.spec(), settings.teacher()
+    spec, tcfg = CartridgeSpec.from_settings(settings), settings.teacher()
     tfp = teacher_fingerprint(loaded.model_fp, prompt.prefix_sha, tcfg)
     cfp = cartridge_fingerprint(
         loaded.model_fp, prompt.prefix_sha, tfp, spec, settings.train().value_dict()
@@ -287,7 +183,7 @@ def train_task(
         cstore,
         pool,
         examples,
-        settings.spec(),
+        CartridgeSpec.from_settings(settings),
         settings.train(),
         run_id=run_id,
         train_key=train_key(cfp, pool, examples),
@@ -344,7 +240,7 @@ def _run_pipeline(
     with st.write_lock(run_id):
         run = start_run(st, run_id, flow_name, params)
         try:
-            docs = latest_documents(st, doc_ids)
+            docs = live_documents_in(st, doc_ids)
             if not docs:
                 raise ValueError(f"the store {st} has no documents: run coinrag build first")
             loaded = _model(s.model, s.device)

@@ -23,10 +23,11 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from flows.cli_lists import ListOptionsCommand
 from flows.preflight import Preflight
+from flows.settings_options import with_settings_options
+from schemas.settings import BuildSettings, FinetuneSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -129,57 +130,16 @@ def _require_local(store: str, what: str) -> None:
         _fail(str(exc), 1)
 
 
-# Build settings as options, declared once: `build` and `serve` both take them (None: the
-# [build] table of --config, else the default).
-ExtractorOption = Annotated[
-    str | None,
-    typer.Option(
-        help="openai | openai-batch | local | rules | none "
-        "(default: openai if OPENAI_API_KEY is set, else local)."
-    ),
-]
-LlmModelOption = Annotated[
-    str | None, typer.Option("--llm-model", help="LLM for extraction (default gpt-4o-mini).")
-]
-ModelOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Generation model whose tokenizer chunks: a folder, a .gguf file, or "
-        "'smollm2' (default, the packaged SmolLM2-135M-Instruct)."
-    ),
-]
-EmbedderOption = Annotated[
-    str | None,
-    typer.Option(help="'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder."),
-]
+# Build settings as options: generated from the fields of BuildSettings marked cli=True
+# (flows/settings_options.py), the same for `build` and `serve`; None: the [build] table of
+# --config, else the default.
 ConfigOption = Annotated[
     Path | None, typer.Option(help="TOML file with a \\[build] table of the same settings.")
-]
-ChunkerOption = Annotated[str | None, typer.Option(help="fixed (default) | sentence | content")]
-ChunkSizeOption = Annotated[int | None, typer.Option(help="Tokens per chunk (default 512).")]
-TauOption = Annotated[float | None, typer.Option(help="Fuzzy recovery threshold (default 0.7).")]
-ConcurrencyOption = Annotated[
-    int | None, typer.Option(help="Simultaneous LLM requests (default 8).")
-]
-KvDtypeOption = Annotated[
-    str | None,
-    typer.Option(
-        "--kv-dtype",
-        help="auto | float32 | bfloat16 | float16: dtype of the KV forward and of the stored "
-        "KV (default auto: bfloat16 where the device computes it natively, else float32).",
-    ),
-]
-KvKeepOption = Annotated[
-    str | None,
-    typer.Option(
-        "--kv-keep",
-        help="chunks | nuggets: store each chunk's whole KV (default), or only the token ranges "
-        "its nuggets cover (coinrag and training read those; turborag cannot run).",
-    ),
 ]
 
 
 @app.command()
+@with_settings_options(BuildSettings)
 def build(
     source: Annotated[
         str,
@@ -194,47 +154,9 @@ def build(
             "--store", help="The store: a folder (created if absent) or s3://bucket/prefix."
         ),
     ],
-    extractor: ExtractorOption = None,
-    llm_model: LlmModelOption = None,
-    model: ModelOption = None,
-    embedder: EmbedderOption = None,
     config: ConfigOption = None,
-    chunker: ChunkerOption = None,
-    chunk_size: ChunkSizeOption = None,
-    tau: TauOption = None,
-    concurrency: ConcurrencyOption = None,
-    prune: Annotated[
-        bool | None,
-        typer.Option(
-            "--prune", help="Tombstone the store's documents that are absent from SOURCE."
-        ),
-    ] = None,
-    runner: Annotated[
-        str | None,
-        typer.Option(help="Where tasks run: default (this process) | dask | ray."),
-    ] = None,
-    runner_address: Annotated[
-        str | None,
-        typer.Option(
-            "--runner-address",
-            help="Dask scheduler (tcp://host:8786) or Ray address; default: a local cluster.",
-        ),
-    ] = None,
-    workers: Annotated[
-        int | None, typer.Option(help="Worker processes of a local Dask/Ray cluster (default 2).")
-    ] = None,
-    kv_resources: Annotated[
-        str | None,
-        typer.Option(
-            "--kv-resources",
-            help="Worker resources each KV task needs, e.g. GPU=1 (dask/ray).",
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="Torch device of the generation model (default cpu).")
-    ] = None,
-    kv_dtype: KvDtypeOption = None,
-    kv_keep: KvKeepOption = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Build or update STORE from SOURCE: chunks, nuggets, and (later stages) KV and indexes."""
     from schemas.settings import SettingsError, load_settings
@@ -243,27 +165,7 @@ def build(
     if source == "sample":
         source = str(SAMPLE)
     try:
-        settings = load_settings(
-            config,
-            {
-                "extractor": extractor,
-                "llm_model": llm_model,
-                "model": model,
-                "embedder": embedder,
-                "chunker": chunker,
-                "chunk_size": chunk_size,
-                "tau": tau,
-                "concurrency": concurrency,
-                "prune": prune,
-                "runner": runner,
-                "runner_address": runner_address,
-                "workers": workers,
-                "kv_resources": kv_resources,
-                "device": device,
-                "kv_dtype": kv_dtype,
-                "kv_keep": kv_keep,
-            },
-        )
+        settings = load_settings(config, overrides)
     except SettingsError as exc:
         _fail(str(exc), 2)
     from flows import preflight
@@ -286,7 +188,9 @@ def build(
     except BaseException:
         preflight.remove_skeleton(st, existed)
         raise
-    _print_summary(summary)
+    from flows import render
+
+    render.print_build_summary(Console(), summary)
     rejected, failures = summary["rejected"], summary["failures"]
     for r in rejected:
         console.print(f"[yellow]rejected[/] {r['doc_id'] or '-'}: {r['reason']}: {r['detail']}")
@@ -306,14 +210,20 @@ def query(
         str, typer.Option(help="coinrag | turborag | standard | cartridge")
     ] = "coinrag",
     kc: Annotated[int, typer.Option(min=1, help="Chunks retrieved in stage 1.")] = 4,
-    k: Annotated[int, typer.Option(min=1, help="Nuggets retrieved in stage 2 (coinrag).")] = 10,
+    k: Annotated[
+        int,
+        typer.Option(min=1, help="Nuggets retrieved in stage 2 (coinrag); documents (cartridge)."),
+    ] = 10,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Upper bound on answer tokens.")] = 32,
     model: Annotated[
         str | None, typer.Option(help="Generation model (default: the store's).")
     ] = None,
     oracle_doc: Annotated[
         str | None,
-        typer.Option(help="cartridge only: answer with this document's cartridge (oracle mode)."),
+        typer.Option(
+            help="Oracle mode: answer from this document only (cartridge: its cartridge; the "
+            "others: retrieval among its chunks)."
+        ),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -324,31 +234,30 @@ def query(
     import json
 
     from flows import preflight
-    from inference.prompt import BlankQuestion, require_question
-    from schemas.settings import RAG_METHODS
+    from schemas.qa import BlankQuestion, require_question
+    from schemas.settings import LOCAL_STORE_METHODS, RAG_METHODS
 
-    if method not in (*RAG_METHODS, "cartridge"):
-        _fail(f"--method {method!r} is not one of {', '.join(RAG_METHODS)}, cartridge", 2)
+    if method not in RAG_METHODS:
+        _fail(f"--method {method!r} is not one of {', '.join(RAG_METHODS)}", 2)
     try:
         require_question(question)
     except BlankQuestion as exc:
         _fail(str(exc), 2)
-    if method == "cartridge":
-        _require_local(store, "query --method cartridge")
+    if method in LOCAL_STORE_METHODS:
+        _require_local(store, f"query --method {method}")
     st = _check(preflight.built_store, store)
-    if method in RAG_METHODS:
-        _check(preflight.store_methods, st, [method])
+    _check(preflight.store_methods, st, [method])
     if model is not None:
         _check(preflight.model, model)
 
     from inference.methods import MissingAssets, RagEngine
 
+    doc_ids = [oracle_doc] if oracle_doc else None
     try:
-        if method == "cartridge":
-            result = _cartridge_answer(str(store), question, k, oracle_doc, model, max_new_tokens)
-        else:
-            engine = RagEngine.open(str(store), model=model, max_new_tokens=max_new_tokens)
-            result = engine.answer(question, method=method, kc=kc, k=k)
+        engine = RagEngine.open(
+            str(store), model=model, max_new_tokens=max_new_tokens, methods=[method]
+        )
+        result = engine.answer(question, method, kc=kc, k=k, doc_ids=doc_ids)
     except (MissingAssets, LookupError, ValueError) as exc:
         _fail(str(exc), 1)
     if json_out:
@@ -388,7 +297,10 @@ def eval_cmd(
     out: Annotated[Path, typer.Option("--out", help="Folder for results, plots.")],
     methods: Annotated[
         list[str] | None,
-        typer.Option("--methods", help="Methods (default: all three): --methods coinrag standard"),
+        typer.Option(
+            "--methods",
+            help="Methods (default: coinrag turborag standard): --methods coinrag cartridge",
+        ),
     ] = None,
     kc: Annotated[
         list[int] | None, typer.Option("--kc", min=1, help="kc values to sweep: --kc 1 2 4")
@@ -411,12 +323,14 @@ def eval_cmd(
     With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead.
     The report is printed on stdout, progress on stderr."""
     from flows import preflight
-    from inference.evaluate import QuestionsError, load_questions
-    from schemas.settings import RAG_METHODS
+    from schemas.qa import QuestionsError, load_questions
+    from schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
 
     bad = [m for m in methods or [] if m not in RAG_METHODS]
     if bad:
         _fail(f"--methods {' '.join(bad)}: not among {', '.join(RAG_METHODS)}", 2)
+    for method in dict.fromkeys(m for m in methods or [] if m in LOCAL_STORE_METHODS):
+        _require_local(store, f"eval --methods {method}")
     try:
         load_questions(questions)  # every line checked before any model loads
     except QuestionsError as exc:
@@ -445,19 +359,14 @@ def eval_cmd(
             _fail(str(exc), 2)
         Console().print(retrieval_text(table), highlight=False, soft_wrap=True)
         return
-    from inference.methods import MissingAssets, methods_for
+    from inference.methods import MissingAssets, methods_for, unavailable_methods
 
     if methods:
         _check(preflight.store_methods, st, methods)
-    else:  # all the methods the store's assets can run
-        methods = methods_for(st, RAG_METHODS)
-        if len(methods) < len(RAG_METHODS):
-            left_out = ", ".join(m for m in RAG_METHODS if m not in methods)
-            console.print(
-                f"note: {left_out} left out: store {escape(str(st))} keeps only the KV of "
-                'nugget spans (kv_keep = "nuggets")',
-                soft_wrap=True,
-            )
+    else:  # the default methods the store's assets can run
+        methods = methods_for(st, DEFAULT_RAG_METHODS)
+        for left_out, why in unavailable_methods(st, DEFAULT_RAG_METHODS).items():
+            console.print(f"note: {left_out} left out: {escape(why)}", soft_wrap=True)
     sweep = tuple((a, b) for a in (kc or [4]) for b in (k or [10]))
     try:
         evaluate(
@@ -473,60 +382,6 @@ def eval_cmd(
         _fail(str(exc), 1)
     except (ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 2)
-
-
-def _cartridge_answer(
-    store_path: str,
-    question: str,
-    k: int,
-    oracle_doc: str | None,
-    model: str | None,
-    max_new_tokens: int,
-):
-    """Cartridge RAG through the same Answer record as the other methods."""
-    from inference.cartridge_rag import CartridgeRag
-    from inference.embedders import load_embedder
-    from inference.methods import Answer, MissingAssets
-    from inference.models import load_model
-    from inference.retrieve import Retriever
-    from schemas.settings import settings_from_toml
-    from storage.store import Store
-
-    store = Store.at(store_path)
-    store.require_local("query --method cartridge")
-    if not store.exists():
-        raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
-    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-    loaded = load_model(model or settings.model, device=settings.device)
-    retriever = None if oracle_doc else Retriever(store, load_embedder(settings.embedder))
-    rag = CartridgeRag(store, loaded, retriever=retriever)
-    if oracle_doc:
-        got = rag.oracle(question, oracle_doc, max_new_tokens=max_new_tokens)
-    else:
-        got = rag.answer(question, k=k, max_new_tokens=max_new_tokens)
-    t = got.timings
-    ttft = t["retrieve_ms"] + t["load_ms"] + t["assemble_ms"] + t["prefill_ms"]
-    return Answer(
-        answer=got.answer,
-        method="cartridge",
-        evidence=[
-            {"doc_id": d, "cartridge_id": c}
-            for d, c in zip(got.doc_ids, got.cartridge_ids, strict=True)
-        ],
-        active_tokens=got.context_tokens - rag.prompt.n_prefix,
-        timings={
-            "retrieval": round(t["retrieve_ms"], 3),
-            "kv_load": round(t["load_ms"], 3),
-            "assembly": round(t["assemble_ms"], 3),
-            "prefill": round(t["prefill_ms"], 3),
-            "ttft": round(ttft, 3),
-            "decode": round(t["decode_ms"], 3),
-        },
-        kc=0,
-        k=len(got.doc_ids),
-        model_fp=loaded.model_fp,
-        token_ids=got.token_ids,
-    )
 
 
 @app.command()
@@ -549,9 +404,9 @@ def lineage(
     """Lineage of a store's assets: run SQL over its views, walk the chain through one nugget,
     chunk or document, or list stale assets. Without any of these: list the views. Read-only
     (works while a build runs)."""
-    from flows import lineage as lin
-    from flows import preflight
+    from flows import preflight, render
     from storage.lineage import LineageError
+    from tasks import lineage as queries
 
     walks = {k: v for k, v in {"nugget": nugget, "chunk": chunk, "doc": doc}.items() if v}
     modes = len(walks) + (sql is not None) + stale
@@ -564,30 +419,30 @@ def lineage(
     st = _check(preflight.built_store, store)
     out = Console()
     if modes == 0:
-        lin.print_views(out)
+        render.print_views(out)
         return
     try:
         if walks:
             ((kind, ident),) = walks.items()
-            sections = lin.lineage_walk(st, kind, ident)
+            sections = queries.lineage_walk(st, kind, ident)
         else:
-            result = lin.lineage_stale(st) if stale else lin.lineage_sql(st, sql or "")
+            result = queries.lineage_stale(st) if stale else queries.lineage_sql(st, sql or "")
     except LineageError as exc:
         _fail(str(exc), 1 if walks else 2)
     except (OSError, ValueError) as exc:  # settings or producers of --stale that cannot load
         _fail(f"cannot compute the current producers from {st.uri(st.settings_path)}: {exc}", 1)
     if walks:
         if json_out:
-            print(lin.to_json(sections))
+            print(render.to_json(sections))
         else:
             for name, table in sections.items():
-                lin.print_section(out, name, table)
+                render.print_section(out, name, table)
     elif json_out:
-        print(lin.to_json(result))
+        print(render.to_json(result))
     elif csv_out:
-        sys.stdout.write(lin.to_csv(result))
+        sys.stdout.write(render.to_csv(result))
     else:
-        lin.print_table(out, result, "stale assets" if stale else None)
+        render.print_table(out, result, "stale assets" if stale else None)
 
 
 train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
@@ -632,6 +487,7 @@ def train_cartridges_cmd(
 
 
 @train_app.command("nuggets")
+@with_settings_options(FinetuneSettings, panel="Fine-tuning settings")
 def train_nuggets_cmd(
     store: Annotated[str, typer.Option("--store", help="A built store (a local folder).")],
     data: Annotated[
@@ -643,26 +499,25 @@ def train_nuggets_cmd(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned model.")],
-    mode: Annotated[str, typer.Option(help="live (default) | frozen")] = "live",
-    lora: Annotated[bool, typer.Option("--lora", help="Train LoRA adapters (merged).")] = False,
-    max_steps: Annotated[
-        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
-    ] = None,
     rebuild_kv: Annotated[
         bool, typer.Option("--rebuild-kv", help="Rebuild the store's KV for the new model.")
     ] = False,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Nugget-aware fine-tuning on (C_ctx, question) -> answer, with the inference assembly."""
     import json
 
     from flows import preflight
+    from schemas.settings import FINETUNE_MODES
 
-    if mode not in ("live", "frozen"):
-        _fail(f"--mode {mode!r} is not one of live, frozen", 2)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    if given.get("mode", "live") not in FINETUNE_MODES:
+        _fail(f"--mode {given['mode']!r} is not one of {', '.join(FINETUNE_MODES)}", 2)
     _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
-    from training.nuggets import DataError, load_examples
+    from schemas.qa import DataError, load_examples
 
     try:
         examples = load_examples(data)  # every line checked before any model loads
@@ -684,10 +539,8 @@ def train_nuggets_cmd(
             str(store),
             str(data),
             str(out),
-            mode=mode,
-            lora=lora,
-            max_steps=max_steps,
             rebuild_kv=rebuild_kv,
+            **given,
         )
     except (KeyError, ValueError, StoreLocked) as exc:
         _fail(str(exc), 1)
@@ -695,6 +548,7 @@ def train_nuggets_cmd(
 
 
 @app.command()
+@with_settings_options(BuildSettings)
 def serve(
     source: Annotated[
         str, typer.Argument(help="What to build (as for `coinrag build`), or 'sample'.")
@@ -718,21 +572,13 @@ def serve(
         Path | None, typer.Option("--train-out", help="Folder of the fine-tuned model.")
     ] = None,
     config: ConfigOption = None,
-    extractor: ExtractorOption = None,
-    llm_model: LlmModelOption = None,
-    model: ModelOption = None,
-    embedder: EmbedderOption = None,
-    chunker: ChunkerOption = None,
-    chunk_size: ChunkSizeOption = None,
-    tau: TauOption = None,
-    concurrency: ConcurrencyOption = None,
-    kv_dtype: KvDtypeOption = None,
-    kv_keep: KvKeepOption = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Serve the build as a Prefect deployment: on --cron, and on `coinrag watch` events.
 
     Long-running (needs PREFECT_API_URL, see infra/prefect_server.py); Ctrl-C stops it and
-    pauses its schedule. Deployment construction: infra/build_deployment.py.
+    pauses its schedule. Deployment construction: flows/deployments.py.
     """
     from flows import preflight
     from schemas.settings import SettingsError, load_settings
@@ -745,25 +591,13 @@ def serve(
         _fail("--train-data and --train-out go together", 2)
     if train_data is not None and not train_data.is_file():
         _fail(f"--train-data {train_data} does not exist", 1)
-    overrides = {
-        "extractor": extractor,
-        "llm_model": llm_model,
-        "model": model,
-        "embedder": embedder,
-        "chunker": chunker,
-        "chunk_size": chunk_size,
-        "tau": tau,
-        "concurrency": concurrency,
-        "kv_dtype": kv_dtype,
-        "kv_keep": kv_keep,
-    }
     try:
         settings = load_settings(config, overrides)
     except SettingsError as exc:
         _fail(str(exc), 2)
     _check(preflight.build_settings, settings)
 
-    from infra.build_deployment import make_serve_deployments, serve_build
+    from flows.deployments import make_serve_deployments, serve_build
 
     try:
         deployments = make_serve_deployments(
@@ -807,7 +641,7 @@ def watch(
     _check(preflight.source, source)
     _check(preflight.store_to_write, store, False)
 
-    from infra.source_events import watch_source
+    from flows.source_events import watch_source
     from tasks.changes import deleted_doc_ids
     from tasks.ingest import SourceError
 
@@ -878,18 +712,9 @@ def gc(
         _fail(str(exc), 1)
     counts = gc_counts(report)
     verb = "would reclaim" if dry_run else "reclaimed"
-    table = Table(title=f"coinrag gc ({verb})")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in counts.items():
-        if key != "kv":
-            table.add_row(key, str(value))
-    Console().print(table)
-    Console().print(
-        f"{verb} {counts['kv_entries_dropped']} KV entries, "
-        f"{counts['index_versions_removed']} index versions, "
-        f"{counts['temp_paths_removed']} leftovers: {counts['bytes_reclaimed']} bytes"
-    )
+    from flows import render
+
+    render.print_gc(Console(), counts, verb)
 
 
 @app.command()
@@ -928,19 +753,6 @@ def verify(
     if report.corrupt:
         command = repair_command(Store.at(store))
         _fail(f"{len(report.corrupt)} corrupt KV entries: {command} recomputes them", 1)
-
-
-def _print_summary(summary: dict) -> None:
-    table = Table(title=f"coinrag build {summary['run_id']}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        if isinstance(value, dict):  # stage_seconds: one row per stage
-            for name, sub in value.items():
-                table.add_row(f"{key}.{name}", str(sub))
-        elif key not in ("run_id", "rejected", "failures"):
-            table.add_row(key, str(value))
-    Console().print(table)
 
 
 def main() -> None:

@@ -72,13 +72,14 @@ def built_store(path: str) -> Store:
 
 
 def store_methods(store: Store, methods: Sequence[str]) -> None:
-    """The store's KV can serve ``methods``: one that keeps only nugget spans (``kv_keep =
-    "nuggets"``) has no whole chunks' KV for ``turborag`` (exit 1, naming the setting)."""
-    from inference.methods import KvKeptNuggets, methods_for
+    """The store's assets can serve ``methods`` (``inference.methods.unavailable_methods``:
+    e.g. a store that keeps only nugget spans, ``kv_keep = "nuggets"``, has no whole chunks'
+    KV for ``turborag``): exit 1 with the first method's reason, naming the setting."""
+    from inference.methods import unavailable_methods
 
-    refused = [m for m in methods if m not in methods_for(store, methods)]
+    refused = unavailable_methods(store, methods)
     if refused:
-        raise Preflight(str(KvKeptNuggets(store, refused[0])))
+        raise Preflight(next(iter(refused.values())))
 
 
 def unlocked(store: Store) -> None:

@@ -10,7 +10,7 @@ load+validate QA data -> build its documents (incremental build flow) -> train -
   :func:`flows.build.build_flow` (a subflow; incremental, so documents already built for the
   same model, chunker and extractor cost nothing). Examples with ``doc_ids`` use documents
   already in the store.
-- Training is :func:`training.nuggets.run_training` (see its module docstring for the modes;
+- Training is :func:`training.finetune.run_training` (see its module docstring for the modes;
   ``live`` is the default). Killed runs resume from ``OUT/checkpoints`` when started again with
   the same arguments.
 - The runs table gets a ``train-nuggets`` row: parameters (data path and sha256, base model,
@@ -31,11 +31,13 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
+from inference.context import FINETUNE_CONTEXTS
 from schemas.keys import new_run_id
-from schemas.settings import settings_from_toml
+from schemas.qa import load_examples
+from schemas.settings import FinetuneSettings, settings_from_toml
 from storage.runs import finish_run, start_run
 from storage.store import Store
-from training.nuggets import TrainConfig, file_sha256, load_examples, run_training, write_documents
+from training.finetune import file_sha256, run_training, write_documents
 
 FLOW_NAME = "coinrag-train-nuggets"
 
@@ -47,7 +49,7 @@ def load_data_task(data: str) -> list:
 
 @task(name="train-nuggets", cache_policy=NONE)
 def train_task(
-    store: str, data: str, out: str, cfg: TrainConfig, model: str | None, examples: list
+    store: str, data: str, out: str, cfg: FinetuneSettings, model: str | None, examples: list
 ) -> dict[str, Any]:
     return run_training(
         store, data, out, cfg, model=model, logger=get_run_logger(), examples=examples
@@ -76,13 +78,13 @@ def train_nuggets_flow(
 ) -> dict[str, Any]:
     """Fine-tune ``model`` (default: the store's model) on the QA JSONL ``data``; write ``out``.
 
-    ``settings``: :class:`training.nuggets.TrainConfig` fields (lr, batch_size, raft_p, ...);
+    ``settings``: :class:`schemas.settings.FinetuneSettings` fields (lr, batch_size, raft_p, ...);
     ``build``: build-settings overrides for building the data's documents and the KV rebuild
     (e.g. ``{"extractor": "rules"}``); ``source``: what the KV rebuild builds (default: the
     data's documents JSONL). Returns the summary (``model_fp``, losses, counts, ...).
     """
     logger = get_run_logger()
-    cfg = TrainConfig(
+    cfg = FinetuneSettings(
         **{**(settings or {}), "mode": mode, "lora": lora, "max_steps": max_steps}
     ).validate()
     st = Store.at(store)
@@ -94,7 +96,7 @@ def train_nuggets_flow(
     if model is not None:
         build_settings["model"] = model
     base_ref = build_settings["model"]
-    if cfg.mode == "frozen":
+    if FINETUNE_CONTEXTS[cfg.mode].reads_stored_kv:
         build_settings["kv"] = True  # frozen mode reads the base model's stored KV
     docs_source = st.root / "train-data" / f"{data_sha[:16]}.jsonl"
     n_docs = write_documents(examples, docs_source)
@@ -174,10 +176,10 @@ def train_nuggets(
     """``coinrag train nuggets --store DIR --data qa.jsonl --out MODEL_DIR [--mode live|frozen]
     [--lora] [--max-steps N]``.
 
-    ``settings``: any :class:`training.nuggets.TrainConfig` field (``lr``, ``batch_size``,
+    ``settings``: any :class:`schemas.settings.FinetuneSettings` field (``lr``, ``batch_size``,
     ``epochs``, ``raft_p``, ``seed``, ``checkpoint_every``, ``device``, ...). Returns the summary.
     """
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"mode", "lora", "max_steps"}
+    fields = {f.name for f in dataclasses.fields(FinetuneSettings)} - {"mode", "lora", "max_steps"}
     unknown = set(settings) - fields
     if unknown:
         raise TypeError(f"unknown training settings: {', '.join(sorted(unknown))}")

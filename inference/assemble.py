@@ -4,7 +4,9 @@ The KV layout (in memory, after RoPE, on disk, after re-rotation) is stated once
 ``storage/kv/layout.py``; what assembly adds:
 
 - a chunk's block was computed once, right after the RAG prompt prefix ``p``, so its token ``i``
-  sits at position ``|p| + i``; a nugget slice ``[s, e)`` of it starts at ``|p| + s``;
+  sits at position ``|p| + i``; a nugget slice ``[s, e)`` of it starts at ``|p| + s``. A
+  quantized store holds keys rotated back to position 0 instead (``KvLayout.keys_at_zero``,
+  ``KvSlice.at_zero``): they are rotated to their new positions, one rotation either way;
 - the assembled context puts the slices after ``C_p`` in the order given, at contiguous
   positions: slice ``i`` starts at ``Δ_i = |p| + Σ_{j<i} (e_j - s_j)``. Only keys are rotated:
   values do not depend on position;
@@ -35,12 +37,15 @@ class KvSlice:
 
     ``kv``: ``(layers, 2, kv_heads, n, head_dim)``; ``old_start``: position of its first token
     in the forward that computed it; ``old_seq_len``: that forward's length (``|p| + chunk
-    tokens``; needed only by seq-len dependent RoPE such as dynamic NTK).
+    tokens``; needed only by seq-len dependent RoPE such as dynamic NTK). ``at_zero``: its keys
+    were rotated back to position 0 (a quantized store: ``KvLayout.keys_at_zero``), so they are
+    rotated to their new positions instead of moved from ``old_start``.
     """
 
     kv: torch.Tensor
     old_start: int
     old_seq_len: int
+    at_zero: bool = False
 
     @property
     def tokens(self) -> int:
@@ -83,15 +88,19 @@ def assemble_context(
         parts = [_rotated(KvSlice(prefix_kv, 0, n_prefix), 0, spec, seq_len)]
     start = n_prefix
     for s in slices:
-        moved = s.old_start != start or spec.seq_len_dependent
+        moved = s.old_start != start or spec.seq_len_dependent or s.at_zero
         parts.append(_rotated(s, start, spec, seq_len) if moved else s.kv)
         start += s.tokens
     return torch.cat(parts, dim=-2)
 
 
 def _rotated(s: KvSlice, start: int, spec: RopeSpec, seq_len: int) -> torch.Tensor:
-    """``s.kv`` with its keys moved to positions ``start..`` of a forward of length ``seq_len``."""
+    """``s.kv`` with its keys moved to positions ``start..`` of a forward of length ``seq_len``
+    (from position 0 where ``s.at_zero``: the rotation is then RoPE itself, at ``seq_len``'s
+    frequencies)."""
     old = torch.arange(s.old_start, s.old_start + s.tokens)
+    if s.at_zero:
+        old = torch.zeros(s.tokens, dtype=torch.long)
     new = torch.arange(start, start + s.tokens)
     keys = rerotate_keys(s.kv[:, 0], old, new, spec, old_seq_len=s.old_seq_len, new_seq_len=seq_len)
     return torch.stack([keys.to(s.kv.dtype), s.kv[:, 1]], dim=1)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from inference.prompt import RagPrompt
-from inference.rope import ForwardFrequencies, reset_rotary
+from inference.rope import ForwardFrequencies, RopeSpec, rerotate_keys, reset_rotary
 from schemas.tables import ChunkRow
 from storage.kv import KvLayout
 
@@ -75,7 +75,8 @@ def pad_id(tokenizer: Any) -> int:
 
 
 def kv_layout(loaded: Any, prompt: RagPrompt, **kwargs: Any) -> KvLayout:
-    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt."""
+    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt
+    (``kwargs``: ``kv_codec``, ``block_tokens``, ``slots_per_shard``)."""
     return KvLayout.for_model(loaded.model, loaded.model_fp, prompt.prefix_sha, **kwargs)
 
 
@@ -125,13 +126,17 @@ def prefix_cache(model: Any, prefix_kv: torch.Tensor, batch: int) -> Any:
 # ---------------------------------------------------------------------------- the prefix
 
 
-def compute_prefix_kv(model: Any, prefix_ids: Sequence[int]) -> torch.Tensor:
-    """``C_p``: the KV of the prompt prefix alone, ``(layers, 2, kv_heads, |p|, head_dim)``
-    (an inference-mode tensor: for autograd use :func:`prefix_kv`)."""
+def compute_prefix_kv(
+    model: Any, prefix_ids: Sequence[int], *, differentiable: bool = False
+) -> torch.Tensor:
+    """``C_p``: the KV of the prompt prefix alone, ``(layers, 2, kv_heads, |p|, head_dim)``:
+    an inference-mode tensor (next to tensors that need gradients use :func:`prefix_kv`), or,
+    ``differentiable``, computed in the caller's grad mode (gradients reach the encoding: the
+    fine-tuning's live context, ``inference/context.py``)."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)
     reset_rotary(model)
-    with torch.inference_mode():
+    with torch.inference_mode(not differentiable):
         out = decoder(model)(input_ids=ids, use_cache=True)
     return cache_to_kv(out.past_key_values)[0]
 
@@ -183,11 +188,36 @@ class KvBatching:
         return [[group[i] for i in run] for run in runs]
 
 
-def chunk_input_ids(batch: Sequence[ChunkRow], pad: int, device: Any) -> torch.Tensor:
-    """``(len(batch), longest)`` token ids, right-padded with ``pad``."""
-    width = max(c.n_tokens for c in batch)
-    rows = [list(c.token_ids) + [pad] * (width - c.n_tokens) for c in batch]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+def right_padded(rows: Sequence[Sequence[int]], pad: int, device: Any) -> torch.Tensor:
+    """``(len(rows), longest)`` token ids, right-padded with ``pad``."""
+    width = max(len(r) for r in rows)
+    return torch.tensor(
+        [list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device
+    )
+
+
+def forward_after_prefix(
+    model: Any, prefix_kv: torch.Tensor, rows: Sequence[Sequence[int]], pad_id: int = 0
+) -> Any:
+    """One forward of ``rows`` (token ids, right-padded to the longest with ``pad_id``) after
+    ``C_p`` (``(layers, 2, H, |p|, D)``), at positions ``|p|..`` in every row, from a fresh
+    rotary state, in the caller's grad mode. Returns the transformers cache: ``|p| + longest``
+    tokens per row; ``cache_to_kv(cache, start=|p|)[b, ..., :len(rows[b]), :]`` is row ``b``'s
+    KV (the padding after it never changes it: attention is causal).
+
+    The one chunk forward of the KV stage (:func:`compute_chunk_kv`, in inference mode) and of
+    fine-tuning's live context (``inference/context.py``, with gradients).
+    """
+    device = next(model.parameters()).device
+    p = prefix_kv.shape[-2]
+    ids = right_padded(rows, pad_id, device)
+    positions = torch.arange(p, p + ids.shape[1], device=device)[None].expand(len(rows), -1)
+    cache = prefix_cache(causal_lm(model), prefix_kv.to(device), len(rows))
+    reset_rotary(model)
+    out = decoder(model)(
+        input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True
+    )
+    return out.past_key_values
 
 
 def compute_chunk_kv(
@@ -212,14 +242,10 @@ def compute_chunk_kv(
             f"need different RoPE frequencies ({frequencies.thresholds}): one padded forward "
             "would give the shorter ones wrong keys; batch them with KvBatching"
         )
-    device = next(model.parameters()).device
-    ids = chunk_input_ids(batch, pad_id, device)
-    cache = prefix_cache(model, prefix_kv.to(device), len(batch))
-    reset_rotary(model)
     with torch.inference_mode():
-        out = decoder(model)(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache = forward_after_prefix(model, prefix_kv, [c.token_ids for c in batch], pad_id)
     t1 = time.perf_counter()
-    kv = cache_to_kv(out.past_key_values, start=prefix_kv.shape[3]).cpu()
+    kv = cache_to_kv(cache, start=p).cpu()
     if timings is not None:
         timings["forward"] = timings.get("forward", 0.0) + t1 - t0
         timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t1
@@ -233,15 +259,44 @@ def compute_group_kv(
     batch_size: int,
     pad_id: int = 0,
     timings: dict[str, float] | None = None,
+    layout: KvLayout | None = None,
 ) -> list[tuple[ChunkRow, torch.Tensor]]:
     """``(chunk, kv)`` for a group of chunks (``tasks.kv.kv_groups``), in the group's order,
     computed in the batches of :class:`KvBatching` (at most ``batch_size`` chunks each); kv is
-    ``(layers, 2, kv_heads, n_tokens, head_dim)``."""
+    ``(layers, 2, kv_heads, n_tokens, head_dim)``, in the frame ``layout`` stores
+    (:func:`stored_frame`; as the model cached it when no layout is given)."""
     batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
+    spec = RopeSpec.from_config(model.config) if layout and layout.keys_at_zero else None
+    p = prefix_kv.shape[3]
     out: list[tuple[ChunkRow, torch.Tensor]] = []
     for batch in batching.split(group):
-        out += zip(batch, compute_chunk_kv(model, prefix_kv, batch, pad_id, timings), strict=True)
+        kvs = compute_chunk_kv(model, prefix_kv, batch, pad_id, timings)
+        if spec is not None:
+            kvs = [keys_to_position_zero(kv, spec, p) for kv in kvs]
+        out += zip(batch, kvs, strict=True)
     return out
+
+
+def keys_to_position_zero(kv: torch.Tensor, spec: RopeSpec, start: int) -> torch.Tensor:
+    """A chunk's KV as computed (keys after RoPE at ``start .. start + n - 1``, in a forward
+    of length ``start + n``) -> float32, keys rotated back to position 0: the frame of a
+    quantized store (``storage/kv/layout.py``; KVQuant: per-channel key quantization before
+    RoPE). Exact up to float32 rounding; values unchanged.
+
+    E.g. a 40-token chunk after a 21-token prefix: its key ``t`` is rotated by ``-a(21 + t)``
+    at the frequencies of a 61-token forward (``inference.rope``: those of dynamic NTK and
+    longrope depend on it)."""
+    n = kv.shape[3]
+    old = torch.arange(start, start + n)
+    keys = rerotate_keys(
+        kv[:, 0].to(torch.float32),
+        old,
+        torch.zeros(n, dtype=torch.long),
+        spec,
+        old_seq_len=start + n,
+        new_seq_len=1,
+    )
+    return torch.stack([keys, kv[:, 1].to(torch.float32)], dim=1)
 
 
 def bare_forward_seconds(
@@ -258,7 +313,7 @@ def bare_forward_seconds(
     for _ in range(repeats):
         t0 = time.perf_counter()
         for batch in batching.split(ordered):
-            ids = chunk_input_ids(batch, pad, device)
+            ids = right_padded([c.token_ids for c in batch], pad, device)
             reset_rotary(model)
             with torch.inference_mode():
                 decoder(model)(input_ids=ids, use_cache=False)

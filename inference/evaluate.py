@@ -14,10 +14,12 @@ The paper's measures, on a JSONL of questions, for every method x ``(kc, k)`` of
   and P99 (numpy's linear-interpolation percentile).
 - **active tokens**: context tokens after the cached prompt prefix (KV-memory proxy), mean.
 
-``k`` only matters for CoinRAG (nuggets of stage 2): TurboRAG and standard RAG run **once per
-distinct kc** and are recorded with ``k = 0`` ("not applicable"). Retrieval is computed once per
-(question, kc) for the chunk methods (``chunks_only``, shared by turborag and standard) and once
-per (question, kc, k) for CoinRAG (``two_stage``); each method's TTFT includes the retrieval time of
+A method runs once per distinct value of what its retrieval uses (``RagMethod.uses_kc``,
+``uses_k``) and records ``0`` for the other ("not applicable"): CoinRAG per (kc, k), TurboRAG and
+standard RAG once per kc with ``k = 0``, cartridge RAG once per k with ``kc = 0``. Retrieval is
+computed once per question and retrieval key (``RagMethod.retrieval_key``): once per (question,
+kc) for the chunk methods (``chunks_only``, shared by turborag and standard), once per
+(question, kc, k) for CoinRAG (``two_stage``); each method's TTFT includes the retrieval time of
 the result it used. Before measuring, every method answers the first question once, untimed, so
 lazy loading (weights, index, KV files) is not in the first measurement.
 
@@ -29,23 +31,25 @@ method among sweep points whose P99 TTFT <= budget) and the plots ``f1_vs_p99_tt
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.settings import RAG_METHODS
+from schemas.qa import load_questions
+from schemas.settings import DEFAULT_RAG_METHODS
 
-DEFAULT_METHODS = RAG_METHODS
+if TYPE_CHECKING:
+    from inference.methods import RagMethod
+
+DEFAULT_METHODS = DEFAULT_RAG_METHODS
 DEFAULT_SWEEP = ((4, 10),)
 DEFAULT_BUDGETS_MS = (100.0, 200.0, 500.0, 1000.0, 2000.0, math.inf)
 
@@ -109,90 +113,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     if len(values) == 0:
         return math.nan
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))
-
-
-# ---------------------------------------------------------------------------- questions
-
-
-class QuestionsError(ValueError):
-    """The questions file is malformed: the message names the file and the line."""
-
-
-@dataclass(frozen=True)
-class Question:
-    question: str
-    answers: list[str]
-    doc_ids: list[str] | None
-    line: int
-
-
-def _str_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-
-def _gold_doc_ids(obj: dict[str, Any], where: str) -> list[str] | None:
-    """Gold document ids: ``doc_ids`` (the eval format); in the ``train nuggets`` format,
-    ``gold_doc_ids``, else the ``gold`` documents of ``documents`` (all of them if none is
-    flagged), else ``doc_ids``."""
-    for name in ("gold_doc_ids", "doc_ids"):
-        if obj.get(name) is not None:
-            if not _str_list(obj[name]):
-                raise QuestionsError(f"{where}: {name!r} must be a list of strings if given")
-            return list(obj[name]) or None
-    docs = obj.get("documents")
-    if docs is None:
-        return None
-    if not isinstance(docs, list) or not all(
-        isinstance(d, dict) and isinstance(d.get("id"), str | int) for d in docs
-    ):
-        raise QuestionsError(f"{where}: 'documents' must be a list of objects with an id")
-    gold = [str(d["id"]) for d in docs if d.get("gold")]
-    return gold or [str(d["id"]) for d in docs] or None
-
-
-def load_questions(path: str | Path) -> list[Question]:
-    """Read ``{"question": str, "answers": [str, ...], "doc_ids": [str, ...]?}`` lines.
-
-    The ``coinrag train nuggets`` format is read too: ``"answer": str`` for ``answers``, and
-    gold documents from ``gold_doc_ids`` or ``documents`` (see :func:`_gold_doc_ids`).
-    Blank lines are skipped; any other malformed line (a blank question too) raises
-    :class:`QuestionsError` naming ``path:line`` and what is wrong.
-    """
-    from inference.prompt import BlankQuestion, require_question
-
-    path = Path(path)
-    if not path.is_file():
-        raise QuestionsError(f"{path}: no such questions file")
-    out: list[Question] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise QuestionsError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise QuestionsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            q = obj.get("question")
-            try:
-                require_question(q)  # type: ignore[arg-type]
-            except BlankQuestion:
-                raise QuestionsError(
-                    f"{where}: 'question' must be a non-empty string, got {q!r}"
-                ) from None
-            answers = obj.get("answers")
-            if answers is None and isinstance(obj.get("answer"), str):
-                answers = [obj["answer"]]
-            if not _str_list(answers) or not answers:
-                raise QuestionsError(
-                    f"{where}: 'answers' must be a non-empty list of strings (or 'answer' a string)"
-                )
-            out.append(Question(q.strip(), list(answers), _gold_doc_ids(obj, where), lineno))
-    if not out:
-        raise QuestionsError(f"{path}: no questions")
-    return out
 
 
 # ---------------------------------------------------------------------------- aggregation
@@ -355,17 +275,19 @@ def plot_results(results: pa.Table, out_dir: str | Path) -> list[Path]:
 
 
 def _configs(
-    methods: Sequence[str], sweep: Sequence[tuple[int, int]]
+    methods: Sequence[RagMethod], sweep: Sequence[tuple[int, int]]
 ) -> list[tuple[str, int, int]]:
-    """(method, kc, k) to run: coinrag per (kc, k); the chunk methods once per kc with k = 0."""
+    """(method, kc, k) to run, for opened methods (``RagMethod``): each once per distinct value
+    of what it uses, 0 for what it does not (coinrag per (kc, k); the chunk methods once per kc
+    with k = 0; cartridge once per k with kc = 0)."""
     out: list[tuple[str, int, int]] = []
     for method in methods:
         seen: set[tuple[int, int]] = set()
         for kc, k in sweep:
-            key = (kc, k) if method == "coinrag" else (kc, 0)
+            key = (kc if method.uses_kc else 0, k if method.uses_k else 0)
             if key not in seen:
                 seen.add(key)
-                out.append((method, *key))
+                out.append((method.name, *key))
     return out
 
 
@@ -413,8 +335,10 @@ def evaluate(
 
     if engine is None:
         console.log(f"loading the model and the store {store_path}")
-        engine = RagEngine.open(str(store_path), model=model, max_new_tokens=max_new_tokens)
-    configs = _configs(methods, sweep)
+        engine = RagEngine.open(
+            str(store_path), model=model, max_new_tokens=max_new_tokens, methods=methods
+        )
+    configs = _configs([engine.method(m) for m in methods], sweep)
 
     # Warm-up: one untimed answer per method, on the first question.
     kc0, k0 = sweep[0]
@@ -433,17 +357,13 @@ def evaluate(
     ) as progress:
         task = progress.add_task("evaluating", total=total)
         for qi, q in enumerate(questions):
-            cache: dict[tuple[str, int, int], Any] = {}
+            cache: dict[Any, Any] = {}  # retrieval key -> result, shared between methods
             for method, kc, k in configs:
-                if method == "coinrag":
-                    key = ("two_stage", kc, k)
-                    if key not in cache:
-                        cache[key] = engine.retriever.two_stage(q.question, kc=kc, k=k)
-                else:
-                    key = ("chunks_only", kc, 0)
-                    if key not in cache:
-                        cache[key] = engine.retriever.chunks_only(q.question, kc=kc)
-                ans = engine.run(q.question, method, cache[key], kc=kc, k=k)
+                rag = engine.method(method)
+                key = rag.retrieval_key(kc, k)
+                if key not in cache:
+                    cache[key] = rag.retrieve(q.question, kc, k)
+                ans = rag.run(q.question, cache[key], kc, k)
                 ev_docs = list(dict.fromkeys(e["doc_id"] for e in ans.evidence))
                 rows.append(
                     {

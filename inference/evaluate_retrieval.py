@@ -29,7 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from inference.evaluate import doc_recall, load_questions, p99
+from inference.evaluate import doc_recall, p99
+from schemas.qa import load_questions
 
 MODES = ("chunks", "two_stage", "one_stage")
 

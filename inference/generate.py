@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ def prefill_and_decode(
     *,
     max_new_tokens: int = 32,
     keep_first_logits: bool = False,
+    on_token: Callable[[int], None] | None = None,
 ) -> Generation:
     """Prefill ``input_ids`` at positions ``context_len..`` after ``cache``; decode greedily.
 
@@ -60,6 +61,8 @@ def prefill_and_decode(
             ``context_len + len(input_ids)`` (``assemble_context(new_seq_len=...)``).
         input_ids: the tokens to prefill (the query part; for standard RAG, everything).
         max_new_tokens: upper bound on generated tokens; stops early at an EOS token.
+        on_token: called with each answer token id as soon as it is chosen (streaming; the
+            EOS token is not an answer token). Its time counts in ``decode_ms``.
     """
     device = next(model.parameters()).device
     ids = torch.tensor([list(input_ids)], device=device)
@@ -79,6 +82,8 @@ def prefill_and_decode(
         if next_id in eos:
             break
         generated.append(next_id)
+        if on_token is not None:
+            on_token(next_id)
         if len(generated) >= max_new_tokens:
             break
         step = model(

@@ -37,12 +37,12 @@ Worked example (SmolLM2's ChatML template, default system prompt)::
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.keys import canonical_json, sha256_hex
+from schemas.qa import require_question
 
 DEFAULT_SYSTEM_PROMPT = "Answer the question using the context. Answer briefly."
 CONTEXT_HEADER = "Context:\n"
@@ -60,25 +60,6 @@ PROMPT_LAYOUT_VERSION = 1
 
 class PromptTemplateError(ValueError):
     """The tokenizer's chat template does not render the RAG prompt in a splittable way."""
-
-
-class BlankQuestion(ValueError):
-    """A question with nothing to ask: empty, or only spaces and invisible characters."""
-
-
-def require_question(question: str) -> str:
-    """``question`` itself, or :class:`BlankQuestion` when it holds no visible character
-    (``""``, ``"  "``, ``"\\u200b"``): every entry point that answers questions refuses those,
-    rather than answering a question nobody asked.
-
-    >>> require_question(" Who? ")
-    ' Who? '
-    """
-    if not isinstance(question, str) or not any(
-        unicodedata.category(ch)[0] not in "CZ" for ch in question
-    ):
-        raise BlankQuestion(f"the question {question!r} is blank: ask something")
-    return question
 
 
 def _user_content(question: str) -> str:

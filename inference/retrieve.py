@@ -166,11 +166,14 @@ class Retriever:
         search_ms = (time.perf_counter() - t) * 1000.0
         return RetrievalResult("one_stage", order_nuggets(nuggets, {}), [], embed_ms, search_ms)
 
-    def chunks_only(self, question: str, kc: int = 5) -> RetrievalResult:
-        """Whole chunks, best first (TurboRAG and standard RAG)."""
+    def chunks_only(
+        self, question: str, kc: int = 5, doc_ids: Sequence[str] | None = None
+    ) -> RetrievalResult:
+        """Whole chunks, best first (TurboRAG and standard RAG); ``doc_ids``: only these
+        documents' chunks."""
         vector, embed_ms = self._embed(question)
         t = time.perf_counter()
-        hits = self._chunks(vector, kc)
+        hits = self._chunks(vector, kc, doc_ids)
         search_ms = (time.perf_counter() - t) * 1000.0
         evidence = [
             Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score)

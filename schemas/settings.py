@@ -1,4 +1,16 @@
-"""Build settings: one dataclass, read from defaults < config file (TOML) < command line.
+"""Every setting of coinrag, declared once: what a build, a fine-tuning run and the cartridge
+pipeline compute, with their defaults and checks.
+
+- :class:`BuildSettings`: ``coinrag build`` / ``serve``, read from defaults < config file (TOML)
+  < command line (:func:`load_settings`);
+- :class:`FinetuneSettings`: nugget-aware fine-tuning (``coinrag train nuggets``,
+  ``training/finetune.py``);
+- :class:`CartridgeSettings`: the cartridge pipeline (``coinrag train cartridges``), and the
+  two views of it the stages take: :class:`TeacherSettings` (``tasks/teacher.py``) and
+  :class:`CartridgeTrainSettings` (``training/budget.py``).
+
+Build settings
+--------------
 
 The config file holds the same names as the CLI options, in a ``[build]`` table::
 
@@ -11,6 +23,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     chunk_size = 512
     tau = 0.7
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
+    kv_codec = "none"           # none | int8 | int4 (how the stored KV is encoded)
     kv_keep = "chunks"          # chunks | nuggets (store only the KV of nugget spans)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
@@ -22,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,52 +43,133 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
 # (inference/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 (quantized per block:
+# keys per channel, values per token; storage/kv/codecs.py states the error bounds).
+KV_CODECS = ("none", "int8", "int4")
 # What the KV store keeps of each chunk (storage/kv/kept.py): the whole chunk's KV (every method
 # can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
 KV_KEEPS = ("chunks", "nuggets")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
-RAG_METHODS = ("coinrag", "turborag", "standard")  # the methods of inference/methods.py
+# The RAG methods: the names of inference/methods' registry (METHODS; a test keeps them equal),
+# known here so the CLI checks them before anything loads.
+RAG_METHODS = ("coinrag", "turborag", "standard", "cartridge")
+DEFAULT_RAG_METHODS = ("coinrag", "turborag", "standard")  # eval's default (cartridge: trained)
+LOCAL_STORE_METHODS = ("cartridge",)  # read assets only a local store holds (cartridges)
+# Fine-tuning: who encodes the context (inference.context.FINETUNE_CONTEXTS maps each to a class).
+FINETUNE_MODES = ("live", "frozen")
+QUESTION_GENERATORS = ("openai", "local")  # self-study question generators
 
 
 class SettingsError(ValueError):
     """A setting with an invalid value, or an unknown setting name."""
 
 
+def setting(
+    default: Any,
+    help: str = "",
+    *,
+    cli: bool = False,
+    flag: str | None = None,
+    min: int | None = None,
+) -> Any:
+    """A dataclass field with its documentation: ``help`` (``{default}`` in it becomes the
+    default) and, with ``cli=True``, a command-line option of the commands that take these
+    settings (``flows/settings_options.py``; ``flag``: its name when not ``--field-name``;
+    ``min``: the least value the option accepts). Plain values only: ``schemas/`` knows no CLI
+    library."""
+    meta = {"help": help, "cli": cli, "flag": flag, "min": min}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class BuildSettings:
-    """Everything that decides what a build produces (plus how hard it may push an endpoint)."""
+    """Everything that decides what a build produces (plus how hard it may push an endpoint).
 
-    extractor: str | None = None  # None: "openai" if OPENAI_API_KEY is set, else "local"
-    llm_model: str = "gpt-4o-mini"
-    model: str = "smollm2"
-    chunker: str = "fixed"
-    chunk_size: int = 512
-    tau: float = 0.7
-    concurrency: int = 8  # simultaneous requests to the LLM endpoint
+    The fields marked ``cli=True`` are the options of ``coinrag build`` and ``coinrag serve``
+    (generated from here; the others are set in the config file's ``[build]`` table).
+    """
+
+    extractor: str | None = setting(
+        None,  # None: "openai" if OPENAI_API_KEY is set, else "local"
+        "openai | openai-batch | local | rules | none "
+        "(default: openai if OPENAI_API_KEY is set, else local).",
+        cli=True,
+    )
+    llm_model: str = setting("gpt-4o-mini", "LLM for extraction (default {default}).", cli=True)
+    model: str = setting(
+        "smollm2",
+        "Generation model whose tokenizer chunks: a folder, a .gguf file, or "
+        "'smollm2' (default, the packaged SmolLM2-135M-Instruct).",
+        cli=True,
+    )
+    chunker: str = setting("fixed", "fixed (default) | sentence | content", cli=True)
+    chunk_size: int = setting(512, "Tokens per chunk (default {default}).", cli=True)
+    tau: float = setting(0.7, "Fuzzy recovery threshold (default {default}).", cli=True)
+    concurrency: int = setting(8, "Simultaneous LLM requests (default {default}).", cli=True)
     max_attempts: int = 5  # per chunk, for 429/5xx/timeouts/malformed answers
     request_timeout: float = 60.0  # seconds, per request
     batch_poll_interval: float = 30.0  # seconds between Batch API status polls
     batch_max_rounds: int = 3  # resubmissions of failed/expired batch requests
     local_max_nuggets: int = 8  # local extractor: spans per chunk at least (1.5 per clause head)
     extract_batch_size: int = 32  # chunks per Prefect extraction task
-    device: str = "cpu"
-    embedder: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)
+    device: str = setting(
+        "cpu", "Torch device of the generation model (default {default}).", cli=True
+    )
+    embedder: str = setting(
+        "minilm",  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)
+        "'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder.",
+        cli=True,
+    )
     kv: bool = True  # build the per-chunk KV of `model`
-    kv_dtype: str = "auto"  # dtype of the KV forward and of the stored KV (KV_DTYPES)
-    kv_keep: str = "chunks"  # what is stored of each chunk's KV (KV_KEEPS)
+    kv_dtype: str = setting(
+        "auto",  # dtype of the KV forward and of the stored KV (KV_DTYPES)
+        "auto | float32 | bfloat16 | float16: dtype of the KV forward and of the stored "
+        "KV (default auto: bfloat16 where the device computes it natively, else float32).",
+        cli=True,
+    )
+    kv_codec: str = setting(
+        "none",  # how the stored KV is encoded (KV_CODECS)
+        "none | int8 | int4: how the stored KV is encoded (default none: as computed; "
+        "int8 ~0.58, int4 ~0.33 of the raw bfloat16 bytes, quantized per block).",
+        cli=True,
+    )
+    kv_keep: str = setting(
+        "chunks",  # what is stored of each chunk's KV (KV_KEEPS)
+        "chunks | nuggets: store each chunk's whole KV (default), or only the token ranges "
+        "its nuggets cover (coinrag and training read those; turborag cannot run).",
+        cli=True,
+    )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
-    prune: bool = False  # tombstone live documents that are absent from SOURCE
+    prune: bool = setting(
+        False,  # tombstone live documents that are absent from SOURCE
+        "Tombstone the store's documents that are absent from SOURCE.",
+        cli=True,
+        flag="--prune",
+    )
     embed_batch_size: int = 4096  # texts per embedding task (and per embeddings-cache file)
-    # Scale-out (flows/runners.py): where the tasks run. Never changes what is built.
-    runner: str = "default"  # default (in the flow process) | dask | ray
-    runner_address: str = ""  # Dask scheduler / Ray address; "" = a local cluster of `workers`
-    workers: int = 2  # worker processes of the local Dask/Ray cluster
-    kv_resources: str = ""  # e.g. "GPU=1": only workers offering these take the KV tasks
+    # Scale-out (flows/scaleout.py): where the tasks run. Never changes what is built.
+    runner: str = setting(
+        "default", "Where tasks run: default (this process) | dask | ray.", cli=True
+    )
+    runner_address: str = setting(
+        "",  # "" = a local cluster of `workers`
+        "Dask scheduler (tcp://host:8786) or Ray address; default: a local cluster.",
+        cli=True,
+    )
+    workers: int = setting(
+        2, "Worker processes of a local Dask/Ray cluster (default {default}).", cli=True
+    )
+    kv_resources: str = setting(
+        "",  # e.g. "GPU=1": only workers offering these take the KV tasks
+        "Worker resources each KV task needs, e.g. GPU=1 (dask/ray).",
+        cli=True,
+    )
     # KV safety (README "The KV cache"): what a reused entry is checked with before the build
-    # counts it valid, and the disk-space check before extraction.
+    # counts it valid, and the disk-space check before extraction. Config file only: the
+    # space check's error names the config setting that turns it off.
     kv_verify: str = "crc32c"  # crc32c (every block of reused entries) | stat | sha256
     kv_space_check: bool = True  # refuse a build whose new KV does not fit on the store's disk
     kv_min_free_bytes: int = 0  # bytes the new KV must leave free on that disk
@@ -94,6 +188,8 @@ class BuildSettings:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise SettingsError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.kv_codec not in KV_CODECS:
+            raise SettingsError(f"kv_codec {self.kv_codec!r} is not one of {', '.join(KV_CODECS)}")
         if self.kv_keep not in KV_KEEPS:
             raise SettingsError(f"kv_keep {self.kv_keep!r} is not one of {', '.join(KV_KEEPS)}")
         if self.kv_keep == "nuggets" and self.kv and self.extractor == "none":
@@ -135,7 +231,7 @@ class BuildSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for runs.parameters_json and STORE/coinrag.toml)."""
-        return dataclasses.asdict(self)
+        return asdict(self)
 
 
 def parse_resources(spec: str) -> dict[str, float]:
@@ -157,6 +253,11 @@ def parse_resources(spec: str) -> dict[str, float]:
 
 def setting_names() -> list[str]:
     return [f.name for f in dataclasses.fields(BuildSettings)]
+
+
+def cli_settings(cls: type) -> list[dataclasses.Field]:
+    """The fields of a settings class that are command-line options (``setting(cli=True)``)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli")]
 
 
 def load_settings(
@@ -196,3 +297,205 @@ def settings_from_toml(
         return BuildSettings(**values).validate()
     except TypeError as exc:
         raise SettingsError(str(exc)) from exc
+
+
+# ---------------------------------------------------------------------------- fine-tuning
+
+
+@dataclass
+class FinetuneSettings:
+    """Everything that decides what nugget-aware fine-tuning computes (the paper's values as
+    defaults; ``training/finetune.py``). The fields marked ``cli=True`` are options of
+    ``coinrag train nuggets`` (generated from here)."""
+
+    mode: str = setting("live", "live (default) | frozen", cli=True)  # FINETUNE_MODES
+    lora: bool = setting(False, "Train LoRA adapters (merged).", cli=True)
+    epochs: int = 1
+    lr: float = 5e-6
+    batch_size: int = 16  # effective batch: examples per optimizer step (gradient accumulation)
+    max_length: int = 1024  # prefix + context + query + answer tokens
+    kc: int = 5
+    k: int = 10
+    raft_p: float = 0.15
+    seed: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_ratio: float = 0.03
+    schedule: str = "linear"  # linear (warmup, then decay to 0) | constant (after warmup)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    checkpoint_every: int = 50  # optimizer steps
+    max_steps: int | None = setting(None, "Stop after N optimizer steps.", cli=True, min=1)
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 elsewhere
+
+    def validate(self) -> FinetuneSettings:
+        if self.mode not in FINETUNE_MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(FINETUNE_MODES)}")
+        if not 0.0 <= self.raft_p <= 1.0:
+            raise ValueError(f"raft_p {self.raft_p} is outside [0, 1]")
+        if self.schedule not in ("linear", "constant"):
+            raise ValueError(f"schedule {self.schedule!r} is not linear or constant")
+        for name in ("epochs", "batch_size", "max_length", "kc", "k", "checkpoint_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.lr <= 0:
+            raise ValueError("lr must be > 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint (checkpoint_every may change)."""
+        d = self.to_dict()
+        d.pop("checkpoint_every")
+        return d
+
+
+# ---------------------------------------------------------------------------- cartridges
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    """Self-study's teacher (``tasks/teacher.py``): greedy answers of at most
+    ``max_new_tokens`` tokens, ``top_k`` log-probs per position; documents longer than
+    ``max_doc_tokens`` are cut (the cartridge stands for the same cut)."""
+
+    max_new_tokens: int = 48
+    top_k: int = 20
+    batch_size: int = 8
+    max_doc_tokens: int = 2048
+
+    def value_dict(self) -> dict[str, Any]:
+        """What an answer depends on (part of the teacher fingerprint; not the batch size)."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "top_k": self.top_k,
+            "max_doc_tokens": self.max_doc_tokens,
+            "decoding": "greedy-v1",
+        }
+
+
+def check_visibility(p_iso: float, k_min: int, k_max: int) -> None:
+    """Raise ValueError unless ``0 <= p_iso <= 1`` and ``1 <= k_min <= k_max`` (CAS eq. 1:
+    ``training.cartridges.Visibility``)."""
+    if not 0.0 <= p_iso <= 1.0:
+        raise ValueError(f"p_iso must be in [0, 1], got {p_iso}")
+    if not 1 <= k_min <= k_max:
+        raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
+
+
+@dataclass(frozen=True)
+class CartridgeTrainSettings:
+    """One training run of a cartridge pool (``training/budget.py``).
+
+    Visibility (CAS eq. 1): with probability ``p_iso`` an example sees only its own cartridge,
+    otherwise its own plus ``k ~ U{k_min..k_max}`` distractors (``p_iso = 1``: isolated).
+    """
+
+    lr: float = 2e-2  # the Cartridges paper's value
+    p_iso: float = 1.0
+    k_min: int = 1
+    k_max: int = 3
+    budget: int = 8  # B: cartridges on the device at once
+    rotate_every: int = 16  # R: steps between rotations
+    batch_size: int = 1  # examples per optimizer step
+    train_distractors: bool = True
+    checkpoint_every: int = 0  # 0: only at the end
+    seed: int = 0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        check_visibility(self.p_iso, self.k_min, self.k_max)
+
+    def value_dict(self) -> dict[str, Any]:
+        """What the trained values depend on (part of the cartridge fingerprint)."""
+        return {
+            "lr": self.lr,
+            "visibility": {"p_iso": self.p_iso, "k_min": self.k_min, "k_max": self.k_max},
+            "budget": self.budget,
+            "rotate_every": self.rotate_every,
+            "batch_size": self.batch_size,
+            "train_distractors": self.train_distractors,
+            "seed": self.seed,
+            "betas": list(self.betas),
+            "eps": self.eps,
+        }
+
+
+@dataclass(frozen=True)
+class CartridgeSettings:
+    """Every knob of the cartridge pipeline, with its default (never secrets).
+
+    The cartridge's size and initialisation are ``training.cartridges.CartridgeSpec
+    .from_settings(s)``; the teacher's and the trainer's settings :meth:`teacher`, :meth:`train`.
+    """
+
+    model: str | None = None  # generation model reference (None: packaged SmolLM2)
+    device: str = "cpu"
+    # self-study
+    generator: str | None = None  # openai | local (default: openai if OPENAI_API_KEY is set)
+    llm_model: str = "gpt-4o-mini"
+    base_url: str | None = None
+    n_questions: int = 20
+    n_calls: int | None = None  # default: 1 per document + 1 per chars_per_call characters
+    chars_per_call: int = 2000
+    seed: int = 0
+    local_batch_size: int = 8
+    # teacher
+    max_new_tokens: int = 48
+    top_k: int = 20
+    max_doc_tokens: int = 2048
+    teacher_batch_size: int = 8
+    # cartridges
+    p: int | None = None
+    ratio: float | None = 4.0
+    init: str = "first_tokens"
+    freeze_first: bool = True
+    # training
+    lr: float = 2e-2
+    p_iso: float = 0.5
+    k_min: int = 1
+    k_max: int = 3
+    budget: int = 8
+    rotate_every: int = 16
+    batch_size: int = 1
+    train_distractors: bool = True
+    checkpoint_every: int = 50
+
+    def resolved_generator(self) -> str:
+        if self.generator is not None:
+            if self.generator not in QUESTION_GENERATORS:
+                raise ValueError(f"generator must be openai or local, got {self.generator!r}")
+            return self.generator
+        return "openai" if os.environ.get("OPENAI_API_KEY") else "local"
+
+    def teacher(self) -> TeacherSettings:
+        return TeacherSettings(
+            max_new_tokens=self.max_new_tokens,
+            top_k=self.top_k,
+            batch_size=self.teacher_batch_size,
+            max_doc_tokens=self.max_doc_tokens,
+        )
+
+    def train(self) -> CartridgeTrainSettings:
+        return CartridgeTrainSettings(
+            lr=self.lr,
+            p_iso=self.p_iso,
+            k_min=self.k_min,
+            k_max=self.k_max,
+            budget=self.budget,
+            rotate_every=self.rotate_every,
+            batch_size=self.batch_size,
+            train_distractors=self.train_distractors,
+            checkpoint_every=self.checkpoint_every,
+            seed=self.seed,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

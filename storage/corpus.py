@@ -115,6 +115,21 @@ def live_documents(store: Store, doc_ids: Iterable[str] | None = None) -> dict[s
     return dict(sorted(out.items()))
 
 
+def live_documents_in(store: Store, doc_ids: Sequence[str] | None = None) -> list[DocumentRow]:
+    """The live version of each of ``doc_ids`` (all live documents when None, by doc_id; the
+    ids in the given order, each once).
+
+    Raises KeyError naming the ids that are not live documents of the store.
+    """
+    latest = live_documents(store)
+    if doc_ids is None:
+        return [latest[d] for d in sorted(latest)]
+    missing = [d for d in doc_ids if d not in latest]
+    if missing:
+        raise KeyError(f"documents not in the store {store}: {', '.join(missing[:10])}")
+    return [latest[d] for d in dict.fromkeys(doc_ids)]
+
+
 def tombstones(
     doc_versions: dict[str, str], reason: str, run_id: str, when: datetime | None = None
 ) -> list[DeletionRow]:

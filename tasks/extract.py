@@ -22,12 +22,12 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from inference.llm_client import CallRecord
 from schemas.keys import CODE_VERSION
 from schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow
 from storage.store import Store
 from storage.tables import append_rows, read_files, read_rows, stage_rows, staged_files
 from tasks.extractors.base import (
-    CallRecord,
     ExtractionRequest,
     ExtractionResult,
     Extractor,

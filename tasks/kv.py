@@ -107,10 +107,10 @@ def build_kept_ranges(
 ) -> dict[str, KeptRanges] | None:
     """What the KV stage keeps of each chunk for the setting ``keep`` (``kv_keep``): None for
     whole chunks, else :func:`kept_ranges` of the chunks' nuggets made by this extractor and
-    tau (the nuggets the index gets: ``tasks.nuggets.current_nuggets``)."""
+    tau (the nuggets the index gets: ``tasks.recover.current_nuggets``)."""
     if keep == "chunks":
         return None
-    from tasks.nuggets import current_nuggets
+    from tasks.recover import current_nuggets
 
     nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, tau)
     return kept_ranges(chunks, nuggets)
@@ -172,18 +172,22 @@ def kv_stage(
     check: str = "crc32c",
     rebuild: Iterable[str] = (),
     slots_per_shard: int = 0,
-    block_tokens: int = 16,
+    block_tokens: int = 0,
     overlap: bool = True,
+    kv_codec: str = "none",
     kept: Mapping[str, KeptRanges] | None = None,
 ) -> KvCounts:
     """Compute and store the KV of every chunk that has no valid entry yet.
 
     ``loaded`` is an ``inference.models.LoadedModel`` (``.model``, ``.tokenizer``,
     ``.model_fp``); ``prompt`` the RAG prompt whose prefix the chunks are encoded after.
+    ``slots_per_shard=0`` derives it from the entry size (shards of about 64 MiB);
+    ``block_tokens=0`` takes the codec's block size; ``kv_codec`` (``none`` | ``int8`` |
+    ``int4``) says how entries are stored (``storage/kv/codecs.py``).
     ``kept``: None to store whole chunks (``kv_keep = "chunks"``), else chunk_id -> the ranges
     to keep (``kv_keep = "nuggets"``, :func:`kept_ranges`; a chunk absent or without ranges
-    keeps nothing and is not computed).
-    ``slots_per_shard=0`` derives it from the entry size (shards of about 64 MiB).
+    keeps nothing and is not computed); the ranges are cut from the chunk's KV in the stored
+    frame (keys at position 0 for a quantized codec), then encoded by the codec.
     ``overlap`` writes each shard in a background thread while the next batch is computed.
     Returns counts and timings (``seconds``: check, prefix, forward, extract, write, verify,
     manifest (the last three in the writer), wait_write (the stage waiting for the writer),
@@ -193,7 +197,12 @@ def kv_stage(
     model = loaded.model
     keep = "chunks" if kept is None else "nuggets"
     layout = kv_layout(
-        loaded, prompt, keep=keep, block_tokens=block_tokens, slots_per_shard=slots_per_shard
+        loaded,
+        prompt,
+        block_tokens=block_tokens,
+        slots_per_shard=slots_per_shard,
+        kv_codec=kv_codec,
+        keep=keep,
     )
     kv = KvStore.create(store, layout)
     counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
@@ -216,7 +225,7 @@ def kv_stage(
     try:
         for group in kv_groups(todo, batch_size, layout.slots_per_shard):
             entries = stored_parts(
-                compute_group_kv(model, prefix_kv, group, batch_size, pad, secs), kept
+                compute_group_kv(model, prefix_kv, group, batch_size, pad, secs, layout), kept
             )
             count_batches(counts, group, batching)
             for start in range(0, len(entries), layout.slots_per_shard):
@@ -308,7 +317,7 @@ def stage_group_kv(
     secs: dict[str, float] = {}
     entries = stored_parts(
         compute_group_kv(
-            loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs
+            loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs, kv.layout
         ),
         kept,
     )

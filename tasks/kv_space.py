@@ -32,6 +32,7 @@ MARGIN = 0.05  # on top of the shards' projected bytes: manifest rows, file-syst
 
 # What makes the KV smaller, as the refusal lists it (settings of --config's [build] table).
 SHRINK_HINTS = (
+    "kv_codec = int8 or int4 (about 0.58 or 0.33 of the bfloat16 bytes)",
     "kv = false (no KV: retrieval and the standard method only)",
     "a smaller --model (bytes per token = layers x 2 x KV heads x head dim x dtype bytes)",
     "fewer documents in SOURCE",
@@ -47,7 +48,8 @@ class KvSpaceError(RuntimeError):
         keep = f" (kv_min_free_bytes keeps {e.min_free_bytes:,} free)" if e.min_free_bytes else ""
         super().__init__(
             f"not enough disk space for the KV cache: {e.entries:,} new chunk entries "
-            f"({e.tokens:,} tokens x {e.token_bytes:,} bytes per token, {e.dtype}) project "
+            f"({e.tokens:,} tokens x {e.token_bytes:,} bytes per token, {e.dtype}"
+            f"{'' if e.kv_codec == 'none' else ', kv_codec ' + e.kv_codec}) project "
             f"{e.projected_bytes:,} bytes ({_human(e.projected_bytes)}) on disk, but {where} "
             f"has {e.free_bytes:,} bytes ({_human(e.free_bytes or 0)}) free{keep}; "
             f"to shrink it: {'; '.join(SHRINK_HINTS)}; to build anyway: "
@@ -61,9 +63,10 @@ class KvSpaceEstimate:
 
     kv_fp: str
     dtype: str
+    kv_codec: str
     entries: int  # distinct content_keys without a stored entry
     tokens: int  # their tokens
-    token_bytes: int  # the layout's bytes per token
+    token_bytes: int  # the layout's bytes per token as stored (the codec's)
     projected_bytes: int  # their shards on disk, with MARGIN
     free_bytes: int | None  # None: not checked (object store)
     min_free_bytes: int = 0
@@ -97,6 +100,7 @@ def estimate_kv_space(
     return KvSpaceEstimate(
         kv_fp=layout.kv_fp,
         dtype=layout.dtype,
+        kv_codec=layout.kv_codec,
         entries=len(tokens),
         tokens=sum(tokens),
         token_bytes=layout.token_bytes,
@@ -122,6 +126,7 @@ def build_layout(settings: BuildSettings, tokenizer: Any) -> KvLayout:
         reference_model_fingerprint(settings.model, settings.device, dtype),
         RagPrompt.for_tokenizer(tokenizer).prefix_sha,
         dtype,
+        kv_codec=settings.kv_codec,
         keep=settings.kv_keep,
     )
 

@@ -3,9 +3,13 @@ saved to folders (so builds load them exactly as users' models) and JSONL corpor
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The shape of every small random-weight model the tests build (2 layers, 4 query heads sharing
 # 2 KV heads; head dim 16 unless a test sets head_dim): each test adds its architecture,
@@ -19,13 +23,9 @@ TINY_DIMS: dict[str, int] = dict(
 )
 
 
-def save_tiny_llama(path: Path, tokenizer: Any, seed: int, **config: Any) -> Path:
-    """A random-weight 2-layer Llama with ``tokenizer`` (SmolLM2's), saved as a model folder.
-
-    Two seeds give two generation models with one tokenizer: another ``model_fp``, the same
-    ``tokenizer_fp`` (so the same chunks and content keys). ``config`` overrides LlamaConfig
-    arguments (e.g. ``rope_parameters``, ``max_position_embeddings``).
-    """
+def tiny_llama(tokenizer: Any, seed: int, **config: Any) -> Any:
+    """A random-weight 2-layer Llama (TINY_DIMS) for ``tokenizer``'s vocabulary, in memory, in
+    eval mode; ``config`` overrides LlamaConfig arguments (e.g. ``initializer_range``)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -40,11 +40,30 @@ def save_tiny_llama(path: Path, tokenizer: Any, seed: int, **config: Any) -> Pat
         }
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def save_tiny_llama(path: Path, tokenizer: Any, seed: int, **config: Any) -> Path:
+    """A random-weight 2-layer Llama with ``tokenizer`` (SmolLM2's), saved as a model folder.
+
+    Two seeds give two generation models with one tokenizer: another ``model_fp``, the same
+    ``tokenizer_fp`` (so the same chunks and content keys). ``config`` overrides LlamaConfig
+    arguments (e.g. ``rope_parameters``, ``max_position_embeddings``).
+    """
+    model = tiny_llama(tokenizer, seed, **config)
     path.mkdir(parents=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script of ``infra/`` (not a package: nothing imports it) loaded as a module by path."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sample_docs(sample_corpus: Path, n: int | None = None) -> list[dict[str, Any]]:
@@ -83,3 +102,21 @@ def synthetic_chunk(i: int, n: int) -> Any:
         run_id="r",
         code_version="v",
     )
+
+
+def nugget_spans(
+    content_keys: list[str], k: int = 10, length: int = 12, tokens: int = 512, seed: int = 0
+) -> list[tuple[str, int, int]]:
+    """``k`` nugget-like slices ``(content_key, start, end)`` of ``length`` tokens, two per
+    entry (as coinrag's k = 10 nuggets among kc = 5 chunks), apart from each other, at seeded
+    random places of entries of ``tokens`` tokens."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(k):
+        ck = content_keys[(i // 2) % len(content_keys)]
+        half = tokens // 2  # the first of a pair in the first half, the second in the second
+        start = (i % 2) * half + rng.randrange(0, half - length)
+        out.append((ck, start, start + length))
+    return out

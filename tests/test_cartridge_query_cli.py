@@ -83,7 +83,7 @@ def test_cartridge_query_prints_text(trained: dict) -> None:
 
 
 def test_the_cartridge_engine_refuses_blank_questions(trained: dict) -> None:
-    from inference.cartridge_rag import CartridgeRag
+    from inference.methods.cartridge import CartridgeRag
     from inference.models import load_model
 
     rag = CartridgeRag(Store.at(trained["store"]), load_model(str(trained["model"])))
@@ -123,3 +123,37 @@ def test_train_nuggets_reads_the_eval_format(trained: dict, tmp_path: Path) -> N
          "--out", str(tmp_path / "m2")],
     )  # fmt: skip
     assert bad.exit_code == 2 and f"{data}:2" in " ".join(bad.output.split())
+
+
+def test_eval_and_the_engine_run_cartridges_like_any_method(trained: dict, tmp_path: Path) -> None:
+    """The cartridge method goes through the registry: `eval --methods cartridge` runs it once
+    per --k (kc recorded as 0, --kc ignored), and one engine streams its answer tokens."""
+    import pyarrow.parquet as pq
+
+    from inference.methods import RagEngine
+
+    store = str(trained["store"])
+    docs = trained["docs"]
+    questions = tmp_path / "questions.jsonl"
+    lines = [
+        {"question": "Which film is about space?", "answers": ["2001"], "doc_ids": [docs[0]["id"]]},
+        {"question": "Who made the film about light?", "answers": ["x"]},
+    ]
+    questions.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "eval"
+    result = CliRunner().invoke(
+        app,
+        ["eval", str(questions), "--store", store, "--out", str(out), "--methods", "cartridge",
+         "--kc", "1", "2", "--k", "1", "2", "--max-new-tokens", "2"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    got = {(r["method"], r["kc"], r["k"]) for r in rows}
+    assert got == {("cartridge", 0, 1), ("cartridge", 0, 2)}
+    assert all(r["n"] == 2 for r in rows)
+
+    engine = RagEngine.open(store, max_new_tokens=3, methods=["cartridge"])
+    streamed: list[int] = []
+    answer = engine.answer("Which film is about space?", "cartridge", k=2, on_token=streamed.append)
+    assert streamed == answer.token_ids and answer.kc == 0 and answer.k == 2
+    assert {e["doc_id"] for e in answer.evidence} == {d["id"] for d in docs}

@@ -28,12 +28,13 @@ from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from inference.assemble import assemble_cartridges
-from inference.cartridge_rag import CartridgeRag, text_rag_answer
 from inference.encode import from_cache, prefix_kv
+from inference.methods.cartridge import CartridgeRag, text_rag_answer
 from inference.models import LoadedModel
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec, rerotate_keys
 from schemas.keys import CODE_VERSION, doc_version
+from schemas.settings import CartridgeTrainSettings, TeacherSettings
 from schemas.tables import (
     CartridgeManifestRow,
     DocumentRow,
@@ -51,7 +52,11 @@ from storage.cartridges import (
 )
 from storage.store import Store
 from storage.tables import append_rows, read_rows
-from training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc, TrainConfig
+from tasks.question_generators.local import LocalQuestionGenerator
+from tasks.question_generators.openai_chat import OpenAIQuestionGenerator
+from tasks.questions import plan_calls, selfstudy_stage
+from tasks.teacher import teacher_answers
+from training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
 from training.cartridges import (
     CartridgeSpec,
     Example,
@@ -61,13 +66,6 @@ from training.cartridges import (
     student_logprobs,
     topk_kl,
 )
-from training.selfstudy import (
-    LocalQuestionGenerator,
-    OpenAIQuestionGenerator,
-    plan_calls,
-    selfstudy_stage,
-)
-from training.teacher import TeacherConfig, teacher_answers
 
 KL_ATOL = 1e-6
 LOGP_ATOL = 1e-4
@@ -130,7 +128,7 @@ def _pool(model, tok, prompt, spec, n_docs=4, n_q=3, max_new_tokens=6, tag="test
             cid, f"d{i}", "v1", f"fp-{tag}", prompt.prefix_sha, spec.tokens_for(len(ids)), spec.init
         )
         docs[cid] = PoolDoc(meta, tuple(ids))
-        cfg = TeacherConfig(max_new_tokens=max_new_tokens, batch_size=4)
+        cfg = TeacherSettings(max_new_tokens=max_new_tokens, batch_size=4)
         outs = teacher_answers(model, tok, prompt, ids, QUESTIONS[:n_q], cfg)
         for j, (q, o) in enumerate(zip(QUESTIONS[:n_q], outs, strict=True)):
             examples.append(
@@ -169,7 +167,7 @@ def _check_full_doc_oracle(model, tok, doc: str, questions, max_new_tokens: int)
     prompt = RagPrompt.for_tokenizer(tok)
     rope = RopeSpec.from_config(model.config)
     ids = _ids(tok, doc)
-    cfg = TeacherConfig(max_new_tokens=max_new_tokens, batch_size=len(questions))
+    cfg = TeacherSettings(max_new_tokens=max_new_tokens, batch_size=len(questions))
     outs = teacher_answers(model, tok, prompt, ids, questions, cfg)
     z = init_cartridge(model, prompt, rope, ids, p=len(ids))  # p = document length
     ctx = assemble_cartridges(prefix_kv(model, prompt), [z], rope)
@@ -229,7 +227,7 @@ def test_training_lowers_kl_only_cartridges_learn_first_token_frozen(tok, tiny, 
     prompt = RagPrompt.for_tokenizer(tok)
     spec = CartridgeSpec(p=4)
     docs, examples = _pool(tiny, tok, prompt, spec, n_docs=2, n_q=4)
-    cfg = TrainConfig(lr=1e-1, budget=2, rotate_every=50, visibility=Visibility(p_iso=1.0))
+    cfg = CartridgeTrainSettings(lr=1e-1, budget=2, rotate_every=50, p_iso=1.0)
     trainer = _trainer(Store.at(tmp_path).init(), tiny, prompt, docs, examples, spec, cfg)
     rope = trainer.rope
     init = trainer.cartridges()
@@ -278,9 +276,7 @@ def test_budget_never_exceeds_b_and_roundtrips_bit_exact(tok, tiny, tmp_path) ->
     prompt = RagPrompt.for_tokenizer(tok)
     spec = CartridgeSpec(p=3)
     docs, examples = _pool(tiny, tok, prompt, spec, 5, 2, 4, tag="budget")
-    cfg = TrainConfig(
-        lr=5e-2, budget=2, rotate_every=2, visibility=Visibility(p_iso=0.5, k_min=1, k_max=2)
-    )
+    cfg = CartridgeTrainSettings(lr=5e-2, budget=2, rotate_every=2, p_iso=0.5, k_min=1, k_max=2)
     store = Store.at(tmp_path).init()
     trainer = _trainer(store, tiny, prompt, docs, examples, spec, cfg)
     live_max = 0
@@ -327,12 +323,8 @@ def test_resume_after_kill_gives_the_same_losses(tok, tiny, tmp_path) -> None:
     prompt = RagPrompt.for_tokenizer(tok)
     spec = CartridgeSpec(p=3)
     docs, examples = _pool(tiny, tok, prompt, spec, n_docs=4, n_q=2, max_new_tokens=4)
-    cfg = TrainConfig(
-        lr=5e-2,
-        budget=2,
-        rotate_every=3,
-        checkpoint_every=4,
-        visibility=Visibility(p_iso=0.5, k_min=1, k_max=2),
+    cfg = CartridgeTrainSettings(
+        lr=5e-2, budget=2, rotate_every=3, checkpoint_every=4, p_iso=0.5, k_min=1, k_max=2
     )
     full = _trainer(Store.at(tmp_path / "a").init(), tiny, prompt, docs, examples, spec, cfg)
     uninterrupted = full.run(16)

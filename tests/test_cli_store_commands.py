@@ -128,8 +128,8 @@ def test_eval_report_on_stdout_with_list_options(sample_store: Path, tmp_path: P
 
 def test_retrieval_only_mrr_for_every_mode(sample_store: Path, tmp_path: Path) -> None:
     from inference.embedders import load_embedder
-    from inference.evaluate import load_questions
     from inference.retrieve import Retriever
+    from schemas.qa import load_questions
 
     questions = _questions(tmp_path, sample_store)
     out = tmp_path / "retrieval"

@@ -11,17 +11,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from inference.evaluate import (
-    QuestionsError,
     aggregate,
     best_under_budget,
     doc_recall,
     evaluate,
     exact_match,
-    load_questions,
     normalize_answer,
     p99,
     token_f1,
 )
+from schemas.qa import QuestionsError, load_questions
 
 # ---------------------------------------------------------------------------- metrics
 
@@ -280,6 +279,14 @@ def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
                                 str(tmp_path / "y"), "--limit", "1"])  # fmt: skip
     assert no_kv.exit_code == 1
     assert "no KV" in no_kv.output
+    # the engine loads only what the methods asked for need: standard RAG needs no KV
+    standard = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",
+                                   str(tmp_path / "s"), "--limit", "1", "--methods", "standard",
+                                   "--max-new-tokens", "2"])  # fmt: skip
+    assert standard.exit_code == 0, standard.output
+    assert pq.read_table(tmp_path / "s" / "results.parquet").column("method").to_pylist() == [
+        "standard"
+    ]
 
     # the same store rebuilt without nuggets (extractor none): only the chunks mode runs
     build_flow(str(src), str(store), {"extractor": "none", "kv": False})

@@ -20,19 +20,9 @@ from storage.tables import read_rows
 from tasks.embed import nugget_text
 from tasks.extractors.factory import make_extractor
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "prefect_harness")
 
 API_KEY = "sk-test-incremental-0123456789"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

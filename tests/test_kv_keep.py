@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from flows.build import build_flow
 from flows.cli import app
 from inference.methods import MissingAssets, RagEngine
+from inference.methods.assets import StoredNuggetKv
 from schemas.tables import ChunkRow, KvManifestRow, NuggetRow
 from storage.gc import kv_fps
 from storage.kv import KeptRanges, KvStore, entry_key, parse_location
@@ -116,7 +117,9 @@ def test_nuggets_store_serves_coinrag_the_same_bits(built, tiny_model):
     engines = [RagEngine.open(str(root / s), max_new_tokens=4) for s in ("nuggets", "chunks")]
     retrieval = engines[0].retrieve(QUESTION, "coinrag", kc=3, k=6)
     assert retrieval.evidence
-    (ctx_a, n_a, _), (ctx_b, n_b, _) = (e.assemble(retrieval.evidence, 9) for e in engines)
+    (ctx_a, n_a), (ctx_b, n_b) = (
+        e.asset(StoredNuggetKv).build(retrieval.evidence, 9) for e in engines
+    )
     assert n_a == n_b and ctx_a.dtype == torch.bfloat16 and torch.equal(ctx_a, ctx_b)
     a, b = (e.answer(QUESTION, "coinrag", kc=3, k=6) for e in engines)
     assert a.evidence == b.evidence and a.token_ids == b.token_ids

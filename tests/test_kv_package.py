@@ -20,10 +20,10 @@ from storage.store import Store
 LENGTHS = [37, 40, 5, 33]  # full blocks, a partial block, a padded short entry
 
 
-class RangedLocal(LocalTransport):
-    """Local disk read the way object stores are: slices as byte ranges decoded here."""
+class ZarrLocal(LocalTransport):
+    """Local disk read through Zarr's own reader (the reference for the ranged reads)."""
 
-    ranged_slice_reads = True
+    ranged_slice_reads = False
 
 
 def _store(tmp_path: Path, dtype: str) -> tuple[KvStore, list[tuple[object, torch.Tensor]]]:
@@ -60,19 +60,23 @@ def test_plan_reads_merges_blocks_that_touch():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ranged_reads_on_local_disk_equal_zarr_reads(tmp_path, dtype):
-    kv, entries = _store(tmp_path, dtype)
-    assert type(kv.transport) is LocalTransport and not kv.transport.ranged_slice_reads
+    ranged, entries = _store(tmp_path, dtype)
+    assert type(ranged.transport) is LocalTransport and ranged.transport.ranged_slice_reads
     requests = [(c.content_key, 3, min(21, t.shape[3])) for c, t in entries]
     requests.append((entries[1][0].content_key, 0, 40))
-    by_zarr = kv.read_slices(requests)
-    ranged = KvStore.open(kv.store, kv.kv_fp)
-    ranged.transport = RangedLocal(kv.store)
     by_ranges = ranged.read_slices(requests)
+    kv = KvStore.open(ranged.store, ranged.kv_fp)
+    kv.transport = ZarrLocal(kv.store)
+    by_zarr = kv.read_slices(requests)
     for (ck, s, e), a, b in zip(requests, by_zarr, by_ranges, strict=True):
         tensor = next(t for c, t in entries if c.content_key == ck)
         assert torch.equal(a, tensor[..., s:e, :]) and torch.equal(b, a)
-    # the ranged path fetches each slot's blocks in one range, and the index once per shard
-    assert ranged.last_read.store_gets < kv.last_read.store_gets
+    # the ranged path fetches each slot's blocks in one range and reads no index (a shard
+    # encode_shard wrote: where its blocks lie follows from the token counts)
+    assert ranged.last_read.store_gets == 4 < kv.last_read.store_gets
+    for chunk, tensor in entries:
+        assert torch.equal(ranged.read_entry(chunk.content_key), tensor)
+        assert torch.equal(kv.read_entry(chunk.content_key), tensor)
 
 
 def test_ranged_reads_on_local_disk_find_a_flipped_byte(tmp_path):
@@ -84,14 +88,16 @@ def test_ranged_reads_on_local_disk_find_a_flipped_byte(tmp_path):
     raw[100] ^= 0xFF  # inside slot 0's first block
     data.write_bytes(bytes(raw))
     ranged = KvStore.open(kv.store, kv.kv_fp)
-    ranged.transport = RangedLocal(kv.store)
     with pytest.raises(CorruptKvEntry, match="block 0 fails its crc32c"):
         ranged.read_slices([(ck, 0, 4)])
+    with pytest.raises(CorruptKvEntry, match="block 0 fails its crc32c"):
+        ranged.read_entry(ck)
 
 
 def test_transports_and_codecs_are_chosen_by_name(tmp_path):
     assert isinstance(transport_for(Store.at(tmp_path)), LocalTransport)
     assert ObjectTransport.ranged_slice_reads and ObjectTransport.remember_file_checks
     assert codec_named("none").storage_dtype("bfloat16").str == "<u2"
-    with pytest.raises(ValueError, match=r"unknown KV codec 'int8' \(none\)"):
-        codec_named("int8")
+    assert codec_named("int4").storage_dtype("bfloat16").str == "|u1"
+    with pytest.raises(ValueError, match=r"unknown KV codec 'int2' \(int4, int8, none\)"):
+        codec_named("int2")

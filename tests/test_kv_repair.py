@@ -132,12 +132,7 @@ def test_crc32c_check_finds_flipped_bytes_that_stat_misses(
 # ---------------------------------------------------------------------------- CLI level
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

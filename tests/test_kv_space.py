@@ -93,12 +93,7 @@ def test_the_issues_case_is_refused_with_the_numbers() -> None:
     ).fits
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -14,13 +14,8 @@ import pytest
 from store_fixtures import TINY_DIMS
 
 from tasks.extractors.base import ExtractionRequest, ExtractionResult
-from tasks.extractors.local import (
-    BOUNDARIES,
-    LocalConstrainedExtractor,
-    SpanCopyMachine,
-    SpecialIds,
-    tokenize_passage,
-)
+from tasks.extractors.local import LocalConstrainedExtractor
+from tasks.extractors.span_copy import BOUNDARIES, SpanCopyMachine, SpecialIds, tokenize_passage
 
 PASSAGES = [
     "Gabriel García Márquez (6 March 1927 – 17 April 2014) was a Colombian novelist, "
@@ -64,17 +59,7 @@ def span_starts(text: str, cands: list[str], min_words: int = 1, max_words: int 
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while this module runs: on a CPU shared with other jobs, two OpenMP
-    threads spin-wait on each other and these tests ran 5-20x slower (22 s instead of 3.4 s for
-    the SmolLM2 test, measured at load 5 on 2 cores)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

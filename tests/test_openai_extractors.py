@@ -10,11 +10,12 @@ import threading
 import openai
 import pytest
 
+from inference.llm_client import scrub
+from inference.llm_pricing import call_cost, is_priced
 from schemas.keys import text_hash
 from tasks.extractors.base import ExtractionRequest, ExtractionResult
 from tasks.extractors.openai_batch import OpenAIBatchExtractor, custom_id_for
-from tasks.extractors.openai_chat import OpenAIChatExtractor, scrub
-from tasks.extractors.pricing import call_cost, is_priced
+from tasks.extractors.openai_chat import OpenAIChatExtractor
 from tasks.extractors.prompt import PROMPT_VERSION
 
 try:  # `python -m pytest` from the repo root, with or without tests/ as a package

@@ -1,4 +1,4 @@
-"""Tests of nugget recovery (tasks.recover): rules, robustness, properties, a real tokenizer, and
+"""Tests of nugget recovery (tasks.span_match): rules, robustness, properties, a real tokenizer, and
 parity of the fast path with the brute-force reference (tests/recover_reference.py)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from recover_reference import (
     reference_recover,
 )
 
-from tasks.recover import (
+from tasks.span_match import (
     AbandonedCandidate,
     RecoveredSpan,
     _canonicalize,

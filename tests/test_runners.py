@@ -16,8 +16,7 @@ from typer.testing import CliRunner
 
 from flows.build import build_flow
 from flows.cli import app
-from flows.runners import task_runner
-from flows.scaleout import kv_on_workers
+from flows.scaleout import kv_on_workers, task_runner
 from schemas.settings import BuildSettings, SettingsError
 from schemas.tables import TABLES, ChunkRow
 from storage.index import LanceIndex

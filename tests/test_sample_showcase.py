@@ -18,19 +18,9 @@ from schemas.tables import ChunkRow, NuggetRow
 from storage.store import Store
 from storage.tables import read_rows
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "prefect_harness")]
 
 QUESTION = "Who directed 2001: A Space Odyssey?"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

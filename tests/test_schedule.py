@@ -22,10 +22,9 @@ from typing import Any
 
 import psutil
 import pytest
+from store_fixtures import REPO, load_script
 
-from infra.prefect_server import READY_MARK
-
-REPO = Path(__file__).resolve().parent.parent
+READY_MARK = load_script(REPO / "infra" / "prefect_server.py").READY_MARK
 LLM_LIMIT = 3
 CRON = "0 3 * * *"
 FAST_RULES = {"extractor": "rules", "kv": False, "index": False}
@@ -372,8 +371,8 @@ def test_prefect_yaml_deploys_and_the_worker_runs_it(server, tmp_path):
 
 
 def test_serve_deployments_construct(tmp_path):
-    from infra.build_deployment import make_build_deployment, make_serve_deployments
-    from infra.source_events import source_resource_id
+    from flows.deployments import make_build_deployment, make_serve_deployments
+    from flows.source_events import source_resource_id
     from schemas.settings import SettingsError
 
     build, train = make_serve_deployments(

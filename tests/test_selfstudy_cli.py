@@ -123,7 +123,7 @@ def test_statements_are_dropped_with_reasons_and_stages_show_an_eta(
     ],
 )
 def test_only_a_json_array_parses(content: str, reason: str) -> None:
-    from training.questions import MalformedQuestions, parse_questions
+    from tasks.question_generators.accept import MalformedQuestions, parse_questions
 
     with pytest.raises(MalformedQuestions) as exc:
         parse_questions(content)
@@ -132,7 +132,7 @@ def test_only_a_json_array_parses(content: str, reason: str) -> None:
 
 
 def test_questions_and_requests_pass_statements_do_not() -> None:
-    from training.questions import is_question, usable_questions
+    from tasks.question_generators.accept import is_question, usable_questions
 
     doc = (
         "2001: A Space Odyssey is a 1968 film directed by Stanley Kubrick. The film's plot, "

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from flows.build import build_flow
 from flows.cli import app
-from infra.source_events import SOURCE_CHANGED_EVENT, source_resource_id
+from flows.source_events import SOURCE_CHANGED_EVENT, source_resource_id
 from tasks.changes import source_changes, source_delta
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -44,6 +44,7 @@ import torch
 from inference.encode import prefix_kv
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec
+from schemas.settings import CartridgeTrainSettings
 from schemas.tables import CartridgeManifestRow
 from storage.cartridges import CartridgeMeta, CartridgeStore
 from training.cartridges import (
@@ -272,36 +273,6 @@ class BudgetManager:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Settings of one training run of a cartridge pool."""
-
-    lr: float = 2e-2  # the Cartridges paper's value
-    visibility: Visibility = field(default_factory=Visibility)
-    budget: int = 8  # B: cartridges on the device at once
-    rotate_every: int = 16  # R: steps between rotations
-    batch_size: int = 1  # examples per optimizer step
-    train_distractors: bool = True
-    checkpoint_every: int = 0  # 0: only at the end
-    seed: int = 0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-    def value_dict(self) -> dict[str, Any]:
-        """What the trained values depend on (part of the cartridge fingerprint)."""
-        return {
-            "lr": self.lr,
-            "visibility": self.visibility.to_dict(),
-            "budget": self.budget,
-            "rotate_every": self.rotate_every,
-            "batch_size": self.batch_size,
-            "train_distractors": self.train_distractors,
-            "seed": self.seed,
-            "betas": list(self.betas),
-            "eps": self.eps,
-        }
-
-
-@dataclass(frozen=True)
 class PoolDoc:
     """A document of the pool: its cartridge identity and its token ids."""
 
@@ -342,7 +313,7 @@ class CartridgeTrainer:
         docs: dict[str, PoolDoc],
         examples: Sequence[Example],
         spec: CartridgeSpec,
-        config: TrainConfig,
+        config: CartridgeTrainSettings,
         *,
         run_id: str,
         train_key: str,
@@ -358,6 +329,7 @@ class CartridgeTrainer:
         self.examples = list(examples)
         self.spec = spec
         self.config = config
+        self.visibility = Visibility.from_settings(config)
         self.train_key = train_key
         self.device = device
         self.prefix = prefix_kv(model, prompt).to(device)
@@ -440,7 +412,7 @@ class CartridgeTrainer:
                 break
             cid = self.rng.choices(cands, weights=[len(self.pending[c]) for c in cands])[0]
             ex = self.examples[self.pending[cid].pop()]
-            visible = self.config.visibility.sample(cid, pool, self.rng)
+            visible = self.visibility.sample(cid, pool, self.rng)
             tensors = [
                 self.manager.tensor(c)
                 if (c == cid or self.config.train_distractors)

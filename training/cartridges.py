@@ -4,7 +4,7 @@ A cartridge ``Z`` is a tensor ``(layers, 2, kv_heads, p, head_dim)`` (the KV lay
 ``storage/kv/layout.py``) held as an ``nn.Parameter``; the model is frozen and only ``Z`` gets
 gradients. This module is the math: where a cartridge stands, how it is initialised, the student's
 forward, the loss, and the mixed-visibility sampler. The training loop with the budget manager is
-``training/budget.py``; serving is ``inference/cartridge_rag.py``.
+``training/budget.py``; serving is ``inference/methods/cartridge.py``.
 
 Where a cartridge stands (positions)
 ------------------------------------
@@ -65,6 +65,7 @@ from inference.encode import document_kv, to_dynamic_cache
 from inference.prompt import RagPrompt
 from inference.rope import RopeSpec
 from schemas.keys import fingerprint
+from schemas.settings import CartridgeSettings, CartridgeTrainSettings, check_visibility
 from storage.cartridges import CartridgeMeta
 
 INITS = ("first_tokens", "random_text")
@@ -96,6 +97,11 @@ class CartridgeSpec:
             raise ValueError(f"give p (tokens) or a compression ratio >= 1, got ratio={self.ratio}")
         if self.p is not None and self.p < 1:
             raise ValueError(f"p must be >= 1, got {self.p}")
+
+    @classmethod
+    def from_settings(cls, settings: CartridgeSettings) -> CartridgeSpec:
+        s = settings
+        return cls(p=s.p, ratio=s.ratio, init=s.init, freeze_first=s.freeze_first)
 
     def tokens_for(self, n_doc_tokens: int) -> int:
         if self.p is not None:
@@ -310,10 +316,11 @@ class Visibility:
     k_max: int = 3
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.p_iso <= 1.0:
-            raise ValueError(f"p_iso must be in [0, 1], got {self.p_iso}")
-        if not 1 <= self.k_min <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
+        check_visibility(self.p_iso, self.k_min, self.k_max)
+
+    @classmethod
+    def from_settings(cls, settings: CartridgeTrainSettings) -> Visibility:
+        return cls(settings.p_iso, settings.k_min, settings.k_max)
 
     def sample(self, own: str, pool: Sequence[str], rng: random.Random) -> list[str]:
         """Cartridge ids in context order; ``own`` is among them exactly once."""

@@ -6,7 +6,8 @@ One module per job (import the public names from here):
   identity ``kv_fp``, :class:`KvLayout`, the errors, entry locations;
 - ``kept.py``: which tokens of its chunk an entry holds (``kv_keep``: whole chunks or only the
   ranges its nuggets cover) and the entry's key;
-- ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name);
+- ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name:
+  ``none``, ``int8``, ``int4``);
 - ``shard.py``: the shard file (Zarr v3 sharding format, per-block crc32c, index), encoded and
   checked;
 - ``transport.py``: local disk or object store, one interface (stage, publish, ranged reads);
@@ -16,6 +17,7 @@ One module per job (import the public names from here):
 """
 
 from storage.kv.codecs import (
+    KV_CODECS,
     KvCodec,
     codec_named,
     entry_checksum,
@@ -47,6 +49,7 @@ from storage.kv.writes import StagedShard, WriteStats
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "KV_CHECK_LEVELS",
+    "KV_CODECS",
     "LAYOUT_VERSION",
     "SHARD_OVERHEAD_BYTES",
     "CorruptKvEntry",

@@ -7,6 +7,7 @@ out), and their blocks' crc32c (``shard.verify_slots``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from pathlib import PurePath
@@ -15,7 +16,7 @@ from typing import Any
 import zarr
 
 from storage.kv.layout import SHARD_RE, KvLayout
-from storage.kv.shard import DATA_KEY, ShardMeta, read_problem, verify_slots
+from storage.kv.shard import ShardMeta, read_problem, verify_slots
 from storage.kv.transport import KvTransport, ScratchBuffers
 from storage.store import Store
 
@@ -47,7 +48,7 @@ class ShardCatalog:
         shard = self.meta.get(name)
         if shard is None:
             meta = json.loads(self.store.read_bytes(self.root / name / "zarr.json"))
-            shard = ShardMeta.parse(name, meta, self._open_array)
+            shard = ShardMeta.parse(name, meta, self._open_array, self.layout)
             self.meta[name] = shard
         return shard
 
@@ -95,9 +96,9 @@ class ShardCatalog:
 
     def verify_slots(self, shard: ShardMeta, slots: Iterable[int]) -> dict[int, str]:
         """slot -> why its blocks fail their crc32c (``shard.verify_slots``)."""
-        lay = self.layout
-        block_bytes = lay.codec.payload_bytes(lay.entry_shape(shard.block_tokens), lay.dtype) + 4
-        path = self.root / shard.name / DATA_KEY
+        lay = dataclasses.replace(self.layout, block_tokens=shard.block_tokens)
+        block_bytes = lay.block_bytes + 4
+        path = self.root / shard.name / shard.data_key
 
         def read_ranges(ranges: list[tuple[int, int]]) -> list[Any]:
             return self.transport.read_ranges(path, ranges, self.scratch)

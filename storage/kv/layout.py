@@ -67,10 +67,13 @@ What an entry holds (``kv_keep``, ``storage/kv/kept.py``)
 With ``kv_keep = "chunks"`` an entry is its whole chunk, as above. With ``kv_keep = "nuggets"``
 the chunk is encoded exactly the same way (in full, after ``C_p``), and the entry holds only the
 token ranges its nuggets cover, concatenated: ``(layers, 2, kv_heads, Σ (e_i - s_i), head_dim)``
-for kept ranges ``[s_i, e_i)`` of the chunk. Keys stay at the positions of the full forward
-(token ``t`` of the chunk at ``|p| + t``, whether or not its neighbours were kept), so a
-nugget's slice read from such an entry is bit for bit the slice of the whole-chunk entry. A read
-of chunk tokens outside the kept ranges raises :class:`UnstoredKvSlice` (never zeros).
+for kept ranges ``[s_i, e_i)`` of the chunk. Keys stay in the frame of the full forward (token
+``t`` of the chunk after RoPE at ``|p| + t``, whether or not its neighbours were kept; or, for a
+quantized codec, rotated back to position 0 before the ranges are cut: ``KvLayout.keys_at_zero``),
+so with codec ``none`` a nugget's slice read from such an entry is bit for bit the slice of the
+whole-chunk entry (a quantized codec quantizes the concatenated ranges block by block: equal
+within the codec's stated bound). A read of chunk tokens outside the kept ranges raises
+:class:`UnstoredKvSlice` (never zeros).
 
 Manifest rows: ``model_fp`` is the generation model's fingerprint; ``location`` is the entry's
 path inside ``STORE/kv/``: ``"<kv_fp>/shard-000012#slot-5"``; ``tokens`` is the chunk's token
@@ -81,8 +84,9 @@ bfloat16).
 
 Identity
 --------
-``kv_fp = fingerprint("kv", {model_fp, prefix_sha, layout_version[, kv_keep]})`` (``kv_keep``
-only when it is ``"nuggets"``, so stores of whole chunks keep their fingerprint): the same
+``kv_fp = fingerprint("kv", {model_fp, prefix_sha, layout_version[, kv_codec, block_tokens]
+[, kv_keep]})`` (the codec only when lossy, ``kv_keep`` only when it is ``"nuggets"``, so stores
+of whole chunks in codec ``none`` keep their fingerprint): the same
 tokens after the same prefix through the same model give the same KV, and a store keeping only
 nugget spans is another store. Entries are keyed by the chunk's ``content_key`` (plus a digest of
 the kept ranges with ``kv_keep = "nuggets"``: ``storage/kv/kept.py``), so the same tokens in
@@ -101,15 +105,20 @@ import torch
 
 from schemas.keys import fingerprint
 from schemas.settings import KV_KEEPS
-from storage.kv.codecs import STORAGE_DTYPES, TORCH_DTYPES, KvCodec, codec_named
+from storage.kv.codecs import (
+    STORAGE_DTYPES,
+    TORCH_DTYPES,
+    IdentityCodec,
+    KvCodec,
+    codec_named,
+)
 
 LAYOUT_VERSION = 1
-AXES = ("slot", "layer", "kv", "head", "token", "dim")
-DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_BLOCK_TOKENS = IdentityCodec.default_block_tokens  # tokens per block, codec "none"
 DEFAULT_SHARD_BYTES = 64 * 2**20  # target size of a shard (slots_per_shard is derived from it)
 MIN_SLOTS_PER_SHARD = 4
 MAX_SLOTS_PER_SHARD = 64
-# A shard's zarr.json and its seven folders (c/0/0/0/0/0/0), in file-system blocks.
+# A shard's zarr.json and its folders (c/0/0/0/0/0/0), in file-system blocks.
 SHARD_OVERHEAD_BYTES = 8 * 4096
 
 ATTR = "coinrag_kv"  # the attributes key of coinrag's metadata in every zarr.json
@@ -175,10 +184,17 @@ class KvFingerprintMismatch(KvError):
 # ---------------------------------------------------------------------------- identity, layout
 
 
-def kv_fingerprint(model_fp: str, prefix_sha: str, keep: str = "chunks") -> str:
+def kv_fingerprint(
+    model_fp: str,
+    prefix_sha: str,
+    codec: dict[str, Any] | None = None,
+    keep: str = "chunks",
+) -> str:
     """The identity of a KV store: model, prompt prefix, this storage layout's version and,
-    when it keeps only nugget spans, ``kv_keep`` (whole-chunk stores keep the fingerprint they
-    had before the setting existed)."""
+    for a lossy codec only, the codec and its block size (``{"kv_codec": "int4",
+    "block_tokens": 16}``: they decide the stored values), and, when it keeps only nugget
+    spans, ``kv_keep``. Stores of codec ``none`` keeping whole chunks keep the fingerprint
+    they had before codecs and ``kv_keep`` existed."""
     parts: dict[str, Any] = {
         "model_fp": model_fp,
         "prefix_sha": prefix_sha,
@@ -186,16 +202,19 @@ def kv_fingerprint(model_fp: str, prefix_sha: str, keep: str = "chunks") -> str:
     }
     if keep != "chunks":
         parts["kv_keep"] = keep
-    return fingerprint("kv", parts)
+    return fingerprint("kv", {**parts, **(codec or {})})
 
 
 @dataclass(frozen=True)
 class KvLayout:
-    """Shape, dtype and identity of the KV entries of one (model, prompt prefix).
+    """Shape, dtype, codec and identity of the KV entries of one (model, prompt prefix).
 
-    ``block_tokens`` and ``slots_per_shard`` are physical choices for new shards (each shard
-    records its own in its metadata, so changing them never invalidates stored entries); they are
-    not part of ``kv_fp``.
+    ``kv_codec`` names how entries are stored (``storage/kv/codecs.py``: ``none``, ``int8``,
+    ``int4``). ``block_tokens`` (0: the codec's default, 4 for ``none`` and 16 for the
+    quantized codecs) and ``slots_per_shard`` are physical choices for new shards (each shard
+    records its own in its metadata, so changing them never invalidates stored entries); they
+    are not part of ``kv_fp``, except that a lossy codec quantizes per block, so its block size
+    is part of its identity.
     """
 
     model_fp: str
@@ -205,14 +224,18 @@ class KvLayout:
     head_dim: int
     dtype: str  # float32 | bfloat16 | float16
     keep: str = "chunks"  # kv_keep: whole chunks | only nugget spans (storage/kv/kept.py)
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    block_tokens: int = 0  # 0: the codec's default_block_tokens
     slots_per_shard: int = 0  # 0: derived from DEFAULT_SHARD_BYTES for 512-token entries
+    kv_codec: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r} (float32, bfloat16, float16)")
         if self.keep not in KV_KEEPS:
             raise ValueError(f"kv_keep {self.keep!r} is not one of {', '.join(KV_KEEPS)}")
+        codec = codec_named(self.kv_codec)  # ValueError naming the known codecs
+        if self.block_tokens <= 0:
+            object.__setattr__(self, "block_tokens", codec.default_block_tokens)
         if self.slots_per_shard <= 0:
             per_entry = self.entry_bytes(512)
             slots = DEFAULT_SHARD_BYTES // per_entry
@@ -220,8 +243,16 @@ class KvLayout:
             object.__setattr__(self, "slots_per_shard", int(slots))
 
     @property
+    def codec_identity(self) -> dict[str, Any]:
+        """What of the codec enters ``kv_fp`` and the group's attributes: nothing for the
+        lossless ``none``, the name and block size for a lossy one."""
+        if self.codec.lossless:
+            return {}
+        return {"kv_codec": self.kv_codec, "block_tokens": self.block_tokens}
+
+    @property
     def kv_fp(self) -> str:
-        return kv_fingerprint(self.model_fp, self.prefix_sha, self.keep)
+        return kv_fingerprint(self.model_fp, self.prefix_sha, self.codec_identity, self.keep)
 
     @property
     def keeps_chunks(self) -> bool:
@@ -231,26 +262,52 @@ class KvLayout:
 
     @property
     def codec(self) -> KvCodec:
-        """How entries are stored: today always the identity codec (``"none"``). A quantized
-        codec will be chosen here by name, and then be part of :meth:`identity` and ``kv_fp``."""
-        return codec_named("none")
+        """How entries are stored (``storage/kv/codecs.py``)."""
+        return codec_named(self.kv_codec)
+
+    @property
+    def keys_at_zero(self) -> bool:
+        """True when stored keys are rotated back to position 0 (before RoPE: the quantized
+        codecs); False when they sit after RoPE at the positions of the chunk's forward."""
+        return self.codec.keys_at_zero
 
     @property
     def storage_dtype(self) -> Any:
-        """The numpy dtype of the stored arrays (``<u2`` for bfloat16)."""
+        """The numpy dtype of the stored arrays (``<u2`` for bfloat16, ``u1`` quantized)."""
         return self.codec.storage_dtype(self.dtype)
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one value in the model dtype."""
         return STORAGE_DTYPES[self.dtype].itemsize
 
     @property
-    def token_bytes(self) -> int:
-        """Bytes of one token's K and V over all layers and heads."""
+    def raw_token_bytes(self) -> int:
+        """Bytes of one token's K and V over all layers and heads in the model dtype."""
         return self.layers * 2 * self.kv_heads * self.head_dim * self.itemsize
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one stored block (inner chunk) without its crc32c."""
+        return self.codec.payload_bytes(self)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token costs as stored: the raw bytes for ``none``; a quantized block's
+        payload (codes and scales) per token, rounded up."""
+        if self.codec.lossless:
+            return self.raw_token_bytes
+        return -(-self.block_bytes // self.block_tokens)
+
     def entry_bytes(self, tokens: int) -> int:
-        return tokens * self.token_bytes
+        """Bytes of an entry as stored (the manifest's ``bytes``): tokens x bytes per token for
+        ``none``; its blocks' payloads for a quantized codec."""
+        return self.codec.stored_bytes(tokens, self)
+
+    def needed_bytes(self, tokens: int) -> int:
+        """The stored bytes ``tokens`` tokens need, read with no waste (a quantized codec's
+        scales shared out per token): the denominator of a read's amplification."""
+        return -(-tokens * self.block_bytes // self.block_tokens)
 
     def entry_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
         return (self.layers, 2, self.kv_heads, tokens, self.head_dim)
@@ -270,24 +327,27 @@ class KvLayout:
             "kv_heads": self.kv_heads,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
-            "storage_dtype": STORAGE_DTYPES[self.dtype].str,
-            "axes": list(AXES),
+            "storage_dtype": self.storage_dtype.str,
+            "axes": list(self.codec.dimension_names()),
             "kv_keep": self.keep,
+            **self.codec_identity,
         }
 
     def disk_bytes(self, tokens: Sequence[int]) -> int:
         """Bytes on disk of the shards that entries of these token counts become, written as
         the KV stage writes them (longest first, ``slots_per_shard`` per shard): each entry's
-        blocks (its tokens rounded up to ``block_tokens``, plus a 4-byte crc32c per block), each
-        shard's index (16 bytes per slot and block of its widest entry, plus a crc32c) and its
-        metadata and folders (:data:`SHARD_OVERHEAD_BYTES`, a few file-system blocks).
+        blocks (its tokens rounded up to ``block_tokens``; each block the codec's payload plus a
+        4-byte crc32c), each shard's index (16 bytes per slot and block of its widest entry,
+        plus a crc32c) and its metadata and folders (:data:`SHARD_OVERHEAD_BYTES`, a few
+        file-system blocks).
 
-        E.g. float32 SmolLM2-135M (30 layers, 3 KV heads, dim 64: 46,080 bytes per token) and
-        2 entries of 512 tokens: 2 x 32 blocks x 737,284 bytes + 1,028 + overhead = ~45 MiB.
+        E.g. float32 SmolLM2-135M (30 layers, 3 KV heads, dim 64: 46,080 bytes per token),
+        4-token blocks and 2 entries of 512 tokens: 2 x 128 blocks x 184,324 bytes + 4,100 +
+        overhead = ~45 MiB; int4 with 16-token blocks (120,960 bytes per block): ~7.3 MiB.
         """
         ordered = sorted((int(t) for t in tokens), reverse=True)
         block = self.block_tokens
-        per_block = block * self.token_bytes + 4
+        per_block = self.block_bytes + 4
         total = 0
         for start in range(0, len(ordered), self.slots_per_shard):
             shard = ordered[start : start + self.slots_per_shard]
@@ -326,7 +386,7 @@ def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) 
     """The layout of a KV store whose group attributes are ``stored``, opened as ``kv_fp``:
     ``layout`` when given and equal to what is stored, else the stored one. Raises
     :class:`KvFingerprintMismatch` when the stored identity (model_fp, prefix, dims, dtype,
-    layout version) differs from ``layout`` or from ``kv_fp``."""
+    codec, kv_keep, layout version) differs from ``layout`` or from ``kv_fp``."""
     stored = {"kv_keep": "chunks", **stored}  # stores written before kv_keep kept chunks
     stored_fp = stored.get("kv_fp", "?")
     detail = f"model_fp {stored.get('model_fp')}, prefix {stored.get('prefix_sha')}"
@@ -338,6 +398,8 @@ def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) 
         )
     if layout is None:
         kwargs = {k: stored[k] for k in ("layers", "kv_heads", "head_dim", "dtype")}
+        if "kv_codec" in stored:  # a lossy codec: its block size is part of its identity
+            kwargs.update(kv_codec=stored["kv_codec"], block_tokens=stored["block_tokens"])
         return KvLayout(
             model_fp=stored["model_fp"],
             prefix_sha=stored["prefix_sha"],
@@ -346,6 +408,7 @@ def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) 
         )
     expected = layout.identity()
     diffs = [k for k, v in expected.items() if stored.get(k) != v]
+    diffs += [k for k in ("kv_codec", "block_tokens") if k in stored and k not in expected]
     if diffs:
         mine = f"model_fp {layout.model_fp}, prefix {layout.prefix_sha}"
         raise KvFingerprintMismatch(

@@ -5,6 +5,8 @@ stored copy back before computing), so a damaged ``C_p`` is recomputed and compa
 metadata recorded: equal bits keep the entries valid, other bits mean rebuilding them all
 (``tasks/kv.py``). One Zarr array ``(layers, 2, kv_heads, |p|, head_dim)``, one inner chunk with
 its crc32c; attributes ``prefix_ids``, ``prefix_sha`` and the sha256 of the stored bytes.
+``C_p`` is always stored as computed (the identity codec, keys after RoPE at ``0 .. |p| - 1``),
+whatever the entries' codec: it is a few dozen tokens, and every context starts with it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import zarr
 from zarr.codecs import Crc32cCodec
 from zarr.storage import LocalStore
 
-from storage.kv.codecs import entry_checksum
+from storage.kv.codecs import AXES, entry_checksum, from_storage, to_storage
 from storage.kv.layout import (
     ATTR,
-    AXES,
     PREFIX,
     CorruptKvEntry,
     KvError,
@@ -76,7 +77,7 @@ class PrefixFolder:
                     lay.kv_fp, lay.kv_fp, "the stored prefix has other token ids"
                 )
             return
-        stored = lay.codec.encode(prefix_kv)
+        stored = to_storage(prefix_kv)
         attrs = {"prefix_ids": ids, "prefix_sha": lay.prefix_sha}
         with self.transport.new_folder(self.root, PREFIX, self.fsync) as folder:
             array = zarr.create_array(
@@ -111,7 +112,7 @@ class PrefixFolder:
             raise KvFingerprintMismatch(str(attrs.get("prefix_sha")), lay.prefix_sha)
         if entry_checksum(stored) != attrs.get("sha256"):
             raise CorruptKvEntry("prefix", location, "sha256 differs")
-        return lay.codec.decode(stored, lay.dtype), [int(t) for t in attrs["prefix_ids"]]
+        return from_storage(stored, lay.dtype), [int(t) for t in attrs["prefix_ids"]]
 
     def problem(self) -> str | None:
         """Why the stored ``C_p`` fails its check (unreadable, a crc32c or its sha256), or
@@ -143,5 +144,5 @@ class PrefixFolder:
             recorded = None
         self.transport.set_aside(self.root / PREFIX)
         self.write(prefix_kv, prefix_ids)
-        fresh = (entry_checksum(self.layout.codec.encode(prefix_kv)), [int(t) for t in prefix_ids])
+        fresh = (entry_checksum(to_storage(prefix_kv)), [int(t) for t in prefix_ids])
         return recorded == fresh

@@ -9,31 +9,39 @@ then, in stored tokens:
 1. :func:`plan_reads` merges the requests on one slot into reads of whole blocks (a read covers
    ``[floor(s / block) * block, ceil(e / block) * block)``; ranges that overlap, touch or lie at
    most ``merge_gap_blocks`` blocks apart are served by one read);
-2. the reads are fetched all at once: through Zarr (:func:`gather_zarr`, local disk: Zarr reads
-   the shard index and the blocks, checking every crc32c) or, where each request is a round
-   trip (object stores), by :func:`gather_ranges`: ranged GETs of the blocks, decoded here with
-   each block's crc32c checked, the shard index fetched once per reader.
+2. the reads are fetched all at once by :func:`gather_ranges` (local disk and object stores):
+   one byte range per read, its blocks' crc32c checked here, no index read for shards
+   ``encode_shard`` wrote (where each block lies follows from the token counts), the index
+   read once per reader otherwise; or through Zarr (:func:`gather_zarr`: Zarr reads the shard
+   index and the blocks on every read, checking every crc32c), for shards in another format;
+3. the codec decodes each read (``storage/kv/codecs.py``) and the requests are cut from it.
 
 What a read cost is counted by :class:`CountingReader` (the data bytes the store returned) into
-:class:`ReadStats`. The bytes read over the bytes needed (``amplification``) is where slice reads
-lose: a read is whole blocks, so a short nugget pays up to two partly used blocks.
+:class:`ReadStats`. The bytes read over the bytes needed (``amplification``; needed: the tokens'
+share of the stored bytes, ``KvLayout.needed_bytes``) is where slice reads lose: a read is whole
+blocks, so a nugget of ``n`` tokens reads ``(n - 1 + block) / n`` of what it needs on average
+(block alignment at both ends), plus 4 bytes of crc32c per block. Hence 4-token blocks for the
+identity codec (k = 10 nuggets of ~12 tokens: ~1.2, against ~2.2 with 16-token blocks;
+``tests/benchmarks/bench_kv_slices.py``). A quantized codec keeps 16-token blocks: each block
+carries its keys' per-channel scales, which cost more bytes per token the smaller the block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
 import numpy as np
+import torch
 from zarr.core.sync import sync as _zarr_sync
 from zarr.storage import WrapperStore
 
 from storage.kv.layout import CorruptKvEntry, KvLayout
 from storage.kv.shard import (
-    DATA_KEY,
     ShardMeta,
     back_to_back,
     block_problem,
@@ -139,11 +147,24 @@ Fail = Callable[[SlicePlan, str], CorruptKvEntry]  # the error naming a plan's f
 Diagnose = Callable[[ShardMeta, int, BaseException], str]  # why a slot's read failed
 
 
+def shard_geometry(layout: KvLayout, shard: ShardMeta) -> KvLayout:
+    """``layout`` with the shard's own block size (each shard records the one it was written
+    with)."""
+    if shard.block_tokens == layout.block_tokens:
+        return layout
+    return dataclasses.replace(layout, block_tokens=shard.block_tokens)
+
+
 def gather_zarr(
-    plans: list[SlicePlan], shards: dict[str, ShardMeta], fail: Fail, diagnose: Diagnose
+    plans: list[SlicePlan],
+    shards: dict[str, ShardMeta],
+    layout: KvLayout,
+    fail: Fail,
+    diagnose: Diagnose,
 ) -> list[np.ndarray]:
-    """The plans' stored values ``(layers, 2, kv_heads, t1 - t0, head_dim)``, read through
-    Zarr, all reads issued at once on Zarr's I/O loop (every block's crc32c checked by Zarr)."""
+    """The plans' stored values (the codec's, for tokens ``[t0, t1)``), read through Zarr, all
+    reads issued at once on Zarr's I/O loop (every block's crc32c checked by Zarr)."""
+    codec = layout.codec
     arrays = []
     for plan in plans:
         try:
@@ -154,8 +175,9 @@ def gather_zarr(
     async def run() -> list[Any]:
         coros = []
         for plan, array in zip(plans, arrays, strict=True):
-            t1 = min(plan.t1, array.shape[4])
-            sel = (plan.slot, slice(None), slice(None), slice(None), slice(plan.t0, t1))
+            shard = shards[plan.shard]
+            t1 = min(plan.t1, shard.width)
+            sel = codec.zarr_selection(plan.slot, plan.t0, t1, shard.block_tokens)
             coros.append(array.getitem(sel))
         return await asyncio.gather(*coros, return_exceptions=True)
 
@@ -180,28 +202,32 @@ def gather_ranges(
     starts, ends)``, issued all at once; an exception in place of a failed range): one range per
     plan where its blocks lie back to back in the file (always, for shards written by
     ``encode_shard``; Zarr's own writer may order a multi-slot shard's blocks otherwise, and then
-    each block is one range), decoded here with every block's crc32c checked; each shard's index
-    is fetched once per reader (one range, crc32c-checked, kept on its :class:`ShardMeta`).
-    Zarr's reader would issue one GET for the index and then one per block, one after the
-    other, on every read. A shard whose ``zarr.json`` describes another format goes through
-    :func:`gather_zarr`."""
-    lay = layout
-    codec = lay.codec
+    each block is one range), decoded here with every block's crc32c checked.
+
+    Where the blocks lie: a shard ``encode_shard`` wrote has its index computed from its token
+    counts (``ShardMeta.computed_index``: no index bytes read); another shard's index is
+    fetched once per reader (one range, crc32c-checked, kept on its :class:`ShardMeta`). Zarr's
+    reader would read the index and then each block, one after the other, on every read. A
+    shard whose ``zarr.json`` describes another format goes through :func:`gather_zarr`."""
+    codec = layout.codec
     out: list[np.ndarray | None] = [None] * len(plans)
     zarr_plans = [i for i, p in enumerate(plans) if not shards[p.shard].direct]
     if zarr_plans:
-        got = gather_zarr([plans[i] for i in zarr_plans], shards, fail, diagnose)
+        got = gather_zarr([plans[i] for i in zarr_plans], shards, layout, fail, diagnose)
         for i, array in zip(zarr_plans, got, strict=True):
             out[i] = array
     direct = [i for i in range(len(plans)) if out[i] is None]
 
     need_index = [shards[n] for n in sorted({plans[i].shard for i in direct})]
+    for shard in need_index:
+        if shard.index is None:
+            shard.index = shard.computed_index(layout)
     need_index = [s for s in need_index if s.index is None]
     if need_index:
         paths, starts, ends = [], [], []
         for shard in need_index:
             start, end = shard.index_range()
-            paths.append(str(root / shard.name / DATA_KEY))
+            paths.append(str(root / shard.name / shard.data_key))
             starts.append(start)
             ends.append(end)
         for shard, raw in zip(need_index, fetch(paths, starts, ends), strict=True):
@@ -220,47 +246,54 @@ def gather_ranges(
         b0, b1 = plan.t0 // block, min(plan.t1, shard.width) // block
         stored = stored_blocks(shard.index[plan.slot, b0:b1], b0)  # type: ignore[index]
         groups = [stored] if stored and back_to_back(stored) else [[item] for item in stored]
-        path = str(root / plan.shard / DATA_KEY)
+        path = str(root / plan.shard / shard.data_key)
         for group in groups:
             ranges.append((i, group))
             paths.append(path)
             starts.append(group[0][1])
             ends.append(group[-1][1] + group[-1][2])
     fetched = fetch(paths, starts, ends) if paths else []
-    arrays: dict[int, np.ndarray] = {}
-    for i in direct:
-        plan = plans[i]
-        t1 = min(plan.t1, shards[plan.shard].width)
-        arrays[i] = np.zeros(lay.entry_shape(t1 - plan.t0), dtype=lay.storage_dtype)
+    by_plan: dict[int, list[tuple[list[tuple[int, int, int]], Any]]] = {i: [] for i in direct}
     for (i, group), raw in zip(ranges, fetched, strict=True):
-        plan = plans[i]
         if isinstance(raw, BaseException):
-            raise fail(plan, f"read failed: {raw}") from raw
-        block = shards[plan.shard].block_tokens
-        block_shape = lay.entry_shape(block)
-        expected = codec.payload_bytes(block_shape, lay.dtype) + 4
-        at = 0
-        for b, _, n in group:
-            chunk = raw[at : at + n]
-            at += n
-            problem = block_problem(chunk, b, expected)
-            if problem:
-                raise fail(plan, problem)
-            t = b * block - plan.t0
-            values = codec.decode_block(chunk[:-4], block_shape, lay.dtype)
-            arrays[i][:, :, :, t : t + block] = values
+            raise fail(plans[i], f"read failed: {raw}") from raw
+        by_plan[i].append((group, raw))
     for i in direct:
-        out[i] = arrays[i]
+        plan = plans[i]
+        shard = shards[plan.shard]
+        g = shard_geometry(layout, shard)
+        size = g.block_bytes
+        first = plan.t0 // shard.block_tokens
+        blocks = (min(plan.t1, shard.width) - plan.t0) // shard.block_tokens
+        got = by_plan[i]
+        for group, raw in got:
+            at = 0
+            for b, _, n in group:
+                problem = block_problem(raw[at : at + n], b, size + 4)
+                if problem:
+                    raise fail(plan, problem)
+                at += n
+        if len(got) == 1 and len(got[0][0]) == blocks:  # the usual case: one range, no copy
+            rows = np.frombuffer(got[0][1], dtype=np.uint8).reshape(blocks, size + 4)
+            payloads = rows[:, :size]
+        else:  # blocks in several ranges, or blocks not stored (read as zeros)
+            payloads = np.zeros((blocks, size), dtype=np.uint8)
+            for group, raw in got:
+                data = np.frombuffer(raw, dtype=np.uint8).reshape(len(group), size + 4)
+                for j, (b, _, _) in enumerate(group):
+                    payloads[b - first] = data[j, :size]
+        out[i] = codec.from_payloads(payloads, g)
     return [a for a in out if a is not None]
 
 
 def slices_of(
-    plans: Sequence[SlicePlan], results: Sequence[np.ndarray], requests: Sequence[Any]
-) -> dict[int, np.ndarray]:
-    """request index -> its stored values, cut from the read that served it."""
-    out: dict[int, np.ndarray] = {}
-    for plan, stored in zip(plans, results, strict=True):
+    plans: Sequence[SlicePlan], decoded: Sequence[torch.Tensor], requests: Sequence[Any]
+) -> dict[int, torch.Tensor]:
+    """request index -> its tokens (a contiguous tensor), cut from the decoded read that
+    served it (``(layers, 2, kv_heads, t1 - t0, head_dim)``)."""
+    out: dict[int, torch.Tensor] = {}
+    for plan, tensor in zip(plans, decoded, strict=True):
         for i in plan.requests:
             _, s, e = requests[i]
-            out[i] = stored[:, :, :, s - plan.t0 : e - plan.t0, :]
+            out[i] = tensor[:, :, :, s - plan.t0 : e - plan.t0, :].contiguous()
     return out

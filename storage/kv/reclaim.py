@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from schemas.tables import KvManifestRow
 from storage.kv.kept import KvEntry
 from storage.kv.layout import CorruptKvEntry, MissingKvEntry, parse_location
-from storage.kv.shard import DATA_KEY, create_shard_array, shard_attributes, shard_size
+from storage.kv.shard import create_shard_array, data_key, shard_attributes, shard_size
 
 if TYPE_CHECKING:
     from storage.kv.store import KvStore
@@ -73,8 +71,9 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
     of spans no live nugget set uses any more (those of a replaced extractor) is dropped.
 
     Shards are written once and never modified, so a shard holding dead entries is dealt
-    with whole: 1. the live entries of a partly dead shard are read (sha256-checked) and
-    written to new shards exactly as the build writes them (written whole, read back and
+    with whole: 1. the live entries of a partly dead shard are read as stored (sha256-checked)
+    and written to new shards bit for bit (a lossy codec's values are never re-encoded), as
+    the build writes them (written whole, read back and
     verified, renamed, then their manifest rows appended: the new rows supersede the old
     ones); 2. the ``kv_manifest`` files holding rows of this kv_fp that are no longer
     current and live are rewritten without them (new file first, then the old one goes);
@@ -121,13 +120,13 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
         for ck in moving[start : start + step]:
             row = manifest[ck]
             try:
-                entry = kv.read_entry(ck, verify=True)
+                stored = kv.read_stored(ck)  # sha256-checked; moved as stored, never re-encoded
             except (CorruptKvEntry, MissingKvEntry):
                 out.entries_corrupt += 1
                 continue
-            group.append((KvEntry.of_row(row), entry))  # entry: what it stores, as stored
+            group.append((KvEntry.of_row(row), stored))  # what it stores, as stored
         if group:
-            rows = kv.write_entries(group, run_id)
+            rows = kv.write_stored(group, run_id)
             new_shards.update(parse_location(r.location)[1] for r in rows)
     out.bytes_written = sum(kv.store.tree_bytes(kv.root / n) for n in new_shards)
     current = kv.manifest()
@@ -158,16 +157,17 @@ def planned_shard_bytes(kv: KvStore, rows: list[KvManifestRow], run_id: str) -> 
     block = lay.block_tokens
     tokens = [KvEntry.of_row(r).stored_tokens for r in rows]
     width = max(block, -(-max(tokens) // block) * block)
-    zero = np.zeros((), dtype=lay.storage_dtype)
-    shapes = [np.broadcast_to(zero, lay.entry_shape(t)) for t in tokens]  # no memory
-    data = shard_size(shapes, width, block)
+    data = shard_size(lay, tokens, width)
+    shape = lay.codec.array_shape(lay, len(rows), width)
     # as stage_shard writes them (tests/test_cli_store_commands.py compares)
     keys = [r.content_key for r in rows]
     checksums = [r.checksum for r in rows]
     kept = [r.kept for r in rows]
-    attrs = shard_attributes(kv.kv_fp, keys, tokens, checksums, run_id, block, kv.encoder, kept)
-    attrs["files"] = {DATA_KEY: data}
+    attrs = shard_attributes(
+        kv.kv_fp, keys, tokens, checksums, run_id, block, kv.encoder, lay.kv_codec, kept
+    )
+    attrs["files"] = {data_key(len(shape)): data}
     with tempfile.TemporaryDirectory(prefix="coinrag-gc-plan-") as scratch:
-        create_shard_array(Path(scratch), lay, (len(rows), *lay.entry_shape(width)), attrs)
+        create_shard_array(Path(scratch), lay, shape, attrs)
         meta = (Path(scratch) / "zarr.json").stat().st_size
     return data + meta

@@ -1,11 +1,13 @@
 """A shard file: the Zarr v3 ``sharding_indexed`` byte format as coinrag writes it, encoded and
 checked here.
 
-A shard array ``(slots, layers, 2, kv_heads, width, head_dim)`` (the layout:
+A shard array (``(slots, layers, 2, kv_heads, width, head_dim)`` for the identity codec,
+``(slots, width / block_tokens, payload_bytes)`` uint8 for a quantized one; the layout:
 ``storage/kv/layout.py``) has exactly one Zarr shard (``shards`` = the whole array), so it is one
-data file, ``c/0/0/0/0/0/0`` (the "default" chunk key encoding of chunk (0, 0, 0, 0, 0, 0)), plus
-its ``zarr.json``. Inner chunks are ``(1, layers, 2, kv_heads, block_tokens, head_dim)``: one
-slot, every layer and head, a block of tokens.
+data file, ``c/0/0/0/0/0/0`` (``c/0/0/0`` for a quantized codec's three axes: the "default"
+chunk key encoding of chunk (0, ...)), plus its ``zarr.json``. An inner chunk is one slot and
+one block of ``block_tokens`` tokens over every layer and head: ``(1, layers, 2, kv_heads,
+block_tokens, head_dim)``, or ``(1, 1, payload_bytes)``.
 
 - Every inner chunk carries a crc32c (``codecs=[bytes, crc32c]`` inside the sharding codec), so
   a flipped byte is detected on a *partial* read too; the shard index (``(offset, nbytes)`` per
@@ -14,6 +16,10 @@ slot, every layer and head, a block of tokens.
   with a ``stat``, before any read).
 - Inner chunks that would hold only padding are not stored (index entry ``(2**64-1,
   2**64-1)``, read as zeros), as Zarr does for chunks equal to the fill value.
+- A shard written by :func:`encode_shard` (attribute ``encoder`` = ``"direct"``) has its inner
+  chunks back to back, slot after slot, so readers compute where a block lies from the token
+  counts (:meth:`ShardMeta.computed_index`) and read no index at all; a shard Zarr wrote has
+  its index read once per reader.
 
 :func:`encode_shard` writes this format in one strided copy, byte for byte what Zarr's own
 writer produces up to the order of inner chunks (Zarr reads the files; ``encoder="zarr"`` writes
@@ -36,31 +42,46 @@ import zarr
 from zarr.codecs import Crc32cCodec
 from zarr.storage import LocalStore
 
-from storage.kv.layout import ATTR, AXES, KvError, KvLayout
+from storage.kv.layout import ATTR, KvError, KvLayout
 from storage.kv.transport import LocalFiles, ScratchBuffers, round_up
 
-DATA_KEY = "c/0/0/0/0/0/0"  # the one data file of a shard array
+DATA_KEY = "c/0/0/0/0/0/0"  # the one data file of a shard array of the identity codec
+
+
+def data_key(ndim: int) -> str:
+    """The one data file of a shard array of ``ndim`` axes: ``"c/0/0/0"`` for 3."""
+    return "/".join(["c"] + ["0"] * ndim)
+
+
 EMPTY = np.uint64(2**64 - 1)  # index entry of an inner chunk that is not stored
 _DIRECT_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+# uint8 values (the quantized codecs' payloads) have no byte order: Zarr writes no endian
+_DIRECT_BYTE_CODECS = [{"name": "bytes"}, {"name": "crc32c"}]
 
 
 # ---------------------------------------------------------------------------- encoding
 
 
 def encode_shard(
-    entries: Sequence[np.ndarray], width: int, block: int, out: np.ndarray | None = None
+    entries: Sequence[np.ndarray],
+    g: KvLayout,
+    width: int,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The bytes of one shard file, per the Zarr v3 ``sharding_indexed`` codec as configured
     here (inner codecs ``[bytes(little), crc32c]``, index codecs ``[bytes(little), crc32c]``,
     index at the end).
 
-    ``entries`` are stored-dtype arrays ``(layers, 2, kv_heads, n_i, head_dim)`` (any strides);
-    the shard array is ``(len(entries), layers, 2, kv_heads, width, head_dim)`` with inner chunks
-    ``(1, layers, 2, kv_heads, block, head_dim)``. Each inner chunk is its C-order payload
-    followed by the payload's crc32c (little-endian uint32); inner chunks that would hold only
-    padding are not stored (index entry ``(2**64-1, 2**64-1)``, read as zeros), as Zarr does
-    for chunks equal to the fill value. The index is ``(slots, 1, 1, 1, width / block, 1, 2)``
-    uint64 ``(offset, nbytes)`` in C order, followed by its crc32c.
+    ``entries`` are the entries' stored values (``g.codec.view``: the identity codec's
+    ``(layers, 2, kv_heads, n_i, head_dim)`` in the stored dtype, any strides; a quantized
+    codec's ``(blocks, payload_bytes)`` uint8); the shard array is ``g.codec.array_shape(g,
+    len(entries), width)`` with one inner chunk per slot and block of ``g.block_tokens``
+    tokens. Each inner chunk is its C-order payload followed by the payload's crc32c
+    (little-endian uint32); inner chunks of an entry are written back to back, entry after
+    entry; inner chunks that would hold only padding are not stored (index entry ``(2**64-1,
+    2**64-1)``, read as zeros), as Zarr does for chunks equal to the fill value. The index is
+    ``(slots, width / block)`` uint64 ``(offset, nbytes)`` in C order (its array shape has the
+    array's other axes as 1), followed by its crc32c.
 
     Why not ``array[...] = data``: Zarr's writer makes several passes over the data (gathering
     each inner chunk, comparing it with the fill value, appending the checksum, concatenating
@@ -73,48 +94,26 @@ def encode_shard(
     ``out``: a uint8 buffer to encode into (reused across shards: fresh memory costs a page
     fault per page on first touch); the result is a view of it.
     """
-    first = entries[0]
-    layers, _, heads, _, dim = first.shape
-    dtype = first.dtype
-    item = dtype.itemsize
-    payload = layers * 2 * heads * block * dim * item
+    codec = g.codec
+    block = g.block_tokens
+    payload = codec.payload_bytes(g)
     row = payload + 4
-    rows = [-(-int(e.shape[3]) // block) for e in entries]
-    index = np.full((len(entries), 1, 1, 1, width // block, 1, 2), EMPTY, dtype="<u8")
+    rows = [codec.block_count(e, g) for e in entries]
+    index = np.full((len(entries), width // block, 2), EMPTY, dtype="<u8")
     body = sum(rows) * row
     size = body + index.nbytes + 4
     if out is None or out.nbytes < size:
         out = np.empty(size, dtype=np.uint8)
     out = out[:size]
-    inner = (2 * heads * block * dim * item, heads * block * dim * item, block * dim * item)
-    strides = (row, *inner, dim * item, item)
     start = 0
     for i, entry in enumerate(entries):
-        n = int(entry.shape[3])
-        k = rows[i]
-        # The entry's k inner chunks, in place in the file buffer: (k, L, 2, H, block, D).
-        chunks = np.ndarray(
-            (k, layers, 2, heads, block, dim),
-            dtype=dtype,
-            buffer=out,
-            offset=start,
-            strides=strides,
-        )
-        dst = chunks.transpose(1, 2, 3, 0, 4, 5)  # (L, 2, H, k, block, D)
-        full = n // block
-        if full:
-            dst[:, :, :, :full] = entry[:, :, :, : full * block].reshape(
-                layers, 2, heads, full, block, dim
-            )
-        if n > full * block:
-            dst[:, :, :, full, : n - full * block] = entry[:, :, :, full * block :]
-            dst[:, :, :, full, n - full * block :] = 0
-        for j in range(k):
+        codec.write_blocks(entry, g, out, start, row)
+        for j in range(rows[i]):
             at = start + j * row
             crc = google_crc32c.value(out[at : at + payload])
             out[at + payload : at + row] = np.array([crc], dtype="<u4").view(np.uint8)
-            index[i, 0, 0, 0, j, 0] = (at, row)
-        start += k * row
+            index[i, j] = (at, row)
+        start += rows[i] * row
     index_bytes = index.view(np.uint8).reshape(-1)
     out[body : body + index.nbytes] = index_bytes
     crc = google_crc32c.value(index_bytes)
@@ -122,13 +121,28 @@ def encode_shard(
     return out
 
 
-def shard_size(entries: Sequence[np.ndarray], width: int, block: int) -> int:
-    """Bytes of the file :func:`encode_shard` makes (``entries`` may be broadcast views: only
-    their shapes and dtype are used)."""
-    layers, _, heads, _, dim = entries[0].shape
-    row = layers * 2 * heads * block * dim * entries[0].dtype.itemsize + 4
-    blocks = sum(-(-int(e.shape[3]) // block) for e in entries)
-    return blocks * row + len(entries) * (width // block) * 16 + 4
+def shard_size(g: KvLayout, tokens: Sequence[int], width: int) -> int:
+    """Bytes of the file :func:`encode_shard` makes for entries of these token counts."""
+    block = g.block_tokens
+    blocks = sum(-(-int(t) // block) for t in tokens)
+    return blocks * (g.block_bytes + 4) + len(tokens) * (width // block) * 16 + 4
+
+
+def direct_index(g: KvLayout, tokens: Sequence[int], width: int) -> np.ndarray:
+    """The index :func:`encode_shard` writes for entries of these token counts, computed:
+    ``(slots, width / block, 2)`` uint64 ``(offset, nbytes)``, ``EMPTY`` for blocks not
+    stored. A reader of a shard written by ``encode_shard`` (its ``encoder`` attribute is
+    ``"direct"``) needs no index read at all."""
+    block = g.block_tokens
+    row = g.block_bytes + 4
+    index = np.full((len(tokens), width // block, 2), EMPTY, dtype="<u8")
+    at = 0
+    for slot, n in enumerate(tokens):
+        k = -(-int(n) // block)
+        index[slot, :k, 0] = at + row * np.arange(k, dtype=np.uint64)
+        index[slot, :k, 1] = row
+        at += k * row
+    return index
 
 
 def index_bytes(slots: int, width: int, block: int) -> int:
@@ -190,26 +204,37 @@ class ShardMeta:
     kept: list[list[int] | None] = dataclasses.field(default_factory=list)  # per slot, flat
     opener: Any = None
     _array: zarr.Array | None = None
-    shape: tuple[int, ...] = ()  # (slots, layers, 2, kv_heads, width, head_dim)
+    shape: tuple[int, ...] = ()  # the codec's array shape (codec.array_shape)
+    width: int = 0  # tokens per slot (a multiple of block_tokens)
     direct: bool = False  # the exact format of encode_shard: readers may decode it themselves
-    index: np.ndarray | None = None  # (slots, width / block, 2) uint64 (offset, nbytes), once read
+    encoder: str = ""  # "direct" (encode_shard: blocks back to back, slot after slot) | "zarr"
+    index: np.ndarray | None = None  # (slots, width / block, 2) uint64 (offset, nbytes), once known
 
     @classmethod
-    def parse(cls, name: str, meta: dict[str, Any], opener: Callable[[str], Any]) -> ShardMeta:
+    def parse(
+        cls, name: str, meta: dict[str, Any], opener: Callable[[str], Any], layout: KvLayout
+    ) -> ShardMeta:
         """From the shard's ``zarr.json`` (a plain JSON read: checking thousands of shards must
-        not open thousands of Zarr arrays); ``opener(name)`` opens the array when needed."""
+        not open thousands of Zarr arrays); ``opener(name)`` opens the array when needed;
+        ``layout`` (the store's) says how its codec lays the array out."""
         attrs = dict(meta.get("attributes", {}).get(ATTR) or {})
         (sharding,) = meta["codecs"]
+        shape = tuple(int(n) for n in meta["shape"])
+        chunk_shape = sharding["configuration"]["chunk_shape"]
+        block = int(attrs.get("block_tokens") or chunk_shape[4])
         return cls(
             name=name,
             content_keys=list(attrs.get("content_keys", [])),
             tokens=[int(t) for t in attrs.get("tokens", [])],
             kept=list(attrs.get("kept") or [None] * len(attrs.get("content_keys", []))),
             files={str(k): int(v) for k, v in dict(attrs.get("files", {})).items()},
-            block_tokens=int(sharding["configuration"]["chunk_shape"][4]),
+            block_tokens=block,
             opener=opener,
-            shape=tuple(int(n) for n in meta["shape"]),
-            direct=is_direct_format(meta, sharding) and DATA_KEY in attrs.get("files", {}),
+            shape=shape,
+            width=layout.codec.width_of(shape, block),
+            direct=is_direct_format(meta, sharding)
+            and data_key(len(shape)) in attrs.get("files", {}),
+            encoder=str(attrs.get("encoder", "")),
         )
 
     @property
@@ -219,13 +244,27 @@ class ShardMeta:
         return self._array
 
     @property
-    def width(self) -> int:
-        return self.shape[4]
+    def data_key(self) -> str:
+        """Its data file, relative to its folder."""
+        return data_key(len(self.shape))
 
     def index_range(self) -> tuple[int, int]:
         """``[start, end)`` of the index in the data file."""
-        size = self.files[DATA_KEY]
+        size = self.files[self.data_key]
         return size - index_bytes(self.shape[0], self.width, self.block_tokens), size
+
+    def computed_index(self, layout: KvLayout) -> np.ndarray | None:
+        """The index of a shard :func:`encode_shard` wrote (encoder ``"direct"``), computed from
+        its token counts and block size without reading it, when it accounts for the data
+        file's size exactly (which the reads' ``stat`` check holds the file to); else None
+        (the index is read)."""
+        if not self.direct or self.encoder != "direct":
+            return None
+        g = dataclasses.replace(layout, block_tokens=self.block_tokens)
+        expected = shard_size(g, self.tokens, self.width)
+        if expected != self.files.get(self.data_key):
+            return None
+        return direct_index(g, self.tokens, self.width)
 
 
 def is_direct_format(meta: dict[str, Any], sharding: dict[str, Any]) -> bool:
@@ -236,7 +275,7 @@ def is_direct_format(meta: dict[str, Any], sharding: dict[str, Any]) -> bool:
     grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
     return (
         sharding.get("name") == "sharding_indexed"
-        and config.get("codecs") == _DIRECT_CODECS
+        and config.get("codecs") in (_DIRECT_CODECS, _DIRECT_BYTE_CODECS)
         and config.get("index_codecs") == _DIRECT_CODECS
         and config.get("index_location", "end") == "end"
         and grid == shape
@@ -255,6 +294,7 @@ def shard_attributes(
     run_id: str,
     block_tokens: int,
     encoder: str,
+    kv_codec: str = "none",
     kept: Sequence[list[int] | None] | None = None,
 ) -> dict[str, Any]:
     """A shard's ``coinrag_kv`` attributes, per slot content_key, stored token count and sha256
@@ -269,6 +309,7 @@ def shard_attributes(
         "run_id": run_id,
         "block_tokens": block_tokens,
         "encoder": encoder,
+        **({} if kv_codec == "none" else {"kv_codec": kv_codec}),
     }
     if kept is not None and any(k is not None for k in kept):
         attrs["kept"] = [None if k is None else list(k) for k in kept]
@@ -280,16 +321,16 @@ def create_shard_array(
 ) -> zarr.Array:
     """The (empty) shard array in a local ``folder``: its ``zarr.json``, attributes under
     ``coinrag_kv``."""
-    lay = layout
+    codec = layout.codec
     return zarr.create_array(
         store=LocalStore(folder),
         shape=shape,
-        chunks=(1, lay.layers, 2, lay.kv_heads, lay.block_tokens, lay.head_dim),
+        chunks=codec.chunk_shape(layout),
         shards=shape,
-        dtype=lay.storage_dtype,
+        dtype=layout.storage_dtype,
         compressors=[Crc32cCodec()],
         fill_value=0,
-        dimension_names=AXES,
+        dimension_names=codec.dimension_names(),
         chunk_key_encoding={"name": "default", "separator": "/"},
         attributes={ATTR: attrs},
         zarr_format=3,
@@ -310,14 +351,16 @@ def write_shard_direct(
     bytes encoded from the very arrays the manifest's sha256 were computed from, and each inner
     chunk carries its own crc32c, checked by every read. Returns the files written (``{path:
     bytes}``, also put in ``attrs["files"]``) and the time the write ended."""
-    size = shard_size(views, shape[4], layout.block_tokens)
+    width = layout.codec.width_of(shape, layout.block_tokens)
+    size = shard_size(layout, attrs["tokens"], width)
     padded = round_up(size)
     encoded = scratch.get("encode", padded)
-    data = encode_shard(views, shape[4], layout.block_tokens, encoded)
+    data = encode_shard(views, layout, width, encoded)
     expected = google_crc32c.value(data)
-    attrs["files"] = {DATA_KEY: size}
+    key = data_key(len(shape))
+    attrs["files"] = {key: size}
     create_shard_array(folder, layout, shape, attrs)
-    path = folder / DATA_KEY
+    path = folder / key
     path.parent.mkdir(parents=True, exist_ok=True)
     direct = files.write(path, encoded[:padded], size)
     t1 = time.perf_counter()
@@ -343,7 +386,7 @@ def write_shard_zarr(
     :func:`write_shard_direct`.)"""
     data = np.zeros(shape, dtype=layout.storage_dtype)
     for i, v in enumerate(views):
-        data[i, :, :, :, : v.shape[3], :] = v
+        data[i][tuple(slice(0, n) for n in v.shape)] = v
     array = create_shard_array(folder, layout, shape, {**attrs, "files": {}})
     array[...] = data
     attrs["files"] = {

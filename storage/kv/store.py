@@ -86,6 +86,7 @@ from storage.kv.reads import (
     gather_ranges,
     gather_zarr,
     plan_reads,
+    shard_geometry,
     slices_of,
 )
 from storage.kv.reclaim import KvReclaim, find_garbage, reclaim_dead, remove_garbage
@@ -315,32 +316,59 @@ class KvStore:
     def read_entry(self, content_key: str, verify: bool = True) -> torch.Tensor:
         """What one entry stores (``content_key``: its key, see :meth:`manifest`): the KV of its
         chunk, ``(layers, 2, kv_heads, tokens, head_dim)`` in the model dtype, or for an entry
-        of kept ranges their concatenation, ``(layers, 2, kv_heads, stored tokens, head_dim)``.
+        of kept ranges their concatenation, ``(layers, 2, kv_heads, stored tokens, head_dim)``
+        (keys as the layout stores them: ``layout.keys_at_zero``).
 
         Every inner chunk's crc32c is checked by the read; ``verify`` also checks the manifest's
         sha256 of the whole entry. Raises :class:`CorruptKvEntry` or :class:`MissingKvEntry`.
         """
         t0 = time.perf_counter()
         before = (self._reader.data_bytes, self._reader.data_gets)
-        row, shard, slot = self._resolve(content_key)
-        tokens = shard.tokens[slot]
-        try:
-            stored = shard.array[slot, :, :, :, :tokens, :]
-        except Exception as exc:
-            problem = self._catalog.diagnose(shard, slot, exc)
-            raise CorruptKvEntry(row.content_key, row.location, problem) from exc
-        stored = np.ascontiguousarray(stored)
-        if verify and entry_checksum(stored) != row.checksum:
-            raise CorruptKvEntry(row.content_key, row.location, "sha256 differs from the manifest")
+        row, stored, g = self._read_stored(content_key, verify)
+        tokens = KvEntry.of_row(row).stored_tokens
+        tensor = self.layout.codec.decode(stored, g)[:, :, :, :tokens].contiguous()
         self.last_read = ReadStats(
             requests=1,
             bytes_read=self._reader.data_bytes - before[0],
-            bytes_needed=self.layout.entry_bytes(tokens),
+            bytes_needed=self.layout.needed_bytes(tokens),
             store_gets=self._reader.data_gets - before[1],
             zarr_reads=1,
             seconds=time.perf_counter() - t0,
         )
-        return self.layout.codec.decode(stored, self.layout.dtype)
+        return tensor
+
+    def read_stored(self, content_key: str) -> np.ndarray:
+        """One entry's stored values as the codec stored them (C-contiguous, sha256-checked
+        against the manifest): what :meth:`write_stored` takes, so moving an entry between
+        shards (``gc``) never decodes and re-encodes a lossy codec's values."""
+        return self._read_stored(content_key, verify=True)[1]
+
+    def _read_stored(
+        self, content_key: str, verify: bool
+    ) -> tuple[KvManifestRow, np.ndarray, KvLayout]:
+        """``(row, the entry's stored values, the geometry of its shard)``: one read of the
+        entry's blocks (a byte range where the transport reads ranges, else through Zarr)."""
+        ranged = self.transport.ranged_slice_reads
+        row, shard, slot = self._resolve(content_key, ranged=ranged)
+        g = shard_geometry(self.layout, shard)
+        block = shard.block_tokens
+        tokens = KvEntry.of_row(row).stored_tokens
+        plan = SlicePlan(shard.name, slot, 0, -(-tokens // block) * block, [0])
+
+        def fail(_: SlicePlan, reason: str) -> CorruptKvEntry:
+            return CorruptKvEntry(row.content_key, row.location, reason)
+
+        shards = {shard.name: shard}
+        diagnose = self._catalog.diagnose
+        if ranged:
+            fetch = self._fetch_ranges
+            (got,) = gather_ranges([plan], shards, self.layout, self.root, fetch, fail, diagnose)
+        else:
+            (got,) = gather_zarr([plan], shards, self.layout, fail, diagnose)
+        stored = np.ascontiguousarray(self.layout.codec.trim(got, tokens, g))
+        if verify and entry_checksum(stored) != row.checksum:
+            raise CorruptKvEntry(row.content_key, row.location, "sha256 differs from the manifest")
+        return row, stored, g
 
     def verify_entry(self, content_key: str) -> bool:
         """True iff the entry has a manifest row and its stored bytes match it (sha256)."""
@@ -355,7 +383,8 @@ class KvStore:
     ) -> list[torch.Tensor]:
         """Token ranges of chunks: ``[(content_key, tok_start, tok_end), ...]`` (the chunk's
         token coordinates) -> ``[(layers, 2, kv_heads, tok_end - tok_start, head_dim), ...]``
-        in request order.
+        in request order, in the model dtype (keys as the layout stores them:
+        ``layout.keys_at_zero``).
 
         Each request is served by the latest entry of its content_key that holds the whole
         range (:meth:`_locate`; every range of a whole-chunk entry); a range no entry holds
@@ -372,7 +401,7 @@ class KvStore:
         per_slot: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
         resolved: dict[str, tuple[KvManifestRow, ShardMeta, int]] = {}
         out: list[torch.Tensor | None] = [None] * len(requests)
-        stored: list[tuple[str, int, int]] = []  # per request: entry key, stored [start, end)
+        located: list[tuple[str, int, int]] = []  # per request: entry key, stored [start, end)
         needed = 0
         file_checks: dict[str, str | None] = {}
         for i, (ck, s, e) in enumerate(requests):
@@ -380,32 +409,35 @@ class KvStore:
                 n = self.chunk_tokens(ck)
                 if not 0 <= s <= n:
                     raise IndexError(f"slice [{s}, {e}) out of range for {ck} ({n} tokens)")
-                stored.append((ck, 0, 0))
+                located.append((ck, 0, 0))
                 out[i] = torch.empty(lay.entry_shape(0), dtype=lay.torch_dtype)
                 continue
             key, offset = self._locate(ck, s, e)
-            stored.append((key, offset, offset + e - s))
+            located.append((key, offset, offset + e - s))
             if key not in resolved:
                 resolved[key] = self._resolve(key, file_checks, ranged=True)
             _, shard, slot = resolved[key]
-            needed += (e - s) * lay.token_bytes
+            needed += lay.needed_bytes(e - s)
             per_slot[(shard.name, slot)].append((offset, offset + e - s, i))
         plans = plan_reads(per_slot, lambda name: self._shards[name].block_tokens, merge_gap_blocks)
 
         def fail(plan: SlicePlan, reason: str) -> CorruptKvEntry:
-            row = resolved[stored[plan.requests[0]][0]][0]
+            row = resolved[located[plan.requests[0]][0]][0]
             return CorruptKvEntry(row.content_key, row.location, reason)
 
         if plans:
+            diagnose = self._catalog.diagnose
             if self.transport.ranged_slice_reads:
                 fetch = self._fetch_ranges
-                results = gather_ranges(
-                    plans, self._shards, lay, self.root, fetch, fail, self._catalog.diagnose
-                )
+                results = gather_ranges(plans, self._shards, lay, self.root, fetch, fail, diagnose)
             else:
-                results = gather_zarr(plans, self._shards, fail, self._catalog.diagnose)
-            for i, piece in slices_of(plans, results, stored).items():
-                out[i] = lay.codec.decode(piece, lay.dtype)
+                results = gather_zarr(plans, self._shards, lay, fail, diagnose)
+            decoded = [
+                lay.codec.decode(values, shard_geometry(lay, self._shards[plan.shard]))
+                for plan, values in zip(plans, results, strict=True)
+            ]
+            for i, piece in slices_of(plans, decoded, located).items():
+                out[i] = piece
         self.last_read = ReadStats(
             requests=len(requests),
             bytes_read=self._reader.data_bytes - before[0],
@@ -448,7 +480,7 @@ class KvStore:
                 continue
             try:
                 if level in ("sha256", "full"):
-                    self.read_entry(ck, verify=True)
+                    self._read_stored(ck, verify=True)
                 else:
                     _, shard, slot = self._resolve(ck, file_checks)
                     slots[shard.name][slot] = ck
@@ -474,17 +506,30 @@ class KvStore:
 
         ``entries``: ``(chunk, kv)`` with ``kv`` of shape ``(layers, 2, kv_heads,
         chunk.n_tokens, head_dim)`` in the layout's dtype, or ``(KvEntry, kv)`` with ``kv``
-        what the entry stores (``KvEntry.cut``: its kept ranges, concatenated). Entries are
-        keyed by their key (the ``content_key`` of a whole chunk); a key repeated in
-        ``entries`` is stored once (first wins). Each shard is written whole, read back and
-        verified, renamed into place, and only then are its rows appended; the rows of all
-        shards are returned.
+        what the entry stores (``KvEntry.cut``: its kept ranges, concatenated); keys in the
+        layout's frame (after RoPE, or rotated back to position 0 where
+        ``layout.keys_at_zero``: the model side, ``inference/encode.py``, hands them so, and
+        the ranges are cut after that rotation). Entries are keyed by their key (the
+        ``content_key`` of a whole chunk); a key repeated in ``entries`` is stored once (first
+        wins). Each shard is written whole, read back and verified, renamed into place, and only
+        then are its rows appended; the rows of all shards are returned.
         """
         unique = distinct_entries(self.layout, entries)
+        return self._write(unique, run_id, stored=False)
+
+    def write_stored(
+        self, entries: Sequence[tuple[ChunkRow | KvEntry, np.ndarray]], run_id: str
+    ) -> list[KvManifestRow]:
+        """:meth:`write_entries` for entries given as their stored values
+        (:meth:`read_stored`; an entry of kept ranges as a :class:`KvEntry`): written bit for
+        bit as they are (no decode, no re-encode)."""
+        return self._write(list(entries), run_id, stored=True)
+
+    def _write(self, unique: list[Any], run_id: str, stored: bool) -> list[KvManifestRow]:
         rows: list[KvManifestRow] = []
         step = self.layout.slots_per_shard
         for start in range(0, len(unique), step):
-            staged = self.stage_shard(unique[start : start + step], run_id)
+            staged = self._stager.stage(unique[start : start + step], run_id, stored)
             rows += self.publish_shard(staged, run_id)
         return rows
 

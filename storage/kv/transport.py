@@ -55,8 +55,9 @@ class KvTransport(ABC):
     object store. Paths are the store's (``Store.kv_dir(...) / ...``)."""
 
     # Object stores pay a round trip per request, so they remember a shard whose files checked
-    # out (objects are written once), fetch all ranges of a check at once, and read slices as
-    # ranged GETs decoded here instead of through Zarr's one-block-at-a-time reader.
+    # out (objects are written once) and fetch all ranges of a check at once. Both transports
+    # read entries and slices as byte ranges decoded here (``ranged_slice_reads``) instead of
+    # through Zarr's reader, which reads the shard index and then each block on every read.
     remember_file_checks: ClassVar[bool]
     verify_ranges_at_once: ClassVar[bool]
     ranged_slice_reads: ClassVar[bool]
@@ -127,7 +128,7 @@ class LocalTransport(KvTransport):
 
     remember_file_checks = False
     verify_ranges_at_once = False
-    ranged_slice_reads = False
+    ranged_slice_reads = True  # one pread per read, no index reads (see reads.gather_ranges)
 
     def zarr_store(self, path: PurePath, read_only: bool = False) -> Any:
         return LocalStore(path, read_only=read_only)

@@ -13,7 +13,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
+from typing import Any
 
+import numpy as np
 import torch
 
 from schemas.keys import CODE_VERSION
@@ -125,9 +127,32 @@ def distinct_entries(
             raise ValueError(
                 f"KV of {entry.chunk_id} has shape {tuple(kv.shape)}, expected {expected}"
             )
-        if kv.dtype != layout.torch_dtype:
+        lossy_input = not layout.codec.lossless and kv.dtype == torch.float32
+        if kv.dtype != layout.torch_dtype and not lossy_input:  # a lossy codec quantizes float32
             raise ValueError(f"KV of {entry.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
         unique.append((entry, kv))
+    return unique
+
+
+def distinct_stored(
+    layout: KvLayout, entries: Sequence[tuple[ChunkRow | KvEntry, np.ndarray]]
+) -> list[tuple[KvEntry, np.ndarray]]:
+    """Like :func:`distinct_entries`, for entries given as the codec's stored values (checked
+    against what the codec stores for their stored token counts)."""
+    seen: set[str] = set()
+    unique: list[tuple[KvEntry, np.ndarray]] = []
+    for ref, stored in entries:
+        entry = KvEntry.of(ref)
+        if entry.key in seen:
+            continue
+        seen.add(entry.key)
+        expected = layout.entry_bytes(entry.stored_tokens)
+        if stored.dtype != layout.storage_dtype or stored.nbytes != expected:
+            raise ValueError(
+                f"stored values of {entry.chunk_id} are {stored.dtype} {tuple(stored.shape)}, "
+                f"expected {expected} bytes of {layout.storage_dtype}"
+            )
+        unique.append((entry, stored))
     return unique
 
 
@@ -160,26 +185,31 @@ class ShardStager:
         self.files = LocalFiles(direct_io)
 
     def stage(
-        self, group: Sequence[tuple[ChunkRow | KvEntry, torch.Tensor]], run_id: str
+        self,
+        group: Sequence[tuple[ChunkRow | KvEntry, Any]],
+        run_id: str,
+        stored: bool = False,
     ) -> StagedShard:
         """Write one shard of ``group`` (``(chunk or entry, kv)``: :func:`distinct_entries`, at
-        most ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it."""
+        most ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it.
+        ``stored``: each ``kv`` is already the codec's stored values (``KvStore.read_stored``),
+        written as they are (:func:`distinct_stored`)."""
         lay = self.layout
-        group = distinct_entries(lay, group)
+        group = distinct_stored(lay, group) if stored else distinct_entries(lay, group)
         if not 0 < len(group) <= lay.slots_per_shard:
             raise ValueError(f"a shard holds 1..{lay.slots_per_shard} entries, got {len(group)}")
         t0 = time.perf_counter()
-        views = [lay.codec.view(kv) for _, kv in group]
-        tokens = [int(v.shape[3]) for v in views]
+        views = [kv if stored else lay.codec.view(kv, lay) for _, kv in group]
+        tokens = [entry.stored_tokens for entry, _ in group]
         block = lay.block_tokens
         width = max(block, -(-max(tokens) // block) * block)
-        shape = (len(group), *lay.entry_shape(width))
+        shape = lay.codec.array_shape(lay, len(group), width)
         checksums = [entry_checksum(v) for v in views]
         tmp_name = f".tmp-{uuid.uuid4().hex}"
         keys = [entry.content_key for entry, _ in group]
         kept = [None if e.kept is None else e.kept.flat() for e, _ in group]
         attrs = shard_attributes(
-            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, kept
+            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, lay.kv_codec, kept
         )
         write = SHARD_WRITERS[self.encoder]
         with self.transport.staging(self.root, tmp_name, self.fsync) as folder:

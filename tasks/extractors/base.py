@@ -13,8 +13,9 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Protocol
+
+from inference.llm_client import CallRecord
 
 log = logging.getLogger(__name__)
 
@@ -25,24 +26,6 @@ class ExtractionRequest:
 
     key: str
     text: str
-
-
-@dataclass(frozen=True)
-class CallRecord:
-    """One request sent to an endpoint (or one local generation): a row of the ledger."""
-
-    call_id: str
-    key: str  # the ExtractionRequest.key it served
-    attempt: int  # 1-based
-    status: str  # ok | malformed | rate_limited | server_error | timeout | error | expired
-    tokens_in: int
-    tokens_out: int
-    cost_usd: float
-    latency_ms: float
-    started_at: datetime
-    error: str | None = None
-    custom_id: str | None = None
-    batch_id: str | None = None
 
 
 @dataclass

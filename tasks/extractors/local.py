@@ -3,49 +3,16 @@
 A small model (default: the packaged SmolLM2-135M-Instruct) cannot be trusted to write JSON or to
 copy text exactly, so it is never asked to: it is run greedily under a constraint that lets it
 only copy runs of the passage's own tokens. The model only chooses where each span starts, where
-it stops, and when the list ends; every candidate is verbatim by construction.
+it stops, and when the list ends; every candidate is verbatim by construction. The constraint
+(the answer's format, words and tokens, clause heads, the budget of spans) is
+``tasks/extractors/span_copy.py``.
 
-The assistant answer is a list, one span per line::
-
-    - <copy of passage words w_a .. w_b>\\n
-    - <copy of passage words w_c .. w_d>\\n
-    <|im_end|>
-
-The passage is cut into whitespace-delimited words (``rules.segment_words``) and each word is
-tokenized as ``" " + word``: the form it has after ``"-"`` or a previous word in byte-level BPE
-(``"ĠGarcÃŃa"``), so a token never straddles two words and a span maps back to char offsets
-through its word indices, not by decoding. The constraint (:class:`SpanCopyMachine`) per step:
-
-- line start: ``"-"`` (another span) or end-of-turn; ``"-"`` is forced before the first span
-  and while a clause head (below) is still ahead, end-of-turn after the budget of spans or when
-  no admissible start is left;
-- span start: the first token of an admissible word at or after the cursor (spans are in document
-  order and never overlap); admissible: at least ``min_words`` words run from it to the next
-  clause end, and with ``boundaries="clause"`` (default) it opens a clause: the passage's first
-  word, or one after ``. ; : ! ?``, after a comma, or ``which``/``because``... but not ``(``
-  (``"word"``: any word). Coverage: the first admissible word of every clause (a clause shorter
-  than ``min_words`` merged into its neighbour) is a *head* that must start a span, so no word
-  before the next head is offered unless the budget leaves room for the heads still ahead;
-- inside a span: the next passage token (copy), or ``"\n"`` (end the span) at a soft end
-  (``"clause"``: a comma or a clause opener next; ``"word"``: any word end) once the span has
-  ``min_words`` words (``min_head_words`` for a span from a head). The end is forced after a
-  clause end (``. ; : ! ?``, a line break, the last word), at a soft end when the next place to
-  stop lies beyond ``max_words``, and at ``max_words`` words, always at a word end, so a cap
-  never cuts ``"García M"``.
-
-Why heads: left to choose, SmolLM2-135M skips whole sentences (it kept two spans of the *2001: A
-Space Odyssey* summary, neither with "directed by Stanley Kubrick"); a clause's first words carry
-its subject and verb, what a question asks about. The budget is ``max(max_nuggets,
-ceil(spans_per_head * heads))`` spans per passage: every head, plus spans of the model's choice.
-
-A start token may begin several words (``" the"``); all of them stay candidates and the following
-tokens narrow them down, so the model's choice is never silently redirected.
-
-Two drivers make the same greedy choices, ``batch_size`` passages at a time (left-padded):
-``driver="jump"`` (default) is a loop over one KV cache that feeds every forced token (inside a
-word, between two places to stop) in the same forward pass ("jump-forward") and runs the model
-only where there is a choice; ``driver="generate"`` is ``model.generate`` with the
-constraint as a ``LogitsProcessor``, one forward pass per token (the reference).
+Two drivers make the same greedy choices, ``batch_size`` passages at a time (left-padded), both
+``inference/constrained.py``: ``driver="jump"`` (default) is a loop over one KV cache that feeds
+every forced token (inside a word, between two places to stop) in the same forward pass
+("jump-forward") and runs the model only where there is a choice; ``driver="generate"`` is
+``model.generate`` with the constraint as a ``LogitsProcessor``, one forward pass per token (the
+reference).
 """
 
 from __future__ import annotations
@@ -56,19 +23,29 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from inference.constrained import (
+    GreedyChoice,
+    PromptPrefix,
+    decode_constrained,
+    decode_with_generate,
+)
+from inference.llm_client import CallRecord
 from schemas.keys import fingerprint, sha256_hex
 from tasks.extractors.base import (
-    CallRecord,
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
     ResultReporter,
 )
-from tasks.extractors.rules import WordSpans, merge_short, runs_after, segment_words
+from tasks.extractors.span_copy import (
+    BOUNDARIES,
+    SpanCopyMachine,
+    SpecialIds,
+    tokenize_passage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,505 +70,31 @@ def build_local_messages(text: str) -> list[dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The passage as the machine sees it
+# The extractor
 
 
-@dataclass(frozen=True)
-class PassageTokens:
-    """A passage's words and their tokens. ``T`` = number of tokens, ``W`` = number of words.
-
-    ``token_ids[p]`` (length T): token ``p`` of the passage, words tokenized as ``" " + word``.
-    ``word_of[p]`` (T): the word token ``p`` belongs to. ``first_token[w]`` (W): index of word
-    ``w``'s first token. ``can_start[w]`` (W): a span may start at word ``w``. ``soft_end[w]``
-    (W): a span may stop after word ``w`` by choice. ``clause_end[w]`` (W): a span must stop
-    after word ``w`` (``rules.WordSpans.clause_end``, with a clause shorter than ``min_words``
-    merged into its neighbour: ``"2001:"`` does not end a clause of its own). ``next_stop[w]``
-    (W): the first word after ``w`` where a span may stop (soft or clause end; ``W - 1`` at
-    most). ``heads`` (sorted word indices): the first word of each clause where a span may start,
-    the clause's *head* (its subject and verb usually follow): the words every extraction covers.
-    """
-
-    words: WordSpans
-    token_ids: list[int]
-    word_of: list[int]
-    first_token: list[int]
-    can_start: list[bool]
-    soft_end: list[bool]
-    next_stop: list[int]
-    clause_end: list[bool]
-    heads: list[int]
-
-    def at_boundary(self, p: int) -> bool:
-        """Token ``p`` is the last token of its word."""
-        return p + 1 == len(self.token_ids) or self.word_of[p + 1] != self.word_of[p]
-
-
-BOUNDARIES = ("clause", "word")
-
-
-def tokenize_passage(
-    text: str, tokenizer: Any, min_words: int, boundaries: str = "clause"
-) -> PassageTokens:
-    """Cut ``text`` into words, tokenize each as ``" " + word``, mark where spans may start/stop.
-
-    ``boundaries="clause"``: a span starts at the first word of the passage or after a clause
-    end or a soft end (``rules.WordSpans.soft_end``: after a comma, before ``which``/``because``
-    or ``(``), never at a word opening with a bracket, and stops by choice only at a soft end.
-    ``"word"``: any word may start a span and a span may stop after any word. Either way a start
-    needs ``min_words`` words before the next clause end, and a clause shorter than ``min_words``
-    is merged into its neighbour in the same sentence (``"2001: A Space Odyssey is ..."`` is one
-    clause, as in ``rules``). Each clause's first admissible start is its head.
-    """
-    if boundaries not in BOUNDARIES:
-        raise ValueError(f"boundaries={boundaries!r}: expected one of {BOUNDARIES}")
-    words = segment_words(text)
-    n = len(words)
-    ids: list[list[int]] = (
-        tokenizer([" " + words.word(i) for i in range(n)], add_special_tokens=False)["input_ids"]
-        if n
-        else []
-    )
-    token_ids: list[int] = []
-    word_of: list[int] = []
-    first_token: list[int] = []
-    for w, toks in enumerate(ids):
-        if not toks:  # a tokenizer that drops a word entirely: no way to copy it
-            raise ValueError(f"word {words.word(w)!r} tokenizes to nothing")
-        first_token.append(len(token_ids))
-        token_ids.extend(toks)
-        word_of.extend([w] * len(toks))
-    soft = [True] * n if boundaries == "word" else list(words.soft_end)
-    clause_end = merged_clause_ends(words, min_words)
-    can_start = [False] * n
-    next_stop = [n - 1] * n
-    run, stop = 0, n - 1  # run: words from w through the next clause end
-    for w in range(n - 1, -1, -1):
-        next_stop[w] = stop
-        if soft[w] or clause_end[w]:
-            stop = w
-        run = 1 if clause_end[w] else run + 1
-        opens = w == 0 or soft[w - 1] or clause_end[w - 1]
-        if boundaries == "clause" and words.word(w).startswith(("(", "[")):
-            opens = False  # stop before "(OAPEC)" by choice, never start a nugget with it
-        can_start[w] = opens and run >= min_words
-    heads = []
-    clause_open = True  # no head found yet in the current clause
-    for w in range(n):
-        if clause_open and can_start[w]:
-            heads.append(w)
-            clause_open = False
-        if clause_end[w]:
-            clause_open = True
-    return PassageTokens(
-        words, token_ids, word_of, first_token, can_start, soft, next_stop, clause_end, heads
-    )
-
-
-def merged_clause_ends(words: WordSpans, min_words: int) -> list[bool]:
-    """``words.clause_end`` without the ends of clauses shorter than ``min_words`` words that
-    have a neighbour in their sentence (``rules``' merge: a short lead-in such as ``"2001:"``
-    or ``"Born:"`` joins what follows, a short tail joins what precedes).
-
-    >>> from tasks.extractors.rules import segment_words
-    >>> ws = segment_words("2001: A Space Odyssey is a film; it is long. Yes: no.")
-    >>> [ws.word(i) for i, e in enumerate(merged_clause_ends(ws, 3)) if e]
-    ['film;', 'long.', 'no.']
-    """
-    n = len(words)
-    ends = list(words.clause_end)
-    start = 0
-    for s_end in [i for i in range(n) if words.sentence_end[i]]:
-        clauses = runs_after(words.clause_end, start, s_end + 1)
-        for _lo, hi in clauses[:-1]:
-            ends[hi - 1] = False  # every clause end inside the sentence, restored below
-        for _lo, hi in merge_short(clauses, min_words)[:-1]:
-            ends[hi - 1] = True
-        start = s_end + 1
-    return ends
-
-
-# ---------------------------------------------------------------------------------------------
-# The constraint
-
-
-@dataclass(frozen=True)
-class SpecialIds:
-    """The token ids the answer is made of besides passage tokens."""
-
-    dash: int  # "-" opening a line
-    newline: int  # "\n" ending a span
-    eos: int  # end of the assistant turn
-
-
-@dataclass
-class _Cand:
-    pos: int  # index of the last copied passage token
-    start_word: int
-    n_words: int
-
-
-@dataclass
-class SpanCopyMachine:
-    """The decoding constraint for one passage: which tokens may come next, and the spans so far.
-
-    Use: ``allowed()`` -> token ids; the chosen one goes to ``advance(token_id)``; repeat until
-    ``done``. ``spans`` holds ``(first_word, last_word)`` pairs (inclusive), in document order.
-    Every path through the machine ends (each span consumes at least one word and there are at
-    most ``max_nuggets`` spans), so any choice among ``allowed()``, even a random one, gives
-    verbatim, ordered, non-overlapping, word-aligned spans.
-
-    Coverage: the first ``max_nuggets`` clause heads (``passage.heads``) are *required*: a span
-    starts at each of them. The model chooses where such a span ends (by choice only once it
-    has ``min_head_words`` words, so it carries the clause's subject, verb and object rather
-    than a three-word lead-in) and whether to add spans of its own between two heads, which it
-    may only while enough of the budget remains for the heads still ahead; the list ends only
-    after the last required head.
-    """
-
-    passage: PassageTokens
-    special: SpecialIds
-    max_nuggets: int
-    min_words: int
-    max_words: int
-    min_head_words: int = 1
-    phase: str = "line"  # line | start | span | done
-    cursor: int = 0  # first word a new span may start at
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    n_generated: int = 0
-    _cands: list[_Cand] = field(default_factory=list)
-    _required: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._required = self.passage.heads[: self.max_nuggets]
-
-    @property
-    def done(self) -> bool:
-        return self.phase == "done"
-
-    def _heads_left(self) -> list[int]:
-        """Required heads not covered yet (all at or after the cursor)."""
-        return [h for h in self._required if h >= self.cursor]
-
-    def _starts(self) -> list[int]:
-        """Words the next span may start at: the next required head, or (with budget to spare
-        for the heads after it) any admissible word before it; after the last head, any."""
-        pt = self.passage
-        left = self._heads_left()
-        last = left[0] if left else len(pt.first_token) - 1
-        if left and self.max_nuggets - len(self.spans) <= len(left):
-            return [left[0]]
-        return [w for w in range(self.cursor, last + 1) if pt.can_start[w]]
-
-    def _min_len(self, c: _Cand) -> int:
-        """Words a span needs before it may end at a soft end by choice."""
-        head = c.start_word in self._required
-        return max(self.min_words, self.min_head_words) if head else self.min_words
-
-    def _forced_end(self, c: _Cand) -> bool:
-        """At a word end: a clause end, the cap, or a soft end the next stop lies beyond the cap."""
-        pt = self.passage
-        if not pt.at_boundary(c.pos):
-            return False
-        w = pt.word_of[c.pos]
-        if pt.clause_end[w] or c.n_words >= self.max_words:
-            return True
-        return (
-            pt.soft_end[w]
-            and c.n_words >= self._min_len(c)
-            and c.n_words + (pt.next_stop[w] - w) > self.max_words
-        )
-
-    def _can_end(self, c: _Cand) -> bool:
-        pt = self.passage
-        if not pt.at_boundary(c.pos):
-            return False
-        soft = pt.soft_end[pt.word_of[c.pos]] and c.n_words >= self._min_len(c)
-        return soft or self._forced_end(c)
-
-    def allowed(self) -> list[int]:
-        """Token ids that may come next (never empty; ``[eos]`` once done)."""
-        sp, pt = self.special, self.passage
-        if self.phase in ("done",):
-            return [sp.eos]
-        if self.phase == "line":
-            if len(self.spans) >= self.max_nuggets or not self._starts():
-                return [sp.eos]
-            if not self.spans or self._heads_left():
-                return [sp.dash]
-            return [sp.dash, sp.eos]
-        if self.phase == "start":
-            return sorted({pt.token_ids[pt.first_token[w]] for w in self._starts()})
-        out: set[int] = set()
-        for c in self._cands:
-            if self._can_end(c):
-                out.add(sp.newline)
-            if not self._forced_end(c):
-                out.add(pt.token_ids[c.pos + 1])
-        return sorted(out)
-
-    def advance(self, token_id: int) -> None:
-        """Take the chosen token; raises ValueError for one ``allowed()`` did not offer."""
-        sp, pt = self.special, self.passage
-        if self.phase == "done":
-            return  # padding after the end of a row in a batch
-        self.n_generated += 1
-        if self.phase == "line":
-            if token_id == sp.eos and sp.eos in self.allowed():
-                self.phase = "done"
-                return
-            if token_id == sp.dash and sp.dash in self.allowed():
-                self.phase = "start"
-                return
-        elif self.phase == "start":
-            cands = [
-                _Cand(pt.first_token[w], w, 1)
-                for w in self._starts()
-                if pt.token_ids[pt.first_token[w]] == token_id
-            ]
-            if cands:
-                self._cands, self.phase = cands, "span"
-                return
-        else:  # span
-            if token_id == sp.newline:
-                ends = [c for c in self._cands if self._can_end(c)]
-                if ends:
-                    c = ends[0]  # earliest occurrence: candidates are kept in document order
-                    last = pt.word_of[c.pos]
-                    self.spans.append((c.start_word, last))
-                    self.cursor, self._cands, self.phase = last + 1, [], "line"
-                    return
-            else:
-                cands = [
-                    _Cand(
-                        c.pos + 1,
-                        c.start_word,
-                        c.n_words + (pt.word_of[c.pos + 1] != pt.word_of[c.pos]),
-                    )
-                    for c in self._cands
-                    if not self._forced_end(c) and pt.token_ids[c.pos + 1] == token_id
-                ]
-                if cands:
-                    self._cands = cands
-                    return
-        self.n_generated -= 1
-        raise ValueError(f"token {token_id} not allowed in phase {self.phase!r}")
-
-    def char_spans(self) -> list[tuple[int, int]]:
-        """Char offsets ``(start, end)`` of the finished spans in the passage text."""
-        return [self.passage.words.char_span(a, b) for a, b in self.spans]
-
-    def max_new_tokens(self) -> int:
-        """An upper bound on the answer's length: every passage token once, plus the markup."""
-        return len(self.passage.token_ids) + 2 * self.max_nuggets + 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Drivers
-
-
-def _masked_argmax(logits: Any, allowed: list[int]) -> int:
-    """Greedy choice among ``allowed`` from one row of logits (shape ``[vocab]``)."""
-    if len(allowed) == 1:
-        return allowed[0]
-    sub = logits[allowed]
-    return allowed[int(sub.argmax())]
-
-
-def _left_pad(prompts: list[list[int]], pad: int) -> tuple[Any, Any]:
-    """Token ids ``[B, max P]`` and attention mask ``[B, max P]`` of left-padded prompts."""
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p) :] = 1
-    return ids, mask
-
-
-@dataclass
-class PromptPrefix:
-    """The KV cache of the token ids every prompt starts with (system turn, ``"Passage:"``).
-
-    ``cache`` holds ``ids`` for batch 1 (per layer ``[1, kv_heads, len(ids), head_dim]``);
-    :func:`run_jump_forward` copies it to the batch size instead of recomputing it.
-    """
-
-    ids: list[int]
-    cache: Any
-
-    @classmethod
-    def compute(cls, model: Any, ids: list[int]) -> PromptPrefix:
-        import torch
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache)
-        return cls(list(ids), cache)
-
-
-def run_jump_forward(
+def _jump(
     model: Any,
     prompts: list[list[int]],
     machines: list[SpanCopyMachine],
     pad: int,
-    prefix: PromptPrefix | None = None,
+    prefix: PromptPrefix | None,
 ) -> None:
-    """Greedy constrained decoding of B passages over one KV cache, forced tokens fed in bulk.
-
-    ``prompts``: B chat prompts (token ids), prefilled left-padded as ``[B, max P]``; with a
-    ``prefix`` that every prompt starts with, its cache is copied to the batch and only the rest
-    is prefilled, as ``[B, max P - len(prefix)]`` (the padding then sits between the prefix and
-    the rest, masked out). Then each step: every row picks its token from its logits
-    (``[B, vocab]``, the last position only), adds every following token that has no alternative
-    (inside a word, between two places to stop), and the rows' tokens are fed together as
-    ``[B, k]``, each row left-padded to the longest (``k``); pad positions are masked out of
-    attention and never read. A row whose machine is done leaves the batch
-    (``cache.batch_select_indices``). With B = 1 this is plain jump-forward decoding; the choices
-    equal those of :func:`run_generate`.
-    """
-    import copy
-
-    import torch
-    from transformers import DynamicCache
-
-    device = model.device
-    if prefix is not None and all(p[: len(prefix.ids)] == prefix.ids for p in prompts):
-        start = len(prefix.ids)
-        cache = copy.deepcopy(prefix.cache)
-        cache.batch_repeat_interleave(len(prompts))
-    else:
-        start, cache = 0, DynamicCache()
-    ids, mask = _left_pad([p[start:] for p in prompts], pad)
-    positions = start + (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P - start]
-    if start:
-        mask = torch.cat([torch.ones((len(prompts), start), dtype=torch.long), mask], dim=-1)
-    n_real = mask.sum(-1)  # [B] real tokens per row so far
-    active = list(range(len(prompts)))  # machine index of each cache row
-    with torch.inference_mode():
-        logits = (
-            model(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            .logits[:, -1]
-            .float()
-        )  # [B, vocab]
-        while True:
-            pending: list[list[int]] = []
-            for row, i in enumerate(active):
-                m = machines[i]
-                tok = _masked_argmax(logits[row], m.allowed())
-                m.advance(tok)
-                run = [tok]
-                while not m.done and len(allowed := m.allowed()) == 1:
-                    m.advance(allowed[0])
-                    run.append(allowed[0])
-                pending.append(run)
-            keep = [row for row, i in enumerate(active) if not machines[i].done]
-            if not keep:
-                return
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, dtype=torch.long)
-                cache.batch_select_indices(sel.to(device))
-                mask, n_real = mask[sel], n_real[sel]
-                active = [active[r] for r in keep]
-                pending = [pending[r] for r in keep]
-            k = max(len(run) for run in pending)
-            step_ids = torch.full((len(active), k), pad, dtype=torch.long)
-            step_mask = torch.zeros((len(active), k), dtype=torch.long)
-            for row, run in enumerate(pending):
-                step_ids[row, k - len(run) :] = torch.tensor(run, dtype=torch.long)
-                step_mask[row, k - len(run) :] = 1
-            step_pos = n_real[:, None] + (step_mask.cumsum(-1) - 1).clamp(min=0)  # [B, k]
-            mask = torch.cat([mask, step_mask], dim=-1)  # [B, past + k]
-            n_real = n_real + step_mask.sum(-1)
-            logits = (
-                model(
-                    input_ids=step_ids.to(device),
-                    attention_mask=mask.to(device),
-                    position_ids=step_pos.to(device),
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                .logits[:, -1]
-                .float()
-            )
+    decode_constrained(model, prompts, machines, GreedyChoice(), pad, prefix=prefix)
 
 
-def _constraint_processor(machines: list[SpanCopyMachine], prompt_len: int) -> Any:
-    """A ``LogitsProcessor`` for ``generate`` that masks each row's scores to its machine's tokens.
-
-    ``input_ids``: ``[B, P + t]`` (left-padded prompts and the ``t`` tokens generated so far);
-    ``scores``: ``[B, vocab]``. The tokens appended since the previous call go to the machines.
-    (Built here so that importing this module does not import transformers.)
-    """
-    import torch
-    from transformers import LogitsProcessor
-
-    class ConstraintProcessor(LogitsProcessor):
-        def __init__(self) -> None:
-            self.seen = prompt_len
-
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            cur = input_ids.shape[1]
-            for p in range(self.seen, cur):
-                for row, m in enumerate(machines):
-                    m.advance(int(input_ids[row, p]))
-            self.seen = cur
-            keep = torch.zeros_like(scores, dtype=torch.bool)
-            for row, m in enumerate(machines):
-                keep[row, m.allowed()] = True
-            return scores.masked_fill(~keep, float("-inf"))
-
-    return ConstraintProcessor()
-
-
-def run_generate(
-    model: Any, prompts: list[list[int]], machines: list[SpanCopyMachine], pad: int
+def _generate(
+    model: Any,
+    prompts: list[list[int]],
+    machines: list[SpanCopyMachine],
+    pad: int,
+    prefix: PromptPrefix | None,
 ) -> None:
-    """Greedy constrained decoding of B passages in one ``model.generate`` call: the reference.
-
-    ``prompts``: B token-id lists, fed left-padded as ``[B, max P]`` with a ``[B, max P]`` mask;
-    the constraint is a ``LogitsProcessor``. One forward pass per generated token.
-    """
-    import torch
-    from transformers import GenerationConfig, LogitsProcessorList
-
-    ids, mask = _left_pad(prompts, pad)
-    width = ids.shape[1]
-    config = GenerationConfig(
-        max_new_tokens=max(m.max_new_tokens() for m in machines),
-        do_sample=False,
-        eos_token_id=machines[0].special.eos,
-        pad_token_id=pad,
-    )
-    proc = _constraint_processor(machines, width)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids.to(model.device),
-            attention_mask=mask.to(model.device),
-            generation_config=config,
-            logits_processor=LogitsProcessorList([proc]),
-        )
-    # feed the last sampled token (generate does not call the processor after it)
-    for p in range(proc.seen, out.shape[1]):
-        for row, m in enumerate(machines):
-            m.advance(int(out[row, p]))
+    decode_with_generate(model, prompts, machines, pad, machines[0].special.eos)
 
 
-# ---------------------------------------------------------------------------------------------
-# The extractor
-
-
-_DRIVERS = ("jump", "generate")
+# driver name -> how a batch is decoded (the same greedy choices; "generate" is the reference)
+_DRIVERS = {"jump": _jump, "generate": _generate}
 
 
 def _single_token(tokenizer: Any, text: str) -> int:
@@ -776,10 +279,8 @@ class LocalConstrainedExtractor:
         tok, model = self.loaded.tokenizer, self.loaded.model
         reset_rotary(model)  # the model is shared with the KV stage: no grown dynamic-NTK state
         pad = tok.pad_token_id if tok.pad_token_id is not None else machines[0].special.eos
-        if self.driver == "jump":
-            run_jump_forward(model, prompts, machines, pad, prefix=self._prompt_prefix())
-        else:
-            run_generate(model, prompts, machines, pad)
+        prefix = self._prompt_prefix() if self.driver == "jump" else None
+        _DRIVERS[self.driver](model, prompts, machines, pad, prefix)
         return machines, [len(p) for p in prompts], time.perf_counter() - t0
 
     def extract(

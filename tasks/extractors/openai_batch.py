@@ -14,7 +14,7 @@ missing or is malformed is submitted again in the next round, up to ``max_rounds
 or cancelled batch keeps the answers it did produce. After the last round the leftovers are
 ``status="failed"`` with the last reason: no chunk is ever lost.
 
-Ledger: one :class:`~tasks.extractors.base.CallRecord` per request per round (``attempt`` = the
+Ledger: one :class:`~inference.llm_client.CallRecord` per request per round (``attempt`` = the
 round), with ``custom_id``, ``batch_id``, tokens from the answer's ``usage`` and the cost at batch
 prices; status ``ok``, ``malformed``, ``expired`` or ``error``.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import tempfile
 import threading
@@ -44,9 +43,17 @@ from typing import Any, TypeVar
 
 import openai
 
+from inference.llm_client import (
+    CallRecord,
+    LlmEndpoint,
+    MalformedResponse,
+    RetryPolicy,
+    classify_error,
+    new_call_id,
+)
+from inference.llm_pricing import call_cost
 from schemas.keys import sha256_hex
 from tasks.extractors.base import (
-    CallRecord,
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
@@ -55,22 +62,13 @@ from tasks.extractors.base import (
 from tasks.extractors.openai_chat import (
     MODE_JSON_SCHEMA,
     MODE_PROMPT,
-    backoff_delay,
-    classify_error,
-    describe_error,
     extractor_fingerprint,
     group_requests,
-    known_secrets,
-    make_client,
-    new_call_id,
     requested_format,
     response_format_param,
-    retry_after_seconds,
-    scrub,
     spread_results,
 )
-from tasks.extractors.pricing import call_cost
-from tasks.extractors.prompt import PROMPT_VERSION, MalformedResponse, build_messages, parse_nuggets
+from tasks.extractors.prompt import PROMPT_VERSION, build_messages, parse_nuggets
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +176,9 @@ class OpenAIBatchExtractor:
         self.max_rounds = max_rounds
         self.max_requests_per_batch = max_requests_per_batch
         self.max_bytes_per_batch = max_bytes_per_batch
-        self.max_attempts = max_attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.retry_after_max_s = retry_after_max_s
         self.state_path = Path(state_path) if state_path is not None else None
-        self._client = make_client(client, base_url=base_url, api_key=api_key, timeout_s=timeout_s)
-        self._secrets = known_secrets(self._client) + ((api_key,) if api_key else ())
-        self._sleep = sleep
-        self._rng = random.Random()
+        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
+        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._state_jobs: list[_Job] = []
@@ -329,13 +321,13 @@ class OpenAIBatchExtractor:
             try:
                 uploaded = self._api(
                     "upload",
-                    lambda payload=payload, name=name: self._client.files.create(
+                    lambda payload=payload, name=name: self.endpoint.client.files.create(
                         file=(name, payload, "application/jsonl"), purpose="batch"
                     ),
                 )
             except Exception as exc:
                 job.status = "failed"
-                job.error = f"upload failed: {describe_error(exc, self._secrets)}"
+                job.error = f"upload failed: {self.endpoint.describe(exc)}"
                 log.error("round %d batch %d: %s", round_, i, job.error)
                 jobs.append(job)
                 continue
@@ -359,7 +351,7 @@ class OpenAIBatchExtractor:
         try:
             batch = self._api(
                 "create batch",
-                lambda: self._client.batches.create(
+                lambda: self.endpoint.client.batches.create(
                     input_file_id=file_id,
                     endpoint=ENDPOINT,
                     completion_window="24h",
@@ -368,7 +360,7 @@ class OpenAIBatchExtractor:
             )
         except Exception as exc:
             job.status = "failed"
-            job.error = f"batch creation failed: {describe_error(exc, self._secrets)}"
+            job.error = f"batch creation failed: {self.endpoint.describe(exc)}"
             log.error("round %d: %s", job.round, job.error)
             return
         job.batch_id = batch.id
@@ -390,18 +382,18 @@ class OpenAIBatchExtractor:
                 self._poll(job)
             if all(j.status in TERMINAL_STATUSES for j in active):
                 return
-            self._sleep(self.poll_interval_s)
+            self.endpoint.retry.sleep(self.poll_interval_s)
 
     def _poll(self, job: _Job) -> None:
         batch_id = job.batch_id
         assert batch_id is not None
         try:
-            batch = self._api("poll", lambda: self._client.batches.retrieve(batch_id))
+            batch = self._api("poll", lambda: self.endpoint.client.batches.retrieve(batch_id))
         except Exception as exc:
-            msg = describe_error(exc, self._secrets)
+            msg = self.endpoint.describe(exc)
             job.poll_failures += 1
             status, retryable, _ = classify_error(exc)
-            if not retryable or job.poll_failures >= self.max_attempts:
+            if not retryable or job.poll_failures >= self.endpoint.retry.max_attempts:
                 job.status = "failed"
                 job.error = f"could not poll batch {batch_id}: {msg}"
                 log.error("round %d: %s", job.round, job.error)
@@ -430,7 +422,7 @@ class OpenAIBatchExtractor:
     # ----------------------------------------------------------------------- results
 
     def _download(self, file_id: str) -> str:
-        return self._api("download", lambda: self._client.files.content(file_id)).text
+        return self._api("download", lambda: self.endpoint.client.files.content(file_id)).text
 
     def _collect(
         self,
@@ -451,9 +443,7 @@ class OpenAIBatchExtractor:
                 try:
                     text = self._download(file_id)
                 except Exception as exc:
-                    problems.append(
-                        f"download of {file_id} failed: {describe_error(exc, self._secrets)}"
-                    )
+                    problems.append(f"download of {file_id} failed: {self.endpoint.describe(exc)}")
                     continue
                 for line in text.splitlines():
                     if not line.strip():
@@ -475,7 +465,7 @@ class OpenAIBatchExtractor:
         ok_keys: list[str] = []
         for cid, key in job.serves.items():
             outcome = outcomes.get(cid, default)
-            error = scrub(outcome.error, self._secrets) if outcome.error else None
+            error = self.endpoint.scrub(outcome.error) if outcome.error else None
             calls[key].append(
                 CallRecord(
                     call_id=new_call_id(),
@@ -567,7 +557,9 @@ class OpenAIBatchExtractor:
         except MalformedResponse as exc:
             return _Outcome("malformed", tokens_in, tokens_out, error=f"malformed answer: {exc}")
         except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
-            return _Outcome("malformed", error=f"unexpected result line: {describe_error(exc)}")
+            return _Outcome(
+                "malformed", error=f"unexpected result line: {self.endpoint.describe(exc)}"
+            )
         return _Outcome("ok", tokens_in, tokens_out, candidates=candidates)
 
     def _maybe_downgrade(self, mode: str, text: str) -> None:
@@ -607,19 +599,16 @@ class OpenAIBatchExtractor:
             except Exception as exc:
                 failures += 1
                 _, retryable, _ = classify_error(exc)
-                if not retryable or failures >= self.max_attempts:
+                if not retryable or failures >= self.endpoint.retry.max_attempts:
                     raise
-                delay = backoff_delay(failures, self.backoff_base_s, self.backoff_max_s, self._rng)
-                server_delay = retry_after_seconds(exc)
-                if server_delay is not None:
-                    delay = min(server_delay, self.retry_after_max_s)
+                delay = self.endpoint.retry.delay(failures, exc)
                 log.warning(
                     "%s failed (%s); retrying in %.2fs",
                     what,
-                    describe_error(exc, self._secrets),
+                    self.endpoint.describe(exc),
                     delay,
                 )
-                self._sleep(delay)
+                self.endpoint.retry.sleep(delay)
 
     def _load_state(self) -> list[_Job]:
         path = self.state_path

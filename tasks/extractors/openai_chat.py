@@ -3,7 +3,8 @@
 Works with api.openai.com and with any OpenAI-compatible server (``base_url=``). The official
 ``openai.OpenAI`` client reads ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL`` itself; its own retries
 are switched off (``max_retries=0``) so that every HTTP attempt is retried, timed and ledgered
-here, as one :class:`~tasks.extractors.base.CallRecord` each.
+here, as one :class:`~inference.llm_client.CallRecord` each (the client, retries, error
+classes and scrubbing are ``inference/llm_client.py``'s, shared with self-study).
 
 Retries: 429 (honouring ``Retry-After`` / ``retry-after-ms``), 5xx, 408/409, timeouts and
 connection errors, with exponential backoff and jitter, up to ``max_attempts`` per request. A
@@ -18,20 +19,15 @@ does not support it falls back to ``json_object``, then to plain prompting, and 
 decision for the rest of the extractor's life. The fingerprint holds the *requested* mode.
 
 The API key never appears in a ledger row, a log line or an error message produced here: every
-text coming from the client is passed through :func:`scrub`.
+text coming from the client is passed through ``inference.llm_client.scrub``.
 """
 
 from __future__ import annotations
 
-import email.utils
 import logging
-import os
-import random
-import re
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -39,19 +35,25 @@ from typing import Any
 
 import openai
 
+from inference.llm_client import (
+    CallRecord,
+    LlmEndpoint,
+    MalformedResponse,
+    RetryPolicy,
+    classify_error,
+    content_of,
+    usage_of,
+)
 from schemas.keys import fingerprint as _fingerprint
 from tasks.extractors.base import (
-    CallRecord,
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
     ResultReporter,
 )
-from tasks.extractors.pricing import call_cost
 from tasks.extractors.prompt import (
     PROMPT_VERSION,
     RESPONSE_SCHEMA,
-    MalformedResponse,
     build_messages,
     parse_nuggets,
 )
@@ -62,9 +64,6 @@ MODE_JSON_SCHEMA = "json_schema"
 MODE_JSON_OBJECT = "json_object"
 MODE_PROMPT = "prompt"
 _NEXT_MODE = {MODE_JSON_SCHEMA: MODE_JSON_OBJECT, MODE_JSON_OBJECT: MODE_PROMPT}
-
-_MAX_ERROR_CHARS = 500
-
 
 # --------------------------------------------------------------------------- shared helpers
 # (also used by openai_batch)
@@ -100,117 +99,6 @@ def extractor_fingerprint(backend: str, model: str, temperature: float, fmt: str
     )
 
 
-_KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\-]{6,}")
-_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\",}]+")
-_URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
-
-
-def scrub(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with the given secrets, anything shaped like an API key, bearer tokens and URL
-    credentials replaced by ``***``."""
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
-    text = _KEY_LIKE.sub("sk-***", text)
-    text = _BEARER.sub(r"\1***", text)
-    return _URL_USERINFO.sub(r"\1***@", text)
-
-
-def known_secrets(client: Any) -> tuple[str, ...]:
-    """The API keys this process could send: the client's and ``OPENAI_API_KEY``."""
-    found = []
-    for value in (getattr(client, "api_key", None), os.environ.get("OPENAI_API_KEY")):
-        if isinstance(value, str) and value:
-            found.append(value)
-    return tuple(found)
-
-
-def describe_error(exc: BaseException, secrets: Iterable[str] = ()) -> str:
-    """A short, scrubbed, one-line description of an exception."""
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    text = scrub(text, secrets)
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
-
-
-def classify_error(exc: BaseException) -> tuple[str, bool, bool]:
-    """``(ledger status, retryable, fatal)`` for an exception raised by a client call.
-
-    Fatal errors (bad key, no permission, unknown model, no quota) stop the whole run.
-    """
-    if isinstance(exc, openai.APITimeoutError):
-        return "timeout", True, False
-    if isinstance(exc, openai.APIConnectionError):
-        return "error", True, False
-    if isinstance(exc, openai.RateLimitError):
-        if getattr(exc, "code", None) == "insufficient_quota":
-            return "rate_limited", False, True
-        return "rate_limited", True, False
-    if isinstance(exc, openai.APIStatusError):
-        code = exc.status_code
-        if code >= 500:
-            return "server_error", True, False
-        if code == 408:
-            return "timeout", True, False
-        if code == 409:
-            return "error", True, False
-        return "error", False, code in (401, 403, 404)
-    return "error", False, False
-
-
-def retry_after_seconds(exc: BaseException) -> float | None:
-    """The server's ``retry-after-ms`` / ``Retry-After`` (seconds or HTTP date), if any."""
-    response = getattr(exc, "response", None)
-    headers = getattr(response, "headers", None)
-    if headers is None:
-        return None
-    value = headers.get("retry-after-ms")
-    if value is not None:
-        try:
-            return max(0.0, float(value) / 1000.0)
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        parsed = email.utils.parsedate_tz(value)
-        if parsed is None:
-            return None
-        return max(0.0, email.utils.mktime_tz(parsed) - time.time())
-
-
-def backoff_delay(failures: int, base_s: float, max_s: float, rng: random.Random) -> float:
-    """Exponential backoff with jitter: ``min(max_s, base_s * 2**(failures-1))``, scaled by a
-    random factor in [0.5, 1]."""
-    ceiling = min(max_s, base_s * (2 ** max(0, failures - 1)))
-    return ceiling / 2 + rng.uniform(0, ceiling / 2)
-
-
-def make_client(
-    client: openai.OpenAI | None,
-    *,
-    base_url: str | None,
-    api_key: str | None,
-    timeout_s: float,
-) -> openai.OpenAI:
-    """The client to use, with its own retries off and the request timeout set."""
-    if client is not None:
-        return client.with_options(max_retries=0, timeout=timeout_s)
-    kwargs: dict[str, Any] = {"max_retries": 0, "timeout": timeout_s}
-    if base_url is not None:
-        kwargs["base_url"] = base_url
-    if api_key is not None:
-        kwargs["api_key"] = api_key
-    return openai.OpenAI(**kwargs)
-
-
-def new_call_id() -> str:
-    """A unique id for one ledger row."""
-    return "call-" + uuid.uuid4().hex
-
-
 def group_requests(
     requests: Sequence[ExtractionRequest],
 ) -> tuple[dict[str, ExtractionRequest], dict[str, list[int]]]:
@@ -238,33 +126,6 @@ def spread_results(
 
 
 # --------------------------------------------------------------------------- the extractor
-
-
-def chat_call_record(
-    key: str,
-    llm_model: str,
-    attempt: int,
-    status: str,
-    started_at: datetime,
-    t0: float,
-    tokens_in: int = 0,
-    tokens_out: int = 0,
-    error: str | None = None,
-) -> CallRecord:
-    """The ledger record of one chat-completions attempt that began at ``perf_counter() == t0``
-    (list prices; latency measured up to now)."""
-    return CallRecord(
-        call_id=new_call_id(),
-        key=key,
-        attempt=attempt,
-        status=status,
-        tokens_in=tokens_in,
-        tokens_out=tokens_out,
-        cost_usd=call_cost(llm_model, tokens_in, tokens_out, batch=False),
-        latency_ms=(time.perf_counter() - t0) * 1000.0,
-        started_at=started_at,
-        error=error,
-    )
 
 
 class OpenAIChatExtractor:
@@ -298,17 +159,11 @@ class OpenAIChatExtractor:
             raise ValueError("max_attempts must be >= 1")
         self.llm_model = model
         self.concurrency = concurrency
-        self.max_attempts = max_attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.retry_after_max_s = retry_after_max_s
         self.timeout_s = timeout_s
         self.temperature = temperature
         self.structured = structured
-        self._client = make_client(client, base_url=base_url, api_key=api_key, timeout_s=timeout_s)
-        self._secrets = known_secrets(self._client) + ((api_key,) if api_key else ())
-        self._sleep = sleep
-        self._rng = random.Random()
+        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
+        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._fatal: str | None = None
@@ -340,7 +195,7 @@ class OpenAIChatExtractor:
             try:
                 result = self._extract_one(req)
             except Exception as exc:  # never let one chunk sink the run
-                msg = describe_error(exc, self._secrets)
+                msg = self.endpoint.describe(exc)
                 log.error("extraction of %s crashed: %s", req.key, msg)
                 result = ExtractionResult(key=req.key, status="failed", error=msg)
             report(result)
@@ -374,22 +229,6 @@ class OpenAIChatExtractor:
         text = f"{exc} {getattr(exc, 'param', '') or ''}".lower()
         return any(word in text for word in ("response_format", "json_schema", "json_object"))
 
-    def _record(
-        self,
-        req: ExtractionRequest,
-        attempt: int,
-        status: str,
-        started_at: datetime,
-        t0: float,
-        *,
-        tokens_in: int = 0,
-        tokens_out: int = 0,
-        error: str | None = None,
-    ) -> CallRecord:
-        return chat_call_record(
-            req.key, self.llm_model, attempt, status, started_at, t0, tokens_in, tokens_out, error
-        )
-
     def _extract_one(self, req: ExtractionRequest) -> ExtractionResult:
         calls: list[CallRecord] = []
         messages = build_messages(req.text)
@@ -414,81 +253,54 @@ class OpenAIChatExtractor:
             started_at = datetime.now(UTC)
             t0 = time.perf_counter()
             try:
-                completion = self._client.chat.completions.create(**kwargs)
+                completion = self.endpoint.client.chat.completions.create(**kwargs)
             except Exception as exc:
-                msg = describe_error(exc, self._secrets)
+                msg = self.endpoint.describe(exc)
                 if self._format_unsupported(exc, mode):
                     new_mode = self._downgrade(mode)
                     note = f"response_format {mode} unsupported, falling back to {new_mode}: {msg}"
-                    calls.append(self._record(req, attempt, "error", started_at, t0, error=note))
+                    rec = self.endpoint.record(
+                        req.key, attempt, "error", started_at, t0, error=note
+                    )
+                    calls.append(rec)
                     continue
                 status, retryable, fatal = classify_error(exc)
-                calls.append(self._record(req, attempt, status, started_at, t0, error=msg))
+                rec = self.endpoint.record(req.key, attempt, status, started_at, t0, error=msg)
+                calls.append(rec)
                 spent += 1
                 failures += 1
                 if fatal:
                     self._fatal = msg
                     log.error("fatal endpoint error, failing the rest of the run: %s", msg)
                     return ExtractionResult(req.key, "failed", error=msg, calls=calls)
-                if not retryable or spent >= self.max_attempts:
+                if not retryable or spent >= self.endpoint.retry.max_attempts:
                     error = f"{status} after {spent} attempt(s): {msg}"
                     log.warning("%s failed: %s", req.key, error)
                     return ExtractionResult(req.key, "failed", error=error, calls=calls)
-                delay = backoff_delay(failures, self.backoff_base_s, self.backoff_max_s, self._rng)
-                server_delay = retry_after_seconds(exc)
-                if server_delay is not None:
-                    delay = min(max(server_delay, 0.0), self.retry_after_max_s)
+                delay = self.endpoint.retry.delay(failures, exc)
                 log.warning("%s attempt %d: %s; retrying in %.2fs", req.key, attempt, msg, delay)
-                self._sleep(delay)
+                self.endpoint.retry.sleep(delay)
                 continue
 
             failures = 0
-            usage = getattr(completion, "usage", None)
-            tokens_in = int(getattr(usage, "prompt_tokens", 0) or 0)
-            tokens_out = int(getattr(usage, "completion_tokens", 0) or 0)
+            tokens_in, tokens_out = usage_of(completion)
             try:
-                nuggets = parse_nuggets(_content_of(completion))
+                nuggets = parse_nuggets(content_of(completion))
             except MalformedResponse as exc:
-                msg = scrub(f"malformed answer: {exc}", self._secrets)
-                calls.append(
-                    self._record(
-                        req,
-                        attempt,
-                        "malformed",
-                        started_at,
-                        t0,
-                        tokens_in=tokens_in,
-                        tokens_out=tokens_out,
-                        error=msg,
-                    )
+                msg = self.endpoint.scrub(f"malformed answer: {exc}")
+                rec = self.endpoint.record(
+                    req.key, attempt, "malformed", started_at, t0, tokens_in, tokens_out, msg
                 )
+                calls.append(rec)
                 spent += 1
-                if spent >= self.max_attempts:
+                if spent >= self.endpoint.retry.max_attempts:
                     error = f"malformed after {spent} attempt(s): {exc}"
                     log.warning("%s failed: %s", req.key, error)
                     return ExtractionResult(req.key, "failed", error=error, calls=calls)
                 log.info("%s attempt %d: %s; retrying", req.key, attempt, msg)
                 continue
-            calls.append(
-                self._record(
-                    req, attempt, "ok", started_at, t0, tokens_in=tokens_in, tokens_out=tokens_out
-                )
+            rec = self.endpoint.record(
+                req.key, attempt, "ok", started_at, t0, tokens_in, tokens_out
             )
+            calls.append(rec)
             return ExtractionResult(req.key, "ok", candidates=nuggets, calls=calls)
-
-
-def _content_of(completion: Any) -> str | None:
-    """The message content of the first choice; a refusal or odd shape is malformed."""
-    choices = getattr(completion, "choices", None)
-    if not choices:
-        raise MalformedResponse("no choices in the response")
-    message = getattr(choices[0], "message", None)
-    if message is None:
-        raise MalformedResponse("no message in the first choice")
-    refusal = getattr(message, "refusal", None)
-    if refusal:
-        raise MalformedResponse(f"refusal: {refusal}")
-    content = getattr(message, "content", None)
-    if content is not None and not isinstance(content, str):
-        raise MalformedResponse("message content is not a string")
-    return content

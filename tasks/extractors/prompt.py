@@ -11,6 +11,7 @@ import json
 import re
 from typing import Any
 
+from inference.llm_client import MalformedResponse
 from schemas.keys import sha256_hex
 
 SYSTEM_PROMPT = (
@@ -37,10 +38,6 @@ RESPONSE_SCHEMA: dict[str, Any] = {
         "additionalProperties": False,
     },
 }
-
-
-class MalformedResponse(ValueError):
-    """The model's answer is not the JSON object the prompt asks for."""
 
 
 def build_messages(text: str) -> list[dict[str, str]]:

@@ -45,30 +45,30 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from flows.cartridges import CartridgeSettings, build_pool, train_key  # noqa: E402
+from flows.cartridges import build_pool, train_key  # noqa: E402
 from inference.assemble import assemble_cartridges  # noqa: E402
-from inference.cartridge_rag import CartridgeRag, text_rag_answer  # noqa: E402
 from inference.encode import document_kv, prefix_kv, to_dynamic_cache  # noqa: E402
 from inference.generate import prefill_and_decode  # noqa: E402
+from inference.methods.cartridge import CartridgeRag, text_rag_answer  # noqa: E402
 from inference.models import load_model  # noqa: E402
 from inference.prompt import RagPrompt  # noqa: E402
 from inference.rope import RopeSpec  # noqa: E402
 from schemas.keys import CODE_VERSION, doc_version  # noqa: E402
+from schemas.settings import CartridgeSettings, TeacherSettings  # noqa: E402
 from schemas.tables import DocumentRow  # noqa: E402
 from storage.cartridges import CartridgeLayout, CartridgeStore  # noqa: E402
 from storage.store import Store  # noqa: E402
 from storage.tables import append_rows  # noqa: E402
+from tasks.question_generators.local import LocalQuestionGenerator  # noqa: E402
+from tasks.questions import selfstudy_stage  # noqa: E402
+from tasks.teacher import teacher_stage  # noqa: E402
 from training.budget import CartridgeTrainer, train_bytes  # noqa: E402
 from training.cartridges import (  # noqa: E402
+    CartridgeSpec,
     Example,
     student_logprobs,
     topk_kl,
 )
-from training.selfstudy import (  # noqa: E402
-    LocalQuestionGenerator,
-    selfstudy_stage,
-)
-from training.teacher import TeacherConfig, teacher_stage  # noqa: E402
 
 MIB = 2**20
 
@@ -196,7 +196,7 @@ def main() -> None:
 
     # 3. teacher -----------------------------------------------------------------------------
     t0 = time.perf_counter()
-    tcfg = TeacherConfig(max_new_tokens=args.max_new_tokens, batch_size=args.questions)
+    tcfg = TeacherSettings(max_new_tokens=args.max_new_tokens, batch_size=args.questions)
     answers, tc = teacher_stage(
         store, model, tok, prompt, loaded.model_fp, docs, questions, tcfg, run_id="teacher-bench"
     )
@@ -239,7 +239,7 @@ def main() -> None:
         eval_ex = [e for e in examples if e.example_id in eval_ids]
         cstore = CartridgeStore.create(store, CartridgeLayout.for_model(model, loaded.model_fp))
         trainer = CartridgeTrainer(
-            model, prompt, rope, cstore, pool, train_ex, s.spec(), s.train(),
+            model, prompt, rope, cstore, pool, train_ex, CartridgeSpec.from_settings(s), s.train(),
             run_id=f"train-{name}", train_key=train_key(cfp, pool, train_ex),
         )  # fmt: skip
         if not init_z:

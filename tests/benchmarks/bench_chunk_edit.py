@@ -25,6 +25,7 @@ import json
 import random
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,13 @@ from pathlib import Path
 import torch
 
 from inference.models import load_tokenizer, tokenizer_fingerprint
-from infra.python_faq import corpus as python_docs_corpus
 from tasks.chunk import chunk_document
 from tasks.chunk_content import ContentParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (store_fixtures)
+from store_fixtures import REPO, load_script  # noqa: E402
+
+python_docs_corpus = load_script(REPO / "infra" / "python_faq.py").corpus
 
 EDIT_KINDS = (
     "replace-sentence",

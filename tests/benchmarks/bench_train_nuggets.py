@@ -29,12 +29,13 @@ def run_one(args: argparse.Namespace, mode: str, lora: bool) -> dict:
     """Train ``args.steps`` steps in this process; return timings and peak RSS."""
     import torch
 
-    from training.nuggets import TrainConfig, run_training
+    from schemas.settings import FinetuneSettings
+    from training.finetune import run_training
 
     torch.set_num_threads(args.threads)
     stamps: list[float] = []
     started = time.perf_counter()
-    cfg = TrainConfig(
+    cfg = FinetuneSettings(
         mode=mode,
         lora=lora,
         batch_size=args.batch_size,

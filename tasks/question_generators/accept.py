@@ -1,6 +1,6 @@
 """What a self-study question generator answered: parsing, and which items are usable questions.
 
-The generator is asked for one thing (``training/selfstudy.py``): a JSON array of strings, each a
+The generator is asked for one thing (``prompt.py``): a JSON array of strings, each a
 question or a request about the document (``question``: questions; ``structuring``,
 ``summarization``, ``use_case``, ``creative``: requests such as "Organise ... as a table").
 Anything else is dropped and counted with its reason, never trained on:

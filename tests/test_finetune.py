@@ -1,8 +1,7 @@
-"""Nugget-aware fine-tuning (training/nuggets.py, flows/train.py) on a tiny random Qwen2."""
+"""Nugget-aware fine-tuning (training/finetune.py, flows/train.py) on a tiny random Qwen2."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,21 +10,18 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS
 
-from training.nuggets import (
-    ContextBuilder,
-    DataError,
+from inference.context import LiveKvContext, StoredKvContext
+from schemas.qa import DataError, load_examples
+from schemas.settings import FinetuneSettings
+from training.finetune import (
     Killed,
-    TrainConfig,
     answer_loss_sum,
     attach_lora,
-    load_examples,
     make_plans,
     raft_drop,
     run_training,
     write_documents,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 DOCS = {
     "zorvath": "Zorvath is a mountain town in northern Keldia. The town was founded in 1724 by "
@@ -123,7 +119,7 @@ def parts(built):
     }
 
 
-def _cfg(**kw) -> TrainConfig:
+def _cfg(**kw) -> FinetuneSettings:
     base = {
         "batch_size": 2,
         "lr": 3e-3,
@@ -133,7 +129,7 @@ def _cfg(**kw) -> TrainConfig:
         "warmup_ratio": 0.0,
         "checkpoint_every": 2,
     }
-    return TrainConfig(**{**base, **kw}).validate()
+    return FinetuneSettings(**{**base, **kw}).validate()
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -181,16 +177,17 @@ def test_raft_rate_and_gold_removal(built, parts):
 
 def test_training_context_equals_inference_context(built, parts, monkeypatch):
     import inference.methods as methods
+    import inference.methods.kv_reuse as kv_reuse
 
     loaded, prompt = parts["loaded"], parts["prompt"]
     engine = methods.RagEngine(parts["store"], loaded, parts["emb"], max_new_tokens=1)
     captured = []
-    real = methods.to_dynamic_cache
+    real = kv_reuse.to_dynamic_cache
     monkeypatch.setattr(
-        methods, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
+        kv_reuse, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
     )
-    frozen = ContextBuilder(parts["store"], loaded.model, prompt, "frozen", parts["kv"])
-    live = ContextBuilder(parts["store"], loaded.model, prompt, "live")
+    frozen = StoredKvContext(parts["store"], loaded.model, prompt, parts["kv"])
+    live = LiveKvContext(parts["store"], loaded.model, prompt)
     for ex in built["ex"]:
         ret = parts["ret"].two_stage(ex.question, kc=2, k=4, doc_ids=ex.doc_ids)
         assert ret.evidence
@@ -214,7 +211,10 @@ def _grads(parts, mode: str, lora: bool = False):
     loaded = load_model(parts["loaded"].model_dir)
     net = attach_lora(loaded.model, _cfg(lora=True)) if lora else loaded.model
     prompt = parts["prompt"]
-    b = ContextBuilder(parts["store"], net, prompt, mode, parts["kv"] if mode == "frozen" else None)
+    if mode == "frozen":
+        b = StoredKvContext(parts["store"], net, prompt, parts["kv"])
+    else:
+        b = LiveKvContext(parts["store"], net, prompt)
     q, a = prompt.query_ids("Who founded Zorvath?"), [1, 2, 3]
     ev = parts["ret"].two_stage("Who founded Zorvath?", 2, 4, doc_ids=["zorvath"]).evidence
     ctx, total = b.build(ev, len(q))
@@ -332,15 +332,14 @@ def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
 
 
 def test_deployment_constructs():
-    spec = importlib.util.spec_from_file_location(
-        "train_deployment", REPO / "infra" / "train_deployment.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    dep = mod.make_deployment("/s", "/d.jsonl", "/o")
+    from flows.deployments import make_train_deployment
+
+    dep = make_train_deployment("/s", "/d.jsonl", "/o")
     assert dep.triggers and "prefect.flow-run.Completed" in dep.triggers[0].expect
     assert dep.triggers[0].match_related.root["prefect.resource.name"] == "coinrag-build"
-    assert mod.make_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
+    assert make_train_deployment("/s", "/d.jsonl", "/o", cron="0 3 * * *").schedules
+    with pytest.raises(TypeError, match="lr"):  # not a parameter of the flow
+        make_train_deployment("/s", "/d.jsonl", "/o", lr=1e-3)
 
 
 def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path):

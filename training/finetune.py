@@ -1,10 +1,10 @@
 """Nugget-aware fine-tuning: train the generator on the context it meets online.
 
-For every QA example the online CoinRAG context is rebuilt exactly as inference builds it
-(``inference/methods.py``): two-stage retrieval (top-``kc`` chunks, then the top-``k`` nuggets
-inside them), restricted to the example's own documents (gold + distractors, HotpotQA style),
-then ``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` with :func:`inference.assemble.assemble_context`
-after the RAG prompt prefix. The loss is the cross-entropy of the short answer (plus EOS) given
+For every QA example the online CoinRAG context is rebuilt exactly as inference builds it:
+two-stage retrieval (top-``kc`` chunks, then the top-``k`` nuggets inside them), restricted to
+the example's own documents (gold + distractors, HotpotQA style), then ``C_ctx = C_p ⊕
+Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` after the RAG prompt prefix, by the context builder serving uses
+(``inference/context.py``). The loss is the cross-entropy of the short answer (plus EOS) given
 ``(C_ctx, q)``: the input is ``query_ids(question) + answer_ids + [eos]`` prefilled at positions
 after ``C_ctx``, the labels are the answer tokens only (token mean over the effective batch).
 
@@ -23,6 +23,9 @@ Modes
 - ``frozen``: ``C_p`` and the chunk KV are read from the KV store (computed by the base model),
   only the query/answer pass is trained.
 
+The mode picks the context builder (``inference.context.FINETUNE_CONTEXTS``: ``live`` ->
+``LiveKvContext``, ``frozen`` -> ``StoredKvContext``, the one serving reads with).
+
 Why ``live`` is the default: the paper fine-tunes the generator on the structure it meets
 online, and online the cache is always encoded by *the served model itself* (a new model gets a
 KV rebuild: caches are tied to weights). Training in ``frozen`` mode optimises the model for KV
@@ -33,12 +36,12 @@ the served pair. ``frozen`` is much cheaper (no chunk forward/backward: one shor
 example) and is a fair approximation for small updates (lr 5e-6, one epoch); it also trains the
 query side to read stale caches, which is what a store serves until its KV is rebuilt.
 
-Hyperparameters (:class:`TrainConfig`) default to the paper's: 1 epoch, lr 5e-6, effective batch
-16 (micro-batch 1 and gradient accumulation), max length 1024 (evidence is truncated from the
-end to fit, examples whose query + answer alone do not fit are skipped; both counted), kc=5,
-k=10, RAFT 0.15. Full fine-tuning or LoRA (peft; q/k/v/o projections; merged for serving).
-fp32 on CPU, bf16 on accelerators. AdamW, gradient clipping 1.0, linear warmup (3%) then linear
-decay.
+Hyperparameters (``schemas.settings.FinetuneSettings``) default to the paper's: 1 epoch, lr
+5e-6, effective batch 16 (micro-batch 1 and gradient accumulation), max length 1024 (evidence
+is truncated from the end to fit, examples whose query + answer alone do not fit are skipped;
+both counted), kc=5, k=10, RAFT 0.15. Full fine-tuning or LoRA (peft; q/k/v/o projections;
+merged for serving). fp32 on CPU, bf16 on accelerators. AdamW, gradient clipping 1.0, linear
+warmup (3%) then linear decay.
 
 Checkpoints (``OUT/checkpoints/step-NNNNNN``, every ``checkpoint_every`` optimizer steps,
 written to a temporary folder and renamed; ``OUT/checkpoints/LATEST`` names the newest): the
@@ -63,218 +66,36 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
-from inference.assemble import KvSlice, assemble_context
-from inference.encode import causal_lm, decoder, to_dynamic_cache
+from inference.context import FINETUNE_CONTEXTS, ContextBuilder
+from inference.encode import causal_lm, to_dynamic_cache
 from inference.prompt import RagPrompt
 from inference.retrieve import Evidence, Retriever
-from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
+from inference.rope import reset_rotary
 from schemas.keys import canonical_json
-from schemas.tables import ChunkRow
-from storage.kv import KvLayout, KvStore
+from schemas.qa import DataError, QAExample, load_examples
+from schemas.settings import FinetuneSettings
+from storage.kv import KvLayout
 from storage.store import Store
-from storage.tables import read_table
 
-MODES = ("live", "frozen")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CHECKPOINT_FORMAT = 1
 
+# The name users' log configurations know (it is the `train nuggets` command's), kept.
 log = logging.getLogger("coinrag.train.nuggets")
-
-
-class DataError(ValueError):
-    """A malformed QA example; the message names the file and line."""
 
 
 class ResumeMismatch(RuntimeError):
     """A checkpoint exists in OUT but belongs to another run (config, data or base model)."""
 
 
-# ---------------------------------------------------------------------------------------- config
-
-
-@dataclass
-class TrainConfig:
-    """Everything that decides what training computes (the paper's values as defaults)."""
-
-    mode: str = "live"
-    lora: bool = False
-    epochs: int = 1
-    lr: float = 5e-6
-    batch_size: int = 16  # effective batch: examples per optimizer step (gradient accumulation)
-    max_length: int = 1024  # prefix + context + query + answer tokens
-    kc: int = 5
-    k: int = 10
-    raft_p: float = 0.15
-    seed: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    warmup_ratio: float = 0.03
-    schedule: str = "linear"  # linear (warmup, then decay to 0) | constant (after warmup)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    checkpoint_every: int = 50  # optimizer steps
-    max_steps: int | None = None  # cap on optimizer steps
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 elsewhere
-
-    def validate(self) -> TrainConfig:
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if not 0.0 <= self.raft_p <= 1.0:
-            raise ValueError(f"raft_p {self.raft_p} is outside [0, 1]")
-        if self.schedule not in ("linear", "constant"):
-            raise ValueError(f"schedule {self.schedule!r} is not linear or constant")
-        for name in ("epochs", "batch_size", "max_length", "kc", "k", "checkpoint_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError("max_steps must be >= 1")
-        if self.lr <= 0:
-            raise ValueError("lr must be > 0")
-        return self
-
-    def resolved_dtype(self) -> str:
-        from inference.models import default_dtype
-
-        return self.dtype or default_dtype(self.device)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def identity(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint (checkpoint_every may change)."""
-        d = self.to_dict()
-        d.pop("checkpoint_every")
-        return d
-
-
 # ------------------------------------------------------------------------------------------ data
-
-
-@dataclass(frozen=True)
-class QAExample:
-    """One training example (``line``: 1-based line in the JSONL)."""
-
-    line: int
-    question: str
-    answer: str
-    doc_ids: tuple[str, ...]
-    gold_doc_ids: tuple[str, ...]
-    documents: tuple[tuple[str, str], ...] = ()  # (id, text) when given inline
-
-
-def _str_list(value: Any, where: str, name: str) -> list[str]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise DataError(f"{where}: {name!r} must be a non-empty list of non-empty strings")
-    if len(set(value)) != len(value):
-        raise DataError(f"{where}: {name!r} repeats an id")
-    return value
-
-
-def parse_example(obj: Any, where: str, line: int) -> QAExample:
-    """Validate one JSON object (see :func:`load_examples`)."""
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if not isinstance(obj.get("question"), str) or not obj["question"].strip():
-        raise DataError(f"{where}: 'question' must be a non-empty string")
-    answer = obj.get("answer")
-    if answer is None and "answers" in obj:  # the eval format: the first gold answer
-        answers = obj["answers"]
-        if not isinstance(answers, list) or not answers:
-            raise DataError(f"{where}: 'answers' must be a non-empty list of strings")
-        answer = answers[0]
-    if not isinstance(answer, str) or not answer.strip():
-        raise DataError(
-            f"{where}: 'answer' must be a non-empty string (or 'answers' a list of them)"
-        )
-    has_docs, has_ids = "documents" in obj, "doc_ids" in obj
-    if has_docs == has_ids:
-        raise DataError(f"{where}: give exactly one of 'documents' or 'doc_ids'")
-    documents: list[tuple[str, str]] = []
-    flagged: list[str] = []
-    if has_docs:
-        docs = obj["documents"]
-        if not isinstance(docs, list) or not docs:
-            raise DataError(f"{where}: 'documents' must be a non-empty list")
-        for j, d in enumerate(docs):
-            if not isinstance(d, dict):
-                raise DataError(f"{where}: documents[{j}] must be an object with id and text")
-            if not isinstance(d.get("id"), str | int) or str(d["id"]) == "":
-                raise DataError(f"{where}: documents[{j}].id must be a non-empty string")
-            if not isinstance(d.get("text"), str) or not d["text"].strip():
-                raise DataError(f"{where}: documents[{j}].text must be a non-empty string")
-            if "gold" in d and not isinstance(d["gold"], bool):
-                raise DataError(f"{where}: documents[{j}].gold must be true or false")
-            documents.append((str(d["id"]), d["text"]))
-            if d.get("gold"):
-                flagged.append(str(d["id"]))
-        doc_ids = [i for i, _ in documents]
-        if len(set(doc_ids)) != len(doc_ids):
-            raise DataError(f"{where}: 'documents' repeats an id")
-    else:
-        doc_ids = _str_list(obj["doc_ids"], where, "doc_ids")
-    if "gold_doc_ids" in obj:
-        gold = _str_list(obj["gold_doc_ids"], where, "gold_doc_ids")
-        if flagged and set(flagged) != set(gold):
-            raise DataError(f"{where}: 'gold_doc_ids' disagrees with the documents' gold flags")
-    else:
-        gold = flagged or list(doc_ids)  # no gold marked: every document is gold
-    unknown = set(gold) - set(doc_ids)
-    if unknown:
-        raise DataError(f"{where}: gold ids {sorted(unknown)} are not among the documents")
-    return QAExample(
-        line=line,
-        question=obj["question"].strip(),
-        answer=answer.strip(),
-        doc_ids=tuple(doc_ids),
-        gold_doc_ids=tuple(gold),
-        documents=tuple(documents),
-    )
-
-
-def load_examples(path: str | os.PathLike[str]) -> list[QAExample]:
-    """Read a QA JSONL: one object per line with ``question``, ``answer`` and either
-    ``documents`` (``[{"id", "text", "gold"?}]``: gold and distractor passages) or ``doc_ids``
-    (documents already in the store). Gold documents: ``gold_doc_ids`` or the ``gold`` flags;
-    if neither is given, every document of the example is gold. Blank lines are skipped.
-
-    The ``coinrag eval`` format is read too: ``{"question", "answers": [...], "doc_ids":
-    [...]}`` trains on the first answer, retrieving inside (all gold) ``doc_ids``.
-    Raises :class:`DataError` naming the line.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    examples: list[QAExample] = []
-    texts: dict[str, str] = {}
-    with path.open(encoding="utf-8") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg})") from exc
-            ex = parse_example(obj, where, n)
-            for doc_id, text in ex.documents:
-                if texts.setdefault(doc_id, text) != text:
-                    raise DataError(
-                        f"{where}: document {doc_id!r} has another text on an earlier line"
-                    )
-            examples.append(ex)
-    if not examples:
-        raise DataError(f"{path}: no examples")
-    return examples
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -335,7 +156,7 @@ def make_plans(
     retriever: Retriever,
     prompt: RagPrompt,
     tokenizer: Any,
-    cfg: TrainConfig,
+    cfg: FinetuneSettings,
 ) -> tuple[list[Plan], dict[str, int]]:
     """Tokenise and retrieve every example; skip those whose query + answer alone exceed
     ``max_length`` after the prefix. Returns the plans and counts."""
@@ -376,120 +197,6 @@ def fit_evidence(
 # ------------------------------------------------------------------------------------- the model
 
 
-class ContextBuilder:
-    """Assembles ``C_ctx`` for a list of evidence, the way :class:`inference.methods.RagEngine`
-    does: ``live`` encodes prefix and chunks with the current model (with grad), ``frozen``
-    reads the stored KV of the base model (no grad)."""
-
-    def __init__(
-        self,
-        store: Store,
-        model: Any,
-        prompt: RagPrompt,
-        mode: str,
-        kv: KvStore | None = None,
-        pad_id: int = 0,
-    ) -> None:
-        self.store = store
-        self.model = model
-        self.prompt = prompt
-        self.mode = mode
-        self.spec = RopeSpec.from_config(causal_lm(model).config)
-        self.pad_id = pad_id
-        self.kv = kv
-        self._token_ids: dict[str, list[int]] = {}
-        if mode == "frozen":
-            if kv is None:
-                raise ValueError("frozen mode needs the store's KV")
-            self.prefix_kv, ids = kv.read_prefix()
-            if ids != list(prompt.prefix_ids):
-                raise ValueError("the stored prompt prefix differs from this prompt's")
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def chunk_token_ids(self, chunk_ids: Sequence[str]) -> dict[str, list[int]]:
-        missing = [c for c in dict.fromkeys(chunk_ids) if c not in self._token_ids]
-        if missing:
-            table = read_table(
-                self.store,
-                ChunkRow,
-                columns=["chunk_id", "token_ids"],
-                filter=pc.field("chunk_id").isin(missing),
-            )
-            for cid, ids in zip(
-                table.column("chunk_id").to_pylist(),
-                table.column("token_ids").to_pylist(),
-                strict=True,
-            ):
-                self._token_ids[cid] = list(ids)
-        return {c: self._token_ids[c] for c in chunk_ids}
-
-    def build(self, evidence: Sequence[Evidence], n_query: int) -> tuple[torch.Tensor, int]:
-        """``(C_ctx, total)``: the assembled KV ``(layers, 2, H, T, D)`` and ``T``."""
-        p = self.prompt.n_prefix
-        if self.mode == "frozen":
-            requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
-            blocks = self.kv.read_slices(requests) if requests else []
-            slices = [
-                KvSlice(block, p + e.tok_start, p + self.kv.chunk_tokens(e.content_key))
-                for block, e in zip(blocks, evidence, strict=True)
-            ]
-            prefix_kv = self.prefix_kv
-        else:
-            prefix_kv, chunk_kv = self._encode_live(evidence)
-            slices = [
-                KvSlice(
-                    chunk_kv[e.chunk_id][:, :, :, e.tok_start : e.tok_end],
-                    p + e.tok_start,
-                    p + chunk_kv[e.chunk_id].shape[-2],
-                )
-                for e in evidence
-            ]
-        total = p + sum(s.tokens for s in slices)
-        ctx = assemble_context(prefix_kv, slices, self.spec, new_seq_len=total + n_query)
-        dtype = next(self.model.parameters()).dtype  # stored KV may be in another dtype
-        return ctx.to(self.device, dtype=dtype), total
-
-    def _encode_live(
-        self, evidence: Sequence[Evidence]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The prefix's KV and each evidence chunk's KV after it, by the current model, encoded
-        as the KV stage encodes them (``tasks.kv``): fresh rotary state per forward, and one
-        right-padded forward per run of chunks whose lengths give the same RoPE frequencies."""
-        from inference.encode import cache_to_kv, prefix_cache
-
-        dec = decoder(self.model)
-        dev = self.device
-        ids = torch.tensor([list(self.prompt.prefix_ids)], dtype=torch.long, device=dev)
-        reset_rotary(self.model)
-        out = dec(input_ids=ids, use_cache=True)
-        prefix_kv = cache_to_kv(out.past_key_values)[0]
-        chunk_ids = list(dict.fromkeys(e.chunk_id for e in evidence))
-        if not chunk_ids:
-            return prefix_kv, {}
-        tokens = self.chunk_token_ids(chunk_ids)
-        p = prefix_kv.shape[-2]
-        lm = causal_lm(self.model)
-        frequencies = ForwardFrequencies.from_config(lm.config)
-        encoded: dict[str, torch.Tensor] = {}
-        for run in frequencies.batches([len(tokens[c]) for c in chunk_ids], p, len(chunk_ids)):
-            names = [chunk_ids[i] for i in run]
-            width = max(len(tokens[c]) for c in names)
-            rows = [tokens[c] + [self.pad_id] * (width - len(tokens[c])) for c in names]
-            batch = torch.tensor(rows, dtype=torch.long, device=dev)
-            positions = torch.arange(p, p + width, device=dev)[None].expand(len(rows), -1)
-            cache = prefix_cache(lm, prefix_kv, len(rows))
-            reset_rotary(self.model)
-            out = dec(
-                input_ids=batch, position_ids=positions, past_key_values=cache, use_cache=True
-            )
-            kv = cache_to_kv(out.past_key_values, start=p)  # right padding: causal, so harmless
-            encoded.update({c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(names)})
-        return prefix_kv, encoded
-
-
 def answer_loss_sum(
     model: Any, ctx: torch.Tensor, total: int, query_ids: list[int], answer_ids: list[int]
 ) -> torch.Tensor:
@@ -512,7 +219,7 @@ def answer_loss_sum(
     return torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
 
 
-def attach_lora(model: Any, cfg: TrainConfig) -> Any:
+def attach_lora(model: Any, cfg: FinetuneSettings) -> Any:
     from peft import LoraConfig, get_peft_model
 
     lcfg = LoraConfig(
@@ -530,7 +237,7 @@ def trainable_parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def lr_lambda_for(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+def lr_lambda_for(cfg: FinetuneSettings, total_steps: int) -> Callable[[int], float]:
     warmup = int(math.ceil(cfg.warmup_ratio * total_steps))
 
     def fn(step: int) -> float:
@@ -661,7 +368,7 @@ def train(
     model: Any,
     builder: ContextBuilder,
     plans: Sequence[Plan],
-    cfg: TrainConfig,
+    cfg: FinetuneSettings,
     out_dir: str | os.PathLike[str],
     *,
     identity: dict[str, Any],
@@ -859,12 +566,17 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 
 
 def _kv_identity(
-    loaded: Any, prompt: RagPrompt, kv_dtype: str, kv_keep: str = "chunks"
+    loaded: Any,
+    prompt: RagPrompt,
+    kv_dtype: str,
+    kv_codec: str = "none",
+    kv_keep: str = "chunks",
 ) -> tuple[str, KvLayout]:
     """``(model_fp, layout)`` of ``loaded``'s weights as the store computes KV: at the store's
     ``kv_dtype``, which may differ from the dtype training computes in (stored entries are then
-    cast when the context is assembled), keeping what its ``kv_keep`` keeps (frozen mode reads
-    only nugget slices, which a store of nugget spans holds)."""
+    cast when the context is assembled), stored with its ``kv_codec``, keeping what its
+    ``kv_keep`` keeps (frozen mode reads only nugget slices, which a store of nugget spans
+    holds)."""
     import dataclasses
 
     from inference.encode import kv_layout
@@ -877,7 +589,9 @@ def _kv_identity(
         loaded.tokenizer_fp,
     )
     layout = dataclasses.replace(
-        kv_layout(loaded, prompt, keep=kv_keep), model_fp=model_fp, dtype=kv_dtype
+        kv_layout(loaded, prompt, kv_codec=kv_codec, keep=kv_keep),
+        model_fp=model_fp,
+        dtype=kv_dtype,
     )
     return model_fp, layout
 
@@ -886,7 +600,7 @@ def run_training(
     store_path: str | os.PathLike[str],
     data: str | os.PathLike[str],
     out: str | os.PathLike[str],
-    cfg: TrainConfig,
+    cfg: FinetuneSettings,
     *,
     model: str | None = None,
     embedder: str | None = None,
@@ -913,7 +627,7 @@ def run_training(
     base_ref = model or settings.model
     examples = list(examples) if examples is not None else load_examples(data)
     data_sha = file_sha256(data)
-    loaded = load_model(base_ref, device=cfg.device, dtype=cfg.resolved_dtype())
+    loaded = load_model(base_ref, device=cfg.device, dtype=cfg.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     emb = load_embedder(embedder or settings.embedder)
     retriever = Retriever(store, emb, LanceIndex.open(store))
@@ -923,11 +637,14 @@ def run_training(
     # Model fingerprints as this store computes KV (its kv_dtype): the base model's KV is what
     # frozen mode reads, and --rebuild-kv stores the new model's under the model_fp recorded here.
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype, settings.kv_keep)
-    kv = KvStore.open(store, layout.kv_fp, layout) if cfg.mode == "frozen" else None
+    base_model_fp, layout = _kv_identity(
+        loaded, prompt, kv_dtype, settings.kv_codec, settings.kv_keep
+    )
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
-    builder = ContextBuilder(store, net, prompt, cfg.mode, kv, pad_id(loaded.tokenizer))
+    builder = FINETUNE_CONTEXTS[cfg.mode].for_finetuning(
+        store, net, prompt, layout=layout, pad_id=pad_id(loaded.tokenizer)
+    )
     identity = {"data_sha256": data_sha, "base_model_fp": base_model_fp}
     result = train(
         net,

@@ -15,6 +15,12 @@ training run). A cartridge trained after another prompt prefix is refused.
 Token accounting, per answer: ``context_tokens = |p| + Σ p_i`` (what the model attends over and
 holds as KV), ``query_tokens`` (prefilled), ``prompt_tokens`` = both. :func:`text_rag_answer`
 gives the text-RAG baseline on the same prompt (``prefix + doc tokens + query``, one prefill).
+
+As a method of the engine (:class:`CartridgeMethod`, ``--method cartridge``): the store's
+cartridges are an asset (:class:`Cartridges`, a local store's only), retrieval is
+:class:`TopDocuments` (``k`` documents that have a cartridge; ``kc`` unused), and the model
+computes in the dtype cartridges are trained in (``inference.models.default_dtype``), which may
+differ from the store's KV dtype.
 """
 
 from __future__ import annotations
@@ -22,19 +28,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from inference.assemble import assemble_cartridges
 from inference.encode import prefix_kv, to_dynamic_cache
-from inference.generate import prefill_and_decode
-from inference.models import LoadedModel
+from inference.generate import Generation, prefill_and_decode
+from inference.methods.base import Answer, Asset, OnToken, RagMethod, Retrieval
+from inference.models import LoadedModel, default_dtype
 from inference.prompt import RagPrompt, require_question
 from inference.rope import RopeSpec
 from schemas.tables import CartridgeManifestRow
 from storage.cartridges import CartridgeStore, MissingCartridge, version_order
 from storage.store import Store
+
+if TYPE_CHECKING:
+    from inference.methods.engine import RagEngine
 
 
 @dataclass
@@ -114,16 +124,18 @@ class CartridgeRag:
                 self._loaded_kv[doc_id] = kv
         return kv
 
-    def select(self, question: str, k: int) -> tuple[list[str], float]:
-        """Top-``k`` document ids from the retriever (best first) and the time it took (ms)."""
-        if self.retriever is None:
+    def select(self, question: str, k: int, retriever: Any = None) -> tuple[list[str], float]:
+        """Top-``k`` document ids from the retriever (``retriever``, else this one's; best
+        first) and the time it took (ms)."""
+        retriever = retriever or self.retriever
+        if retriever is None:
             raise ValueError("no retriever: pass doc_ids")
         t0 = time.perf_counter()
         # Only documents with a trained cartridge can be loaded: over-fetch, keep those, best
         # first (a store where few documents have cartridges still answers).
         fetch = k
         while True:
-            hits = self.retriever.documents(question, fetch)
+            hits = retriever.documents(question, fetch)
             chosen = [h["doc_id"] for h in hits if h["doc_id"] in self.rows][:k]
             if len(chosen) == k or len(hits) < fetch:
                 break
@@ -141,9 +153,11 @@ class CartridgeRag:
         *,
         k: int = 2,
         max_new_tokens: int = 32,
+        on_token: OnToken | None = None,
     ) -> CartridgeAnswer:
         """Answer with the cartridges of ``doc_ids`` (in that order), or of the retriever's top
-        ``k`` documents (``BlankQuestion``, a ValueError, for a blank question)."""
+        ``k`` documents (``BlankQuestion``, a ValueError, for a blank question); ``on_token``
+        gets each answer token id as it is decoded."""
         require_question(question)
         t0 = time.perf_counter()
         retrieve_ms = 0.0
@@ -165,6 +179,7 @@ class CartridgeRag:
             int(ctx.shape[-2]),
             query,
             max_new_tokens=max_new_tokens,
+            on_token=on_token,
         )
         return CartridgeAnswer(
             answer=gen.text,
@@ -217,3 +232,81 @@ def text_rag_answer(
             "total_ms": (time.perf_counter() - t0) * 1000.0,
         },
     )
+
+
+# ---------------------------------------------------------------------------- the method
+
+
+class Cartridges(Asset[CartridgeRag]):
+    """The store's newest cartridges for the engine's model in the dtype they are trained in
+    (a local store's only)."""
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> CartridgeRag:
+        engine.store.require_local("reading cartridges")
+        loaded = engine.model_at(CartridgeMethod.model_dtype(engine.kv_dtype, engine.device))
+        return CartridgeRag(engine.store, loaded, prompt=engine.prompt)
+
+
+@dataclass(frozen=True)
+class DocumentSelection:
+    """The documents whose cartridges make the context, in context order."""
+
+    doc_ids: list[str]
+    ms: float  # the time retrieval took
+
+
+class TopDocuments(Retrieval):
+    """The top-``k`` documents that have a cartridge (:meth:`CartridgeRag.select`, over the
+    engine's index); ``doc_ids`` given: those documents, in order, without a search (the
+    oracle)."""
+
+    uses_k = True
+
+    def __call__(
+        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+    ) -> DocumentSelection:
+        if doc_ids is not None:
+            return DocumentSelection(list(doc_ids), 0.0)
+        from inference.methods.assets import Index
+
+        chosen, ms = engine.asset(Cartridges).select(question, k, engine.asset(Index))
+        return DocumentSelection(chosen, ms)
+
+
+class CartridgeMethod(RagMethod, name="cartridge"):
+    """Cartridge RAG through the engine: the selected documents' cartridges after ``C_p``;
+    evidence ``{doc_id, cartridge_id}``; the answer records ``kc = 0`` and ``k`` = the
+    documents used."""
+
+    needs = (Cartridges,)  # the index only when a question is searched (not for an oracle)
+    retrieval = TopDocuments()
+
+    @classmethod
+    def model_dtype(cls, kv_dtype: str, device: str) -> str:
+        return default_dtype(device)
+
+    def run(
+        self,
+        question: str,
+        retrieval: DocumentSelection,
+        kc: int,
+        k: int,
+        on_token: OnToken | None = None,
+    ) -> Answer:
+        rag = self.engine.asset(Cartridges)
+        got = rag.answer(
+            question,
+            retrieval.doc_ids,
+            max_new_tokens=self.engine.max_new_tokens,
+            on_token=on_token,
+        )
+        t = got.timings
+        gen = Generation(got.token_ids, got.answer, t["prefill_ms"], t["decode_ms"])
+        timings = {"retrieval": retrieval.ms, "kv_load": t["load_ms"], "assembly": t["assemble_ms"]}
+        evidence: list[dict[str, Any]] = [
+            {"doc_id": d, "cartridge_id": c}
+            for d, c in zip(got.doc_ids, got.cartridge_ids, strict=True)
+        ]
+        active = got.context_tokens - rag.prompt.n_prefix
+        return self.finish(gen, timings, evidence, active, 0, len(got.doc_ids))

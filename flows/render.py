@@ -1,8 +1,8 @@
-"""``coinrag lineage``: SQL over the lineage views, the chain through one asset, stale assets.
+"""What the ``coinrag`` commands print: rich tables, JSON and CSV.
 
-Composition only: the views are ``storage/lineage.py``, the current producers
-``tasks/fingerprints.py``; this module picks what to run and prints it (a rich table, JSON or
-CSV). Read-only: it never takes the store's write lock, so it runs beside a build.
+``coinrag lineage`` (query results, the sections of a walk, the list of views: the queries are
+``tasks/lineage.py``), the summary table of ``coinrag build`` and the table of ``coinrag gc``.
+Output only: nothing here reads the store.
 """
 
 from __future__ import annotations
@@ -17,42 +17,9 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
-from storage.lineage import describe_views, open_lineage, run_query, walk
-from storage.store import Store
+from storage.lineage import describe_views
 
-# Queries that name one of these need the current producers (computed from the settings).
-_NEEDS_CURRENT = ("stale_assets", "current_producers")
-
-
-def _current(store: Store) -> dict[str, str]:
-    from tasks.fingerprints import current_producers, store_settings
-
-    return current_producers(store_settings(store))
-
-
-def lineage_sql(store: Store, sql: str) -> pa.Table:
-    """The rows of one read-only query over the views (``storage.lineage.LineageError`` if bad).
-
-    The current producers are computed only when the query names ``stale_assets`` or
-    ``current_producers`` (it costs loading the tokenizer and the embedder).
-    """
-    needs = any(name in sql.lower() for name in _NEEDS_CURRENT)
-    con = open_lineage(store, _current(store) if needs else None)
-    return run_query(con, sql)
-
-
-def lineage_stale(store: Store) -> pa.Table:
-    """Every stale asset against the settings in ``STORE/coinrag.toml``."""
-    con = open_lineage(store, _current(store))
-    return run_query(con, "SELECT * FROM stale_assets ORDER BY asset, producer, asset_id")
-
-
-def lineage_walk(store: Store, kind: str, ident: str) -> dict[str, pa.Table]:
-    """The chain up and down through one ``kind`` (nugget | chunk | doc) id."""
-    return walk(open_lineage(store), kind, ident)
-
-
-# ---------------------------------------------------------------------------- printing
+# ---------------------------------------------------------------------------- lineage
 
 
 def _jsonable(table: pa.Table) -> list[dict[str, Any]]:
@@ -125,4 +92,38 @@ def print_views(console: Console) -> None:
     console.print(
         "[dim]also every table (documents, chunks, nuggets, kv_manifest, runs, ...) and the "
         "index rows index_chunks, index_nuggets, index_documents[/]"
+    )
+
+
+# ---------------------------------------------------------------------------- build and gc
+
+
+def print_build_summary(console: Console, summary: dict[str, Any]) -> None:
+    """The counts of a build, one row per measure (``stage_seconds``: one row per stage)."""
+    table = Table(title=f"coinrag build {summary['run_id']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if isinstance(value, dict):  # stage_seconds: one row per stage
+            for name, sub in value.items():
+                table.add_row(f"{key}.{name}", str(sub))
+        elif key not in ("run_id", "rejected", "failures"):
+            table.add_row(key, str(value))
+    console.print(table)
+
+
+def print_gc(console: Console, counts: dict[str, Any], verb: str) -> None:
+    """The table of ``coinrag gc`` and its one-line total (``verb``: reclaimed | would
+    reclaim)."""
+    table = Table(title=f"coinrag gc ({verb})")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in counts.items():
+        if key != "kv":
+            table.add_row(key, str(value))
+    console.print(table)
+    console.print(
+        f"{verb} {counts['kv_entries_dropped']} KV entries, "
+        f"{counts['index_versions_removed']} index versions, "
+        f"{counts['temp_paths_removed']} leftovers: {counts['bytes_reclaimed']} bytes"
     )

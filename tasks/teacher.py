@@ -21,35 +21,18 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
+from inference.constrained import left_pad
 from inference.generate import _eos_ids
 from inference.prompt import RagPrompt
 from schemas.keys import CODE_VERSION, fingerprint, sha256_hex
+from schemas.settings import TeacherSettings
 from schemas.tables import DocumentRow, TeacherAnswerRow
 from storage.store import Store
 from storage.tables import append_rows, read_rows
-from training.selfstudy import Question
+from tasks.questions import Question
 
 
-@dataclass(frozen=True)
-class TeacherConfig:
-    """Greedy answers of at most ``max_new_tokens`` tokens, ``top_k`` log-probs per position;
-    documents longer than ``max_doc_tokens`` are cut (the cartridge stands for the same cut)."""
-
-    max_new_tokens: int = 48
-    top_k: int = 20
-    batch_size: int = 8
-    max_doc_tokens: int = 2048
-
-    def value_dict(self) -> dict[str, Any]:
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "top_k": self.top_k,
-            "max_doc_tokens": self.max_doc_tokens,
-            "decoding": "greedy-v1",
-        }
-
-
-def teacher_fingerprint(model_fp: str, prefix_sha: str, cfg: TeacherConfig) -> str:
+def teacher_fingerprint(model_fp: str, prefix_sha: str, cfg: TeacherSettings) -> str:
     """What a teacher answer depends on besides the document and the question."""
     return fingerprint(
         "teacher", {"model_fp": model_fp, "prefix_sha": prefix_sha, **cfg.value_dict()}
@@ -83,7 +66,7 @@ def teacher_answers(
     prompt: RagPrompt,
     doc_ids: Sequence[int],
     questions: Sequence[str],
-    cfg: TeacherConfig,
+    cfg: TeacherSettings,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[TeacherOutput]:
     """Greedy answers with top-k log-probs for questions about one document.
@@ -105,14 +88,10 @@ def teacher_answers(
     results: list[TeacherOutput] = []
     for s in range(0, len(questions), cfg.batch_size):
         qs = [prompt.query_ids(q) for q in questions[s : s + cfg.batch_size]]
-        b, width = len(qs), max(len(q) for q in qs)
-        ids = torch.full((b, width), pad, dtype=torch.long)
-        mask = torch.ones((b, t + width), dtype=torch.long)
-        pos = torch.full((b, width), t, dtype=torch.long)
-        for r, q in enumerate(qs):
-            ids[r, width - len(q) :] = torch.tensor(q)
-            mask[r, t : t + width - len(q)] = 0
-            pos[r, width - len(q) :] = torch.arange(t, t + len(q))
+        b = len(qs)
+        ids, qmask = left_pad(qs, pad)  # (B, Q): the padding sits between context and query
+        mask = torch.cat([torch.ones((b, t), dtype=torch.long), qmask], dim=1)  # (B, T + Q)
+        pos = t + (qmask.cumsum(-1) - 1).clamp(min=0)  # real tokens at T..T+len-1
         cache = DynamicCache(config=model.config)
         for i, (k, v) in enumerate(layers):
             cache.update(
@@ -185,7 +164,7 @@ def teacher_stage(
     model_fp: str,
     docs: dict[str, DocumentRow],
     questions: Sequence[Question],
-    cfg: TeacherConfig,
+    cfg: TeacherSettings,
     *,
     run_id: str,
     progress: Callable[[int, int], None] | None = None,

@@ -10,7 +10,7 @@ Event (one per detected change set)::
                "removed_doc_ids": [...live in the store, gone from the source...],
                "n_removed": M}
 
-The build deployment of ``infra/build_deployment.py`` has a trigger on this event for its
+The build deployment of ``flows/deployments.py`` has a trigger on this event for its
 source's resource id, so a watcher (``coinrag watch``) makes the server start an incremental
 build (removed documents leave the store when the deployment's settings have ``prune = true``;
 otherwise the event only reports them). Only ids reach the event, never document text.

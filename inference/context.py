@@ -1,0 +1,208 @@
+"""The context ``C_ctx`` of a list of evidence, built one way for serving and for fine-tuning.
+
+``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...``: the prompt prefix's KV, then each evidence's
+slice of its chunk's KV, re-rotated to contiguous positions (:func:`inference.assemble.
+assemble_context`). Where the prefix's and the chunks' KV come from is the only difference
+between the builders, and the one thing a subclass says (:meth:`ContextBuilder.load`):
+
+- :class:`StoredKvContext`: read from the KV store, as the build computed them (the serving
+  methods; fine-tuning in ``frozen`` mode). The stored prefix must be this prompt's
+  (:class:`PrefixMismatch`); read errors (``storage.kv.MissingKvEntry``, ``CorruptKvEntry``,
+  ``UnstoredKvSlice`` for a span a store of nugget spans does not hold) reach the caller, who
+  says what to rebuild.
+- :class:`LiveKvContext`: encoded inside the step by the model being trained (fine-tuning in
+  ``live`` mode), with the encode path of the KV stage (``inference.encode``) in the caller's
+  grad mode: gradients reach how the prefix and the chunks are encoded.
+
+So the structure the model is trained on is the structure it serves (``tests/
+test_finetune.py`` compares them tensor for tensor). ``FINETUNE_CONTEXTS`` maps the
+fine-tuning mode (``schemas.settings.FINETUNE_MODES``) to its builder.
+
+Shapes: KV blocks are ``(layers, 2, kv_heads, tokens, head_dim)`` (``storage/kv/layout.py``);
+the built context is ``(layers, 2, kv_heads, T, head_dim)`` on the model's device, in the
+model's dtype (stored KV in another dtype is cast), with ``T = |p| + Σ (e_i - s_i)``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import pyarrow.compute as pc
+import torch
+
+from inference.assemble import KvSlice, assemble_context
+from inference.encode import cache_to_kv, causal_lm, compute_prefix_kv, forward_after_prefix
+from inference.prompt import RagPrompt
+from inference.retrieve import Evidence
+from inference.rope import ForwardFrequencies, RopeSpec
+from schemas.tables import ChunkRow
+from storage.kv import KvLayout, KvStore
+from storage.store import Store
+from storage.tables import read_table
+
+
+class PrefixMismatch(ValueError):
+    """The store's prompt prefix ``C_p`` was computed for another prompt than this one's."""
+
+
+class ChunkTokens:
+    """Token ids of a store's chunks, read once per chunk (then memoised)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._ids: dict[str, list[int]] = {}
+
+    def __call__(self, chunk_ids: Sequence[str]) -> dict[str, list[int]]:
+        """``{chunk_id: token ids}`` for ``chunk_ids`` (in that order)."""
+        missing = [c for c in dict.fromkeys(chunk_ids) if c not in self._ids]
+        if missing:
+            table = read_table(
+                self.store,
+                ChunkRow,
+                columns=["chunk_id", "token_ids"],
+                filter=pc.field("chunk_id").isin(missing),
+            )
+            for cid, ids in zip(
+                table.column("chunk_id").to_pylist(),
+                table.column("token_ids").to_pylist(),
+                strict=True,
+            ):
+                self._ids[cid] = list(ids)
+        return {c: self._ids[c] for c in chunk_ids}
+
+
+class ContextBuilder(ABC):
+    """Builds ``C_ctx`` for ``model`` and ``prompt`` from one store's evidence."""
+
+    reads_stored_kv: ClassVar[bool] = False  # needs the store's KV (a build with kv = true)
+
+    def __init__(self, store: Store, model: Any, prompt: RagPrompt) -> None:
+        self.store = store
+        self.model = model
+        self.prompt = prompt
+        self.spec = RopeSpec.from_config(causal_lm(model).config)
+        self.chunk_token_ids = ChunkTokens(store)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @abstractmethod
+    def load(self, evidence: Sequence[Evidence]) -> tuple[torch.Tensor, list[KvSlice]]:
+        """``(C_p, slices)``: the prefix's KV ``(layers, 2, H, |p|, D)`` and one
+        :class:`KvSlice` per evidence (in order), each at the positions it was encoded at."""
+
+    def build(
+        self, evidence: Sequence[Evidence], n_query: int, timings: dict[str, float] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``(C_ctx, total)``: the assembled KV ``(layers, 2, H, T, D)`` and ``T``, for a query
+        of ``n_query`` tokens prefilled after it. ``timings`` (milliseconds) gets ``kv_load``
+        (:meth:`load`) and ``assembly`` (rotation, concatenation, the move to the model's
+        device and dtype) added."""
+        t0 = time.perf_counter()
+        prefix_kv, slices = self.load(evidence)
+        t1 = time.perf_counter()
+        total = self.prompt.n_prefix + sum(s.tokens for s in slices)
+        ctx = assemble_context(prefix_kv, slices, self.spec, new_seq_len=total + n_query)
+        dtype = next(self.model.parameters()).dtype  # stored KV may be in another dtype
+        ctx = ctx.to(self.device, dtype=dtype)
+        if timings is not None:
+            timings["kv_load"] = timings.get("kv_load", 0.0) + (t1 - t0) * 1000
+            timings["assembly"] = timings.get("assembly", 0.0) + (time.perf_counter() - t1) * 1000
+        return ctx, total
+
+    @classmethod
+    @abstractmethod
+    def for_finetuning(
+        cls, store: Store, model: Any, prompt: RagPrompt, *, layout: KvLayout, pad_id: int
+    ) -> ContextBuilder:
+        """The builder fine-tuning uses for ``model`` (``layout``: the store's KV of the base
+        model; ``pad_id``: right padding of batched chunks)."""
+
+
+class StoredKvContext(ContextBuilder):
+    """``C_p`` and the chunks' KV as the build stored them (read through ``storage.kv``; no
+    gradients reach them)."""
+
+    reads_stored_kv = True
+
+    def __init__(self, store: Store, model: Any, prompt: RagPrompt, kv: KvStore) -> None:
+        super().__init__(store, model, prompt)
+        self.kv = kv
+        self.prefix_kv, ids = kv.read_prefix()
+        if list(ids) != list(prompt.prefix_ids):
+            raise PrefixMismatch("the stored prompt prefix differs from this prompt's")
+
+    @classmethod
+    def for_finetuning(
+        cls, store: Store, model: Any, prompt: RagPrompt, *, layout: KvLayout, pad_id: int
+    ) -> StoredKvContext:
+        return cls(store, model, prompt, KvStore.open(store, layout.kv_fp, layout))
+
+    def load(self, evidence: Sequence[Evidence]) -> tuple[torch.Tensor, list[KvSlice]]:
+        p = self.prompt.n_prefix
+        requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
+        blocks = self.kv.read_slices(requests) if requests else []
+        at_zero = self.kv.layout.keys_at_zero
+        slices = [  # the chunk's forward had |p| + its tokens (however few an entry keeps)
+            KvSlice(block, p + e.tok_start, p + self.kv.chunk_tokens(e.content_key), at_zero)
+            for block, e in zip(blocks, evidence, strict=True)
+        ]
+        return self.prefix_kv, slices
+
+
+class LiveKvContext(ContextBuilder):
+    """``C_p`` and the evidence's chunks encoded by ``model`` itself, in the caller's grad mode,
+    as the KV stage encodes them (``inference.encode``): a fresh rotary state per forward, and
+    one right-padded forward after ``C_p`` per run of chunks whose lengths give the same RoPE
+    frequencies; the nugget slices are cut from that KV."""
+
+    def __init__(self, store: Store, model: Any, prompt: RagPrompt, pad_id: int = 0) -> None:
+        super().__init__(store, model, prompt)
+        self.pad_id = pad_id
+
+    @classmethod
+    def for_finetuning(
+        cls, store: Store, model: Any, prompt: RagPrompt, *, layout: KvLayout, pad_id: int
+    ) -> LiveKvContext:
+        return cls(store, model, prompt, pad_id)
+
+    def load(self, evidence: Sequence[Evidence]) -> tuple[torch.Tensor, list[KvSlice]]:
+        prefix_kv = compute_prefix_kv(self.model, self.prompt.prefix_ids, differentiable=True)
+        chunk_kv = self._encode(prefix_kv, list(dict.fromkeys(e.chunk_id for e in evidence)))
+        p = self.prompt.n_prefix
+        slices = [
+            KvSlice(
+                chunk_kv[e.chunk_id][:, :, :, e.tok_start : e.tok_end],
+                p + e.tok_start,
+                p + chunk_kv[e.chunk_id].shape[-2],
+            )
+            for e in evidence
+        ]
+        return prefix_kv, slices
+
+    def _encode(self, prefix_kv: torch.Tensor, chunk_ids: list[str]) -> dict[str, torch.Tensor]:
+        """Each chunk's KV after ``C_p``: ``{chunk_id: (layers, 2, H, n_tokens, D)}``."""
+        if not chunk_ids:
+            return {}
+        tokens = self.chunk_token_ids(chunk_ids)
+        p = prefix_kv.shape[-2]
+        frequencies = ForwardFrequencies.from_config(causal_lm(self.model).config)
+        encoded: dict[str, torch.Tensor] = {}
+        for run in frequencies.batches([len(tokens[c]) for c in chunk_ids], p, len(chunk_ids)):
+            names = [chunk_ids[i] for i in run]
+            rows = [tokens[c] for c in names]
+            cache = forward_after_prefix(self.model, prefix_kv, rows, self.pad_id)
+            kv = cache_to_kv(cache, start=p)  # right padding: causal, so harmless
+            encoded.update({c: kv[b, :, :, :, : len(tokens[c])] for b, c in enumerate(names)})
+        return encoded
+
+
+# Fine-tuning's mode (schemas.settings.FINETUNE_MODES) -> who encodes the context.
+FINETUNE_CONTEXTS: dict[str, type[ContextBuilder]] = {
+    "live": LiveKvContext,
+    "frozen": StoredKvContext,
+}

@@ -1,0 +1,161 @@
+"""The store assets the chunk and nugget methods read, as :class:`~inference.methods.base.Asset`
+kinds (each loaded once per engine), and the read errors they turn into what to rebuild.
+
+- :class:`Index`: the retriever over the store's LanceDB index, with the engine's embedder;
+- :class:`ChunkTokenIds`: chunks' token ids (``inference.context.ChunkTokens``);
+- :class:`StoredKv`: the store's KV for the engine's model at the store's ``kv_dtype``, as an
+  ``inference.context.StoredKvContext`` (``C_p`` read and checked once);
+  :class:`StoredChunkKv` (whole chunks: turborag) and :class:`StoredNuggetKv` (nugget spans:
+  coinrag) are the two ways methods use it, one shared context. A store built with ``kv_keep =
+  "nuggets"`` holds only the KV of nugget spans: :class:`StoredNuggetKv` reads them as from a
+  store of whole chunks, and :class:`StoredChunkKv` is unavailable (one message naming the
+  setting, before any model loads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from inference.context import ChunkTokens, ContextBuilder, PrefixMismatch, StoredKvContext
+from inference.encode import kv_layout
+from inference.methods.base import Asset, CorruptAssets, MissingAssets
+from inference.retrieve import Evidence, Retriever
+from schemas.settings import BuildSettings
+from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry, UnstoredKvSlice
+from storage.store import Store
+
+if TYPE_CHECKING:
+    from inference.methods.engine import RagEngine
+
+
+class Index(Asset[Retriever]):
+    """The retriever over the store's index (refused if the index was embedded by another
+    embedder than the engine's)."""
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> Retriever:
+        from inference.embedders import load_embedder
+
+        embedder = engine.embedder
+        if isinstance(embedder, str):
+            embedder = load_embedder(embedder)
+        return Retriever(engine.store, embedder)
+
+
+class ChunkTokenIds(Asset[ChunkTokens]):
+    """Chunks' token ids, read once per chunk."""
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> ChunkTokens:
+        return ChunkTokens(engine.store)
+
+
+class StoredKv(Asset[StoredKvContext]):
+    """The store's KV of the engine's model (at the store's ``kv_dtype``), its ``C_p`` checked
+    against the engine's prompt."""
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> StoredKvContext:
+        loaded = engine.model_at(engine.kv_dtype)
+        store = engine.store
+        try:
+            layout = kv_layout(loaded, engine.prompt, kv_codec=engine.kv_codec, keep=engine.kv_keep)
+            kv = KvStore.open(store, layout.kv_fp, layout)
+            return StoredKvContext(store, loaded.model, engine.prompt, kv)
+        except CorruptKvEntry as exc:
+            raise CorruptAssets(store, "the prompt prefix", exc) from exc
+        except (MissingKvEntry, FileNotFoundError) as exc:
+            message = _no_kv_message(store, loaded.model_fp, layout.dtype, layout.kv_codec)
+            raise MissingAssets(message) from exc
+        except PrefixMismatch as exc:
+            raise MissingAssets(str(exc)) from exc
+
+
+class StoredChunkKv(StoredKv):
+    """The stored KV of whole chunks (turborag reads each retrieved chunk entire): none in a
+    store that keeps only the KV of nugget spans."""
+
+    @classmethod
+    def unavailable(cls, store: Store, settings: BuildSettings) -> str | None:
+        if settings.kv_keep == "chunks":
+            return None
+        return (
+            f"needs the KV of whole chunks, and store {store} keeps only the KV of nugget "
+            f'spans (kv_keep = "{settings.kv_keep}"): use --method coinrag or standard, or '
+            'rebuild the store with --kv-keep chunks (kv_keep = "chunks")'
+        )
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> StoredKvContext:
+        reason = cls.unavailable(engine.store, engine.store_settings)
+        if reason:
+            raise MissingAssets(reason)
+        return engine.asset(StoredKv)
+
+
+class StoredNuggetKv(StoredKv):
+    """The stored KV of nugget spans (coinrag reads only the retrieved nuggets' slices)."""
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> StoredKvContext:
+        return engine.asset(StoredKv)
+
+
+def stored_context(
+    context: ContextBuilder,
+    evidence: Sequence[Evidence],
+    n_query: int,
+    timings: dict[str, float],
+) -> tuple[torch.Tensor, int]:
+    """``context.build(...)`` (``(C_ctx, total)``; ``timings`` gets ``kv_load`` and
+    ``assembly``), with a missing entry (or a span the store does not keep) as
+    :class:`MissingAssets` and a corrupt one as :class:`CorruptAssets` naming its chunk and
+    document."""
+    try:
+        return context.build(evidence, n_query, timings)
+    except (MissingKvEntry, UnstoredKvSlice) as exc:  # a span a nuggets store does not hold
+        raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
+    except CorruptKvEntry as exc:
+        what = next(
+            (
+                f"chunk {e.chunk_id} (document {e.doc_id})"
+                for e in evidence
+                if e.content_key == exc.content_key
+            ),
+            f"entry {exc.content_key}",
+        )
+        raise CorruptAssets(context.store, what, exc) from exc
+
+
+def _codec_note(kv_codec: str) -> str:
+    return "" if kv_codec == "none" else f", kv_codec {kv_codec}"
+
+
+def _no_kv_message(store: Store, model_fp: str, dtype: str, kv_codec: str = "none") -> str:
+    """Why a model cannot answer from ``store``: both fingerprints (the model asked for, the
+    models the store's KV was built by, with their dtypes) and the ways out."""
+    from storage.gc import kv_fps
+    from storage.kv import KvError
+
+    built: set[str] = set()
+    for kv_fp in kv_fps(store):
+        try:
+            layout = KvStore.open(store, kv_fp).layout
+        except (KvError, FileNotFoundError, KeyError):
+            continue
+        built.add(f"{layout.model_fp} ({layout.dtype}{_codec_note(layout.kv_codec)})")
+    have = (
+        f"its KV was built by model {', '.join(sorted(built))}"
+        if built
+        else "it holds no KV at all (built with kv = false?)"
+    )
+    return (
+        f"store {store} has no KV for model {model_fp} in {dtype}{_codec_note(kv_codec)}; "
+        f"{have}: query with the "
+        "store's own model (no --model), or run `coinrag build SOURCE --store ... --model ... "
+        f"--kv-dtype {dtype}` with this model first (or set kv_dtype in the store's coinrag.toml "
+        "to the dtype it was built in)"
+    )

@@ -1,0 +1,270 @@
+"""One interface for every RAG method: :class:`RagMethod`, its registry, and what it returns.
+
+A method is a subclass of :class:`RagMethod` registered by name (``class CoinRag(KvReuseMethod,
+name="coinrag")`` fills ``METHODS["coinrag"]``; ``schemas.settings.RAG_METHODS`` lists the same
+names for the CLI, which checks them before anything loads). A method declares
+
+- ``needs``: the :class:`Asset` kinds it reads (the index, chunk token ids, stored chunk KV,
+  stored nugget KV, cartridges, ...). The engine (``inference/methods/engine.py``) loads each
+  kind once, when the first method needing it opens, and shares it between methods;
+- ``retrieval``: how it finds its evidence (a :class:`Retrieval`: top chunks, two-stage
+  nuggets, top documents with a cartridge, ...), which says whether ``kc`` and ``k`` matter
+  and keys the results methods can share;
+- ``model_dtype``: the dtype its model computes in (the store's KV dtype unless it says
+  otherwise: KV slices are used as stored);
+
+and answers through one path, :meth:`RagMethod.run` ``(question, retrieval, kc, k,
+on_token)``: the retrieval result in, an :class:`Answer` (text, evidence, active tokens,
+timings) out; ``on_token`` is called with each answer token id as it is decoded (streaming).
+
+Timings (milliseconds): ``retrieval`` (embedding + index search), ``kv_load``, ``assembly``
+(rotation, concatenation, cache construction), ``prefill`` (query prefill up to the first
+token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining tokens).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from inference.generate import Generation
+from inference.prompt import require_question
+from schemas.settings import BuildSettings
+from storage.kv import CorruptKvEntry
+from storage.store import Store
+
+if TYPE_CHECKING:
+    from inference.methods.engine import RagEngine
+
+T = TypeVar("T")
+OnToken = Callable[[int], None]  # called with each answer token id as it is decoded
+
+
+class MissingAssets(RuntimeError):
+    """The store lacks what a method needs (KV, index): the message says which build step."""
+
+
+class CorruptAssets(MissingAssets):
+    """A stored KV entry (or the prompt prefix's) failed its check: never served; the message
+    names the chunk and document and the build that recomputes it."""
+
+    def __init__(self, store: Store, what: str, exc: CorruptKvEntry) -> None:
+        super().__init__(
+            f"the KV of {what} is corrupt ({exc.reason}, at kv/{exc.location}): "
+            f"{repair_command(store)} recomputes it"
+        )
+
+
+def repair_command(store: Store) -> str:
+    """The build that repairs a store's KV: its last SOURCE, with the settings it was built with
+    (``STORE/coinrag.toml``, for a local store)."""
+    import json
+
+    from schemas.tables import RunRow
+    from storage.tables import read_rows
+
+    source = "SOURCE"
+    try:
+        runs = [r for r in read_rows(store, RunRow) if (r.flow, r.status) == ("build", "completed")]
+        if runs:
+            last = max(runs, key=lambda r: r.started_at)
+            source = json.loads(last.parameters_json).get("source") or source
+    except Exception:  # unreadable runs: the generic form still says what to run
+        pass
+    config = f" --config {store.uri(store.settings_path)}" if store.is_local else ""
+    return f"`coinrag build {source} --store {store.url}{config}`"
+
+
+@dataclass
+class Answer:
+    """One answered question."""
+
+    answer: str
+    method: str
+    evidence: list[dict[str, Any]]  # {doc_id, chunk_id, tok_start, tok_end, text} (or cartridge)
+    active_tokens: int  # context tokens after the prompt prefix (KV-memory proxy)
+    timings: dict[str, float]
+    kc: int
+    k: int
+    model_fp: str = ""
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("token_ids")
+        return out
+
+
+def store_settings(store: Store) -> BuildSettings:
+    """The settings ``store`` was built with (``STORE/coinrag.toml``; the defaults for what it
+    does not record, e.g. ``kv_keep = "chunks"`` for a store built before the setting)."""
+    from schemas.settings import settings_from_toml
+
+    return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
+
+
+class Asset(Generic[T]):
+    """A kind of store asset methods read, loaded at most once per engine (:meth:`load`) and
+    shared by every method that declares it in ``needs``. A new kind (e.g. trained link tokens)
+    is one more subclass, next to the method that reads it."""
+
+    @classmethod
+    def unavailable(cls, store: Store, settings: BuildSettings) -> str | None:
+        """Why a store built with ``settings`` can never hold this asset, said from its settings
+        alone (before any model loads), e.g. ``"needs the KV of whole chunks, and store ...
+        keeps only ..."``; None when it can (a missing asset is found by :meth:`load`)."""
+        return None
+
+    @classmethod
+    def load(cls, engine: RagEngine) -> T:
+        """The asset of ``engine``'s store and model; :class:`MissingAssets` naming the build
+        step when the store lacks it."""
+        raise NotImplementedError
+
+
+def unavailable_methods(store: Store, methods: Sequence[str]) -> dict[str, str]:
+    """Of ``methods`` (names in :data:`METHODS`), those ``store`` can never run, with why
+    (:meth:`RagMethod.unavailable`; nothing is loaded)."""
+    settings = store_settings(store)
+    reasons = {name: METHODS[name].unavailable(store, settings) for name in methods}
+    return {name: reason for name, reason in reasons.items() if reason}
+
+
+def methods_for(store: Store, methods: Sequence[str]) -> list[str]:
+    """``methods`` less those ``store`` can never run (:func:`unavailable_methods`)."""
+    refused = unavailable_methods(store, methods)
+    return [name for name in methods if name not in refused]
+
+
+class Retrieval(ABC):
+    """How a method finds its evidence for a question. Methods whose retrievals give the same
+    :meth:`key` for ``(kc, k)`` can share one result (``coinrag eval`` retrieves once per
+    question and key)."""
+
+    uses_kc: ClassVar[bool] = False  # the result depends on kc (chunks of stage 1)
+    uses_k: ClassVar[bool] = False  # the result depends on k (nuggets, documents)
+
+    def key(self, kc: int, k: int) -> Hashable:
+        return (type(self).__name__, kc if self.uses_kc else 0, k if self.uses_k else 0)
+
+    @abstractmethod
+    def __call__(
+        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+    ) -> Any:
+        """The evidence for ``question`` (its type is what the method's ``run`` takes), with
+        the time it took; ``doc_ids``: only these documents (an oracle's gold documents)."""
+
+
+METHODS: dict[str, type[RagMethod]] = {}  # name -> class, filled by subclassing
+
+
+class RagMethod(ABC):
+    """A RAG method over one engine's model, prompt and assets.
+
+    Subclass with ``name=...`` to register; set ``needs`` and ``retrieval``; implement
+    :meth:`run`. Constructed by the engine (once per engine), which loads the method's model
+    and assets then, so a missing asset fails when the engine opens, and loading is never in a
+    timing.
+    """
+
+    name: ClassVar[str] = ""
+    needs: ClassVar[tuple[type[Asset[Any]], ...]] = ()
+    retrieval: ClassVar[Retrieval]
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if name in METHODS:
+                raise ValueError(f"two RAG methods named {name!r}")
+            cls.name = name
+            METHODS[name] = cls
+
+    def __init__(self, engine: RagEngine) -> None:
+        self.engine = engine
+        reason = self.unavailable(engine.store, engine.store_settings)
+        if reason:
+            raise MissingAssets(reason)
+        self.loaded = engine.model_at(self.model_dtype(engine.kv_dtype, engine.device))
+        for kind in self.needs:
+            engine.asset(kind)
+
+    @classmethod
+    def unavailable(cls, store: Store, settings: BuildSettings) -> str | None:
+        """Why the method can never run on a store built with ``settings`` (the first asset it
+        needs that such a store cannot hold: :meth:`Asset.unavailable`), or None."""
+        for kind in cls.needs:
+            reason = kind.unavailable(store, settings)
+            if reason:
+                return f"--method {cls.name} {reason}"
+        return None
+
+    @classmethod
+    def model_dtype(cls, kv_dtype: str, device: str) -> str:
+        """The dtype the method's model computes in: the store's KV dtype (the KV slices are
+        used as stored; standard RAG computes in it too, so the methods compare)."""
+        return kv_dtype
+
+    @property
+    def uses_kc(self) -> bool:
+        return self.retrieval.uses_kc
+
+    @property
+    def uses_k(self) -> bool:
+        return self.retrieval.uses_k
+
+    def retrieval_key(self, kc: int, k: int) -> Hashable:
+        """Equal for two methods whose retrievals for ``(kc, k)`` are the same."""
+        return self.retrieval.key(kc, k)
+
+    def retrieve(self, question: str, kc: int, k: int, doc_ids: Sequence[str] | None = None) -> Any:
+        """The evidence :meth:`run` takes (``doc_ids``: retrieve among these documents only)."""
+        return self.retrieval(self.engine, question, kc, k, doc_ids)
+
+    @abstractmethod
+    def run(
+        self, question: str, retrieval: Any, kc: int, k: int, on_token: OnToken | None = None
+    ) -> Answer:
+        """Answer ``question`` from ``retrieval`` (what :meth:`retrieve` returned, evidence in
+        context order); ``kc`` and ``k`` are recorded in the answer."""
+
+    def answer(
+        self,
+        question: str,
+        kc: int,
+        k: int,
+        *,
+        doc_ids: Sequence[str] | None = None,
+        on_token: OnToken | None = None,
+    ) -> Answer:
+        """Retrieve, then :meth:`run` (``BlankQuestion``, a ValueError, for a blank question)."""
+        require_question(question)
+        return self.run(question, self.retrieve(question, kc, k, doc_ids), kc, k, on_token)
+
+    def finish(
+        self,
+        gen: Generation,
+        timings: dict[str, float],
+        evidence: list[dict[str, Any]],
+        active_tokens: int,
+        kc: int,
+        k: int,
+    ) -> Answer:
+        """The :class:`Answer` of ``gen``: ``timings`` holds ``retrieval``, ``kv_load`` and
+        ``assembly``; ``prefill``, ``ttft`` (the four summed) and ``decode`` are added, each
+        rounded to the microsecond."""
+        spent = {**timings, "prefill": gen.prefill_ms}
+        spent["ttft"] = spent["retrieval"] + spent["kv_load"] + spent["assembly"] + gen.prefill_ms
+        spent["decode"] = gen.decode_ms
+        return Answer(
+            answer=gen.text,
+            method=self.name,
+            evidence=evidence,
+            active_tokens=active_tokens,
+            timings={key: round(v, 3) for key, v in spent.items()},
+            kc=kc,
+            k=k,
+            model_fp=self.loaded.model_fp,
+            token_ids=gen.token_ids,
+        )

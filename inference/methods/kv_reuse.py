@@ -1,0 +1,51 @@
+"""What the KV-reuse methods share: answer from a context assembled out of stored KV.
+
+``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` is built from the retrieved evidence by the
+store's :class:`~inference.context.StoredKvContext` (the builder fine-tuning's ``frozen`` mode
+uses too), handed to the model as a cache, and only the query is prefilled after it
+(``inference.generate.prefill_and_decode``). Which spans (whole chunks or nugget slices) is the
+subclass's retrieval.
+"""
+
+from __future__ import annotations
+
+import time
+
+from inference.encode import to_dynamic_cache
+from inference.generate import prefill_and_decode
+from inference.methods.assets import StoredKv, stored_context
+from inference.methods.base import Answer, OnToken, RagMethod
+from inference.methods.retrievals import evidence_rows, retrieval_timings
+from inference.retrieve import RetrievalResult
+
+
+class KvReuseMethod(RagMethod):
+    """Prefill only the query after ``C_ctx`` assembled from the store's KV of the evidence."""
+
+    def run(
+        self,
+        question: str,
+        retrieval: RetrievalResult,
+        kc: int,
+        k: int,
+        on_token: OnToken | None = None,
+    ) -> Answer:
+        engine = self.engine
+        query_ids = engine.prompt.query_ids(question)
+        timings = retrieval_timings(retrieval)
+        context = engine.asset(StoredKv)
+        ctx, total = stored_context(context, retrieval.evidence, len(query_ids), timings)
+        t0 = time.perf_counter()
+        cache = to_dynamic_cache(ctx, self.loaded.model.config)
+        timings["assembly"] += (time.perf_counter() - t0) * 1000
+        gen = prefill_and_decode(
+            self.loaded.model,
+            self.loaded.tokenizer,
+            cache,
+            total,
+            query_ids,
+            max_new_tokens=engine.max_new_tokens,
+            on_token=on_token,
+        )
+        active = total - engine.prompt.n_prefix
+        return self.finish(gen, timings, evidence_rows(retrieval), active, kc, k)

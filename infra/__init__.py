@@ -1,1 +1,0 @@
-"""Deployments, schedules, and the scripts that start servers (Prefect server, workers)."""

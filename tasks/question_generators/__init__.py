@@ -1,0 +1,1 @@
+"""Self-study question generators: one backend per module, one interface (``base``)."""

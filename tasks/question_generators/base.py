@@ -1,0 +1,70 @@
+"""The interface every question generator implements, and the records it returns.
+
+A generator turns :class:`QuestionRequest` (a text, a seed type, the call's cache key) into a
+:class:`QuestionResult`: the raw items of its answer (``ok``), a malformed answer (dropped and
+counted with its reason), or a failure, with one ``CallRecord`` per attempt for the ledger. It
+never touches the store: ``tasks/questions.py`` asks which calls are already answered and hands
+only the rest to :meth:`QuestionGenerator.generate`. Backends: ``openai``
+(``openai_chat.py``), ``local`` (``local.py``); ``factory.py`` builds the one the settings name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from inference.llm_client import CallRecord
+from schemas.keys import fingerprint
+from tasks.question_generators.prompt import PROMPT_VERSION
+
+
+@dataclass(frozen=True)
+class QuestionRequest:
+    """One call to make: ``key`` is its call key."""
+
+    key: str
+    text: str
+    seed_type: str
+    call_index: int
+
+
+@dataclass
+class QuestionResult:
+    """The outcome of one call: raw items (``ok``), a malformed answer, or a failure."""
+
+    key: str
+    status: str  # ok | malformed | failed
+    items: list[Any] = field(default_factory=list)
+    error: str | None = None
+    calls: list[CallRecord] = field(default_factory=list)
+    malformed_reason: str | None = None  # why a malformed answer was dropped (questions.py)
+
+
+# Progress of a generator: called with the number of questions just written (an OpenAI call
+# counts its n_questions when it returns, the local generator each question as it closes).
+QuestionsDone = Callable[[int], None]
+
+
+def generator_fingerprint(backend: str, fields: dict[str, Any]) -> str:
+    """Fingerprint of a question generator (no key, no URL)."""
+    return fingerprint("qgen", {"backend": backend, "prompt_version": PROMPT_VERSION, **fields})
+
+
+class QuestionGenerator(Protocol):
+    """What the self-study stage needs from a backend."""
+
+    backend: str  # openai | local
+    llm_model: str
+    n_questions: int
+
+    @property
+    def fingerprint(self) -> str:
+        """:func:`generator_fingerprint` of everything the questions depend on; no secrets."""
+        ...
+
+    def generate(
+        self, requests: Sequence[QuestionRequest], progress: QuestionsDone | None = None
+    ) -> list[QuestionResult]:
+        """One result per request, in order; never raises for one bad call."""
+        ...

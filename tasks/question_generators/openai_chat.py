@@ -1,0 +1,159 @@
+"""Questions from chat completions (backend ``openai``): GPT-4o-mini or any OpenAI-compatible
+endpoint, through ``inference/llm_client.py`` as the extractors use it (client without its own
+retries, retries with backoff and ``Retry-After``, fatal errors stop the run, secrets scrubbed);
+every HTTP attempt is a ledger row (``extraction_calls``, backend ``selfstudy-openai``). An
+answer that is not a JSON array is ``malformed`` (cached, not retried; ``accept.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+from inference.llm_client import (
+    CallRecord,
+    LlmEndpoint,
+    MalformedResponse,
+    RetryPolicy,
+    classify_error,
+    content_of,
+    usage_of,
+)
+from schemas.settings import CartridgeSettings
+from tasks.question_generators.accept import ACCEPTS_VERSION, MalformedQuestions, parse_questions
+from tasks.question_generators.base import (
+    QuestionRequest,
+    QuestionResult,
+    QuestionsDone,
+    generator_fingerprint,
+)
+from tasks.question_generators.prompt import build_question_messages
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIQuestionGenerator:
+    """Questions from chat completions (GPT-4o-mini or any OpenAI-compatible endpoint)."""
+
+    backend = "openai"
+
+    def __init__(
+        self,
+        model: str = "gpt-4o-mini",
+        *,
+        client: Any = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        n_questions: int = 20,
+        temperature: float = 1.0,
+        concurrency: int = 8,
+        max_attempts: int = 5,
+        backoff_base_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+        retry_after_max_s: float = 300.0,
+        timeout_s: float = 120.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if max_attempts < 1 or concurrency < 1:
+            raise ValueError("max_attempts and concurrency must be >= 1")
+        self.llm_model = model
+        self.n_questions = n_questions
+        self.temperature = temperature
+        self.concurrency = concurrency
+        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
+        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
+        self._fatal: str | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(
+        cls, settings: CartridgeSettings, loaded: Any = None
+    ) -> OpenAIQuestionGenerator:
+        """The generator ``settings`` describe (the key and URL default to the environment)."""
+        return cls(settings.llm_model, base_url=settings.base_url, n_questions=settings.n_questions)
+
+    @property
+    def fingerprint(self) -> str:
+        return generator_fingerprint(
+            self.backend,
+            {
+                "model": self.llm_model,
+                "n": self.n_questions,
+                "temperature": self.temperature,
+                # what is accepted from a free answer (the local skeleton's output is always an
+                # array of questions, so its fingerprint does not carry this)
+                "accepts": ACCEPTS_VERSION,
+            },
+        )
+
+    def generate(
+        self, requests: Sequence[QuestionRequest], progress: QuestionsDone | None = None
+    ) -> list[QuestionResult]:
+        """One result per request, in order; never raises for one bad call.
+        ``progress(n_questions)`` after each call (from the worker threads, one at a time)."""
+        self._fatal = None
+
+        def run(req: QuestionRequest) -> QuestionResult:
+            try:
+                result = self._one(req)
+            except Exception as exc:  # noqa: BLE001 - one call must not sink the run
+                result = QuestionResult(req.key, "failed", error=self.endpoint.describe(exc))
+            if progress is not None:
+                with self._lock:
+                    progress(self.n_questions)
+            return result
+
+        if not requests:
+            return []
+        workers = min(self.concurrency, len(requests))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selfstudy") as pool:
+            return list(pool.map(run, requests))
+
+    def _one(self, req: QuestionRequest) -> QuestionResult:
+        calls: list[CallRecord] = []
+        messages = build_question_messages(req.text, req.seed_type, self.n_questions)
+        attempt = 0
+        while True:
+            if self._fatal is not None:
+                return QuestionResult(
+                    req.key, "failed", error=f"aborted: {self._fatal}", calls=calls
+                )
+            attempt += 1
+            started, t0 = datetime.now(UTC), time.perf_counter()
+            try:
+                completion = self.endpoint.client.chat.completions.create(
+                    model=self.llm_model, messages=messages, temperature=self.temperature
+                )
+            except Exception as exc:  # noqa: BLE001 - classified below
+                msg = self.endpoint.describe(exc)
+                status, retryable, fatal = classify_error(exc)
+                calls.append(self.endpoint.record(req.key, attempt, status, started, t0, error=msg))
+                if fatal:
+                    self._fatal = msg
+                    log.error("fatal endpoint error, failing the rest of the run: %s", msg)
+                if fatal or not retryable or attempt >= self.endpoint.retry.max_attempts:
+                    error = f"{status} after {attempt} attempt(s): {msg}"
+                    return QuestionResult(req.key, "failed", error=error, calls=calls)
+                self.endpoint.retry.sleep(self.endpoint.retry.delay(attempt, exc))
+                continue
+            t_in, t_out = usage_of(completion)
+            try:
+                items = parse_questions(content_of(completion))
+            except (MalformedQuestions, MalformedResponse) as exc:
+                msg = self.endpoint.scrub(f"malformed answer: {exc}")
+                calls.append(
+                    self.endpoint.record(
+                        req.key, attempt, "malformed", started, t0, t_in, t_out, msg
+                    )
+                )
+                reason = getattr(exc, "reason", "no_content")
+                return QuestionResult(
+                    req.key, "malformed", error=msg, calls=calls, malformed_reason=reason
+                )
+            calls.append(self.endpoint.record(req.key, attempt, "ok", started, t0, t_in, t_out))
+            return QuestionResult(req.key, "ok", items=items, calls=calls)
