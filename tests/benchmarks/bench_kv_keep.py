@@ -4,7 +4,8 @@ nugget spans only, on real builds (``flows.build.build_flow``, the packaged Smol
 Per corpus (the bundled sample; Debian's ``python3.11-doc`` FAQ pages, ``infra/python_faq.py``,
 ``apt-get install -y python3.11-doc``) and extractor, one store is built twice: with ``kv_keep =
 "chunks"``, then (the same store: chunks and LLM answers reused) with ``kv_keep = "nuggets"``,
-whose KV is another ``kv_fp`` folder. Reported per variant:
+whose KV is another ``kv_fp`` folder; both with the codec ``--kv-codec`` (``none``, ``int8``,
+``int4``). Reported per variant:
 
 - ``coverage``: chunk tokens inside at least one nugget / chunk tokens;
 - ``chunks B/tok`` and ``nuggets B/tok``: bytes on disk of each ``STORE/kv/<kv_fp>/`` (shards,
@@ -14,8 +15,9 @@ whose KV is another ``kv_fp`` folder. Reported per variant:
 - ``formula``: ``KvLayout.disk_bytes`` of the entries' stored token counts (what the writer
   produces, prefix aside) over the shards' real bytes: 1.000 means the projections below are
   exact;
-- ``block-aligned``: what storing every 16-token block a kept range touches (instead of the
-  kept tokens exactly) would put on disk, over the exact layout's shard bytes;
+- ``block-aligned``: what storing every block (``block_tokens``: the codec's) a kept range
+  touches (instead of the kept tokens exactly) would put on disk, over the exact layout's
+  blocks;
 - lower coverage (``--coverages``): each chunk's nuggets taken in a random order (seeded) until
   they cover that share of its tokens, the shards such entries make projected with
   ``KvLayout.disk_bytes`` (e.g. an extractor like GPT-4o-mini's ~70% coverage), against the
@@ -24,6 +26,7 @@ whose KV is another ``kv_fp`` folder. Reported per variant:
 Run alone (minutes: a KV forward per chunk and per variant; ``local`` decodes every chunk)::
 
     python tests/benchmarks/bench_kv_keep.py --corpora sample --extractors rules local
+    python tests/benchmarks/bench_kv_keep.py --corpora sample --extractors rules --kv-codec int4
     python tests/benchmarks/bench_kv_keep.py --corpora faq --extractors rules \\
         --pages faq/gui faq/installed faq/windows faq/extending --threads 2
 """
@@ -85,7 +88,7 @@ def block_aligned_bytes(kv, rows) -> int:
     from storage.kv import KeptRanges
 
     block = kv.layout.block_tokens
-    per_block = block * kv.layout.token_bytes + 4
+    per_block = kv.layout.block_bytes + 4  # the codec's payload (codes and scales) + crc32c
     total = 0
     for row in rows:
         blocks = set()
@@ -97,7 +100,7 @@ def block_aligned_bytes(kv, rows) -> int:
 
 def exact_data_bytes(kv, stored: list[int]) -> int:
     block = kv.layout.block_tokens
-    return sum(-(-t // block) for t in stored) * (block * kv.layout.token_bytes + 4)
+    return sum(-(-t // block) for t in stored) * (kv.layout.block_bytes + 4)
 
 
 def lower_coverage(chunks, nuggets, target: float, seed: int = 0) -> tuple[list[int], float]:
@@ -166,6 +169,8 @@ def measure(source: str, store: Path, extractor: str, settings: dict) -> dict:
             "chunks without nuggets": summary["kv_nothing_kept"],
             "coverage": sum(stored) / tokens,
             "dtype": lay.dtype,
+            "kv_codec": lay.kv_codec,
+            "block_tokens": lay.block_tokens,
             "B/token (layout)": lay.token_bytes,
             "raw bf16 B/token": raw_bf16,
             "chunks B/tok": disk["chunks"] / tokens,
@@ -187,6 +192,7 @@ def main() -> None:
     ap.add_argument("--pages", nargs="*", default=None, help="FAQ pages (default: all faq/*)")
     ap.add_argument("--faq-dir", type=Path, default=Path(_TMP) / "faq")
     ap.add_argument("--kv-dtype", default="auto")
+    ap.add_argument("--kv-codec", default="none", help="none | int8 | int4 (both stores)")
     ap.add_argument("--coverages", nargs="*", type=float, default=[0.9, 0.7, 0.5, 0.3])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--out", type=Path, default=Path(_TMP), help="where the stores go")
@@ -201,11 +207,15 @@ def main() -> None:
     if "faq" in args.corpora:
         args.faq_dir.mkdir(parents=True, exist_ok=True)
         sources["faq"] = str(faq_source(args.faq_dir, args.pages))
-    settings = {"kv_dtype": args.kv_dtype, "coverages": args.coverages}
+    settings = {
+        "kv_dtype": args.kv_dtype,
+        "kv_codec": args.kv_codec,
+        "coverages": args.coverages,
+    }
     rows = []
     for corpus in args.corpora:
         for extractor in args.extractors:
-            store = args.out / f"{corpus}-{extractor}"
+            store = args.out / f"{corpus}-{extractor}-{args.kv_codec}"
             build = {k: v for k, v in settings.items() if k != "coverages"}
             row = {"corpus": corpus, **measure(sources[corpus], store, extractor, build)}
             if settings["coverages"]:
