@@ -17,6 +17,11 @@ and answers through one path, :meth:`RagMethod.run` ``(question, retrieval, kc, 
 on_token)``: the retrieval result in, an :class:`Answer` (text, evidence, active tokens,
 timings) out; ``on_token`` is called with each answer token id as it is decoded (streaming).
 
+What a store can never serve is said by its assets, from the store's settings, before any model
+loads (:meth:`Asset.unavailable`, e.g. ``StoredChunkKv`` on a store that keeps only nugget
+spans): :meth:`RagMethod.unavailable`, :func:`unavailable_methods` and :func:`methods_for` (the
+CLI's checks and ``eval``'s default methods); the method refuses to open there.
+
 Timings (milliseconds): ``retrieval`` (embedding + index search), ``kv_load``, ``assembly``
 (rotation, concatenation, cache construction), ``prefill`` (query prefill up to the first
 token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining tokens).

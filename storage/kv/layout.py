@@ -223,10 +223,10 @@ class KvLayout:
     kv_heads: int
     head_dim: int
     dtype: str  # float32 | bfloat16 | float16
-    keep: str = "chunks"  # kv_keep: whole chunks | only nugget spans (storage/kv/kept.py)
     block_tokens: int = 0  # 0: the codec's default_block_tokens
     slots_per_shard: int = 0  # 0: derived from DEFAULT_SHARD_BYTES for 512-token entries
     kv_codec: str = "none"
+    keep: str = "chunks"  # kv_keep: whole chunks | only nugget spans (storage/kv/kept.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
