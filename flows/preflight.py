@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from schemas.settings import BuildSettings
-from storage.store import Store, StoreLocked
+from coinrag.schemas.settings import BuildSettings
+from coinrag.storage.store import Store, StoreLocked
 
 OPENAI_EXTRACTORS = ("openai", "openai-batch")
 
@@ -75,7 +75,7 @@ def store_methods(store: Store, methods: Sequence[str]) -> None:
     """The store's assets can serve ``methods`` (``inference.methods.unavailable_methods``:
     e.g. a store that keeps only nugget spans, ``kv_keep = "nuggets"``, has no whole chunks'
     KV for ``turborag``): exit 1 with the first method's reason, naming the setting."""
-    from inference.methods import unavailable_methods
+    from coinrag.inference.methods import unavailable_methods
 
     refused = unavailable_methods(store, methods)
     if refused:
@@ -92,7 +92,7 @@ def unlocked(store: Store) -> None:
 
 def source(path: str) -> None:
     """SOURCE exists and has a known format."""
-    from tasks.ingest import SourceError, check_source
+    from coinrag.tasks.ingest import SourceError, check_source
 
     try:
         check_source(path)
@@ -104,7 +104,7 @@ def source(path: str) -> None:
 
 def model(ref: str | None) -> None:
     """``--model`` names a model folder, a GGUF file, or the packaged default."""
-    from inference.models import ModelNotFound, locate_model
+    from coinrag.inference.models import ModelNotFound, locate_model
 
     try:
         locate_model(ref)
@@ -114,7 +114,7 @@ def model(ref: str | None) -> None:
 
 def embedder(ref: str | None) -> None:
     """``--embedder`` names a local encoder folder or the packaged default."""
-    from inference.embedders import EmbedderNotFound, locate_embedder
+    from coinrag.inference.embedders import EmbedderNotFound, locate_embedder
 
     try:
         locate_embedder(ref)

@@ -51,17 +51,17 @@ from typing import Any
 
 import torch
 
-from inference.encode import (
+from coinrag.inference.encode import (
     KvBatching,
     compute_group_kv,
     compute_prefix_kv,
     kv_layout,
     pad_id,
 )
-from inference.prompt import RagPrompt
-from schemas.tables import ChunkRow, KvManifestRow, NuggetRow
-from storage.kv import KeptRanges, KvEntry, KvFingerprintMismatch, KvStore, StagedShard
-from storage.store import Store
+from coinrag.inference.prompt import RagPrompt
+from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow
+from coinrag.storage.kv import KeptRanges, KvEntry, KvFingerprintMismatch, KvStore, StagedShard
+from coinrag.storage.store import Store
 
 ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
 
@@ -110,7 +110,7 @@ def build_kept_ranges(
     tau (the nuggets the index gets: ``tasks.recover.current_nuggets``)."""
     if keep == "chunks":
         return None
-    from tasks.recover import current_nuggets
+    from coinrag.tasks.recover import current_nuggets
 
     nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, tau)
     return kept_ranges(chunks, nuggets)

@@ -21,16 +21,16 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from inference.methods import MissingAssets, RagEngine
-from inference.methods.assets import StoredNuggetKv
-from schemas.tables import ChunkRow, KvManifestRow, NuggetRow
-from storage.gc import kv_fps
-from storage.kv import KeptRanges, KvStore, entry_key, parse_location
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.extractors.factory import make_extractor
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.inference.methods import MissingAssets, RagEngine
+from coinrag.inference.methods.assets import StoredNuggetKv
+from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow
+from coinrag.storage.gc import kv_fps
+from coinrag.storage.kv import KeptRanges, KvStore, entry_key, parse_location
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.extractors.factory import make_extractor
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 API_KEY = "sk-kv-keep-test"

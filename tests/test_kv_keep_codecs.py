@@ -31,22 +31,22 @@ from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from test_kv_codecs import HALF_ULP, MODELS, ROUNDING, _layer_errors, _tiny, step_bounds
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from inference.assemble import KvSlice, assemble_context
-from inference.encode import keys_to_position_zero
-from inference.methods import RagEngine
-from inference.methods.assets import StoredNuggetKv
-from inference.models import LoadedModel, tokenizer_fingerprint
-from inference.prompt import RagPrompt
-from inference.rope import RopeSpec, rerotate_keys
-from schemas.tables import NuggetRow
-from storage.gc import kv_fps
-from storage.kv import KeptRanges, KvStore, UnstoredKvSlice, codec_named, entry_key
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.chunk import chunk_document
-from tasks.kv import kv_stage
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.inference.assemble import KvSlice, assemble_context
+from coinrag.inference.encode import keys_to_position_zero
+from coinrag.inference.methods import RagEngine
+from coinrag.inference.methods.assets import StoredNuggetKv
+from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import RopeSpec, rerotate_keys
+from coinrag.schemas.tables import NuggetRow
+from coinrag.storage.gc import kv_fps
+from coinrag.storage.kv import KeptRanges, KvStore, UnstoredKvSlice, codec_named, entry_key
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.chunk import chunk_document
+from coinrag.tasks.kv import kv_stage
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources/faq/general.rst.txt")
 QUESTION = "Who directed 2001: A Space Odyssey?"
@@ -73,7 +73,7 @@ def one_thread():
 @pytest.fixture(scope="module", params=[*MODELS, "smollm2"])
 def model(request, smollm2_tokenizer) -> LoadedModel:
     if request.param == "smollm2":
-        from inference.models import load_model
+        from coinrag.inference.models import load_model
 
         return load_model(None, dtype="bfloat16")
     arch = request.param.split("-")[0]

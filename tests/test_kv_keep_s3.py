@@ -14,15 +14,15 @@ import torch
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from inference.methods import RagEngine
-from schemas.tables import ChunkRow, KvManifestRow
-from storage.gc import kv_fps
-from storage.kv import KvStore
-from storage.location import object_filesystem
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.inference.methods import RagEngine
+from coinrag.schemas.tables import ChunkRow, KvManifestRow
+from coinrag.storage.gc import kv_fps
+from coinrag.storage.kv import KvStore
+from coinrag.storage.location import object_filesystem
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 BUCKET = "coinrag-kv-keep"

@@ -15,8 +15,8 @@ import pytest
 import torch
 from store_fixtures import synthetic_chunk
 
-from schemas.keys import fingerprint
-from storage.kv import (
+from coinrag.schemas.keys import fingerprint
+from coinrag.storage.kv import (
     LAYOUT_VERSION,
     KeptRanges,
     KvEntry,
@@ -27,8 +27,8 @@ from storage.kv import (
     UnstoredKvSlice,
     entry_key,
 )
-from storage.kv.transport import LocalTransport
-from storage.store import Store
+from coinrag.storage.kv.transport import LocalTransport
+from coinrag.storage.store import Store
 
 LAYOUT = KvLayout(
     model_fp="model-x",

@@ -13,8 +13,8 @@ A new method is a module here with one subclass of :class:`RagMethod` (``name=..
 below, and its name in ``schemas.settings.RAG_METHODS``.
 """
 
-from inference.methods import cartridge, coinrag, standard, turborag
-from inference.methods.base import (
+from coinrag.inference.methods import cartridge, coinrag, standard, turborag
+from coinrag.inference.methods.base import (
     METHODS,
     Answer,
     CorruptAssets,
@@ -24,7 +24,7 @@ from inference.methods.base import (
     repair_command,
     unavailable_methods,
 )
-from inference.methods.engine import RagEngine
+from coinrag.inference.methods.engine import RagEngine
 
 __all__ = [
     "METHODS",

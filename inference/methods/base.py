@@ -34,14 +34,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from inference.generate import Generation
-from inference.prompt import require_question
-from schemas.settings import BuildSettings
-from storage.kv import CorruptKvEntry
-from storage.store import Store
+from coinrag.inference.generate import Generation
+from coinrag.inference.prompt import require_question
+from coinrag.schemas.settings import BuildSettings
+from coinrag.storage.kv import CorruptKvEntry
+from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
-    from inference.methods.engine import RagEngine
+    from coinrag.inference.methods.engine import RagEngine
 
 T = TypeVar("T")
 OnToken = Callable[[int], None]  # called with each answer token id as it is decoded
@@ -67,8 +67,8 @@ def repair_command(store: Store) -> str:
     (``STORE/coinrag.toml``, for a local store)."""
     import json
 
-    from schemas.tables import RunRow
-    from storage.tables import read_rows
+    from coinrag.schemas.tables import RunRow
+    from coinrag.storage.tables import read_rows
 
     source = "SOURCE"
     try:
@@ -105,7 +105,7 @@ class Answer:
 def store_settings(store: Store) -> BuildSettings:
     """The settings ``store`` was built with (``STORE/coinrag.toml``; the defaults for what it
     does not record, e.g. ``kv_keep = "chunks"`` for a store built before the setting)."""
-    from schemas.settings import settings_from_toml
+    from coinrag.schemas.settings import settings_from_toml
 
     return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
 

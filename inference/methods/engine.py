@@ -16,9 +16,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from inference.embedders import Embedder
-from inference.methods.assets import Index
-from inference.methods.base import (
+from coinrag.inference.embedders import Embedder
+from coinrag.inference.methods.assets import Index
+from coinrag.inference.methods.base import (
     METHODS,
     Answer,
     Asset,
@@ -28,11 +28,11 @@ from inference.methods.base import (
     methods_for,
     store_settings,
 )
-from inference.models import LoadedModel
-from inference.prompt import RagPrompt, require_question
-from inference.retrieve import Retriever
-from schemas.settings import DEFAULT_RAG_METHODS
-from storage.store import Store
+from coinrag.inference.models import LoadedModel
+from coinrag.inference.prompt import RagPrompt, require_question
+from coinrag.inference.retrieve import Retriever
+from coinrag.schemas.settings import DEFAULT_RAG_METHODS
+from coinrag.storage.store import Store
 
 T = TypeVar("T")
 DEFAULT_METHODS = DEFAULT_RAG_METHODS
@@ -105,8 +105,8 @@ class RagEngine:
         the store can run, ``methods_for``: a store keeping only nugget spans has no turborag);
         model and embedder default to the store's. The KV methods' model computes in the
         store's ``kv_dtype`` (the dtype its KV was built in)."""
-        from inference.kv_dtype import resolve_kv_dtype
-        from inference.models import load_model
+        from coinrag.inference.kv_dtype import resolve_kv_dtype
+        from coinrag.inference.models import load_model
 
         store = Store.at(store_path)
         if methods is None:
@@ -140,7 +140,7 @@ class RagEngine:
     def model_at(self, dtype: str) -> LoadedModel:
         """The generation model computing in ``dtype`` (loaded once per dtype)."""
         if dtype not in self._models:
-            from inference.models import load_model
+            from coinrag.inference.models import load_model
 
             self._models[dtype] = load_model(self.model_ref, device=self.device, dtype=dtype)
         return self._models[dtype]

@@ -103,9 +103,9 @@ from typing import Any
 
 import torch
 
-from schemas.keys import fingerprint
-from schemas.settings import KV_KEEPS
-from storage.kv.codecs import (
+from coinrag.schemas.keys import fingerprint
+from coinrag.schemas.settings import KV_KEEPS
+from coinrag.storage.kv.codecs import (
     STORAGE_DTYPES,
     TORCH_DTYPES,
     IdentityCodec,

@@ -68,9 +68,9 @@ def faq_source(out: Path, pages: list[str] | None) -> Path:
 
 def kv_folders(store: Path) -> dict[str, Path]:
     """kv_keep -> its ``STORE/kv/<kv_fp>/`` folder."""
-    from storage.gc import kv_fps
-    from storage.kv import KvStore
-    from storage.store import Store
+    from coinrag.storage.gc import kv_fps
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.store import Store
 
     st = Store.at(store)
     return {KvStore.open(st, fp).layout.keep: Path(store) / "kv" / fp for fp in kv_fps(st)}
@@ -85,7 +85,7 @@ def tree_bytes(path: Path, skip: str = "") -> int:
 def block_aligned_bytes(kv, rows) -> int:
     """Data bytes if each entry stored every block its kept ranges touch (whole blocks, the
     others absent) instead of the kept tokens back to back: per block its payload and crc32c."""
-    from storage.kv import KeptRanges
+    from coinrag.storage.kv import KeptRanges
 
     block = kv.layout.block_tokens
     per_block = kv.layout.block_bytes + 4  # the codec's payload (codes and scales) + crc32c
@@ -106,7 +106,7 @@ def exact_data_bytes(kv, stored: list[int]) -> int:
 def lower_coverage(chunks, nuggets, target: float, seed: int = 0) -> tuple[list[int], float]:
     """Stored token counts (and the coverage) when each chunk keeps its nuggets, taken in a
     random order, until they cover ``target`` of its tokens."""
-    from storage.kv import KeptRanges
+    from coinrag.storage.kv import KeptRanges
 
     by_chunk: dict[str, list[tuple[int, int]]] = {}
     for n in nuggets:
@@ -130,12 +130,12 @@ def lower_coverage(chunks, nuggets, target: float, seed: int = 0) -> tuple[list[
 
 
 def measure(source: str, store: Path, extractor: str, settings: dict) -> dict:
-    from flows.build import build_flow
-    from schemas.tables import ChunkRow, NuggetRow
-    from storage.gc import kv_fps
-    from storage.kv import KeptRanges, KvStore
-    from storage.store import Store
-    from storage.tables import read_rows
+    from coinrag.flows.build import build_flow
+    from coinrag.schemas.tables import ChunkRow, NuggetRow
+    from coinrag.storage.gc import kv_fps
+    from coinrag.storage.kv import KeptRanges, KvStore
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_rows
 
     row: dict = {"extractor": extractor}
     t0 = time.perf_counter()
@@ -233,11 +233,11 @@ def main() -> None:
 
 def measure_lower(store: Path, coverages: list[float]) -> dict:
     """The lower-coverage projections of a built store (see the module doc)."""
-    from schemas.tables import ChunkRow, NuggetRow
-    from storage.gc import kv_fps
-    from storage.kv import KvStore
-    from storage.store import Store
-    from storage.tables import read_rows
+    from coinrag.schemas.tables import ChunkRow, NuggetRow
+    from coinrag.storage.gc import kv_fps
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_rows
 
     st = Store.at(store)
     chunks = list({c.content_key: c for c in read_rows(st, ChunkRow)}.values())
