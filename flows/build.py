@@ -112,10 +112,12 @@ def kv_space_task(store: Store, chunks: list, settings: BuildSettings) -> None:
 
 
 @task(name="kv", cache_policy=NO_CACHE)
-def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) -> dict[str, Any]:
+def kv_task(
+    store: Store, chunks: list, settings: BuildSettings, run_id: str, extractor_fp: str
+) -> dict[str, Any]:
     from coinrag.inference.models import load_shared_model
     from coinrag.inference.prompt import RagPrompt
-    from coinrag.tasks.kv import kv_stage
+    from coinrag.tasks.kv import build_kept_ranges, kv_stage
 
     logger = get_run_logger()
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
@@ -142,6 +144,7 @@ def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) ->
         batch_size=settings.kv_batch_size,
         progress=progress,
         check=settings.kv_verify,
+        kept=build_kept_ranges(store, chunks, settings.kv_keep, extractor_fp, settings.tau),
         kv_codec=settings.kv_codec,
     )
     return {"model_fp": loaded.model_fp, "kv_dtype": kv_dtype.dtype, **counts.as_dict()}
@@ -236,14 +239,21 @@ def _extract_all(
 
 
 def _kv_all(
-    runner: TaskRunner, store: Store, chunks: list, settings: BuildSettings, run_id: str
+    runner: TaskRunner,
+    store: Store,
+    chunks: list,
+    settings: BuildSettings,
+    run_id: str,
+    extractor_fp: str,
 ) -> dict[str, Any]:
     """The KV stage: in the flow process (default runner), else one task per group of chunks
-    on the runner's workers (flows/scaleout.py); the same entries either way."""
+    on the runner's workers (flows/scaleout.py); the same entries either way. With ``kv_keep
+    = "nuggets"`` only the token ranges of the chunks' nuggets (by ``extractor_fp``) are
+    stored."""
     if settings.runner == "default":
-        kv = kv_task(store, quote(chunks), settings, run_id)
+        kv = kv_task(store, quote(chunks), settings, run_id, extractor_fp)
     else:
-        kv = kv_on_workers(runner, store, chunks, settings, run_id)
+        kv = kv_on_workers(runner, store, chunks, settings, run_id, extractor_fp)
     problems = kv.get("problems", {})  # stored entries (or C_p) that failed their check
     logger = get_run_logger()
     for key, problem in list(problems.items())[:20]:
@@ -320,7 +330,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             with clock("recover"):
                 recovered = recover_task(st, quote(chunks), extractor_fp, s.tau, run_id)
             with clock("kv"):
-                kv = _kv_all(runner, st, chunks, s, run_id) if s.kv else {}
+                kv = _kv_all(runner, st, chunks, s, run_id, extractor_fp) if s.kv else {}
             with clock("embed_index"):
                 index = (
                     _embed_all(runner, st, chunks, ingested.documents, s, extractor_fp, run_id)
@@ -356,7 +366,9 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "kv_reused": kv.get("reused", 0),
             "kv_rebuilt": kv.get("rebuilt", 0),
             "kv_disk_bytes": kv.get("disk_bytes", 0),
+            "kv_nothing_kept": kv.get("nothing_kept", 0),
             "kv_dtype": params["kv_dtype"],
+            "kv_keep": s.kv_keep,
             "embedded": index.get("embedded", 0),
             "embeddings_cached": index.get("cached", 0),
             "stage_seconds": clock.seconds,

@@ -250,7 +250,8 @@ def query(
         _fail(str(exc), 2)
     if method in LOCAL_STORE_METHODS:
         _require_local(store, f"query --method {method}")
-    _check(preflight.built_store, store)
+    st = _check(preflight.built_store, store)
+    _check(preflight.store_methods, st, [method])
     if model is not None:
         _check(preflight.model, model)
 
@@ -449,7 +450,7 @@ def eval_cmd(
     except QuestionsError as exc:
         _fail(str(exc), 2)
     _check(preflight.output_folder, out, "--out")
-    _check(preflight.built_store, store)
+    st = _check(preflight.built_store, store)
 
     from coinrag.inference.threads import set_process_threads
 
@@ -475,15 +476,21 @@ def eval_cmd(
             _fail(str(exc), 2)
         Console().print(retrieval_text(table), highlight=False, soft_wrap=True)
         return
-    from coinrag.inference.methods import MissingAssets
+    from coinrag.inference.methods import MissingAssets, methods_for, unavailable_methods
 
+    if methods:
+        _check(preflight.store_methods, st, methods)
+    else:  # the default methods the store's assets can run
+        methods = methods_for(st, DEFAULT_RAG_METHODS)
+        for left_out, why in unavailable_methods(st, DEFAULT_RAG_METHODS).items():
+            console.print(f"note: {left_out} left out: {escape(why)}", soft_wrap=True)
     sweep = tuple((a, b) for a in (kc or [4]) for b in (k or [10]))
     try:
         evaluate(
             str(store),
             str(questions),
             str(out),
-            methods=tuple(methods or DEFAULT_RAG_METHODS),
+            methods=tuple(methods),
             sweep=sweep,
             max_new_tokens=max_new_tokens,
             limit=limit,

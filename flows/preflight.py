@@ -9,6 +9,7 @@ that can never work (README, "Exit codes").
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,17 @@ def built_store(path: str) -> Store:
             f"{store} is not a coinrag store: run coinrag build SOURCE --store {path} first"
         )
     return store
+
+
+def store_methods(store: Store, methods: Sequence[str]) -> None:
+    """The store's assets can serve ``methods`` (``inference.methods.unavailable_methods``:
+    e.g. a store that keeps only nugget spans, ``kv_keep = "nuggets"``, has no whole chunks'
+    KV for ``turborag``): exit 1 with the first method's reason, naming the setting."""
+    from coinrag.inference.methods import unavailable_methods
+
+    refused = unavailable_methods(store, methods)
+    if refused:
+        raise Preflight(next(iter(refused.values())))
 
 
 def unlocked(store: Store) -> None:

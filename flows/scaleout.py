@@ -57,7 +57,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from coinrag.inference.rope import ForwardFrequencies
 from coinrag.schemas.settings import BuildSettings, parse_resources
 from coinrag.schemas.tables import ChunkRow
-from coinrag.storage.kv import KvLayout, KvStore, StagedShard
+from coinrag.storage.kv import KeptRanges, KvLayout, KvStore, StagedShard
 from coinrag.storage.store import Store
 
 # ---------------------------------------------------------------------------- runners
@@ -161,7 +161,7 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
     get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
     loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-    layout = kv_layout(loaded, prompt, kv_codec=settings.kv_codec)
+    layout = kv_layout(loaded, prompt, kv_codec=settings.kv_codec, keep=settings.kv_keep)
     kv = KvStore(store, layout)  # reads only: the flow creates the store
     usable = kv.has_prefix() and kv.corrupt_prefix() is None
     return KvPrep(
@@ -175,7 +175,12 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
 
 @task(name="kv-group", cache_policy=NO_CACHE)
 def kv_group_task(
-    store: Store, settings: BuildSettings, layout: KvLayout, group: list[ChunkRow], run_id: str
+    store: Store,
+    settings: BuildSettings,
+    layout: KvLayout,
+    group: list[ChunkRow],
+    run_id: str,
+    kept: dict[str, KeptRanges] | None = None,
 ) -> tuple[list[StagedShard], dict[str, float]]:
     from coinrag.inference.models import load_shared_model
     from coinrag.tasks.kv import stage_group_kv
@@ -183,16 +188,23 @@ def kv_group_task(
     loaded = load_shared_model(settings.model, settings.device, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
     prefix_kv, _ = kv.read_prefix()
-    return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size)
+    return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size, kept)
 
 
 def kv_on_workers(
-    runner: TaskRunner, store: Store, chunks: list[ChunkRow], settings: BuildSettings, run_id: str
+    runner: TaskRunner,
+    store: Store,
+    chunks: list[ChunkRow],
+    settings: BuildSettings,
+    run_id: str,
+    extractor_fp: str,
 ) -> dict[str, Any]:
-    """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
+    """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage`` (and,
+    with ``kv_keep = "nuggets"``, the same kept ranges of the chunks' nuggets)."""
     from coinrag.inference.encode import KvBatching
     from coinrag.tasks.kv import (
         KvCounts,
+        build_kept_ranges,
         count_batches,
         kv_groups,
         plan_kv,
@@ -214,7 +226,8 @@ def kv_on_workers(
         kv, counts, lambda: fresh_prefix, prep.prefix_ids
     ):
         rebuild = set(kv.manifest(refresh=True))
-    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, settings.kv_verify, rebuild)
+    kept = build_kept_ranges(store, chunks, settings.kv_keep, extractor_fp, settings.tau)
+    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, settings.kv_verify, rebuild, kept)
     stored_prefix_kv(kv, prep.prefix_ids)  # the stored C_p is this prompt's
     groups = kv_groups(todo, settings.kv_batch_size, prep.layout.slots_per_shard)
     batching = KvBatching(settings.kv_batch_size, len(prep.prefix_ids), prep.frequencies)
@@ -228,6 +241,7 @@ def kv_on_workers(
                     "layout": prep.layout,
                     "group": group,
                     "run_id": run_id,
+                    "kept": None if kept is None else {c.chunk_id: kept[c.chunk_id] for c in group},
                 },
             )
             for group in groups

@@ -61,7 +61,8 @@ def verify_store(store: str, level: str = "crc32c") -> VerifyReport:
             report.corrupt.append(CorruptEntry(kv_fp, "prefix", f"{prefix} ({kv_fp}/prefix)"))
         if problems and chunks is None:
             chunks = _chunks_by_content(st)
-        for ck, problem in sorted(problems.items(), key=lambda item: item[1]):
+        for key, problem in sorted(problems.items(), key=lambda item: item[1]):
+            ck = manifest[key].content_key  # the key holds the kept ranges' digest too
             chunk_id, doc_id = (chunks or {}).get(ck, ("", ""))
             report.corrupt.append(CorruptEntry(kv_fp, ck, problem, chunk_id, doc_id))
     report.seconds = time.perf_counter() - started

@@ -7,8 +7,9 @@ between the builders, and the one thing a subclass says (:meth:`ContextBuilder.l
 
 - :class:`StoredKvContext`: read from the KV store, as the build computed them (the serving
   methods; fine-tuning in ``frozen`` mode). The stored prefix must be this prompt's
-  (:class:`PrefixMismatch`); read errors (``storage.kv.MissingKvEntry``, ``CorruptKvEntry``)
-  reach the caller, who says what to rebuild.
+  (:class:`PrefixMismatch`); read errors (``storage.kv.MissingKvEntry``, ``CorruptKvEntry``,
+  ``UnstoredKvSlice`` for a span a store of nugget spans does not hold) reach the caller, who
+  says what to rebuild.
 - :class:`LiveKvContext`: encoded inside the step by the model being trained (fine-tuning in
   ``live`` mode), with the encode path of the KV stage (``inference.encode``) in the caller's
   grad mode: gradients reach how the prefix and the chunks are encoded.
@@ -152,10 +153,9 @@ class StoredKvContext(ContextBuilder):
         p = self.prompt.n_prefix
         requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
         blocks = self.kv.read_slices(requests) if requests else []
-        manifest = self.kv.manifest()
         at_zero = self.kv.layout.keys_at_zero
-        slices = [
-            KvSlice(block, p + e.tok_start, p + manifest[e.content_key].tokens, at_zero)
+        slices = [  # the chunk's forward had |p| + its tokens (however few an entry keeps)
+            KvSlice(block, p + e.tok_start, p + self.kv.chunk_tokens(e.content_key), at_zero)
             for block, e in zip(blocks, evidence, strict=True)
         ]
         return self.prefix_kv, slices

@@ -24,6 +24,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     tau = 0.7
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
     kv_codec = "none"           # none | int8 | int4 (how the stored KV is encoded)
+    kv_keep = "chunks"          # chunks | nuggets (store only the KV of nugget spans)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
 environment, and nothing in this module reads or records them.
@@ -45,6 +46,9 @@ KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 (quantized per block:
 # keys per channel, values per token; storage/kv/codecs.py states the error bounds).
 KV_CODECS = ("none", "int8", "int4")
+# What the KV store keeps of each chunk (storage/kv/kept.py): the whole chunk's KV (every method
+# can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
+KV_KEEPS = ("chunks", "nuggets")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
@@ -156,6 +160,12 @@ class BuildSettings:
         "int8 ~0.58, int4 ~0.33 of the raw bfloat16 bytes, quantized per block).",
         cli=True,
     )
+    kv_keep: str = setting(
+        "chunks",  # what is stored of each chunk's KV (KV_KEEPS)
+        "chunks | nuggets: store each chunk's whole KV (default), or only the token ranges "
+        "its nuggets cover (coinrag and training read those; turborag cannot run).",
+        cli=True,
+    )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
     prune: bool = setting(
@@ -206,6 +216,13 @@ class BuildSettings:
             raise SettingsError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
         if self.kv_codec not in KV_CODECS:
             raise SettingsError(f"kv_codec {self.kv_codec!r} is not one of {', '.join(KV_CODECS)}")
+        if self.kv_keep not in KV_KEEPS:
+            raise SettingsError(f"kv_keep {self.kv_keep!r} is not one of {', '.join(KV_KEEPS)}")
+        if self.kv_keep == "nuggets" and self.kv and self.extractor == "none":
+            raise SettingsError(
+                'kv_keep = "nuggets" stores the KV of nugget spans, and extractor none extracts '
+                'no nuggets: nothing would be stored; use kv_keep = "chunks" or an extractor'
+            )
         if self.chunker not in CHUNKERS:
             raise SettingsError(f"chunker {self.chunker!r} is not one of {', '.join(CHUNKERS)}")
         if not 8 <= self.chunk_size <= 32768:

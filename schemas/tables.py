@@ -185,11 +185,14 @@ class KvManifestRow:
     content_key: str
     model_fp: str
     location: str  # "<kv_fp>/shard-NNNNNN#slot-S": the entry inside STORE/kv/<kv_fp>/
-    tokens: int
-    bytes: int
+    tokens: int  # tokens of the chunk
+    bytes: int  # bytes of the stored tokens (tokens, or those of the kept ranges)
     checksum: str
     run_id: str
     code_version: str
+    # The [start, end) token ranges of the chunk the entry holds, flat [s0, e0, s1, e1, ...]
+    # (kv_keep = "nuggets": those its nuggets cover); NULL: the whole chunk (storage/kv/kept.py).
+    kept: list[int] | None = None
 
 
 # ---------------------------------------------------------------------------- embeddings, indexes

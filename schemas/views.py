@@ -37,14 +37,17 @@ PRODUCERS = (
 SAME_AS_TABLE: dict[str, type] = {
     "latest_runs": RunRow,  # one row per run: its last state (the end row once written)
     "live_documents": DocumentRow,  # the live row per doc_id: storage.corpus.live_events
-    "kv_entries": KvManifestRow,  # valid KV entries: latest manifest row per (kv_fp, content_key)
+    # valid KV entries: latest manifest row per (kv_fp, content_key, kept ranges)
+    "kv_entries": KvManifestRow,
 }
 
 
 @dataclass(frozen=True)
 class ChunkLineage:
     """``lineage_chunks``: one row per chunk and KV entry of its content (``kv_*`` NULL when the
-    chunk has no KV), with its index row (``index_*`` NULL when it is not in the index)."""
+    chunk has no KV; with ``kv_keep = "nuggets"`` one per entry of kept ranges, e.g. those of
+    two extractors until gc), with its index row (``index_*`` NULL when it is not in the
+    index)."""
 
     chunk_id: str
     doc_id: str
@@ -58,6 +61,7 @@ class ChunkLineage:
     run_id: str  # the run that cut the chunk
     live: bool  # its doc_version is the live version of its document
     kv_location: str | None  # "<kv_fp>/shard-NNNNNN#slot-S" under STORE/kv/
+    kv_kept: list[int] | None  # token ranges the entry holds [s0, e0, ...]; NULL: whole chunk
     kv_model_fp: str | None
     kv_run_id: str | None  # the run that computed the KV entry (maybe an earlier one)
     index_embedder_fp: str | None
@@ -67,8 +71,10 @@ class ChunkLineage:
 
 @dataclass(frozen=True)
 class NuggetLineage:
-    """``lineage_nuggets``: one row per nugget and KV entry of its chunk's content, with the
-    extraction that proposed it, the chunk and document version it lies in, and its index row."""
+    """``lineage_nuggets``: one row per nugget and KV entry of its chunk's content that holds
+    the nugget's span (every whole-chunk entry; with ``kv_keep = "nuggets"`` the entries whose
+    kept ranges cover it), with the extraction that proposed it, the chunk and document version
+    it lies in, and its index row."""
 
     nugget_id: str
     chunk_id: str
@@ -93,6 +99,7 @@ class NuggetLineage:
     tokenizer_fp: str | None
     chunker_fp: str | None
     kv_location: str | None
+    kv_kept: list[int] | None  # token ranges the entry holds [s0, e0, ...]; NULL: whole chunk
     kv_model_fp: str | None
     kv_run_id: str | None
     index_embedder_fp: str | None

@@ -6,7 +6,10 @@
   tokenizer and chunker of the last completed build; the content keys the published (and the
   latest) index rows point to are kept too, so a reader of the published state never loses its
   KV. Entries of every kv_fp are collected (KV of another model stays as long as its chunks are
-  live: switching back costs nothing).
+  live: switching back costs nothing). A KV store that keeps only nugget spans (``kv_keep =
+  "nuggets"``) keys its entries by content and kept ranges (``storage/kv/kept.py``): it keeps
+  the entries whose ranges a live nugget set uses (:func:`live_nugget_entry_keys`), so the
+  entries of spans a replaced extractor found go.
 - **LanceDB versions** older than the published one (``LanceIndex.prune_versions``).
 - **A dry run** reports what the run would reclaim: for KV, the shards it would drop or
   compact and the bytes of the new shards it would write (``KvStore.reclaim``); for LanceDB,
@@ -27,16 +30,17 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
 import pyarrow.compute as pc
 
-from coinrag.schemas.tables import ChunkRow, RunRow
+from coinrag.schemas.tables import ChunkRow, NuggetRow, RunRow
 from coinrag.storage.corpus import live_versions
 from coinrag.storage.index import LanceIndex
-from coinrag.storage.kv import KvReclaim, KvStore
+from coinrag.storage.kv import KeptRanges, KvReclaim, KvStore, entry_key
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_table
 
@@ -77,21 +81,73 @@ def last_build_fingerprints(store: Store) -> dict[str, str]:
     return json.loads(last["fingerprints_json"] or "{}")
 
 
+def last_build_tau(store: Store) -> float | None:
+    """The ``tau`` of the last completed build (None if none completed)."""
+    runs = read_table(
+        store,
+        RunRow,
+        columns=["flow", "status", "ended_at", "parameters_json"],
+        filter=(pc.field("flow") == "build") & (pc.field("status") == "completed"),
+    ).to_pylist()
+    if not runs:
+        return None
+    last = max(runs, key=lambda r: r["ended_at"])
+    tau = json.loads(last["parameters_json"] or "{}").get("tau")
+    return None if tau is None else float(tau)
+
+
+def _live_chunks(store: Store, columns: list[str]) -> dict[str, list]:
+    """``columns`` of the chunks of live document versions, cut with the tokenizer and
+    chunker of the last completed build."""
+    versions = set(live_versions(store).values())
+    if not versions:
+        return {c: [] for c in columns}
+    fps = last_build_fingerprints(store)
+    filt = pc.field("doc_version").isin(sorted(versions))
+    for name in ("tokenizer_fp", "chunker_fp"):
+        if fps.get(name):
+            filt = filt & (pc.field(name) == fps[name])
+    return read_table(store, ChunkRow, columns=columns, filter=filt).to_pydict()
+
+
 def live_content_keys(store: Store) -> set[str]:
     """Content keys of live chunks, plus those the published and latest index rows point to."""
-    versions = set(live_versions(store).values())
-    keys: set[str] = set()
-    if versions:
-        fps = last_build_fingerprints(store)
-        filt = pc.field("doc_version").isin(sorted(versions))
-        for name in ("tokenizer_fp", "chunker_fp"):
-            if fps.get(name):
-                filt = filt & (pc.field(name) == fps[name])
-        table = read_table(store, ChunkRow, columns=["content_key"], filter=filt)
-        keys.update(table.column("content_key").to_pylist())
+    keys = set(_live_chunks(store, ["content_key"])["content_key"])
     for index in _indexes(store):
         keys.update(index.columns("chunks", ["content_key"]).column(0).to_pylist())
     return keys
+
+
+def live_nugget_entry_keys(store: Store) -> set[str]:
+    """Keys of the entries a KV store of nugget spans (``kv_keep = "nuggets"``) still needs:
+    per live chunk, the ranges of its nuggets by the last completed build's extractor and tau
+    (what that build stored), and per chunk of the published and latest index, the ranges of
+    its indexed nuggets (what readers retrieve). ``storage.kv.kept.entry_key`` of each."""
+    span_sets: list[tuple[str, list[tuple[int, int]]]] = []  # (content_key, a chunk's spans)
+    live = _live_chunks(store, ["chunk_id", "content_key"])
+    extractor_fp = last_build_fingerprints(store).get("extractor_fp")
+    tau = last_build_tau(store)
+    if live["chunk_id"] and extractor_fp and tau is not None:
+        content = dict(zip(live["chunk_id"], live["content_key"], strict=True))
+        nuggets = read_table(
+            store,
+            NuggetRow,
+            columns=["chunk_id", "tok_start", "tok_end"],
+            filter=(pc.field("extractor_fp") == extractor_fp)
+            & (pc.field("tau") == tau)
+            & pc.field("chunk_id").isin(sorted(content)),
+        ).to_pydict()
+        built: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for cid, s, e in zip(*nuggets.values(), strict=True):
+            built[cid].append((s, e))
+        span_sets += [(content[cid], found) for cid, found in built.items()]
+    for index in _indexes(store):
+        rows = index.columns("nuggets", ["chunk_id", "content_key", "tok_start", "tok_end"])
+        indexed: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+        for cid, ck, s, e in zip(*rows.to_pydict().values(), strict=True):
+            indexed[(cid, ck)].append((s, e))
+        span_sets += [(ck, found) for (_, ck), found in indexed.items()]
+    return {entry_key(ck, KeptRanges.of_spans(found)) for ck, found in span_sets}
 
 
 def _indexes(store: Store) -> Iterable[LanceIndex]:
@@ -177,8 +233,15 @@ def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcRepor
     report = GcReport(dry_run=dry_run)
     live = live_content_keys(store)
     report.live_content_keys = len(live)
+    nugget_keys: set[str] | None = None  # computed once, for stores of nugget spans only
     for kv_fp in kv_fps(store):
-        report.kv.append(KvStore.open(store, kv_fp).reclaim(live, run_id, dry_run=dry_run))
+        kv = KvStore.open(store, kv_fp)
+        if kv.layout.keeps_chunks:
+            keys = live
+        else:
+            nugget_keys = live_nugget_entry_keys(store) if nugget_keys is None else nugget_keys
+            keys = nugget_keys
+        report.kv.append(kv.reclaim(keys, run_id, dry_run=dry_run))
     latest = LanceIndex.open_latest(store)
     if latest is not None and dry_run:
         report.index_versions_removed, report.index_bytes_freed = index_dry_run(store)

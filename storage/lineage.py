@@ -77,6 +77,12 @@ _KV_ORDER = (
     "CAST(regexp_extract({a}.location, 'shard-([0-9]+)', 1) AS BIGINT) DESC, "
     "CAST(regexp_extract({a}.location, 'slot-([0-9]+)', 1) AS BIGINT) DESC"
 )
+# The KV entry holds the nugget's span: a whole chunk (kept NULL), or a kept range around it
+# (kv_keep = "nuggets": kept is [s0, e0, s1, e1, ...], storage/kv/kept.py).
+_HOLDS_SPAN = (
+    "({k}.kept IS NULL OR len(list_filter(range(1, len({k}.kept), 2), lambda i: "
+    "{k}.kept[i] <= {n}.tok_start AND {n}.tok_end <= {k}.kept[i + 1])) > 0)"
+)
 _CARTRIDGE_ORDER = (
     "{a}.step DESC, CAST(split_part(split_part({a}.location, '/', -1), '-', 2) AS BIGINT) DESC"
 )
@@ -143,14 +149,14 @@ _SQL: dict[str, str] = {
     "live_documents": _LIVE_DOCUMENTS,
     "kv_entries": (
         f"SELECT {_cols(TABLES['kv_manifest'], 'k')} FROM kv_manifest k "
-        f"QUALIFY row_number() OVER (PARTITION BY {_KV_FP.format(a='k')}, k.content_key "
+        f"QUALIFY row_number() OVER (PARTITION BY {_KV_FP.format(a='k')}, k.content_key, k.kept "
         f"ORDER BY {_KV_ORDER.format(a='k')}) = 1"
     ),
     "lineage_chunks": f"""
         SELECT c.chunk_id, c.doc_id, c.doc_version, c.ordinal, c.n_tokens, c.content_key,
                c.text_hash, c.tokenizer_fp, c.chunker_fp, c.run_id,
                c.chunk_id IN (SELECT chunk_id FROM _live_chunks),
-               k.location, k.model_fp, k.run_id, i.embedder_fp, i.run_id,
+               k.location, k.kept, k.model_fp, k.run_id, i.embedder_fp, i.run_id,
                (SELECT min(e.run_id) FROM embeddings e
                  WHERE e.text_hash = c.text_hash AND e.embedder_fp = i.embedder_fp)
         FROM ({_UNIQUE_CHUNKS}) c
@@ -168,7 +174,7 @@ _SQL: dict[str, str] = {
                (SELECT coalesce(sum(l.cost_usd), 0.0) FROM extraction_calls l
                  WHERE l.text_hash = x.text_hash AND l.run_id = x.run_id
                  AND l.backend = x.backend AND l.llm_model = x.llm_model),
-               c.tokenizer_fp, c.chunker_fp, k.location, k.model_fp, k.run_id,
+               c.tokenizer_fp, c.chunker_fp, k.location, k.kept, k.model_fp, k.run_id,
                i.embedder_fp, i.run_id
         FROM (SELECT * FROM nuggets QUALIFY row_number() OVER
               (PARTITION BY nugget_id, extractor_fp, tau ORDER BY run_id) = 1) n
@@ -176,6 +182,7 @@ _SQL: dict[str, str] = {
         LEFT JOIN ({_EXTRACTIONS}) x
                ON x.text_hash = c.text_hash AND x.extractor_fp = n.extractor_fp
         LEFT JOIN kv_entries k ON k.content_key = n.content_key
+               AND {_HOLDS_SPAN.format(k="k", n="n")}
         LEFT JOIN index_nuggets i ON i.nugget_id = n.nugget_id""",
     "lineage_cartridges": f"""
         SELECT m.cartridge_id, m.doc_id, m.doc_version, m.model_fp, m.cartridge_fp, m.kind,

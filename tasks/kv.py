@@ -23,6 +23,13 @@ written how, and what it did.
   batches (at most one shard in flight). A run killed mid-way loses at most the shard being
   written; the next run recomputes only the chunks without a valid manifest row. An unchanged
   rerun computes nothing.
+- What is stored of each chunk (``kept``, the setting ``kv_keep``): its whole KV (``None``,
+  ``kv_keep = "chunks"``), or only the token ranges its nuggets cover (a mapping chunk_id ->
+  ``storage.kv.KeptRanges``, from :func:`kept_ranges`; ``kv_keep = "nuggets"``). The chunk is
+  encoded in full either way, so a kept slice is bit for bit the whole chunk's slice; an entry is
+  keyed by its content_key and its ranges (``storage/kv/kept.py``), so a chunk whose nugget spans
+  changed (a new extractor) gets a new entry and one whose spans did not is reused. A chunk with
+  no nugget has nothing to keep: no forward pass, no entry (``nothing_kept``).
 - Existing entries are checked at the level ``check`` before they are reused: ``crc32c``
   (default: shard folders and file sizes, then every block of every reused entry and each shard
   index read and crc32c-checked: finds deleted and truncated shards and flipped bytes), ``stat``
@@ -37,7 +44,7 @@ written how, and what it did.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,8 +59,8 @@ from coinrag.inference.encode import (
     pad_id,
 )
 from coinrag.inference.prompt import RagPrompt
-from coinrag.schemas.tables import ChunkRow, KvManifestRow
-from coinrag.storage.kv import KvFingerprintMismatch, KvStore, StagedShard
+from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow
+from coinrag.storage.kv import KeptRanges, KvEntry, KvFingerprintMismatch, KvStore, StagedShard
 from coinrag.storage.store import Store
 
 ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
@@ -65,7 +72,8 @@ class KvCounts:
 
     kv_fp: str
     chunks: int = 0  # chunks asked for
-    unique: int = 0  # distinct content_keys among them
+    nothing_kept: int = 0  # kv_keep = "nuggets": chunks without a nugget span (no KV needed)
+    unique: int = 0  # distinct entries among them (content_keys, with the kept ranges)
     reused: int = 0  # already stored and valid
     rebuilt: int = 0  # had a manifest row that failed the check (or was named in `rebuild`)
     problems: dict[str, str] = field(default_factory=dict)  # content_key -> why it failed
@@ -81,6 +89,55 @@ class KvCounts:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def kept_ranges(chunks: Sequence[ChunkRow], nuggets: Iterable[NuggetRow]) -> dict[str, KeptRanges]:
+    """chunk_id -> the token ranges its nuggets cover (``kv_keep = "nuggets"``): every chunk
+    of ``chunks``, with no ranges where it has no nugget. E.g. nuggets ``[3, 9)``, ``[7, 12)``,
+    ``[20, 25)`` of one chunk -> ``[3, 12), [20, 25)``."""
+    spans: dict[str, list[tuple[int, int]]] = {c.chunk_id: [] for c in chunks}
+    for n in nuggets:
+        if n.chunk_id in spans:
+            spans[n.chunk_id].append((n.tok_start, n.tok_end))
+    return {cid: KeptRanges.of_spans(s) for cid, s in spans.items()}
+
+
+def build_kept_ranges(
+    store: Store, chunks: Sequence[ChunkRow], keep: str, extractor_fp: str, tau: float
+) -> dict[str, KeptRanges] | None:
+    """What the KV stage keeps of each chunk for the setting ``keep`` (``kv_keep``): None for
+    whole chunks, else :func:`kept_ranges` of the chunks' nuggets made by this extractor and
+    tau (the nuggets the index gets: ``tasks.recover.current_nuggets``)."""
+    if keep == "chunks":
+        return None
+    from coinrag.tasks.recover import current_nuggets
+
+    nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, tau)
+    return kept_ranges(chunks, nuggets)
+
+
+def chunk_entry(chunk: ChunkRow, kept: Mapping[str, KeptRanges] | None) -> KvEntry | None:
+    """The entry the KV stage stores for ``chunk``: whole (``kept`` None), its kept ranges, or
+    None when it keeps nothing (no nugget span)."""
+    if kept is None:
+        return KvEntry.of(chunk)
+    ranges = kept.get(chunk.chunk_id)
+    if ranges is None or not ranges.ranges:
+        return None
+    return KvEntry(chunk.chunk_id, chunk.content_key, chunk.n_tokens, ranges)
+
+
+def stored_parts(
+    entries: Sequence[tuple[ChunkRow, torch.Tensor]], kept: Mapping[str, KeptRanges] | None
+) -> list[tuple[KvEntry, torch.Tensor]]:
+    """Computed ``(chunk, kv)`` -> what the store writes: ``(entry, entry.cut(kv))``."""
+    out = []
+    for chunk, kv in entries:
+        entry = chunk_entry(chunk, kept)
+        if entry is None:  # plan_kv never plans such a chunk
+            raise ValueError(f"chunk {chunk.chunk_id} keeps no token: it has no KV to store")
+        out.append((entry, entry.cut(kv)))
+    return out
 
 
 def _batches(chunks: Sequence[ChunkRow], batch_size: int) -> list[list[ChunkRow]]:
@@ -118,6 +175,7 @@ def kv_stage(
     block_tokens: int = 0,
     overlap: bool = True,
     kv_codec: str = "none",
+    kept: Mapping[str, KeptRanges] | None = None,
 ) -> KvCounts:
     """Compute and store the KV of every chunk that has no valid entry yet.
 
@@ -126,6 +184,10 @@ def kv_stage(
     ``slots_per_shard=0`` derives it from the entry size (shards of about 64 MiB);
     ``block_tokens=0`` takes the codec's block size; ``kv_codec`` (``none`` | ``int8`` |
     ``int4``) says how entries are stored (``storage/kv/codecs.py``).
+    ``kept``: None to store whole chunks (``kv_keep = "chunks"``), else chunk_id -> the ranges
+    to keep (``kv_keep = "nuggets"``, :func:`kept_ranges`; a chunk absent or without ranges
+    keeps nothing and is not computed); the ranges are cut from the chunk's KV in the stored
+    frame (keys at position 0 for a quantized codec), then encoded by the codec.
     ``overlap`` writes each shard in a background thread while the next batch is computed.
     Returns counts and timings (``seconds``: check, prefix, forward, extract, write, verify,
     manifest (the last three in the writer), wait_write (the stage waiting for the writer),
@@ -133,12 +195,14 @@ def kv_stage(
     """
     t_start = time.perf_counter()
     model = loaded.model
+    keep = "chunks" if kept is None else "nuggets"
     layout = kv_layout(
         loaded,
         prompt,
         block_tokens=block_tokens,
         slots_per_shard=slots_per_shard,
         kv_codec=kv_codec,
+        keep=keep,
     )
     kv = KvStore.create(store, layout)
     counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
@@ -147,7 +211,8 @@ def kv_stage(
     ids = prompt.prefix_ids
     if repair_prefix_kv(kv, counts, lambda: compute_prefix_kv(model, ids), ids):
         rebuild = set(rebuild) | set(kv.manifest(refresh=True))
-    todo = plan_kv(kv, chunks, getattr(loaded, "tokenizer_fp", None), counts, check, rebuild)
+    tokenizer_fp = getattr(loaded, "tokenizer_fp", None)
+    todo = plan_kv(kv, chunks, tokenizer_fp, counts, check, rebuild, kept)
 
     t0 = time.perf_counter()
     prefix_kv = prefix_kv_of(kv, model, prompt)
@@ -159,7 +224,9 @@ def kv_stage(
     writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
     try:
         for group in kv_groups(todo, batch_size, layout.slots_per_shard):
-            entries = compute_group_kv(model, prefix_kv, group, batch_size, pad, secs, layout)
+            entries = stored_parts(
+                compute_group_kv(model, prefix_kv, group, batch_size, pad, secs, layout), kept
+            )
             count_batches(counts, group, batching)
             for start in range(0, len(entries), layout.slots_per_shard):
                 writer.submit(entries[start : start + layout.slots_per_shard])
@@ -183,11 +250,14 @@ def plan_kv(
     counts: KvCounts,
     check: str = "crc32c",
     rebuild: Iterable[str] = (),
+    kept: Mapping[str, KeptRanges] | None = None,
 ) -> list[ChunkRow]:
-    """The chunks (one per content_key) whose KV must be computed: no manifest row, or a row
-    that fails the ``check`` (``crc32c`` | ``stat`` | ``sha256`` | ``none``) or is named in
-    ``rebuild``. Fills ``counts`` (unique, reused, rebuilt, problems, seconds["check"]).
-    Raises ValueError for a chunk cut by another tokenizer."""
+    """The chunks (one per entry: :func:`chunk_entry`, a content_key with the ranges ``kept``)
+    whose KV must be computed: no manifest row, or a row that fails the ``check`` (``crc32c`` |
+    ``stat`` | ``sha256`` | ``none``) or is named in ``rebuild`` (entry keys or content_keys).
+    Chunks that keep nothing are left out (``counts.nothing_kept``). Fills ``counts`` (unique,
+    reused, rebuilt, problems, seconds["check"]). Raises ValueError for a chunk cut by another
+    tokenizer."""
     unique: dict[str, ChunkRow] = {}
     for chunk in chunks:
         if tokenizer_fp is not None and chunk.tokenizer_fp != tokenizer_fp:
@@ -195,13 +265,18 @@ def plan_kv(
                 f"chunk {chunk.chunk_id} was cut with tokenizer {chunk.tokenizer_fp}, "
                 f"the model's is {tokenizer_fp}: its token ids mean nothing to this model"
             )
-        unique.setdefault(chunk.content_key, chunk)
+        entry = chunk_entry(chunk, kept)
+        if entry is None:
+            counts.nothing_kept += 1
+            continue
+        unique.setdefault(entry.key, chunk)
     counts.unique = len(unique)
 
     t0 = time.perf_counter()
     manifest = kv.manifest(refresh=True)
-    stored = [ck for ck in unique if ck in manifest]
-    bad = set(rebuild) & set(stored)
+    stored = [key for key in unique if key in manifest]
+    rebuild = set(rebuild)
+    bad = {key for key in stored if key in rebuild or manifest[key].content_key in rebuild}
     if check != "none":
         problems = kv.entry_problems(stored, level=check)
         counts.problems.update(problems)
@@ -228,18 +303,23 @@ def stage_group_kv(
     group: Sequence[ChunkRow],
     run_id: str,
     batch_size: int,
+    kept: Mapping[str, KeptRanges] | None = None,
 ) -> tuple[list[StagedShard], dict[str, float]]:
     """A worker's share of the stage: compute one group of :func:`kv_groups` and write it as
-    staged shards (``slots_per_shard`` each, under ``.tmp-`` names, verified); the write-lock
-    holder publishes them in group order (:meth:`storage.kv.KvStore.publish_shard`).
-    Returns the staged shards and the seconds spent (forward, extract)."""
+    staged shards (``slots_per_shard`` each, under ``.tmp-`` names, verified) of what is kept
+    (``kept``: as :func:`kv_stage`'s); the write-lock holder publishes them in group order
+    (:meth:`storage.kv.KvStore.publish_shard`). Returns the staged shards and the seconds spent
+    (forward, extract)."""
     if loaded.model_fp != kv.layout.model_fp:
         raise KvFingerprintMismatch(
             loaded.model_fp, kv.layout.model_fp, "this worker's model is not the build's"
         )
     secs: dict[str, float] = {}
-    entries = compute_group_kv(
-        loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs, kv.layout
+    entries = stored_parts(
+        compute_group_kv(
+            loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs, kv.layout
+        ),
+        kept,
     )
     step = kv.layout.slots_per_shard
     try:
@@ -276,7 +356,7 @@ class _Writer:
         self.before = (kv.write_stats.disk_bytes, kv.write_stats.shards)
         self.waited = 0.0
 
-    def submit(self, entries: list[tuple[ChunkRow, torch.Tensor]]) -> None:
+    def submit(self, entries: list[tuple[KvEntry, torch.Tensor]]) -> None:
         self.wait()
         if self.pool is None:
             self._done(self.kv.write_entries(entries, self.run_id))

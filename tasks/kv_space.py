@@ -11,7 +11,10 @@ local temporary folder one at a time).
 
 The projection goes through the :class:`~storage.kv.KvLayout` the KV stage will use (dims from
 the model's config, no weights loaded), so a layout that stores fewer bytes per token (another
-dtype, a codec, kept tokens) is projected as it will be written.
+dtype, a codec) is projected as it will be written. With ``kv_keep = "nuggets"`` the nugget
+spans are not known yet (extraction comes later): the chunks whose content has no entry are
+projected whole, an upper bound (a chunk whose spans changed keeps its old entry until gc and
+gets a new one: not counted, as its nuggets are not known either).
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def build_layout(settings: BuildSettings, tokenizer: Any) -> KvLayout:
         RagPrompt.for_tokenizer(tokenizer).prefix_sha,
         dtype,
         kv_codec=settings.kv_codec,
+        keep=settings.kv_keep,
     )
 
 

@@ -167,6 +167,7 @@ BUILD_SETTINGS = {
     "kv": True,
     "kv_dtype": "auto",
     "kv_codec": "none",
+    "kv_keep": "chunks",
     "kv_batch_size": 4,
     "index": True,
     "prune": False,

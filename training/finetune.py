@@ -603,11 +603,17 @@ def save_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], lora
 
 
 def _kv_identity(
-    loaded: Any, prompt: RagPrompt, kv_dtype: str, kv_codec: str = "none"
+    loaded: Any,
+    prompt: RagPrompt,
+    kv_dtype: str,
+    kv_codec: str = "none",
+    kv_keep: str = "chunks",
 ) -> tuple[str, KvLayout]:
     """``(model_fp, layout)`` of ``loaded``'s weights as the store computes KV: at the store's
     ``kv_dtype``, which may differ from the dtype training computes in (stored entries are then
-    cast when the context is assembled), stored with its ``kv_codec``."""
+    cast when the context is assembled), stored with its ``kv_codec``, keeping what its
+    ``kv_keep`` keeps (frozen mode reads only nugget slices, which a store of nugget spans
+    holds)."""
     import dataclasses
 
     from coinrag.inference.encode import kv_layout
@@ -620,7 +626,9 @@ def _kv_identity(
         loaded.tokenizer_fp,
     )
     layout = dataclasses.replace(
-        kv_layout(loaded, prompt, kv_codec=kv_codec), model_fp=model_fp, dtype=kv_dtype
+        kv_layout(loaded, prompt, kv_codec=kv_codec, keep=kv_keep),
+        model_fp=model_fp,
+        dtype=kv_dtype,
     )
     return model_fp, layout
 
@@ -666,7 +674,9 @@ def run_training(
     # Model fingerprints as this store computes KV (its kv_dtype): the base model's KV is what
     # frozen mode reads, and --rebuild-kv stores the new model's under the model_fp recorded here.
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype, settings.kv_codec)
+    base_model_fp, layout = _kv_identity(
+        loaded, prompt, kv_dtype, settings.kv_codec, settings.kv_keep
+    )
     torch.manual_seed(cfg.seed)  # LoRA init
     net = attach_lora(loaded.model, cfg) if cfg.lora else loaded.model
     builder = FINETUNE_CONTEXTS[cfg.mode].for_finetuning(

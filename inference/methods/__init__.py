@@ -23,7 +23,9 @@ from coinrag.inference.methods.base import (
     CorruptAssets,
     MissingAssets,
     RagMethod,
+    methods_for,
     repair_command,
+    unavailable_methods,
 )
 from coinrag.inference.methods.engine import RagEngine
 
@@ -34,5 +36,7 @@ __all__ = [
     "MissingAssets",
     "RagEngine",
     "RagMethod",
+    "methods_for",
     "repair_command",
+    "unavailable_methods",
 ]

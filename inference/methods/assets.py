@@ -6,7 +6,10 @@ kinds (each loaded once per engine), and the read errors they turn into what to 
 - :class:`StoredKv`: the store's KV for the engine's model at the store's ``kv_dtype``, as an
   ``inference.context.StoredKvContext`` (``C_p`` read and checked once);
   :class:`StoredChunkKv` (whole chunks: turborag) and :class:`StoredNuggetKv` (nugget spans:
-  coinrag) are the two ways methods use it, one shared context.
+  coinrag) are the two ways methods use it, one shared context. A store built with ``kv_keep =
+  "nuggets"`` holds only the KV of nugget spans: :class:`StoredNuggetKv` reads them as from a
+  store of whole chunks, and :class:`StoredChunkKv` is unavailable (one message naming the
+  setting, before any model loads).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from coinrag.inference.context import (
 from coinrag.inference.encode import kv_layout
 from coinrag.inference.methods.base import Asset, CorruptAssets, MissingAssets
 from coinrag.inference.retrieve import Evidence, Retriever
-from coinrag.storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
+from coinrag.schemas.settings import BuildSettings
+from coinrag.storage.kv import CorruptKvEntry, KvStore, MissingKvEntry, UnstoredKvSlice
 from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
@@ -69,7 +73,7 @@ class StoredKv(Asset[StoredKvContext]):
         loaded = engine.model_at(engine.kv_dtype)
         store = engine.store
         try:
-            layout = kv_layout(loaded, engine.prompt, kv_codec=engine.kv_codec)
+            layout = kv_layout(loaded, engine.prompt, kv_codec=engine.kv_codec, keep=engine.kv_keep)
             kv = KvStore.open(store, layout.kv_fp, layout)
             return StoredKvContext(store, loaded.model, engine.prompt, kv)
         except CorruptKvEntry as exc:
@@ -82,10 +86,24 @@ class StoredKv(Asset[StoredKvContext]):
 
 
 class StoredChunkKv(StoredKv):
-    """The stored KV of whole chunks (turborag reads each retrieved chunk entire)."""
+    """The stored KV of whole chunks (turborag reads each retrieved chunk entire): none in a
+    store that keeps only the KV of nugget spans."""
+
+    @classmethod
+    def unavailable(cls, store: Store, settings: BuildSettings) -> str | None:
+        if settings.kv_keep == "chunks":
+            return None
+        return (
+            f"needs the KV of whole chunks, and store {store} keeps only the KV of nugget "
+            f'spans (kv_keep = "{settings.kv_keep}"): use --method coinrag or standard, or '
+            'rebuild the store with --kv-keep chunks (kv_keep = "chunks")'
+        )
 
     @classmethod
     def load(cls, engine: RagEngine) -> StoredKvContext:
+        reason = cls.unavailable(engine.store, engine.store_settings)
+        if reason:
+            raise MissingAssets(reason)
         return engine.asset(StoredKv)
 
 
@@ -127,8 +145,9 @@ def stored_context(
     timings: dict[str, float],
 ) -> tuple[torch.Tensor, int]:
     """``context.build(...)`` (``(C_ctx, total)``; ``timings`` gets ``kv_load`` and
-    ``assembly``), with a missing entry as :class:`MissingAssets` and a corrupt one as
-    :class:`CorruptAssets` naming its chunk and document."""
+    ``assembly``), with a missing entry (or a span the store does not keep) as
+    :class:`MissingAssets` and a corrupt one as :class:`CorruptAssets` naming its chunk and
+    document."""
     with kv_read_errors(context, evidence):
         return context.build(evidence, n_query, timings)
 
@@ -136,10 +155,11 @@ def stored_context(
 @contextmanager
 def kv_read_errors(context: ContextBuilder, evidence: Sequence[Evidence]) -> Iterator[None]:
     """Turn the KV store's read errors inside the block into :class:`MissingAssets` (what to
-    rebuild) and :class:`CorruptAssets` (naming the chunk and document)."""
+    rebuild; also a span a nuggets store does not hold) and :class:`CorruptAssets` (naming the
+    chunk and document)."""
     try:
         yield
-    except MissingKvEntry as exc:
+    except (MissingKvEntry, UnstoredKvSlice) as exc:
         raise MissingAssets(f"{exc}: rebuild the store's KV (coinrag build)") from exc
     except CorruptKvEntry as exc:
         what = next(

@@ -18,6 +18,11 @@ and answers through one path, :meth:`RagMethod.run` ``(question, retrieval, kc, 
 on_token)``: the retrieval result in, an :class:`Answer` (text, evidence, active tokens,
 timings) out; ``on_token`` is called with each answer token id as it is decoded (streaming).
 
+What a store can never serve is said by its assets, from the store's settings, before any model
+loads (:meth:`Asset.unavailable`, e.g. ``StoredChunkKv`` on a store that keeps only nugget
+spans): :meth:`RagMethod.unavailable`, :func:`unavailable_methods` and :func:`methods_for` (the
+CLI's checks and ``eval``'s default methods); the method refuses to open there.
+
 Timings (milliseconds): ``retrieval`` (embedding + index search), ``kv_load``, ``assembly``
 (rotation, concatenation, cache construction), ``prefill`` (query prefill up to the first
 token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining tokens).
@@ -33,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from coinrag.inference.generate import Generation
 from coinrag.inference.prompt import require_question
-from coinrag.schemas.settings import RAG_METHODS
+from coinrag.schemas.settings import RAG_METHODS, BuildSettings
 from coinrag.storage.kv import CorruptKvEntry
 from coinrag.storage.store import Store
 
@@ -106,16 +111,45 @@ class Answer:
         return json.dumps(self.to_json(), ensure_ascii=False)
 
 
+def store_settings(store: Store) -> BuildSettings:
+    """The settings ``store`` was built with (``STORE/coinrag.toml``; the defaults for what it
+    does not record, e.g. ``kv_keep = "chunks"`` for a store built before the setting)."""
+    from coinrag.schemas.settings import settings_from_toml
+
+    return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
+
+
 class Asset(Generic[T]):
     """A kind of store asset methods read, loaded at most once per engine (:meth:`load`) and
     shared by every method that declares it in ``needs``. A new kind (e.g. trained link tokens)
     is one more subclass, next to the method that reads it."""
 
     @classmethod
+    def unavailable(cls, store: Store, settings: BuildSettings) -> str | None:
+        """Why a store built with ``settings`` can never hold this asset, said from its settings
+        alone (before any model loads), e.g. ``"needs the KV of whole chunks, and store ...
+        keeps only ..."``; None when it can (a missing asset is found by :meth:`load`)."""
+        return None
+
+    @classmethod
     def load(cls, engine: RagEngine) -> T:
         """The asset of ``engine``'s store and model; :class:`MissingAssets` naming the build
         step when the store lacks it."""
         raise NotImplementedError
+
+
+def unavailable_methods(store: Store, methods: Sequence[str]) -> dict[str, str]:
+    """Of ``methods`` (names in :data:`METHODS`), those ``store`` can never run, with why
+    (:meth:`RagMethod.unavailable`; nothing is loaded)."""
+    settings = store_settings(store)
+    reasons = {name: METHODS[name].unavailable(store, settings) for name in methods}
+    return {name: reason for name, reason in reasons.items() if reason}
+
+
+def methods_for(store: Store, methods: Sequence[str]) -> list[str]:
+    """``methods`` less those ``store`` can never run (:func:`unavailable_methods`)."""
+    refused = unavailable_methods(store, methods)
+    return [name for name in methods if name not in refused]
 
 
 class Retrieval(ABC):
@@ -207,9 +241,22 @@ class RagMethod(ABC):
 
     def __init__(self, engine: RagEngine) -> None:
         self.engine = engine
+        reason = self.unavailable(engine.store, engine.store_settings)
+        if reason:
+            raise MissingAssets(reason)
         self.loaded = engine.model_at(self.model_dtype(engine.kv_dtype, engine.device))
         for kind in self.needs:
             engine.asset(kind)
+
+    @classmethod
+    def unavailable(cls, store: Store, settings: BuildSettings) -> str | None:
+        """Why the method can never run on a store built with ``settings`` (the first asset it
+        needs that such a store cannot hold: :meth:`Asset.unavailable`), or None."""
+        for kind in cls.needs:
+            reason = kind.unavailable(store, settings)
+            if reason:
+                return f"--method {cls.name} {reason}"
+        return None
 
     @classmethod
     def model_dtype(cls, kv_dtype: str, device: str) -> str:

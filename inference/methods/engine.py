@@ -12,16 +12,26 @@ A warm server keeps one engine: methods not opened at first open on first use.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from coinrag.inference.embedders import Embedder
 from coinrag.inference.methods.assets import Index
-from coinrag.inference.methods.base import METHODS, Answer, Asset, MissingAssets, OnToken, RagMethod
+from coinrag.inference.methods.base import (
+    METHODS,
+    Answer,
+    Asset,
+    MissingAssets,
+    OnToken,
+    RagMethod,
+    methods_for,
+    store_settings,
+)
 from coinrag.inference.models import LoadedModel
 from coinrag.inference.prompt import RagPrompt, require_question
 from coinrag.inference.retrieve import Retriever
-from coinrag.schemas.settings import DEFAULT_RAG_METHODS
+from coinrag.schemas.settings import DEFAULT_RAG_METHODS, settings_from_toml
 from coinrag.storage.store import Store
 
 T = TypeVar("T")
@@ -57,8 +67,10 @@ class RagEngine:
         kv_codec: str | None = None,
         published: dict[str, Any] | None = None,
         link_adapter: str | None = None,
+        kv_keep: str | None = None,
     ) -> None:
-        """``kv_codec``: how the store's KV is encoded (default: the store's recorded setting);
+        """``kv_codec``: how the store's KV is encoded; ``kv_keep``: what it keeps of each chunk
+        (``chunks`` | ``nuggets``); both default to the store's recorded settings.
         ``published``: the store's ``[published]`` record this engine reads (its index versions;
         default: the one published when the index first loads); ``link_adapter``: a folder of
         trained KVLink link tokens (``kvlink`` needs one)."""
@@ -73,7 +85,13 @@ class RagEngine:
         self.model_ref = model_ref or str(loaded.model_dir)
         self.device = str(next(self.model.parameters()).device)
         self.kv_dtype = kv_dtype or dtype_name(self.model)
-        self.kv_codec = kv_codec or _store_kv_codec(store)
+        recorded = store_settings(store)
+        self.kv_codec = kv_codec or recorded.kv_codec
+        self.kv_keep = kv_keep or recorded.kv_keep
+        # what the methods' assets are checked against (Asset.unavailable)
+        self.store_settings = dataclasses.replace(
+            recorded, kv_codec=self.kv_codec, kv_keep=self.kv_keep
+        )
         self.link_adapter = link_adapter
         self._models = {dtype_name(self.model): loaded}
         self._assets: dict[type[Asset[Any]], Any] = {}
@@ -88,22 +106,28 @@ class RagEngine:
         model: str | None = None,
         embedder: str | None = None,
         max_new_tokens: int = 32,
-        methods: Sequence[str] = DEFAULT_METHODS,
+        methods: Sequence[str] | None = None,
     ) -> RagEngine:
-        """Load everything ``methods`` need from ``store_path``; model and embedder default to
-        the store's. The KV methods' model computes in the store's ``kv_dtype`` (the dtype its
-        KV was built in). ``model`` may be a KVLink adapter folder (``coinrag train kvlink``):
-        the transformer its ``kvlink.json`` names is loaded, and ``kvlink`` uses its links."""
+        """Load everything ``methods`` need from ``store_path`` (default: the default methods
+        the store can run, ``methods_for``: a store keeping only nugget spans has no turborag);
+        model and embedder default to the store's. The KV methods' model computes in the
+        store's ``kv_dtype`` (the dtype its KV was built in). ``model`` may be a KVLink adapter
+        folder (``coinrag train kvlink``): the transformer its ``kvlink.json`` names is loaded,
+        and ``kvlink`` uses its links."""
         from coinrag.inference.kv_dtype import resolve_kv_dtype
         from coinrag.inference.link import is_link_adapter, read_link_adapter_info
         from coinrag.inference.models import load_model
-        from coinrag.schemas.settings import settings_from_toml
 
-        methods = list(dict.fromkeys(methods))
-        _check_names(methods)
         store = Store.at(store_path)
+        if methods is None:
+            _check_names(DEFAULT_METHODS)
+        else:
+            methods = list(dict.fromkeys(methods))
+            _check_names(methods)
         if not store.exists():
             raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
+        if methods is None:
+            methods = methods_for(store, DEFAULT_METHODS)
         toml = store.read_toml()  # read once: the settings and the published version agree
         settings = settings_from_toml(toml, store.uri(store.settings_path))
         kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
@@ -124,6 +148,7 @@ class RagEngine:
             kv_codec=settings.kv_codec,
             published=toml.get("published"),
             link_adapter=link_adapter,
+            kv_keep=settings.kv_keep,
         )
 
     def reopen(self, toml: dict[str, Any] | None = None) -> RagEngine:
@@ -134,7 +159,6 @@ class RagEngine:
         another model than the one loaded (another ``model``, ``kv_dtype`` or embedder, or no
         KV for this model); the message names both."""
         from coinrag.inference.kv_dtype import resolve_kv_dtype
-        from coinrag.schemas.settings import settings_from_toml
 
         toml = self.store.read_toml() if toml is None else toml
         settings = settings_from_toml(toml, self.store.uri(self.store.settings_path))
@@ -156,6 +180,8 @@ class RagEngine:
         engine.__dict__.update(self.__dict__)
         engine.published = toml.get("published")
         engine.kv_codec = settings.kv_codec
+        engine.kv_keep = settings.kv_keep
+        engine.store_settings = settings
         engine._assets = {}
         engine.methods = {}
         engine.embedder = self._embedder_loaded()
@@ -268,10 +294,3 @@ def _check_names(methods: Sequence[str]) -> None:
     for name in methods:
         if name not in METHODS:
             raise ValueError(f"method {name!r} is not one of {', '.join(METHODS)}")
-
-
-def _store_kv_codec(store: Store) -> str:
-    """The ``kv_codec`` recorded in ``STORE/coinrag.toml`` (``none`` where it has none)."""
-    from coinrag.schemas.settings import settings_from_toml
-
-    return settings_from_toml(store.read_toml(), store.uri(store.settings_path)).kv_codec

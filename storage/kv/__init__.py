@@ -4,6 +4,8 @@ One module per job (import the public names from here):
 
 - ``layout.py``: the layout contract (in memory, after RoPE, on disk, after re-rotation), the
   identity ``kv_fp``, :class:`KvLayout`, the errors, entry locations;
+- ``kept.py``: which tokens of its chunk an entry holds (``kv_keep``: whole chunks or only the
+  ranges its nuggets cover) and the entry's key;
 - ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name:
   ``none``, ``int8``, ``int4``);
 - ``shard.py``: the shard file (Zarr v3 sharding format, per-block crc32c, index), encoded and
@@ -23,6 +25,7 @@ from coinrag.storage.kv.codecs import (
     storage_view,
     to_storage,
 )
+from coinrag.storage.kv.kept import KeptRanges, KvEntry, entry_key
 from coinrag.storage.kv.layout import (
     DEFAULT_BLOCK_TOKENS,
     KV_CHECK_LEVELS,
@@ -33,6 +36,7 @@ from coinrag.storage.kv.layout import (
     KvFingerprintMismatch,
     KvLayout,
     MissingKvEntry,
+    UnstoredKvSlice,
     kv_fingerprint,
     parse_location,
 )
@@ -49,7 +53,9 @@ __all__ = [
     "LAYOUT_VERSION",
     "SHARD_OVERHEAD_BYTES",
     "CorruptKvEntry",
+    "KeptRanges",
     "KvCodec",
+    "KvEntry",
     "KvError",
     "KvFingerprintMismatch",
     "KvLayout",
@@ -58,9 +64,11 @@ __all__ = [
     "MissingKvEntry",
     "ReadStats",
     "StagedShard",
+    "UnstoredKvSlice",
     "WriteStats",
     "codec_named",
     "encode_shard",
+    "entry_key",
     "entry_checksum",
     "from_storage",
     "kv_fingerprint",

@@ -62,17 +62,36 @@ On disk (``STORE/kv/<kv_fp>/``, a Zarr 3 group)
   count and sha256. An entry is valid only once its manifest row exists
   (``storage/kv/store.py``).
 
+What an entry holds (``kv_keep``, ``storage/kv/kept.py``)
+------------------------------------------------------
+With ``kv_keep = "chunks"`` an entry is its whole chunk, as above. With ``kv_keep = "nuggets"``
+the chunk is encoded exactly the same way (in full, after ``C_p``), and the entry holds only the
+token ranges its nuggets cover, concatenated: ``(layers, 2, kv_heads, Σ (e_i - s_i), head_dim)``
+for kept ranges ``[s_i, e_i)`` of the chunk. Keys stay in the frame of the full forward (token
+``t`` of the chunk after RoPE at ``|p| + t``, whether or not its neighbours were kept; or, for a
+quantized codec, rotated back to position 0 before the ranges are cut: ``KvLayout.keys_at_zero``),
+so with codec ``none`` a nugget's slice read from such an entry is bit for bit the slice of the
+whole-chunk entry (a quantized codec quantizes the concatenated ranges block by block: equal
+within the codec's stated bound). A read of chunk tokens outside the kept ranges raises
+:class:`UnstoredKvSlice` (never zeros).
+
 Manifest rows: ``model_fp`` is the generation model's fingerprint; ``location`` is the entry's
-path inside ``STORE/kv/``: ``"<kv_fp>/shard-000012#slot-5"``; ``bytes`` is the entry's logical
-size (tokens x bytes per token); ``checksum`` is the sha256 of the entry's bytes as stored
-(C-contiguous ``(layers, 2, kv_heads, tokens, head_dim)``, uint16 bits for bfloat16).
+path inside ``STORE/kv/``: ``"<kv_fp>/shard-000012#slot-5"``; ``tokens`` is the chunk's token
+count; ``kept`` the ranges the entry holds (NULL: the whole chunk); ``bytes`` is the entry's
+logical size (stored tokens x bytes per token); ``checksum`` is the sha256 of the entry's bytes as
+stored (C-contiguous ``(layers, 2, kv_heads, stored tokens, head_dim)``, uint16 bits for
+bfloat16).
 
 Identity
 --------
-``kv_fp = fingerprint("kv", {model_fp, prefix_sha, layout_version})``: the same tokens after the
-same prefix through the same model give the same KV. Entries are keyed by the chunk's
-``content_key``, so the same tokens in another document reuse the entry. Opening the KV of
-another fingerprint raises :class:`KvFingerprintMismatch` naming both.
+``kv_fp = fingerprint("kv", {model_fp, prefix_sha, layout_version[, kv_codec, block_tokens]
+[, kv_keep]})`` (the codec only when lossy, ``kv_keep`` only when it is ``"nuggets"``, so stores
+of whole chunks in codec ``none`` keep their fingerprint): the same
+tokens after the same prefix through the same model give the same KV, and a store keeping only
+nugget spans is another store. Entries are keyed by the chunk's ``content_key`` (plus a digest of
+the kept ranges with ``kv_keep = "nuggets"``: ``storage/kv/kept.py``), so the same tokens in
+another document reuse the entry. Opening the KV of another fingerprint raises
+:class:`KvFingerprintMismatch` naming both.
 """
 
 from __future__ import annotations
@@ -85,6 +104,7 @@ from typing import Any
 import torch
 
 from coinrag.schemas.keys import fingerprint
+from coinrag.schemas.settings import KV_KEEPS
 from coinrag.storage.kv.codecs import (
     STORAGE_DTYPES,
     TORCH_DTYPES,
@@ -132,6 +152,21 @@ class MissingKvEntry(KvError, KeyError):
         return str(self.args[0]) if self.args else "missing KV entry"
 
 
+class UnstoredKvSlice(KvError, LookupError):
+    """Chunk tokens an entry does not hold (``kv_keep = "nuggets"`` keeps only nugget spans):
+    never served (as zeros or otherwise)."""
+
+    def __init__(self, content_key: str, start: int, end: int, held: str) -> None:
+        self.content_key = content_key
+        self.start = start
+        self.end = end
+        super().__init__(
+            f"tokens [{start}, {end}) of chunk content {content_key} are not stored: this KV "
+            f'store keeps only the KV of nugget spans (kv_keep = "nuggets"), and its entries of '
+            f"that chunk hold {held}"
+        )
+
+
 class KvFingerprintMismatch(KvError):
     """KV built for one fingerprint was asked for by another."""
 
@@ -149,16 +184,24 @@ class KvFingerprintMismatch(KvError):
 # ---------------------------------------------------------------------------- identity, layout
 
 
-def kv_fingerprint(model_fp: str, prefix_sha: str, codec: dict[str, Any] | None = None) -> str:
+def kv_fingerprint(
+    model_fp: str,
+    prefix_sha: str,
+    codec: dict[str, Any] | None = None,
+    keep: str = "chunks",
+) -> str:
     """The identity of a KV store: model, prompt prefix, this storage layout's version and,
     for a lossy codec only, the codec and its block size (``{"kv_codec": "int4",
-    "block_tokens": 16}``: they decide the stored values). Stores of codec ``none`` keep the
-    fingerprint they had before codecs existed."""
+    "block_tokens": 16}``: they decide the stored values), and, when it keeps only nugget
+    spans, ``kv_keep``. Stores of codec ``none`` keeping whole chunks keep the fingerprint
+    they had before codecs and ``kv_keep`` existed."""
     parts: dict[str, Any] = {
         "model_fp": model_fp,
         "prefix_sha": prefix_sha,
         "layout_version": LAYOUT_VERSION,
     }
+    if keep != "chunks":
+        parts["kv_keep"] = keep
     return fingerprint("kv", {**parts, **(codec or {})})
 
 
@@ -183,10 +226,13 @@ class KvLayout:
     block_tokens: int = 0  # 0: the codec's default_block_tokens
     slots_per_shard: int = 0  # 0: derived from DEFAULT_SHARD_BYTES for 512-token entries
     kv_codec: str = "none"
+    keep: str = "chunks"  # kv_keep: whole chunks | only nugget spans (storage/kv/kept.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r} (float32, bfloat16, float16)")
+        if self.keep not in KV_KEEPS:
+            raise ValueError(f"kv_keep {self.keep!r} is not one of {', '.join(KV_KEEPS)}")
         codec = codec_named(self.kv_codec)  # ValueError naming the known codecs
         if self.block_tokens <= 0:
             object.__setattr__(self, "block_tokens", codec.default_block_tokens)
@@ -206,7 +252,13 @@ class KvLayout:
 
     @property
     def kv_fp(self) -> str:
-        return kv_fingerprint(self.model_fp, self.prefix_sha, self.codec_identity)
+        return kv_fingerprint(self.model_fp, self.prefix_sha, self.codec_identity, self.keep)
+
+    @property
+    def keeps_chunks(self) -> bool:
+        """True when entries hold whole chunks (``kv_keep = "chunks"``); False when they hold
+        only the ranges their nuggets cover."""
+        return self.keep == "chunks"
 
     @property
     def codec(self) -> KvCodec:
@@ -277,6 +329,7 @@ class KvLayout:
             "dtype": self.dtype,
             "storage_dtype": self.storage_dtype.str,
             "axes": list(self.codec.dimension_names()),
+            "kv_keep": self.keep,
             **self.codec_identity,
         }
 
@@ -333,7 +386,8 @@ def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) 
     """The layout of a KV store whose group attributes are ``stored``, opened as ``kv_fp``:
     ``layout`` when given and equal to what is stored, else the stored one. Raises
     :class:`KvFingerprintMismatch` when the stored identity (model_fp, prefix, dims, dtype,
-    codec, layout version) differs from ``layout`` or from ``kv_fp``."""
+    codec, kv_keep, layout version) differs from ``layout`` or from ``kv_fp``."""
+    stored = {"kv_keep": "chunks", **stored}  # stores written before kv_keep kept chunks
     stored_fp = stored.get("kv_fp", "?")
     detail = f"model_fp {stored.get('model_fp')}, prefix {stored.get('prefix_sha')}"
     if stored_fp != kv_fp:
@@ -346,7 +400,12 @@ def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) 
         kwargs = {k: stored[k] for k in ("layers", "kv_heads", "head_dim", "dtype")}
         if "kv_codec" in stored:  # a lossy codec: its block size is part of its identity
             kwargs.update(kv_codec=stored["kv_codec"], block_tokens=stored["block_tokens"])
-        return KvLayout(model_fp=stored["model_fp"], prefix_sha=stored["prefix_sha"], **kwargs)
+        return KvLayout(
+            model_fp=stored["model_fp"],
+            prefix_sha=stored["prefix_sha"],
+            keep=stored["kv_keep"],
+            **kwargs,
+        )
     expected = layout.identity()
     diffs = [k for k, v in expected.items() if stored.get(k) != v]
     diffs += [k for k in ("kv_codec", "block_tokens") if k in stored and k not in expected]

@@ -1,7 +1,10 @@
 """Slice reads: token ranges of stored entries, planned into block-aligned reads and fetched.
 
-``KvStore.read_slices`` resolves each request ``(content_key, start, end)`` to its shard and slot
-(``storage/kv/store.py``), then:
+``KvStore.read_slices`` resolves each request ``(content_key, start, end)`` to the entry that
+holds it, its shard and slot, and the entry's stored tokens (``storage/kv/store.py``; an entry of
+kept ranges stores them back to back, ``storage/kv/kept.py``, so chunk tokens ``[start, end)``
+are stored tokens ``[offset, offset + end - start)``; a range it does not hold never gets here),
+then, in stored tokens:
 
 1. :func:`plan_reads` merges the requests on one slot into reads of whole blocks (a read covers
    ``[floor(s / block) * block, ceil(e / block) * block)``; ranges that overlap, touch or lie at

@@ -16,6 +16,7 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from coinrag.schemas.tables import KvManifestRow
+from coinrag.storage.kv.kept import KvEntry
 from coinrag.storage.kv.layout import CorruptKvEntry, MissingKvEntry, parse_location
 from coinrag.storage.kv.shard import create_shard_array, data_key, shard_attributes, shard_size
 
@@ -29,7 +30,7 @@ class KvReclaim:
 
     kv_fp: str
     entries_live: int = 0
-    entries_dropped: int = 0  # content_keys no live chunk references
+    entries_dropped: int = 0  # entries no live chunk (or live nugget set) uses
     logical_bytes_dropped: int = 0
     entries_moved: int = 0  # live entries copied out of partly dead shards
     entries_corrupt: int = 0  # failed their check while being moved: dropped
@@ -42,15 +43,6 @@ class KvReclaim:
     @property
     def bytes_reclaimed(self) -> int:
         return self.bytes_freed - self.bytes_written
-
-
-@dataclass(frozen=True)
-class _EntryRef:
-    """What :meth:`KvStore.write_entries` reads of a chunk, for an entry being moved."""
-
-    chunk_id: str
-    content_key: str
-    n_tokens: int
 
 
 def find_garbage(kv: KvStore) -> list[PurePath]:
@@ -72,8 +64,11 @@ def remove_garbage(kv: KvStore) -> list[PurePath]:
 
 
 def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False) -> KvReclaim:
-    """Drop the entries whose content_key is not in ``live``; return what was (or, with
-    ``dry_run``, would be) reclaimed. The caller holds the store's write lock.
+    """Drop the entries whose key is not in ``live``; return what was (or, with ``dry_run``,
+    would be) reclaimed. The caller holds the store's write lock. Keys are
+    ``storage.kv.kept.entry_key``: content_keys for whole chunks; with ``kv_keep = "nuggets"``
+    the content_key and the digest of the kept ranges a live chunk's nuggets need, so an entry
+    of spans no live nugget set uses any more (those of a replaced extractor) is dropped.
 
     Shards are written once and never modified, so a shard holding dead entries is dealt
     with whole: 1. the live entries of a partly dead shard are read as stored (sha256-checked)
@@ -129,9 +124,9 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
             except (CorruptKvEntry, MissingKvEntry):
                 out.entries_corrupt += 1
                 continue
-            group.append((_EntryRef(row.chunk_id, ck, row.tokens), stored))
+            group.append((KvEntry.of_row(row), stored))  # what it stores, as stored
         if group:
-            rows = kv.write_stored(group, run_id)  # type: ignore[arg-type]
+            rows = kv.write_stored(group, run_id)
             new_shards.update(parse_location(r.location)[1] for r in rows)
     out.bytes_written = sum(kv.store.tree_bytes(kv.root / n) for n in new_shards)
     current = kv.manifest()
@@ -160,15 +155,16 @@ def planned_shard_bytes(kv: KvStore, rows: list[KvManifestRow], run_id: str) -> 
     by Zarr in a scratch folder, with the attributes the real shard gets)."""
     lay = kv.layout
     block = lay.block_tokens
-    tokens = [r.tokens for r in rows]
+    tokens = [KvEntry.of_row(r).stored_tokens for r in rows]
     width = max(block, -(-max(tokens) // block) * block)
     data = shard_size(lay, tokens, width)
     shape = lay.codec.array_shape(lay, len(rows), width)
     # as stage_shard writes them (tests/test_cli_store_commands.py compares)
     keys = [r.content_key for r in rows]
     checksums = [r.checksum for r in rows]
+    kept = [r.kept for r in rows]
     attrs = shard_attributes(
-        kv.kv_fp, keys, tokens, checksums, run_id, block, kv.encoder, lay.kv_codec
+        kv.kv_fp, keys, tokens, checksums, run_id, block, kv.encoder, lay.kv_codec, kept
     )
     attrs["files"] = {data_key(len(shape)): data}
     with tempfile.TemporaryDirectory(prefix="coinrag-gc-plan-") as scratch:

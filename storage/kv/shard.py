@@ -198,9 +198,10 @@ class ShardMeta:
 
     name: str
     content_keys: list[str]
-    tokens: list[int]
+    tokens: list[int]  # stored tokens per slot
     files: dict[str, int]
     block_tokens: int
+    kept: list[list[int] | None] = dataclasses.field(default_factory=list)  # per slot, flat
     opener: Any = None
     _array: zarr.Array | None = None
     shape: tuple[int, ...] = ()  # the codec's array shape (codec.array_shape)
@@ -225,6 +226,7 @@ class ShardMeta:
             name=name,
             content_keys=list(attrs.get("content_keys", [])),
             tokens=[int(t) for t in attrs.get("tokens", [])],
+            kept=list(attrs.get("kept") or [None] * len(attrs.get("content_keys", []))),
             files={str(k): int(v) for k, v in dict(attrs.get("files", {})).items()},
             block_tokens=block,
             opener=opener,
@@ -293,10 +295,13 @@ def shard_attributes(
     block_tokens: int,
     encoder: str,
     kv_codec: str = "none",
+    kept: Sequence[list[int] | None] | None = None,
 ) -> dict[str, Any]:
-    """A shard's ``coinrag_kv`` attributes, per slot content_key, token count and sha256 (the
-    writer adds ``files``: data file -> bytes)."""
-    return {
+    """A shard's ``coinrag_kv`` attributes, per slot content_key, stored token count and sha256
+    (the writer adds ``files``: data file -> bytes); ``kept``: per slot the chunk's token ranges
+    the entry holds, flat (``storage/kv/kept.py``), recorded only when some slot holds ranges
+    (``kv_keep = "nuggets"``)."""
+    attrs: dict[str, Any] = {
         "kv_fp": kv_fp,
         "content_keys": list(content_keys),
         "tokens": list(tokens),
@@ -306,6 +311,9 @@ def shard_attributes(
         "encoder": encoder,
         **({} if kv_codec == "none" else {"kv_codec": kv_codec}),
     }
+    if kept is not None and any(k is not None for k in kept):
+        attrs["kept"] = [None if k is None else list(k) for k in kept]
+    return attrs
 
 
 def create_shard_array(

@@ -40,6 +40,13 @@ that key with that token count; the shard's files have the sizes they were writt
 reads: whole entries through Zarr (every block's crc32c checked; the manifest's sha256 on
 request), token ranges through ``storage/kv/reads.py``. A failed check raises
 :class:`CorruptKvEntry` naming the entry and the reason; such an entry is never served.
+
+Entries are keyed by ``storage.kv.kept.entry_key``: the content_key for a whole chunk, the
+content_key and a digest of the kept ranges for a store that keeps only nugget spans
+(``kv_keep = "nuggets"``), where one content_key may have several entries (the spans of two
+extractors, until gc). A slice read names the chunk's content_key and its token range: it is
+served by the latest entry of that content_key that holds the whole range, else it fails
+(:class:`UnstoredKvSlice`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import zarr
 from coinrag.schemas.tables import ChunkRow, KvManifestRow
 from coinrag.storage.kv.catalog import ShardCatalog
 from coinrag.storage.kv.codecs import entry_checksum
+from coinrag.storage.kv.kept import KvEntry, kept_of, key_of_row
 from coinrag.storage.kv.layout import (
     ATTR,
     KV_CHECK_LEVELS,
@@ -65,6 +73,7 @@ from coinrag.storage.kv.layout import (
     KvFingerprintMismatch,
     KvLayout,
     MissingKvEntry,
+    UnstoredKvSlice,
     checked_layout,
     location_order,
     parse_location,
@@ -113,6 +122,7 @@ class KvStore:
         self._reader = CountingReader(self.transport.zarr_store(self.root, read_only=True))
         self._catalog = ShardCatalog(store, layout, self.root, self.transport, self._reader)
         self._manifest: dict[str, KvManifestRow] | None = None
+        self._by_content: dict[str, list[str]] = {}  # content_key -> entry keys, latest first
         self._max_manifest_shard = -1
         self.write_stats = WriteStats()
         self.last_read = ReadStats()
@@ -167,7 +177,8 @@ class KvStore:
     # ------------------------------------------------------------------ manifest
 
     def manifest(self, refresh: bool = False) -> dict[str, KvManifestRow]:
-        """content_key -> its current manifest row under this kv_fp (the latest row wins)."""
+        """entry key -> its current manifest row under this kv_fp (the latest row wins); the key
+        is the content_key for whole chunks (``storage/kv/kept.py``)."""
         if self._manifest is None or refresh:
             import pyarrow.compute as pc
 
@@ -189,27 +200,68 @@ class KvStore:
                     )
                 order = location_order(row.location)
                 top = max(top, order[0])
-                if row.content_key not in current or current[row.content_key][0] < order:
-                    current[row.content_key] = (order, row)
-            self._manifest = {ck: row for ck, (_, row) in current.items()}
+                key = key_of_row(row)
+                if key not in current or current[key][0] < order:
+                    current[key] = (order, row)
+            self._manifest = {key: row for key, (_, row) in current.items()}
             self._max_manifest_shard = top
+            self._by_content = {}
+            latest_first = sorted(current.items(), key=lambda item: item[1][0], reverse=True)
+            for key, (_, row) in latest_first:
+                self._by_content.setdefault(row.content_key, []).append(key)
         return self._manifest
 
     def forget_manifest(self) -> None:
         """Drop the cached manifest (its table was rewritten); the next use reads it again."""
         self._manifest = None
 
-    def __contains__(self, content_key: str) -> bool:
-        return content_key in self.manifest()
+    def __contains__(self, key: str) -> bool:
+        return key in self.manifest()
 
-    def _row(self, content_key: str) -> KvManifestRow:
-        row = self.manifest().get(content_key)
+    def _row(self, key: str) -> KvManifestRow:
+        row = self.manifest().get(key)
         if row is None:
-            raise MissingKvEntry(f"no KV entry for {content_key} under {self.kv_fp}")
+            raise MissingKvEntry(f"no KV entry for {key} under {self.kv_fp}")
         kv_fp, _, _ = parse_location(row.location)
         if kv_fp != self.kv_fp:  # defensive: manifest() filters by kv_fp
-            raise KvFingerprintMismatch(kv_fp, self.kv_fp, f"entry {content_key}")
+            raise KvFingerprintMismatch(kv_fp, self.kv_fp, f"entry {key}")
         return row
+
+    def entries_of(self, content_key: str) -> list[str]:
+        """The keys of the current entries of ``content_key``, latest first (one for a store of
+        whole chunks; none when it has no entry)."""
+        self.manifest()
+        return list(self._by_content.get(content_key, ()))
+
+    def chunk_tokens(self, content_key: str) -> int:
+        """The token count of the chunk ``content_key`` names (from its latest entry: the
+        length of the forward that computed it, what re-rotation needs). Raises
+        :class:`MissingKvEntry` when it has no entry."""
+        keys = self.entries_of(content_key)
+        if not keys:
+            raise MissingKvEntry(f"no KV entry for {content_key} under {self.kv_fp}")
+        return self.manifest()[keys[0]].tokens
+
+    def _locate(self, content_key: str, start: int, end: int) -> tuple[str, int]:
+        """``(entry key, stored offset)`` of chunk tokens ``[start, end)``: the latest entry of
+        ``content_key`` that holds them all. Raises :class:`MissingKvEntry` (no entry),
+        IndexError (outside the chunk) or :class:`UnstoredKvSlice` (not stored)."""
+        keys = self.entries_of(content_key)
+        if not keys:
+            raise MissingKvEntry(f"no KV entry for {content_key} under {self.kv_fp}")
+        manifest = self.manifest()
+        for key in keys:
+            row = manifest[key]
+            if not 0 <= start <= end <= row.tokens:
+                raise IndexError(
+                    f"slice [{start}, {end}) out of range for {content_key} ({row.tokens} tokens)"
+                )
+            kept = kept_of(row.kept)
+            offset = start if kept is None else kept.locate(start, end)
+            if offset is not None:
+                return key, offset
+        held = "; ".join(str(kept_of(manifest[key].kept)) for key in keys)
+        raise UnstoredKvSlice(content_key, start, end, held)
 
     # ------------------------------------------------------------------ shards
 
@@ -231,32 +283,40 @@ class KvStore:
 
     def _resolve(
         self,
-        content_key: str,
+        key: str,
         file_checks: dict[str, str | None] | None = None,
         ranged: bool = False,
     ) -> tuple[KvManifestRow, ShardMeta, int]:
-        """The row, its opened shard and slot; raises CorruptKvEntry on a cheap failed check
-        (``file_checks``, ``ranged``: ``catalog.ShardCatalog.file_problem``)."""
-        row = self._row(content_key)
+        """The row of the entry ``key`` (:meth:`manifest`), its opened shard and slot; raises
+        CorruptKvEntry (naming the row's content_key) on a cheap failed check (``file_checks``,
+        ``ranged``: ``catalog.ShardCatalog.file_problem``)."""
+        row = self._row(key)
+        ck = row.content_key
         _, name, slot = parse_location(row.location)
         try:
             shard = self._shard(name)
         except Exception as exc:  # missing folder, unreadable zarr.json
             self._shards.pop(name, None)
-            raise CorruptKvEntry(content_key, row.location, f"shard unreadable: {exc}") from exc
-        if slot >= len(shard.content_keys) or shard.content_keys[slot] != content_key:
-            raise CorruptKvEntry(content_key, row.location, "slot holds another entry")
-        if shard.tokens[slot] != row.tokens:
-            raise CorruptKvEntry(content_key, row.location, "token count differs from manifest")
+            raise CorruptKvEntry(ck, row.location, f"shard unreadable: {exc}") from exc
+        if (
+            slot >= len(shard.content_keys)
+            or shard.content_keys[slot] != ck
+            or (shard.kept[slot] if slot < len(shard.kept) else None) != row.kept
+        ):
+            raise CorruptKvEntry(ck, row.location, "slot holds another entry")
+        if shard.tokens[slot] != KvEntry.of_row(row).stored_tokens:
+            raise CorruptKvEntry(ck, row.location, "token count differs from manifest")
         problem = self._catalog.file_problem(shard, file_checks, ranged)
         if problem:
-            raise CorruptKvEntry(content_key, row.location, problem)
+            raise CorruptKvEntry(ck, row.location, problem)
         return row, shard, slot
 
     # ------------------------------------------------------------------ reads
 
     def read_entry(self, content_key: str, verify: bool = True) -> torch.Tensor:
-        """The KV of one chunk: ``(layers, 2, kv_heads, tokens, head_dim)`` in the model dtype
+        """What one entry stores (``content_key``: its key, see :meth:`manifest`): the KV of its
+        chunk, ``(layers, 2, kv_heads, tokens, head_dim)`` in the model dtype, or for an entry
+        of kept ranges their concatenation, ``(layers, 2, kv_heads, stored tokens, head_dim)``
         (keys as the layout stores them: ``layout.keys_at_zero``).
 
         Every inner chunk's crc32c is checked by the read; ``verify`` also checks the manifest's
@@ -265,11 +325,12 @@ class KvStore:
         t0 = time.perf_counter()
         before = (self._reader.data_bytes, self._reader.data_gets)
         row, stored, g = self._read_stored(content_key, verify)
-        tensor = self.layout.codec.decode(stored, g)[:, :, :, : row.tokens].contiguous()
+        tokens = KvEntry.of_row(row).stored_tokens
+        tensor = self.layout.codec.decode(stored, g)[:, :, :, :tokens].contiguous()
         self.last_read = ReadStats(
             requests=1,
             bytes_read=self._reader.data_bytes - before[0],
-            bytes_needed=self.layout.needed_bytes(row.tokens),
+            bytes_needed=self.layout.needed_bytes(tokens),
             store_gets=self._reader.data_gets - before[1],
             zarr_reads=1,
             seconds=time.perf_counter() - t0,
@@ -291,10 +352,11 @@ class KvStore:
         row, shard, slot = self._resolve(content_key, ranged=ranged)
         g = shard_geometry(self.layout, shard)
         block = shard.block_tokens
-        plan = SlicePlan(shard.name, slot, 0, -(-row.tokens // block) * block, [0])
+        tokens = KvEntry.of_row(row).stored_tokens
+        plan = SlicePlan(shard.name, slot, 0, -(-tokens // block) * block, [0])
 
         def fail(_: SlicePlan, reason: str) -> CorruptKvEntry:
-            return CorruptKvEntry(content_key, row.location, reason)
+            return CorruptKvEntry(row.content_key, row.location, reason)
 
         shards = {shard.name: shard}
         diagnose = self._catalog.diagnose
@@ -303,9 +365,9 @@ class KvStore:
             (got,) = gather_ranges([plan], shards, self.layout, self.root, fetch, fail, diagnose)
         else:
             (got,) = gather_zarr([plan], shards, self.layout, fail, diagnose)
-        stored = np.ascontiguousarray(self.layout.codec.trim(got, row.tokens, g))
+        stored = np.ascontiguousarray(self.layout.codec.trim(got, tokens, g))
         if verify and entry_checksum(stored) != row.checksum:
-            raise CorruptKvEntry(content_key, row.location, "sha256 differs from the manifest")
+            raise CorruptKvEntry(row.content_key, row.location, "sha256 differs from the manifest")
         return row, stored, g
 
     def verify_entry(self, content_key: str) -> bool:
@@ -319,10 +381,14 @@ class KvStore:
     def read_slices(
         self, requests: Sequence[tuple[str, int, int]], merge_gap_blocks: int = 0
     ) -> list[torch.Tensor]:
-        """Token ranges of entries: ``[(content_key, tok_start, tok_end), ...]`` ->
-        ``[(layers, 2, kv_heads, tok_end - tok_start, head_dim), ...]`` in request order, in the
-        model dtype (keys as the layout stores them: ``layout.keys_at_zero``).
+        """Token ranges of chunks: ``[(content_key, tok_start, tok_end), ...]`` (the chunk's
+        token coordinates) -> ``[(layers, 2, kv_heads, tok_end - tok_start, head_dim), ...]``
+        in request order, in the model dtype (keys as the layout stores them:
+        ``layout.keys_at_zero``).
 
+        Each request is served by the latest entry of its content_key that holds the whole
+        range (:meth:`_locate`; every range of a whole-chunk entry); a range no entry holds
+        raises :class:`UnstoredKvSlice` (``kv_keep = "nuggets"``: only nugget spans are stored).
         Requests on the same entry whose block-aligned ranges overlap or touch (or lie at most
         ``merge_gap_blocks`` blocks apart) are served by one read; all reads are issued at once
         (concurrently). Each touched inner chunk is crc32c-checked; the whole-entry sha256 is
@@ -335,24 +401,29 @@ class KvStore:
         per_slot: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
         resolved: dict[str, tuple[KvManifestRow, ShardMeta, int]] = {}
         out: list[torch.Tensor | None] = [None] * len(requests)
+        located: list[tuple[str, int, int]] = []  # per request: entry key, stored [start, end)
         needed = 0
         file_checks: dict[str, str | None] = {}
         for i, (ck, s, e) in enumerate(requests):
-            if ck not in resolved:
-                resolved[ck] = self._resolve(ck, file_checks, ranged=True)
-            row, shard, slot = resolved[ck]
-            if not 0 <= s <= e <= row.tokens:
-                raise IndexError(f"slice [{s}, {e}) out of range for {ck} ({row.tokens} tokens)")
-            if s == e:
+            if s == e:  # nothing to read; the chunk must still have an entry and s be in it
+                n = self.chunk_tokens(ck)
+                if not 0 <= s <= n:
+                    raise IndexError(f"slice [{s}, {e}) out of range for {ck} ({n} tokens)")
+                located.append((ck, 0, 0))
                 out[i] = torch.empty(lay.entry_shape(0), dtype=lay.torch_dtype)
                 continue
+            key, offset = self._locate(ck, s, e)
+            located.append((key, offset, offset + e - s))
+            if key not in resolved:
+                resolved[key] = self._resolve(key, file_checks, ranged=True)
+            _, shard, slot = resolved[key]
             needed += lay.needed_bytes(e - s)
-            per_slot[(shard.name, slot)].append((s, e, i))
+            per_slot[(shard.name, slot)].append((offset, offset + e - s, i))
         plans = plan_reads(per_slot, lambda name: self._shards[name].block_tokens, merge_gap_blocks)
 
         def fail(plan: SlicePlan, reason: str) -> CorruptKvEntry:
-            ck = requests[plan.requests[0]][0]
-            return CorruptKvEntry(ck, resolved[ck][0].location, reason)
+            row = resolved[located[plan.requests[0]][0]][0]
+            return CorruptKvEntry(row.content_key, row.location, reason)
 
         if plans:
             diagnose = self._catalog.diagnose
@@ -362,10 +433,10 @@ class KvStore:
             else:
                 results = gather_zarr(plans, self._shards, lay, fail, diagnose)
             decoded = [
-                lay.codec.decode(stored, shard_geometry(lay, self._shards[plan.shard]))
-                for plan, stored in zip(plans, results, strict=True)
+                lay.codec.decode(values, shard_geometry(lay, self._shards[plan.shard]))
+                for plan, values in zip(plans, results, strict=True)
             ]
-            for i, piece in slices_of(plans, decoded, requests).items():
+            for i, piece in slices_of(plans, decoded, located).items():
                 out[i] = piece
         self.last_read = ReadStats(
             requests=len(requests),
@@ -429,26 +500,29 @@ class KvStore:
         return max([-1, self._max_manifest_shard, *on_disk]) + 1
 
     def write_entries(
-        self, entries: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str
+        self, entries: Sequence[tuple[ChunkRow | KvEntry, torch.Tensor]], run_id: str
     ) -> list[KvManifestRow]:
         """Store entries, ``slots_per_shard`` per shard, and append their manifest rows.
 
         ``entries``: ``(chunk, kv)`` with ``kv`` of shape ``(layers, 2, kv_heads,
-        chunk.n_tokens, head_dim)`` in the layout's dtype, keys in the layout's frame (after
-        RoPE, or rotated back to position 0 where ``layout.keys_at_zero``: the model side,
-        ``inference/encode.py``, hands them so). Entries are keyed by
-        ``chunk.content_key``; a key repeated in ``entries`` is stored once (first chunk wins).
-        Each shard is written whole, read back and verified, renamed into place, and only then
-        are its rows appended; the rows of all shards are returned.
+        chunk.n_tokens, head_dim)`` in the layout's dtype, or ``(KvEntry, kv)`` with ``kv``
+        what the entry stores (``KvEntry.cut``: its kept ranges, concatenated); keys in the
+        layout's frame (after RoPE, or rotated back to position 0 where
+        ``layout.keys_at_zero``: the model side, ``inference/encode.py``, hands them so, and
+        the ranges are cut after that rotation). Entries are keyed by their key (the
+        ``content_key`` of a whole chunk); a key repeated in ``entries`` is stored once (first
+        wins). Each shard is written whole, read back and verified, renamed into place, and only
+        then are its rows appended; the rows of all shards are returned.
         """
         unique = distinct_entries(self.layout, entries)
         return self._write(unique, run_id, stored=False)
 
     def write_stored(
-        self, entries: Sequence[tuple[ChunkRow, np.ndarray]], run_id: str
+        self, entries: Sequence[tuple[ChunkRow | KvEntry, np.ndarray]], run_id: str
     ) -> list[KvManifestRow]:
         """:meth:`write_entries` for entries given as their stored values
-        (:meth:`read_stored`): written bit for bit as they are (no decode, no re-encode)."""
+        (:meth:`read_stored`; an entry of kept ranges as a :class:`KvEntry`): written bit for
+        bit as they are (no decode, no re-encode)."""
         return self._write(list(entries), run_id, stored=True)
 
     def _write(self, unique: list[Any], run_id: str, stored: bool) -> list[KvManifestRow]:
@@ -460,9 +534,9 @@ class KvStore:
         return rows
 
     def stage_shard(
-        self, group: Sequence[tuple[ChunkRow, torch.Tensor]], run_id: str
+        self, group: Sequence[tuple[ChunkRow | KvEntry, torch.Tensor]], run_id: str
     ) -> StagedShard:
-        """Write one shard of ``group`` (``(chunk, kv)``, distinct content_keys, at most
+        """Write one shard of ``group`` (``(chunk or entry, kv)``, distinct keys, at most
         ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it; nothing is
         valid until :meth:`publish_shard`. Safe to call from several processes at once: it
         writes only its own new folder (``writes.ShardStager``)."""
@@ -495,7 +569,12 @@ class KvStore:
         st.manifest_s += time.perf_counter() - t0
         manifest = self.manifest()
         for row in rows:
-            manifest[row.content_key] = row
+            key = key_of_row(row)
+            manifest[key] = row
+            keys = self._by_content.setdefault(row.content_key, [])
+            if key in keys:
+                keys.remove(key)
+            keys.insert(0, key)  # the latest entry of its content_key
         self._max_manifest_shard = max(
             self._max_manifest_shard, location_order(rows[0].location)[0]
         )
@@ -536,15 +615,15 @@ class KvStore:
         return remove_garbage(self)
 
     def reclaim(self, live: set[str], run_id: str, dry_run: bool = False) -> KvReclaim:
-        """Drop the entries whose content_key is not in ``live``; return what was (or, with
-        ``dry_run``, would be) reclaimed (``reclaim.reclaim_dead``). The caller holds the
-        store's write lock."""
+        """Drop the entries whose key (:meth:`manifest`) is not in ``live``; return what was
+        (or, with ``dry_run``, would be) reclaimed (``reclaim.reclaim_dead``). The caller holds
+        the store's write lock."""
         return reclaim_dead(self, live, run_id, dry_run)
 
 
 def stored_content_keys(store: Store, layout: KvLayout) -> set[str]:
     """The content_keys with a manifest row under ``layout``'s kv_fp (no shard is read)."""
-    return set(KvStore(store, layout).manifest())
+    return {row.content_key for row in KvStore(store, layout).manifest().values()}
 
 
 def kv_free_bytes(store: Store) -> int | None:

@@ -21,6 +21,7 @@ import torch
 from coinrag.schemas.keys import CODE_VERSION
 from coinrag.schemas.tables import ChunkRow, KvManifestRow
 from coinrag.storage.kv.codecs import entry_checksum
+from coinrag.storage.kv.kept import KvEntry
 from coinrag.storage.kv.layout import KvLayout
 from coinrag.storage.kv.shard import shard_attributes, write_shard_direct, write_shard_zarr
 from coinrag.storage.kv.transport import KvTransport, LocalFiles, ScratchBuffers
@@ -35,7 +36,9 @@ class StagedShard:
 
     It can be made on another process or machine that sees the same store folder (a worker of
     a distributed build) and published by the holder of the store's write lock. Per slot:
-    ``chunk_ids``, ``content_keys``, ``tokens`` and ``checksums`` (sha256 of the stored bytes).
+    ``chunk_ids``, ``content_keys``, ``tokens`` (stored), ``checksums`` (sha256 of the stored
+    bytes), ``chunk_tokens`` (the chunk's) and ``kept`` (the ranges held, flat; None: the whole
+    chunk, ``storage/kv/kept.py``).
     """
 
     kv_fp: str
@@ -48,24 +51,28 @@ class StagedShard:
     disk_bytes: int
     encode_write_s: float
     verify_s: float
+    chunk_tokens: tuple[int, ...] = ()
+    kept: tuple[tuple[int, ...] | None, ...] = ()
 
     def manifest_rows(self, shard: str, layout: KvLayout, run_id: str) -> list[KvManifestRow]:
         """Its manifest rows once published as ``shard`` (``run_id``: the publishing run's)."""
+        n = len(self.content_keys)
+        chunk_tokens = self.chunk_tokens or self.tokens
+        kept = self.kept or (None,) * n
         return [
             KvManifestRow(
-                chunk_id=chunk_id,
-                content_key=content_key,
+                chunk_id=self.chunk_ids[i],
+                content_key=self.content_keys[i],
                 model_fp=layout.model_fp,
                 location=f"{self.kv_fp}/{shard}#slot-{i}",
-                tokens=tokens,
-                bytes=layout.entry_bytes(tokens),
-                checksum=checksum,
+                tokens=chunk_tokens[i],
+                bytes=layout.entry_bytes(self.tokens[i]),
+                checksum=self.checksums[i],
                 run_id=run_id,
                 code_version=CODE_VERSION,
+                kept=None if kept[i] is None else list(kept[i]),  # type: ignore[arg-type]
             )
-            for i, (chunk_id, content_key, tokens, checksum) in enumerate(
-                zip(self.chunk_ids, self.content_keys, self.tokens, self.checksums, strict=True)
-            )
+            for i in range(n)
         ]
 
 
@@ -92,46 +99,60 @@ class WriteStats:
 
 
 def distinct_entries(
-    layout: KvLayout, entries: Sequence[tuple[ChunkRow, torch.Tensor]]
-) -> list[tuple[ChunkRow, torch.Tensor]]:
-    """The entries with distinct content_keys (first wins), each checked against the
-    layout's shape and dtype (ValueError naming the chunk)."""
+    layout: KvLayout, entries: Sequence[tuple[ChunkRow | KvEntry, torch.Tensor]]
+) -> list[tuple[KvEntry, torch.Tensor]]:
+    """The entries with distinct keys (first wins; ``storage/kv/kept.py``), each checked against
+    the layout's shape and dtype (ValueError naming the chunk).
+
+    An entry is a ``ChunkRow`` (the whole chunk: ``kv`` of its ``n_tokens``) or a
+    :class:`KvEntry`, whose ``kv`` is what it stores (``KvEntry.cut`` of the chunk's KV). A
+    layout that keeps only nugget spans takes only entries with kept ranges, and one keeping
+    chunks only whole ones."""
     seen: set[str] = set()
-    unique: list[tuple[ChunkRow, torch.Tensor]] = []
-    for chunk, kv in entries:
-        if chunk.content_key in seen:
+    unique: list[tuple[KvEntry, torch.Tensor]] = []
+    for ref, kv in entries:
+        entry = KvEntry.of(ref)
+        if entry.key in seen:
             continue
-        seen.add(chunk.content_key)
-        expected = layout.entry_shape(chunk.n_tokens)
+        seen.add(entry.key)
+        if (entry.kept is None) != layout.keeps_chunks:
+            held = "the whole chunk" if entry.kept is None else f"ranges {entry.kept}"
+            raise ValueError(
+                f"entry of {entry.chunk_id} holds {held}, but this KV store keeps "
+                f"{'whole chunks' if layout.keeps_chunks else 'nugget spans'} "
+                f"(kv_keep = {layout.keep})"
+            )
+        expected = layout.entry_shape(entry.stored_tokens)
         if tuple(kv.shape) != expected:
             raise ValueError(
-                f"KV of {chunk.chunk_id} has shape {tuple(kv.shape)}, expected {expected}"
+                f"KV of {entry.chunk_id} has shape {tuple(kv.shape)}, expected {expected}"
             )
         lossy_input = not layout.codec.lossless and kv.dtype == torch.float32
         if kv.dtype != layout.torch_dtype and not lossy_input:  # a lossy codec quantizes float32
-            raise ValueError(f"KV of {chunk.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
-        unique.append((chunk, kv))
+            raise ValueError(f"KV of {entry.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
+        unique.append((entry, kv))
     return unique
 
 
 def distinct_stored(
-    layout: KvLayout, entries: Sequence[tuple[ChunkRow, np.ndarray]]
-) -> list[tuple[ChunkRow, np.ndarray]]:
+    layout: KvLayout, entries: Sequence[tuple[ChunkRow | KvEntry, np.ndarray]]
+) -> list[tuple[KvEntry, np.ndarray]]:
     """Like :func:`distinct_entries`, for entries given as the codec's stored values (checked
-    against what the codec stores for their token counts)."""
+    against what the codec stores for their stored token counts)."""
     seen: set[str] = set()
-    unique: list[tuple[ChunkRow, np.ndarray]] = []
-    for chunk, stored in entries:
-        if chunk.content_key in seen:
+    unique: list[tuple[KvEntry, np.ndarray]] = []
+    for ref, stored in entries:
+        entry = KvEntry.of(ref)
+        if entry.key in seen:
             continue
-        seen.add(chunk.content_key)
-        expected = layout.entry_bytes(chunk.n_tokens)
+        seen.add(entry.key)
+        expected = layout.entry_bytes(entry.stored_tokens)
         if stored.dtype != layout.storage_dtype or stored.nbytes != expected:
             raise ValueError(
-                f"stored values of {chunk.chunk_id} are {stored.dtype} {tuple(stored.shape)}, "
+                f"stored values of {entry.chunk_id} are {stored.dtype} {tuple(stored.shape)}, "
                 f"expected {expected} bytes of {layout.storage_dtype}"
             )
-        unique.append((chunk, stored))
+        unique.append((entry, stored))
     return unique
 
 
@@ -164,27 +185,31 @@ class ShardStager:
         self.files = LocalFiles(direct_io)
 
     def stage(
-        self, group: Sequence[tuple[ChunkRow, Any]], run_id: str, stored: bool = False
+        self,
+        group: Sequence[tuple[ChunkRow | KvEntry, Any]],
+        run_id: str,
+        stored: bool = False,
     ) -> StagedShard:
-        """Write one shard of ``group`` (``(chunk, kv)``, distinct content_keys, at most
-        ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it. ``stored``:
-        each ``kv`` is already the codec's stored values (``KvStore.read_stored``), written as
-        they are."""
+        """Write one shard of ``group`` (``(chunk or entry, kv)``: :func:`distinct_entries`, at
+        most ``slots_per_shard``) under ``.tmp-<uuid>/``, read it back and verify it.
+        ``stored``: each ``kv`` is already the codec's stored values (``KvStore.read_stored``),
+        written as they are (:func:`distinct_stored`)."""
         lay = self.layout
         group = distinct_stored(lay, group) if stored else distinct_entries(lay, group)
         if not 0 < len(group) <= lay.slots_per_shard:
             raise ValueError(f"a shard holds 1..{lay.slots_per_shard} entries, got {len(group)}")
         t0 = time.perf_counter()
         views = [kv if stored else lay.codec.view(kv, lay) for _, kv in group]
-        tokens = [int(chunk.n_tokens) for chunk, _ in group]
+        tokens = [entry.stored_tokens for entry, _ in group]
         block = lay.block_tokens
         width = max(block, -(-max(tokens) // block) * block)
         shape = lay.codec.array_shape(lay, len(group), width)
         checksums = [entry_checksum(v) for v in views]
         tmp_name = f".tmp-{uuid.uuid4().hex}"
-        keys = [chunk.content_key for chunk, _ in group]
+        keys = [entry.content_key for entry, _ in group]
+        kept = [None if e.kept is None else e.kept.flat() for e, _ in group]
         attrs = shard_attributes(
-            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, lay.kv_codec
+            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, lay.kv_codec, kept
         )
         write = SHARD_WRITERS[self.encoder]
         with self.transport.staging(self.root, tmp_name, self.fsync) as folder:
@@ -192,7 +217,7 @@ class ShardStager:
         return StagedShard(
             kv_fp=lay.kv_fp,
             tmp_name=tmp_name,
-            chunk_ids=tuple(chunk.chunk_id for chunk, _ in group),
+            chunk_ids=tuple(entry.chunk_id for entry, _ in group),
             content_keys=tuple(keys),
             tokens=tuple(tokens),
             checksums=tuple(checksums),
@@ -200,4 +225,6 @@ class ShardStager:
             disk_bytes=sum(files.values()),
             encode_write_s=t1 - t0,
             verify_s=time.perf_counter() - t1,
+            chunk_tokens=tuple(entry.n_tokens for entry, _ in group),
+            kept=tuple(None if k is None else tuple(k) for k in kept),
         )
