@@ -478,8 +478,10 @@ def eval_cmd(
         return
     from coinrag.inference.methods import MissingAssets, methods_for, unavailable_methods
 
-    if methods:
-        _check(preflight.store_methods, st, methods)
+    if methods:  # METHOD or METHOD@LABEL: the store must serve each method
+        _check(
+            preflight.store_methods, st, list(dict.fromkeys(m.partition("@")[0] for m in methods))
+        )
     else:  # the default methods the store's assets can run
         methods = methods_for(st, DEFAULT_RAG_METHODS)
         for left_out, why in unavailable_methods(st, DEFAULT_RAG_METHODS).items():
