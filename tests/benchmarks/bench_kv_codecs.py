@@ -3,12 +3,12 @@ next-token-logit error of coinrag's assembled contexts, and F1, with keys quanti
 (what the int8 / int4 stores do) and after it (the alternative, measured here).
 
     python tests/benchmarks/bench_kv_codecs.py [--work DIR] [--limit 176] [--kc 4] [--k 10]
-        [--kv-dtype bfloat16] [--threads 2] [--no-f1] [--json PATH]
+        [--kv-dtype bfloat16] [--store STORE] [--threads 2] [--no-f1] [--json PATH]
 
 Corpus and questions: the FAQ pages of Debian's ``python3.11-doc`` and their 176 question /
-answer pairs (``infra/python_faq.py OUT --subset 0``), built once into ``WORK/store`` with the
-``rules`` extractor and SmolLM2-135M's KV at ``--kv-dtype`` with codec ``none`` (a second run
-reuses it). The float store is the reference.
+answer pairs (``infra/python_faq.py OUT --subset 0``), built once into ``WORK/store`` with
+``coinrag build`` (the ``rules`` extractor, SmolLM2-135M's KV at ``--kv-dtype``, codec
+``none``; a second run reuses it). The float store is the reference.
 
 Variants (each reads the float store's entries through a codec round trip, exactly what a
 store of that codec returns: checked against a real int4 store's reads at the start):
@@ -182,25 +182,27 @@ class QueryCapture:
             h.remove()
 
 
-def prepare(work: Path, kv_dtype: str) -> tuple[Path, Path]:
-    """The FAQ corpus and questions, and the float store built from them (once)."""
+def prepare(work: Path, kv_dtype: str, store: Path | None = None) -> tuple[Path, Path]:
+    """The FAQ corpus and questions, and the float store built from them (once; ``store``: one
+    already built from them, with codec ``none``)."""
     data = work / "faq"
     if not (data / "questions.jsonl").is_file():
         subprocess.run(
             [sys.executable, str(REPO / "infra" / "python_faq.py"), str(data), "--subset", "0"],
             check=True,
         )
-    store = work / "store"
+    store = store or work / "store"
     if not (store / "coinrag.toml").is_file():
-        from flows.build import build_flow
-
+        # the CLI (its temporary Prefect server waits longer than an ephemeral one on a busy
+        # machine)
         t0 = time.perf_counter()
-        summary = build_flow(
-            str(data / "corpus_subset.jsonl"),
-            str(store),
-            {"extractor": "rules", "kv_dtype": kv_dtype},
+        coinrag = str(Path(sys.executable).with_name("coinrag"))
+        subprocess.run(
+            [coinrag, "build", str(data / "corpus_subset.jsonl"), "--store", str(store)]
+            + ["--extractor", "rules", "--kv-dtype", kv_dtype, "--kv-codec", "none"],
+            check=True,
         )
-        print(f"built {store}: {summary['chunks']} chunks in {time.perf_counter() - t0:.0f} s")
+        print(f"built {store} in {time.perf_counter() - t0:.0f} s")
     return data / "questions.jsonl", store
 
 
@@ -231,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kc", type=int, default=4)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--kv-dtype", default="bfloat16")
+    ap.add_argument("--store", type=Path, help="a store of the FAQ pages, codec none (reused)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--no-f1", action="store_true")
@@ -240,14 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-kv-codecs-"))
     work.mkdir(parents=True, exist_ok=True)
-    questions_path, store = prepare(work, args.kv_dtype)
+    questions_path, store = prepare(work, args.kv_dtype, args.store)
     from inference.evaluate import evaluate, load_questions
     from inference.methods import RagEngine
+    from inference.methods.assets import StoredKv
 
-    engine = RagEngine.open(str(store), max_new_tokens=args.max_new_tokens)
+    engine = RagEngine.open(str(store), max_new_tokens=args.max_new_tokens, methods=("coinrag",))
     model = engine.model
-    float_kv = engine.kv
-    spec = engine.spec
+    context = engine.asset(StoredKv)  # the coinrag method's stored-KV context (shared)
+    float_kv = context.kv
+    spec = context.spec
+    prefix_kv = context.prefix_kv
     p = engine.prompt.n_prefix
     readers = {v.name: CodecReader(float_kv, v, spec, p) for v in VARIANTS}
     questions = load_questions(questions_path)[: args.limit]
@@ -270,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 KvSlice(b, p + s, p + float_kv.manifest()[ck].tokens, reader.keys_at_zero)
                 for b, (ck, s, _) in zip(blocks, requests, strict=True)
             ]
-            ctx = assemble_context(
-                engine.prefix_kv, slices, spec, new_seq_len=total + len(query_ids)
-            )
+            ctx = assemble_context(prefix_kv, slices, spec, new_seq_len=total + len(query_ids))
             reset_rotary(model)
             with torch.inference_mode():
                 out = model(
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, values in stats.get(v.name, {}).items():
             row[key] = round(sum(values) / len(values), 6)
         if not args.no_f1:
-            engine.kv = reader  # type: ignore[assignment]
+            context.kv = reader  # type: ignore[assignment]  # what coinrag reads now
             table = evaluate(
                 store,
                 questions_path,
