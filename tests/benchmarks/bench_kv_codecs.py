@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                     "results": results,
                 },
                 indent=1,
+                default=str,  # paths among the args
             )
         )
     return 0

@@ -8,7 +8,10 @@ CLI, then ``coinrag eval`` it on the FAQ questions, and print one markdown row p
 
 Corpus and questions default to the FAQ pages of Debian's ``python3.11-doc`` and their 176
 question / answer pairs (``infra/python_faq.py WORK/faq --subset N``: the FAQ pages plus ``N``
-other pages). Each setting gets its own store ``WORK/store-<dtype>-<codec>`` built from scratch
+other pages). Each setting gets its own store ``WORK/store-<dtype>-<codec>`` built from
+scratch (or, with ``--one-store``, all go into ``WORK/store``: the first build does every
+stage, later ones add their KV beside it and eval reads it after ``coinrag.toml``'s
+``kv_dtype`` / ``kv_codec`` are set to the setting's)
 (``coinrag build SOURCE --extractor rules --kv-dtype D --kv-codec C``; a second run with the
 same WORK reuses a built store and its eval results), so every build's stage times cover every
 stage. Both commands run as child processes with ``OMP_NUM_THREADS=--threads``; their peak RSS
@@ -80,18 +83,29 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def last_build(store_path: Path) -> dict[str, Any]:
+def last_build(store_path: Path, dtype: str, codec: str) -> dict[str, Any] | None:
     """The counts (``stage_seconds`` among them) and fingerprints of the store's last
-    completed build run."""
+    completed build run with KV at ``dtype`` / ``codec`` that computed KV (None if none)."""
     from schemas.tables import RunRow
     from storage.store import Store
     from storage.tables import read_table
 
-    rows = [
-        r
-        for r in read_table(Store.at(store_path), RunRow).to_pylist()
-        if r["flow"] == "build" and r["status"] == "completed"
-    ]
+    if not (store_path / "coinrag.toml").is_file():
+        return None
+    rows = []
+    for r in read_table(Store.at(store_path), RunRow).to_pylist():
+        params = json.loads(r["parameters_json"] or "{}")
+        counts = json.loads(r["counts_json"] or "{}")
+        if (
+            r["flow"] == "build"
+            and r["status"] == "completed"
+            and params.get("kv_dtype") == dtype
+            and params.get("kv_codec", "none") == codec
+            and counts.get("kv_computed")
+        ):
+            rows.append(r)
+    if not rows:
+        return None
     last = max(rows, key=lambda r: r["ended_at"])
     return {
         "counts": json.loads(last["counts_json"]),
@@ -121,6 +135,18 @@ def kv_measures(store_path: Path, kv_fp: str, kv_seconds: float) -> dict[str, An
     }
 
 
+def set_kv_settings(store_path: Path, dtype: str, codec: str) -> None:
+    """Point ``STORE/coinrag.toml`` at the KV of ``dtype`` / ``codec`` (already built there)."""
+    import re
+
+    path = store_path / "coinrag.toml"
+    text = path.read_text()
+    for key, value in (("kv_dtype", dtype), ("kv_codec", codec)):
+        text, n = re.subn(rf'(?m)^{key} = ".*"$', f'{key} = "{value}"', text)
+        assert n == 1, f"{path}: no single {key} line"
+    path.write_text(text)
+
+
 def eval_results(out: Path) -> dict[str, dict[str, Any]]:
     """``results.parquet`` of ``coinrag eval``: ``{method: row}``."""
     import pyarrow.parquet as pq
@@ -131,7 +157,7 @@ def eval_results(out: Path) -> dict[str, dict[str, Any]]:
 def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str, str]) -> dict:
     dtype, codec = variant.split(":")
     name = f"{dtype}-{codec}"
-    store = args.work / f"store-{name}"
+    store = args.work / ("store" if args.one_store else f"store-{name}")
     result_path = args.work / f"result-{name}.json"
     if result_path.is_file():
         print(f"{name}: reusing {result_path}", flush=True)
@@ -150,13 +176,22 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
         "--kv-codec",
         codec,
     ]
-    print(f"{name}: {' '.join(build_cmd)}", flush=True)
-    row["build"] = run_child(build_cmd, env, args.work / f"build-{name}.log")
-    built = last_build(store)
+    built = last_build(store, dtype, codec)
+    if built is None:
+        print(f"{name}: {' '.join(build_cmd)}", flush=True)
+        row["build"] = run_child(build_cmd, env, args.work / f"build-{name}.log")
+        built = last_build(store, dtype, codec)
+        assert built is not None, f"{store}: no completed build at {dtype} / {codec}"
+    else:  # built by an earlier run of this script (times from its run row)
+        print(f"{name}: {store} already has a build at {dtype} / {codec}: reused", flush=True)
+        row["build"] = {"wall_s": None, "peak_rss_mib": None, "load_before": None}
+        row["build"] |= {"load_after": None}
     stages = built["counts"]["stage_seconds"]
     row["stage_seconds"] = {s: stages.get(s) for s in STAGES}
     row |= kv_measures(store, built["fingerprints"]["kv_fp"], stages.get("kv") or 0.0)
     row["chunks"] = built["counts"]["chunks"]
+    if args.one_store:  # the store's settings say which KV eval reads: this variant's
+        set_kv_settings(store, dtype, codec)
     out = args.work / f"eval-{name}"
     eval_cmd = [
         COINRAG,
@@ -198,7 +233,8 @@ def markdown(rows: list[dict[str, Any]], methods: list[str]) -> str:
             f"{r['kv_tokens_per_s']:.0f}",
         ]
         cells += [f"{r['stage_seconds'][s]:.1f}" for s in STAGES]
-        cells += [f"{r['build']['wall_s']:.0f}", str(r["build"]["peak_rss_mib"])]
+        wall = r["build"]["wall_s"]
+        cells += ["-" if wall is None else f"{wall:.0f}", str(r["build"]["peak_rss_mib"])]
         for m in methods:
             res = r["results"].get(m)
             if res is None:
@@ -238,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=["coinrag", "standard"])
     ap.add_argument("--kc", type=int, default=4)
     ap.add_argument("--k", type=int, default=10)
+    ap.add_argument(
+        "--one-store",
+        action="store_true",
+        help="build every setting into one store WORK/store (a later setting adds its KV "
+        "beside the others: chunks, nuggets and embeddings reused, so its stage times show "
+        "the KV stage only)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="bench-kv-table-"))).resolve()
