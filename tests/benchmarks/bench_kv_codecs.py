@@ -237,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--no-f1", action="store_true")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        help="only these variants (default: all)",
+    )
+    ap.add_argument(
+        "--no-diagnostics", action="store_true", help="F1 only (no per-question error measures)"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -255,22 +263,28 @@ def main(argv: list[str] | None = None) -> int:
     spec = context.spec
     prefix_kv = context.prefix_kv
     p = engine.prompt.n_prefix
-    readers = {v.name: CodecReader(float_kv, v, spec, p) for v in VARIANTS}
+    variants = [v for v in VARIANTS if not args.variants or v.name in args.variants]
+    if not variants:
+        raise SystemExit(f"error: --variants: none of {args.variants} is a variant")
+    readers = {v.name: CodecReader(float_kv, v, spec, p) for v in variants}
     questions = load_questions(questions_path)[: args.limit]
     first = engine.retriever.two_stage(questions[0].question, kc=args.kc, k=args.k)
-    check_against_a_real_store(readers["int4 pre"], first.evidence[0].content_key, work)
-    stats: dict[str, dict[str, list[float]]] = {v.name: {} for v in VARIANTS[1:]}
+    int4_pre = next(v for v in VARIANTS if v.name == "int4 pre")
+    int4 = CodecReader(float_kv, int4_pre, spec, p)
+    check_against_a_real_store(int4, first.evidence[0].content_key, work)
+    stats: dict[str, dict[str, list[float]]] = {v.name: {} for v in variants if v.codec != "none"}
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     capture = QueryCapture(model)
     t0 = time.perf_counter()
-    for qi, q in enumerate(questions):
+    for qi, q in enumerate([] if args.no_diagnostics else questions):
         retrieval = engine.retriever.two_stage(q.question, kc=args.kc, k=args.k)
         requests = [(e.content_key, e.tok_start, e.tok_end) for e in retrieval.evidence]
         query_ids = engine.prompt.query_ids(q.question)
         total = p + sum(e - s for _, s, e in requests)
         ref = None
-        for v in VARIANTS:
-            reader = readers[v.name]
+        for v in [VARIANTS[0], *(v for v in variants if v.codec != "none")]:
+            reader = readers.get(v.name) or CodecReader(float_kv, v, spec, p)
+            readers[v.name] = reader
             blocks = reader.read_slices(requests)
             slices = [
                 KvSlice(b, p + s, p + float_kv.manifest()[ck].tokens, reader.keys_at_zero)
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{qi + 1}/{len(questions)} questions ({time.perf_counter() - t0:.0f} s)")
     capture.close()
     results: dict[str, Any] = {}
-    for v in VARIANTS:
+    for v in variants:
         row: dict[str, Any] = {"bytes_over_raw_bf16": round(bytes_per_token(v, float_kv.layout), 4)}
         reader = readers[v.name]
         if reader.errors:

@@ -190,6 +190,13 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
     row["stage_seconds"] = {s: stages.get(s) for s in STAGES}
     row |= kv_measures(store, built["fingerprints"]["kv_fp"], stages.get("kv") or 0.0)
     row["chunks"] = built["counts"]["chunks"]
+    if args.build_only:
+        row["eval"] = {"wall_s": None, "peak_rss_mib": None, "load_before": None}
+        row["eval"] |= {"load_after": None}
+        row["results"] = {}
+        result_path.write_text(json.dumps(row, indent=1, default=str))
+        print(f"{name}: {json.dumps(row, default=str)}", flush=True)
+        return row
     if args.one_store:  # the store's settings say which KV eval reads: this variant's
         set_kv_settings(store, dtype, codec)
     out = args.work / f"eval-{name}"
@@ -281,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "beside the others: chunks, nuggets and embeddings reused, so its stage times show "
         "the KV stage only)",
     )
+    ap.add_argument("--build-only", action="store_true", help="no eval (its columns '-')")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="bench-kv-table-"))).resolve()
