@@ -22,8 +22,8 @@ Columns:
 - ``bytes/raw bf16``: bytes on disk of ``STORE/kv/<kv_fp>/`` (every file: shards, prompt
   prefix, manifest, metadata) over the stored chunk tokens (the KV manifest's), divided by the
   raw bfloat16 size of one token's KV (``layers x 2 x kv_heads x head_dim x 2`` bytes);
-- ``KV tok/s``: stored chunk tokens / the build's ``kv`` stage wall seconds (the run's
-  ``stage_seconds``: forward, encoding, writing);
+- ``KV tok/s``: chunk tokens the build computed (manifest rows of its run) / its ``kv`` stage
+  wall seconds (the run's ``stage_seconds``: forward, encoding, writing);
 - the build's wall seconds per stage (``ingest``, ``chunk``, ``extract``, ``recover``, ``kv``,
   ``embed_index``) and in all (the whole command, Prefect's temporary server included);
 - F1 / EM / recall / TTFT mean and P99 (ms) per method, as ``coinrag eval`` wrote them in
@@ -113,14 +113,17 @@ def last_build(store_path: Path, dtype: str, codec: str) -> dict[str, Any] | Non
     }
 
 
-def kv_measures(store_path: Path, kv_fp: str, kv_seconds: float) -> dict[str, Any]:
-    """Bytes on disk of the KV folder, stored chunk tokens, bytes per token over raw bf16."""
+def kv_measures(store_path: Path, kv_fp: str, kv_seconds: float, run_id: str) -> dict[str, Any]:
+    """Bytes on disk of the KV folder, stored chunk tokens, bytes per token over raw bf16, and
+    the tokens the build ``run_id`` computed per second of its KV stage (entries an earlier,
+    interrupted build committed are reused, not computed)."""
     from storage.kv import KvStore
     from storage.store import Store
 
     kv = KvStore.open(Store.at(store_path), kv_fp)
     lay = kv.layout
     tokens = sum(row.tokens for row in kv.manifest().values())
+    computed = sum(row.tokens for row in kv.manifest().values() if row.run_id == run_id)
     disk = dir_bytes(store_path / "kv" / kv_fp)
     raw_bf16 = lay.layers * 2 * lay.kv_heads * lay.head_dim * 2
     return {
@@ -131,7 +134,8 @@ def kv_measures(store_path: Path, kv_fp: str, kv_seconds: float) -> dict[str, An
         "raw_bf16_bytes_per_token": raw_bf16,
         "bytes_per_token": round(disk / tokens, 1),
         "bytes_over_raw_bf16": round(disk / tokens / raw_bf16, 4),
-        "kv_tokens_per_s": round(tokens / kv_seconds, 1) if kv_seconds else None,
+        "kv_tokens_computed": computed,
+        "kv_tokens_per_s": round(computed / kv_seconds, 1) if kv_seconds else None,
     }
 
 
@@ -188,7 +192,8 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
         row["build"] |= {"load_after": None}
     stages = built["counts"]["stage_seconds"]
     row["stage_seconds"] = {s: stages.get(s) for s in STAGES}
-    row |= kv_measures(store, built["fingerprints"]["kv_fp"], stages.get("kv") or 0.0)
+    kv_fp, run_id = built["fingerprints"]["kv_fp"], built["counts"]["run_id"]
+    row |= kv_measures(store, kv_fp, stages.get("kv") or 0.0, run_id)
     row["chunks"] = built["counts"]["chunks"]
     if args.build_only:
         row["eval"] = {"wall_s": None, "peak_rss_mib": None, "load_before": None}
