@@ -24,19 +24,19 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner
 from prefect.utilities.annotations import quote
 
-from flows.progress import ProgressLog, result_with_ticks
-from flows.scaleout import embed_on_workers, kv_on_workers, task_runner
-from inference.kv_dtype import resolve_kv_dtype
-from inference.models import load_tokenizer, tokenizer_fingerprint
-from schemas.keys import new_run_id
-from schemas.settings import BuildSettings
-from storage.publish import begin, publish
-from storage.runs import finish_run, start_run
-from storage.store import Store
-from tasks.chunk import chunk_stage, chunker_fingerprint
-from tasks.delete import prune_stage
-from tasks.embed import EmbedParts
-from tasks.extract import (
+from coinrag.flows.progress import ProgressLog, result_with_ticks
+from coinrag.flows.scaleout import embed_on_workers, kv_on_workers, task_runner
+from coinrag.inference.kv_dtype import resolve_kv_dtype
+from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
+from coinrag.schemas.keys import new_run_id
+from coinrag.schemas.settings import BuildSettings
+from coinrag.storage.publish import begin, publish
+from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.store import Store
+from coinrag.tasks.chunk import chunk_stage, chunker_fingerprint
+from coinrag.tasks.delete import prune_stage
+from coinrag.tasks.embed import EmbedParts
+from coinrag.tasks.extract import (
     ExtractBatch,
     ExtractCounts,
     ExtractionWriter,
@@ -45,10 +45,10 @@ from tasks.extract import (
     run_extraction,
     stage_result,
 )
-from tasks.extractors.base import ExtractionRequest
-from tasks.extractors.factory import make_extractor
-from tasks.ingest import ingest_stage
-from tasks.recover import current_nuggets, recover_stage
+from coinrag.tasks.extractors.base import ExtractionRequest
+from coinrag.tasks.extractors.factory import make_extractor
+from coinrag.tasks.ingest import ingest_stage
+from coinrag.tasks.recover import current_nuggets, recover_stage
 
 
 @task(name="ingest", cache_policy=NO_CACHE)
@@ -100,7 +100,7 @@ def recover_task(store: Store, chunks: list, extractor_fp: str, tau: float, run_
 def kv_space_task(store: Store, chunks: list, settings: BuildSettings) -> None:
     """Refuse the build (``tasks.kv_space.KvSpaceError``) before extraction when the KV it
     would add does not fit on the store's file system."""
-    from tasks.kv_space import check_kv_space
+    from coinrag.tasks.kv_space import check_kv_space
 
     estimate = check_kv_space(store, chunks, settings, load_tokenizer(settings.model))
     get_run_logger().info(
@@ -113,9 +113,9 @@ def kv_space_task(store: Store, chunks: list, settings: BuildSettings) -> None:
 
 @task(name="kv", cache_policy=NO_CACHE)
 def kv_task(store: Store, chunks: list, settings: BuildSettings, run_id: str) -> dict[str, Any]:
-    from inference.models import load_shared_model
-    from inference.prompt import RagPrompt
-    from tasks.kv import kv_stage
+    from coinrag.inference.models import load_shared_model
+    from coinrag.inference.prompt import RagPrompt
+    from coinrag.tasks.kv import kv_stage
 
     logger = get_run_logger()
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
@@ -169,8 +169,8 @@ def _embed_index(
     embed_parts: EmbedParts | None = None,
 ) -> dict[str, Any]:
     """Embed and index (``embed_parts``: where the vectors are computed, default here)."""
-    from inference.embedders import load_embedder
-    from tasks.embed import embed_stage
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.tasks.embed import embed_stage
 
     logger = get_run_logger()
     embedder = load_embedder(settings.embedder)

@@ -25,27 +25,27 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from flows.progress import ProgressLog
-from inference.models import LoadedModel, load_model
-from inference.prompt import RagPrompt
-from inference.rope import RopeSpec
-from schemas.keys import fingerprint, new_run_id, sha256_hex
-from schemas.settings import CartridgeSettings
-from schemas.tables import DocumentRow, TeacherAnswerRow
-from storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, cartridge_id
-from storage.corpus import live_documents_in
-from storage.runs import finish_run, start_run
-from storage.store import Store
-from tasks.question_generators.factory import make_generator
-from tasks.questions import Question, selfstudy_stage
-from tasks.teacher import (
+from coinrag.flows.progress import ProgressLog
+from coinrag.inference.models import LoadedModel, load_model
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import RopeSpec
+from coinrag.schemas.keys import fingerprint, new_run_id, sha256_hex
+from coinrag.schemas.settings import CartridgeSettings
+from coinrag.schemas.tables import DocumentRow, TeacherAnswerRow
+from coinrag.storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, cartridge_id
+from coinrag.storage.corpus import live_documents_in
+from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.store import Store
+from coinrag.tasks.question_generators.factory import make_generator
+from coinrag.tasks.questions import Question, selfstudy_stage
+from coinrag.tasks.teacher import (
     doc_token_ids,
     teacher_fingerprint,
     teacher_stage,
     topk_tensors,
 )
-from training.budget import CartridgeTrainer, PoolDoc
-from training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
+from coinrag.training.budget import CartridgeTrainer, PoolDoc
+from coinrag.training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
 
 # ---------------------------------------------------------------------------- pure helpers
 

@@ -24,10 +24,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from flows.cli_lists import ListOptionsCommand
-from flows.preflight import Preflight
-from flows.settings_options import with_settings_options
-from schemas.settings import BuildSettings, FinetuneSettings
+from coinrag.flows.cli_lists import ListOptionsCommand
+from coinrag.flows.preflight import Preflight
+from coinrag.flows.settings_options import with_settings_options
+from coinrag.schemas.settings import BuildSettings, FinetuneSettings
 
 app = typer.Typer(
     help="coinrag: the offline asset factory for KV-cache-reuse RAG.",
@@ -78,7 +78,7 @@ def _check(check: Callable[..., T], *args: Any) -> T:
 def _prefect_run() -> None:
     """Before a command's first flow run: Prefect's temporary server bound to this process
     (``flows/prefect_api.py``), and Prefect's console tracebacks only with --debug."""
-    from flows.prefect_api import bind_temporary_server
+    from coinrag.flows.prefect_api import bind_temporary_server
 
     if not _DEBUG["on"]:
         _hide_prefect_tracebacks()
@@ -121,8 +121,8 @@ class _WithoutTraceback:
 
 def _require_local(store: str, what: str) -> None:
     """Fail (exit 1) before any work when ``what`` is asked of an object store."""
-    from flows.preflight import store_at
-    from storage.store import LocalStoreRequired
+    from coinrag.flows.preflight import store_at
+    from coinrag.storage.store import LocalStoreRequired
 
     try:
         _check(store_at, store).require_local(what)
@@ -159,8 +159,8 @@ def build(
     overrides: dict[str, Any],
 ) -> None:
     """Build or update STORE from SOURCE: chunks, nuggets, and (later stages) KV and indexes."""
-    from schemas.settings import SettingsError, load_settings
-    from tasks.ingest import SourceError
+    from coinrag.schemas.settings import SettingsError, load_settings
+    from coinrag.tasks.ingest import SourceError
 
     if source == "sample":
         source = str(SAMPLE)
@@ -168,16 +168,16 @@ def build(
         settings = load_settings(config, overrides)
     except SettingsError as exc:
         _fail(str(exc), 2)
-    from flows import preflight
+    from coinrag.flows import preflight
 
     _check(preflight.source, source)
     st = _check(preflight.store_to_write, store)
     _check(preflight.build_settings, settings)
     existed = st.is_local and Path(st.root).exists()
 
-    from flows.build import build_flow
-    from storage.store import StoreLocked
-    from tasks.kv_space import KvSpaceError
+    from coinrag.flows.build import build_flow
+    from coinrag.storage.store import StoreLocked
+    from coinrag.tasks.kv_space import KvSpaceError
 
     _prefect_run()
     try:
@@ -188,7 +188,7 @@ def build(
     except BaseException:
         preflight.remove_skeleton(st, existed)
         raise
-    from flows import render
+    from coinrag.flows import render
 
     render.print_build_summary(Console(), summary)
     rejected, failures = summary["rejected"], summary["failures"]
@@ -233,9 +233,9 @@ def query(
     """
     import json
 
-    from flows import preflight
-    from schemas.qa import BlankQuestion, require_question
-    from schemas.settings import LOCAL_STORE_METHODS, RAG_METHODS
+    from coinrag.flows import preflight
+    from coinrag.schemas.qa import BlankQuestion, require_question
+    from coinrag.schemas.settings import LOCAL_STORE_METHODS, RAG_METHODS
 
     if method not in RAG_METHODS:
         _fail(f"--method {method!r} is not one of {', '.join(RAG_METHODS)}", 2)
@@ -249,7 +249,7 @@ def query(
     if model is not None:
         _check(preflight.model, model)
 
-    from inference.methods import MissingAssets, RagEngine
+    from coinrag.inference.methods import MissingAssets, RagEngine
 
     doc_ids = [oracle_doc] if oracle_doc else None
     try:
@@ -321,9 +321,9 @@ def eval_cmd(
     best F1 under P99 TTFT budgets, and plots (F1 vs P99 TTFT, F1 vs active tokens).
     With --retrieval-only: write retrieval.parquet (recall, MRR, search latency) instead.
     The report is printed on stdout, progress on stderr."""
-    from flows import preflight
-    from schemas.qa import QuestionsError, load_questions
-    from schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
+    from coinrag.flows import preflight
+    from coinrag.schemas.qa import QuestionsError, load_questions
+    from coinrag.schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
 
     bad = [m for m in methods or [] if m not in RAG_METHODS]
     if bad:
@@ -337,11 +337,11 @@ def eval_cmd(
     _check(preflight.output_folder, out, "--out")
     _check(preflight.built_store, store)
 
-    from inference.evaluate import evaluate
+    from coinrag.inference.evaluate import evaluate
 
     if retrieval_only:
-        from inference.evaluate_retrieval import evaluate_retrieval, retrieval_text
-        from storage.index import EmbedderMismatch, IndexNotBuilt
+        from coinrag.inference.evaluate_retrieval import evaluate_retrieval, retrieval_text
+        from coinrag.storage.index import EmbedderMismatch, IndexNotBuilt
 
         try:
             table = evaluate_retrieval(
@@ -358,7 +358,7 @@ def eval_cmd(
             _fail(str(exc), 2)
         Console().print(retrieval_text(table), highlight=False, soft_wrap=True)
         return
-    from inference.methods import MissingAssets
+    from coinrag.inference.methods import MissingAssets
 
     sweep = tuple((a, b) for a in (kc or [4]) for b in (k or [10]))
     try:
@@ -397,9 +397,9 @@ def lineage(
     """Lineage of a store's assets: run SQL over its views, walk the chain through one nugget,
     chunk or document, or list stale assets. Without any of these: list the views. Read-only
     (works while a build runs)."""
-    from flows import preflight, render
-    from storage.lineage import LineageError
-    from tasks import lineage as queries
+    from coinrag.flows import preflight, render
+    from coinrag.storage.lineage import LineageError
+    from coinrag.tasks import lineage as queries
 
     walks = {k: v for k, v in {"nugget": nugget, "chunk": chunk, "doc": doc}.items() if v}
     modes = len(walks) + (sql is not None) + stale
@@ -457,7 +457,7 @@ def train_cartridges_cmd(
     """Self-study data, then CAS cartridges (one trainable KV prefix per document)."""
     import json
 
-    from flows import preflight
+    from coinrag.flows import preflight
 
     if generator not in (None, "openai", "local"):
         _fail(f"--generator {generator!r} is not one of openai, local", 2)
@@ -467,8 +467,8 @@ def train_cartridges_cmd(
         _check(preflight.openai_key, "--generator", generator)
     _check(preflight.unlocked, st)
 
-    from flows.cartridges import train_cartridges
-    from storage.store import StoreLocked
+    from coinrag.flows.cartridges import train_cartridges
+    from coinrag.storage.store import StoreLocked
 
     extra = {"generator": generator} if generator else {}
     _prefect_run()
@@ -501,8 +501,8 @@ def train_nuggets_cmd(
     """Nugget-aware fine-tuning on (C_ctx, question) -> answer, with the inference assembly."""
     import json
 
-    from flows import preflight
-    from schemas.settings import FINETUNE_MODES
+    from coinrag.flows import preflight
+    from coinrag.schemas.settings import FINETUNE_MODES
 
     given = {name: value for name, value in overrides.items() if value is not None}
     if given.get("mode", "live") not in FINETUNE_MODES:
@@ -510,7 +510,7 @@ def train_nuggets_cmd(
     _require_local(store, "coinrag train nuggets")
     if not data.is_file():
         _fail(f"--data {data} does not exist", 1)
-    from schemas.qa import DataError, load_examples
+    from coinrag.schemas.qa import DataError, load_examples
 
     try:
         examples = load_examples(data)  # every line checked before any model loads
@@ -523,8 +523,8 @@ def train_nuggets_cmd(
         st = _check(preflight.built_store, store)
     _check(preflight.unlocked, st)
 
-    from flows.train import train_nuggets
-    from storage.store import StoreLocked
+    from coinrag.flows.train import train_nuggets
+    from coinrag.storage.store import StoreLocked
 
     _prefect_run()
     try:
@@ -573,8 +573,8 @@ def serve(
     Long-running (needs PREFECT_API_URL, see infra/prefect_server.py); Ctrl-C stops it and
     pauses its schedule. Deployment construction: flows/deployments.py.
     """
-    from flows import preflight
-    from schemas.settings import SettingsError, load_settings
+    from coinrag.flows import preflight
+    from coinrag.schemas.settings import SettingsError, load_settings
 
     source = str(SAMPLE) if source == "sample" else source
     _check(preflight.prefect_api, "serve")
@@ -590,7 +590,7 @@ def serve(
         _fail(str(exc), 2)
     _check(preflight.build_settings, settings)
 
-    from flows.deployments import make_serve_deployments, serve_build
+    from coinrag.flows.deployments import make_serve_deployments, serve_build
 
     try:
         deployments = make_serve_deployments(
@@ -625,7 +625,7 @@ def watch(
     removed documents when its settings have prune = true). Needs PREFECT_API_URL; exits 1 when
     the server does not confirm it received the event.
     """
-    from flows import preflight
+    from coinrag.flows import preflight
 
     source = str(SAMPLE) if source == "sample" else source
     if interval <= 0:
@@ -634,9 +634,9 @@ def watch(
     _check(preflight.source, source)
     _check(preflight.store_to_write, store, False)
 
-    from flows.source_events import watch_source
-    from tasks.changes import deleted_doc_ids
-    from tasks.ingest import SourceError
+    from coinrag.flows.source_events import watch_source
+    from coinrag.tasks.changes import deleted_doc_ids
+    from coinrag.tasks.ingest import SourceError
 
     def report(ids: list[str], removed: list[str]) -> None:
         text = f"coinrag.source.changed: {len(ids)} document(s): {', '.join(ids[:10])}"
@@ -667,13 +667,13 @@ def delete(
 ) -> None:
     """Delete documents: tombstoned in the tables, gone from the index (their KV is reclaimed
     by `coinrag gc`). An id that is not a live document fails the whole command."""
-    from flows import preflight
+    from coinrag.flows import preflight
 
     _check(preflight.unlocked, _check(preflight.built_store, store))
 
-    from flows.maintenance import delete_documents
-    from storage.store import StoreLocked
-    from tasks.delete import UnknownDocuments
+    from coinrag.flows.maintenance import delete_documents
+    from coinrag.storage.store import StoreLocked
+    from coinrag.tasks.delete import UnknownDocuments
 
     try:
         deleted = delete_documents(str(store), doc_ids)
@@ -692,12 +692,12 @@ def gc(
 ) -> None:
     """Reclaim space: KV entries no live chunk uses, old index versions, leftovers of killed
     writes. Takes the store's write lock."""
-    from flows import preflight
+    from coinrag.flows import preflight
 
     _check(preflight.unlocked, _check(preflight.built_store, store))
 
-    from flows.maintenance import gc_counts, gc_store
-    from storage.store import StoreLocked
+    from coinrag.flows.maintenance import gc_counts, gc_store
+    from coinrag.storage.store import StoreLocked
 
     try:
         report = gc_store(str(store), dry_run=dry_run)
@@ -705,7 +705,7 @@ def gc(
         _fail(str(exc), 1)
     counts = gc_counts(report)
     verb = "would reclaim" if dry_run else "reclaimed"
-    from flows import render
+    from coinrag.flows import render
 
     render.print_gc(Console(), counts, verb)
 
@@ -720,11 +720,11 @@ def verify(
 ) -> None:
     """Check every stored KV entry (and prompt-prefix KV); list the corrupt ones with their
     chunk and document. Read-only. Exit 1 if any is corrupt: `coinrag build` repairs them."""
-    from flows import preflight
-    from flows.verify import verify_store
-    from inference.methods import repair_command
-    from schemas.settings import KV_VERIFY_LEVELS
-    from storage.store import Store
+    from coinrag.flows import preflight
+    from coinrag.flows.verify import verify_store
+    from coinrag.inference.methods import repair_command
+    from coinrag.schemas.settings import KV_VERIFY_LEVELS
+    from coinrag.storage.store import Store
 
     if level not in KV_VERIFY_LEVELS:
         _fail(f"--level {level!r} is not one of {', '.join(KV_VERIFY_LEVELS)}", 2)
@@ -754,8 +754,8 @@ def main() -> None:
     # Prefect's temporary API server gets 20 s to start by default: too little on a loaded
     # machine (seen: a build failing with "Timed out while attempting to connect").
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    from flows.prefect_api import exit_on_sigterm
-    from storage.store import LocalStoreRequired
+    from coinrag.flows.prefect_api import exit_on_sigterm
+    from coinrag.storage.store import LocalStoreRequired
 
     exit_on_sigterm()  # SIGTERM unwinds like Ctrl-C: no orphan server, the run marked failed
     try:

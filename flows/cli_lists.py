@@ -18,7 +18,7 @@ from typing import Any
 
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
-from schemas.settings import RAG_METHODS
+from coinrag.schemas.settings import RAG_METHODS
 
 KNOWN_VALUES: dict[str, Sequence[str]] = {"--methods": RAG_METHODS}
 

@@ -32,7 +32,7 @@ needs a Prefect server, see ``infra/prefect_server.py``): the build's, optionall
 fine-tuning one (:func:`make_serve_deployments`). This is what ``coinrag serve`` runs; Ctrl-C
 stops it and pauses the schedules it registered. The fine-tuning deployment alone::
 
-    python -m flows.deployments --store /data/store --data /data/qa.jsonl \\
+    python -m coinrag.flows.deployments --store /data/store --data /data/qa.jsonl \\
         --out /data/models/coinrag-ft [--mode live] [--lora] [--cron "0 3 * * *"]
 """
 
@@ -42,12 +42,12 @@ import argparse
 import inspect
 from typing import Any
 
-from flows.source_events import SOURCE_CHANGED_EVENT, source_resource_id
+from coinrag.flows.source_events import SOURCE_CHANGED_EVENT, source_resource_id
 
 DEPLOYMENT_NAME = "coinrag-build-scheduled"
 TRAIN_DEPLOYMENT_NAME = "coinrag-train-after-build"
 BUILD_FLOW_NAME = "coinrag-build"
-TRAIN_ALONE_NAME = "train-nuggets-after-build"  # python -m flows.deployments
+TRAIN_ALONE_NAME = "train-nuggets-after-build"  # python -m coinrag.flows.deployments
 
 
 def make_build_deployment(
@@ -69,8 +69,8 @@ def make_build_deployment(
     from prefect.client.schemas.schedules import CronSchedule
     from prefect.events import DeploymentEventTrigger
 
-    from flows.build import build_flow
-    from schemas.settings import BuildSettings
+    from coinrag.flows.build import build_flow
+    from coinrag.schemas.settings import BuildSettings
 
     BuildSettings(**(settings or {})).validate()
     triggers = []
@@ -143,7 +143,7 @@ def make_train_deployment(
     """
     from prefect.events import DeploymentEventTrigger
 
-    from flows.train import train_nuggets_flow
+    from coinrag.flows.train import train_nuggets_flow
 
     parameters = {"store": store, "data": data, "out": out, **flow_parameters, "rebuild_kv": False}
     inspect.signature(train_nuggets_flow.fn).bind(**parameters)  # TypeError: not a parameter
@@ -184,7 +184,7 @@ def serve_build(deployments: list[Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve the fine-tuning deployment alone (``python -m flows.deployments --help``)."""
+    """Serve the fine-tuning deployment alone (``python -m coinrag.flows.deployments --help``)."""
     from prefect import serve
 
     ap = argparse.ArgumentParser(description="Serve the nugget fine-tuning deployment.")

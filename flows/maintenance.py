@@ -13,12 +13,12 @@ from typing import Any
 
 from prefect import flow
 
-from schemas.keys import new_run_id
-from storage.gc import GcReport, collect_garbage
-from storage.publish import publish
-from storage.runs import finish_run, start_run
-from storage.store import Store
-from tasks.delete import delete_stage
+from coinrag.schemas.keys import new_run_id
+from coinrag.storage.gc import GcReport, collect_garbage
+from coinrag.storage.publish import publish
+from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.store import Store
+from coinrag.tasks.delete import delete_stage
 
 
 def delete_documents(store: str, doc_ids: list[str]) -> dict[str, str]:

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from schemas.settings import BuildSettings
-from storage.store import Store, StoreLocked
+from coinrag.schemas.settings import BuildSettings
+from coinrag.storage.store import Store, StoreLocked
 
 OPENAI_EXTRACTORS = ("openai", "openai-batch")
 
@@ -80,7 +80,7 @@ def unlocked(store: Store) -> None:
 
 def source(path: str) -> None:
     """SOURCE exists and has a known format."""
-    from tasks.ingest import SourceError, check_source
+    from coinrag.tasks.ingest import SourceError, check_source
 
     try:
         check_source(path)
@@ -92,7 +92,7 @@ def source(path: str) -> None:
 
 def model(ref: str | None) -> None:
     """``--model`` names a model folder, a GGUF file, or the packaged default."""
-    from inference.models import ModelNotFound, locate_model
+    from coinrag.inference.models import ModelNotFound, locate_model
 
     try:
         locate_model(ref)
@@ -102,7 +102,7 @@ def model(ref: str | None) -> None:
 
 def embedder(ref: str | None) -> None:
     """``--embedder`` names a local encoder folder or the packaged default."""
-    from inference.embedders import EmbedderNotFound, locate_embedder
+    from coinrag.inference.embedders import EmbedderNotFound, locate_embedder
 
     try:
         locate_embedder(ref)

@@ -17,7 +17,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
-from storage.lineage import describe_views
+from coinrag.storage.lineage import describe_views
 
 # ---------------------------------------------------------------------------- lineage
 

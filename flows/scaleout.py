@@ -54,11 +54,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from inference.rope import ForwardFrequencies
-from schemas.settings import BuildSettings, parse_resources
-from schemas.tables import ChunkRow
-from storage.kv import KvLayout, KvStore, StagedShard
-from storage.store import Store
+from coinrag.inference.rope import ForwardFrequencies
+from coinrag.schemas.settings import BuildSettings, parse_resources
+from coinrag.schemas.tables import ChunkRow
+from coinrag.storage.kv import KvLayout, KvStore, StagedShard
+from coinrag.storage.store import Store
 
 # ---------------------------------------------------------------------------- runners
 
@@ -152,10 +152,10 @@ class KvPrep:
 def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
     """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
     KV decides), and the layout carries the result to the other workers."""
-    from inference.encode import compute_prefix_kv, kv_layout
-    from inference.kv_dtype import resolve_kv_dtype
-    from inference.models import load_shared_model
-    from inference.prompt import RagPrompt
+    from coinrag.inference.encode import compute_prefix_kv, kv_layout
+    from coinrag.inference.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.models import load_shared_model
+    from coinrag.inference.prompt import RagPrompt
 
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
     get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
@@ -177,8 +177,8 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
 def kv_group_task(
     store: Store, settings: BuildSettings, layout: KvLayout, group: list[ChunkRow], run_id: str
 ) -> tuple[list[StagedShard], dict[str, float]]:
-    from inference.models import load_shared_model
-    from tasks.kv import stage_group_kv
+    from coinrag.inference.models import load_shared_model
+    from coinrag.tasks.kv import stage_group_kv
 
     loaded = load_shared_model(settings.model, settings.device, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
@@ -190,8 +190,8 @@ def kv_on_workers(
     runner: TaskRunner, store: Store, chunks: list[ChunkRow], settings: BuildSettings, run_id: str
 ) -> dict[str, Any]:
     """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage``."""
-    from inference.encode import KvBatching
-    from tasks.kv import (
+    from coinrag.inference.encode import KvBatching
+    from coinrag.tasks.kv import (
         KvCounts,
         count_batches,
         kv_groups,
@@ -255,7 +255,7 @@ def kv_on_workers(
 
 @lru_cache(maxsize=1)
 def _worker_embedder(ref: str) -> Any:
-    from inference.embedders import load_embedder
+    from coinrag.inference.embedders import load_embedder
 
     return load_embedder(ref)
 

@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 import typer
 
-from schemas.settings import cli_settings
+from coinrag.schemas.settings import cli_settings
 
 PANEL = "Build settings"
 

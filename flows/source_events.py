@@ -28,7 +28,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from storage.store import Store
+from coinrag.storage.store import Store
 
 SOURCE_CHANGED_EVENT = "coinrag.source.changed"
 
@@ -120,7 +120,7 @@ def watch_source(
     until interrupted otherwise; raises :class:`EventNotDelivered` when the server does not
     confirm an event (the caller says so and stops: nothing is announced that was not sent).
     """
-    from tasks.changes import source_delta
+    from coinrag.tasks.changes import source_delta
 
     announced: tuple[list[str], list[str]] = ([], [])
     while True:

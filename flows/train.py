@@ -31,13 +31,13 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from inference.context import FINETUNE_CONTEXTS
-from schemas.keys import new_run_id
-from schemas.qa import load_examples
-from schemas.settings import FinetuneSettings, settings_from_toml
-from storage.runs import finish_run, start_run
-from storage.store import Store
-from training.finetune import file_sha256, run_training, write_documents
+from coinrag.inference.context import FINETUNE_CONTEXTS
+from coinrag.schemas.keys import new_run_id
+from coinrag.schemas.qa import load_examples
+from coinrag.schemas.settings import FinetuneSettings, settings_from_toml
+from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.store import Store
+from coinrag.training.finetune import file_sha256, run_training, write_documents
 
 FLOW_NAME = "coinrag-train-nuggets"
 
@@ -102,7 +102,7 @@ def train_nuggets_flow(
     n_docs = write_documents(examples, docs_source)
     build_summary: dict[str, Any] = {}
     if n_docs:
-        from flows.build import build_flow
+        from coinrag.flows.build import build_flow
 
         logger.info("building %d training documents into %s", n_docs, st.root)
         build_summary = build_flow(str(docs_source), str(st.root), build_settings)
@@ -141,7 +141,7 @@ def train_nuggets_flow(
         finish_run(st, run, "completed", fingerprints=fingerprints, counts=counts)
     summary["run_id"] = run_id
     if rebuild_kv:
-        from flows.build import build_flow
+        from coinrag.flows.build import build_flow
 
         src = source or (str(docs_source) if n_docs else None)
         if src is None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from schemas.tables import ChunkRow
-from storage.gc import kv_fps
-from storage.kv import KvStore
-from storage.store import Store
-from storage.tables import read_table
+from coinrag.schemas.tables import ChunkRow
+from coinrag.storage.gc import kv_fps
+from coinrag.storage.kv import KvStore
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_table
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.rope import RopeSpec, UnsupportedRope, rerotate_keys
+from coinrag.inference.rope import RopeSpec, UnsupportedRope, rerotate_keys
 
 
 @dataclass(frozen=True)

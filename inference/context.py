@@ -32,15 +32,15 @@ from typing import Any, ClassVar
 import pyarrow.compute as pc
 import torch
 
-from inference.assemble import KvSlice, assemble_context
-from inference.encode import cache_to_kv, causal_lm, compute_prefix_kv, forward_after_prefix
-from inference.prompt import RagPrompt
-from inference.retrieve import Evidence
-from inference.rope import ForwardFrequencies, RopeSpec
-from schemas.tables import ChunkRow
-from storage.kv import KvLayout, KvStore
-from storage.store import Store
-from storage.tables import read_table
+from coinrag.inference.assemble import KvSlice, assemble_context
+from coinrag.inference.encode import cache_to_kv, causal_lm, compute_prefix_kv, forward_after_prefix
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.retrieve import Evidence
+from coinrag.inference.rope import ForwardFrequencies, RopeSpec
+from coinrag.schemas.tables import ChunkRow
+from coinrag.storage.kv import KvLayout, KvStore
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_table
 
 
 class PrefixMismatch(ValueError):

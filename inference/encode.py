@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from inference.prompt import RagPrompt
-from inference.rope import ForwardFrequencies, RopeSpec, rerotate_keys, reset_rotary
-from schemas.tables import ChunkRow
-from storage.kv import KvLayout
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import ForwardFrequencies, RopeSpec, rerotate_keys, reset_rotary
+from coinrag.schemas.tables import ChunkRow
+from coinrag.storage.kv import KvLayout
 
 # ---------------------------------------------------------------------------- the model
 

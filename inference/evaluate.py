@@ -43,11 +43,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.qa import load_questions
-from schemas.settings import DEFAULT_RAG_METHODS
+from coinrag.schemas.qa import load_questions
+from coinrag.schemas.settings import DEFAULT_RAG_METHODS
 
 if TYPE_CHECKING:
-    from inference.methods import RagMethod
+    from coinrag.inference.methods import RagMethod
 
 DEFAULT_METHODS = DEFAULT_RAG_METHODS
 DEFAULT_SWEEP = ((4, 10),)
@@ -315,7 +315,7 @@ def evaluate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from inference.methods import METHODS, RagEngine
+    from coinrag.inference.methods import METHODS, RagEngine
 
     methods = list(dict.fromkeys(methods))
     bad = [m for m in methods if m not in METHODS]

@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from inference.evaluate import doc_recall, p99
-from schemas.qa import load_questions
+from coinrag.inference.evaluate import doc_recall, p99
+from coinrag.schemas.qa import load_questions
 
 MODES = ("chunks", "two_stage", "one_stage")
 
@@ -119,10 +119,10 @@ def evaluate_retrieval(
     index without nuggets (extractor ``none``) only the ``chunks`` mode runs.
     ``embedder`` defaults to the store's; a different one than the index's is refused.
     """
-    from inference.embedders import load_embedder
-    from inference.retrieve import Retriever
-    from schemas.settings import settings_from_toml
-    from storage.store import Store
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieve import Retriever
+    from coinrag.schemas.settings import settings_from_toml
+    from coinrag.storage.store import Store
 
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:

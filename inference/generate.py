@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from inference.rope import reset_rotary
+from coinrag.inference.rope import reset_rotary
 
 
 @dataclass

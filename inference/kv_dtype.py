@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.settings import KV_DTYPES
+from coinrag.schemas.settings import KV_DTYPES
 
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _CPUINFO = Path("/proc/cpuinfo")

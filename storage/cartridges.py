@@ -52,11 +52,11 @@ import torch
 import zarr
 from zarr.storage import LocalStore
 
-from schemas.keys import CODE_VERSION, sha256_hex
-from schemas.tables import CartridgeManifestRow
-from storage.kv import entry_checksum, from_storage, to_storage
-from storage.store import Store, safe_component
-from storage.tables import append_rows, read_rows
+from coinrag.schemas.keys import CODE_VERSION, sha256_hex
+from coinrag.schemas.tables import CartridgeManifestRow
+from coinrag.storage.kv import entry_checksum, from_storage, to_storage
+from coinrag.storage.store import Store, safe_component
+from coinrag.storage.tables import append_rows, read_rows
 
 LAYOUT_VERSION = 1
 AXES = ("layer", "kv", "head", "token", "dim")

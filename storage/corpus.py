@@ -28,10 +28,10 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from schemas.keys import CODE_VERSION
-from schemas.tables import DeletionRow, DocumentRow, RunRow
-from storage.store import Store
-from storage.tables import append_rows, read_rows, read_table
+from coinrag.schemas.keys import CODE_VERSION
+from coinrag.schemas.tables import DeletionRow, DocumentRow, RunRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_rows, read_table
 
 _BEFORE_ALL = datetime.min.replace(tzinfo=UTC)
 

@@ -33,12 +33,12 @@ from pathlib import Path, PurePath
 
 import pyarrow.compute as pc
 
-from schemas.tables import ChunkRow, RunRow
-from storage.corpus import live_versions
-from storage.index import LanceIndex
-from storage.kv import KvReclaim, KvStore
-from storage.store import Store
-from storage.tables import read_table
+from coinrag.schemas.tables import ChunkRow, RunRow
+from coinrag.storage.corpus import live_versions
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.kv import KvReclaim, KvStore
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_table
 
 
 @dataclass

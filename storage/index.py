@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from schemas.tables import INDEX_TABLES, arrow_schema
-from storage.location import lance_storage_options
-from storage.store import Store
+from coinrag.schemas.tables import INDEX_TABLES, arrow_schema
+from coinrag.storage.location import lance_storage_options
+from coinrag.storage.store import Store
 
 META_FILE = "coinrag-index.json"
 ID_COLUMNS = {"chunks": "chunk_id", "nuggets": "nugget_id", "documents": "doc_id"}

@@ -33,11 +33,11 @@ from collections.abc import Mapping
 import duckdb
 import pyarrow as pa
 
-from schemas.tables import INDEX_TABLES, TABLES, arrow_schema, column_names
-from schemas.views import PRODUCERS, SAME_AS_TABLE, VIEWS, CurrentProducer
-from storage.corpus import live_events
-from storage.store import Store
-from storage.tables import connect_duckdb
+from coinrag.schemas.tables import INDEX_TABLES, TABLES, arrow_schema, column_names
+from coinrag.schemas.views import PRODUCERS, SAME_AS_TABLE, VIEWS, CurrentProducer
+from coinrag.storage.corpus import live_events
+from coinrag.storage.store import Store
+from coinrag.storage.tables import connect_duckdb
 
 
 class LineageError(ValueError):
@@ -288,7 +288,7 @@ def _register_index(con: duckdb.DuckDBPyConnection, store: Store) -> None:
     """``index_<name>``: the published LanceDB index rows (the versions ``[published]`` of
     ``STORE/coinrag.toml`` names, as searches read them), every column but the vector; empty
     tables when nothing is published yet."""
-    from storage.index import IndexNotBuilt, LanceIndex
+    from coinrag.storage.index import IndexNotBuilt, LanceIndex
 
     try:
         index: LanceIndex | None = LanceIndex.open(store)

@@ -26,8 +26,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from storage.index import LanceIndex
-from storage.store import Store
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.store import Store
 
 
 def begin(store: Store) -> None:

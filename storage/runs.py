@@ -6,10 +6,10 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from schemas.keys import CODE_VERSION, canonical_json
-from schemas.tables import RunRow
-from storage.store import Store
-from storage.tables import append_rows
+from coinrag.schemas.keys import CODE_VERSION, canonical_json
+from coinrag.schemas.tables import RunRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows
 
 
 def start_run(store: Store, run_id: str, flow: str, parameters: dict[str, Any]) -> RunRow:

@@ -43,7 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
-from storage.location import object_filesystem, split_store_url
+from coinrag.storage.location import object_filesystem, split_store_url
 
 
 class StoreLocked(RuntimeError):
@@ -349,7 +349,7 @@ class Store:
 
     @contextmanager
     def _object_lock(self, run_id: str) -> Iterator[None]:
-        from storage.object_lock import LockContention, ObjectLock, holder_info
+        from coinrag.storage.object_lock import LockContention, ObjectLock, holder_info
 
         lock = ObjectLock(self.fs, str(self.root / ".lock"), holder_info(run_id))
         try:

@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from schemas.tables import TABLES, arrow_schema, table_name
-from storage.store import Store, safe_component
+from coinrag.schemas.tables import TABLES, arrow_schema, table_name
+from coinrag.storage.store import Store, safe_component
 
 R = TypeVar("R")
 

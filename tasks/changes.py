@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from tasks.ingest import SourceDocument, ingest
+from coinrag.tasks.ingest import SourceDocument, ingest
 
 
 def changed_doc_ids(documents: Iterable[SourceDocument], live: dict[str, str]) -> list[str]:
@@ -44,8 +44,8 @@ def source_delta(source: str | Path, store_path: str | Path) -> tuple[list[str],
     """``(changed, removed)`` ids of SOURCE against the store at ``store_path`` (see the
     module doc); reads the source once. Raises :class:`tasks.ingest.SourceError` when SOURCE
     cannot be read."""
-    from storage.corpus import live_versions
-    from storage.store import Store
+    from coinrag.storage.corpus import live_versions
+    from coinrag.storage.store import Store
 
     store = Store.at(store_path)
     read = ingest(source)
@@ -59,10 +59,10 @@ def source_delta(source: str | Path, store_path: str | Path) -> tuple[list[str],
 def deleted_doc_ids(store_path: str | Path, doc_ids: Iterable[str]) -> list[str]:
     """Those of ``doc_ids`` that the store holds deleted (tombstoned, not live again), in the
     given order: among the changed ids, the ones a build brings back."""
-    from schemas.tables import DeletionRow
-    from storage.corpus import live_versions
-    from storage.store import Store
-    from storage.tables import column_values
+    from coinrag.schemas.tables import DeletionRow
+    from coinrag.storage.corpus import live_versions
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import column_values
 
     store = Store.at(store_path)
     if not store.exists():
@@ -77,8 +77,8 @@ def source_changes(source: str | Path, store_path: str | Path) -> list[str]:
     Every valid document is changed when the store does not exist yet. Raises
     :class:`tasks.ingest.SourceError` when SOURCE cannot be read.
     """
-    from storage.corpus import live_versions
-    from storage.store import Store
+    from coinrag.storage.corpus import live_versions
+    from coinrag.storage.store import Store
 
     store = Store.at(store_path)
     live = live_versions(store) if store.exists() else {}

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.keys import CODE_VERSION, chunk_id, content_key, fingerprint, text_hash
-from schemas.tables import ChunkRow
-from tasks.chunk_content import SENTENCE_END, ContentParams, content_plan, token_text
+from coinrag.schemas.keys import CODE_VERSION, chunk_id, content_key, fingerprint, text_hash
+from coinrag.schemas.tables import ChunkRow
+from coinrag.tasks.chunk_content import SENTENCE_END, ContentParams, content_plan, token_text
 
 
 def chunker_fingerprint(method: str, chunk_size: int, content: ContentParams | None = None) -> str:
@@ -232,7 +232,7 @@ def chunk_stage(
     """
     import pyarrow.compute as pc
 
-    from storage.tables import append_rows, read_rows
+    from coinrag.storage.tables import append_rows, read_rows
 
     chunker_fp = chunker_fingerprint(method, chunk_size)
     existing = read_rows(

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from storage.corpus import absent_from, live_versions, record_tombstones
-from storage.index import LanceIndex
-from storage.store import Store
+from coinrag.storage.corpus import absent_from, live_versions, record_tombstones
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.store import Store
 
 
 class UnknownDocuments(KeyError):

@@ -43,12 +43,12 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from inference.embedders import Embedder
-from schemas.keys import CODE_VERSION, text_hash
-from schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow
-from storage.index import LanceIndex
-from storage.store import Store
-from storage.tables import append_rows, read_table
+from coinrag.inference.embedders import Embedder
+from coinrag.schemas.keys import CODE_VERSION, text_hash
+from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_table
 
 CACHE_FLUSH_ROWS = 4096  # embedded vectors per Parquet file: a killed run loses at most these
 DOC_CHARS_PER_TOKEN = 8  # document text is cut at max_length * this many characters

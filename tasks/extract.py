@@ -22,12 +22,12 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from inference.llm_client import CallRecord
-from schemas.keys import CODE_VERSION
-from schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow
-from storage.store import Store
-from storage.tables import append_rows, read_files, read_rows, stage_rows, staged_files
-from tasks.extractors.base import (
+from coinrag.inference.llm_client import CallRecord
+from coinrag.schemas.keys import CODE_VERSION
+from coinrag.schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_files, read_rows, stage_rows, staged_files
+from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
     Extractor,

@@ -10,9 +10,9 @@ config; about a second for MiniLM).
 
 from __future__ import annotations
 
-from schemas.settings import BuildSettings, settings_from_toml
-from schemas.views import PRODUCERS
-from storage.store import Store
+from coinrag.schemas.settings import BuildSettings, settings_from_toml
+from coinrag.schemas.views import PRODUCERS
+from coinrag.storage.store import Store
 
 
 def store_settings(store: Store) -> BuildSettings:
@@ -25,11 +25,15 @@ def current_producers(settings: BuildSettings) -> dict[str, str]:
 
     ``tau`` is the recovery threshold as text (``"0.7"``).
     """
-    from inference.embedders import load_embedder
-    from inference.kv_dtype import resolve_kv_dtype
-    from inference.models import load_tokenizer, reference_model_fingerprint, tokenizer_fingerprint
-    from tasks.chunk import chunker_fingerprint
-    from tasks.extractors.factory import make_extractor
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.models import (
+        load_tokenizer,
+        reference_model_fingerprint,
+        tokenizer_fingerprint,
+    )
+    from coinrag.tasks.chunk import chunker_fingerprint
+    from coinrag.tasks.extractors.factory import make_extractor
 
     values = {
         "tokenizer_fp": tokenizer_fingerprint(load_tokenizer(settings.model)),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas.keys import canonical_json, doc_version
+from coinrag.schemas.keys import canonical_json, doc_version
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -251,10 +251,10 @@ def ingest_stage(store: Any, source: str | Path, run_id: str) -> tuple[IngestRes
     differs: a new or edited document, or one that comes back after a deletion (its row
     supersedes the tombstone), even if that exact version was seen before.
     """
-    from schemas.keys import CODE_VERSION
-    from schemas.tables import DocumentRow, RejectRow
-    from storage.corpus import live_versions
-    from storage.tables import append_rows
+    from coinrag.schemas.keys import CODE_VERSION
+    from coinrag.schemas.tables import DocumentRow, RejectRow
+    from coinrag.storage.corpus import live_versions
+    from coinrag.storage.tables import append_rows
 
     result = ingest(source)
     live = live_versions(store)

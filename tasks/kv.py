@@ -44,17 +44,17 @@ from typing import Any
 
 import torch
 
-from inference.encode import (
+from coinrag.inference.encode import (
     KvBatching,
     compute_group_kv,
     compute_prefix_kv,
     kv_layout,
     pad_id,
 )
-from inference.prompt import RagPrompt
-from schemas.tables import ChunkRow, KvManifestRow
-from storage.kv import KvFingerprintMismatch, KvStore, StagedShard
-from storage.store import Store
+from coinrag.inference.prompt import RagPrompt
+from coinrag.schemas.tables import ChunkRow, KvManifestRow
+from coinrag.storage.kv import KvFingerprintMismatch, KvStore, StagedShard
+from coinrag.storage.store import Store
 
 ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
 

@@ -20,10 +20,10 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.settings import BuildSettings
-from schemas.tables import ChunkRow
-from storage.kv import KvLayout, kv_free_bytes, stored_content_keys
-from storage.store import Store
+from coinrag.schemas.settings import BuildSettings
+from coinrag.schemas.tables import ChunkRow
+from coinrag.storage.kv import KvLayout, kv_free_bytes, stored_content_keys
+from coinrag.storage.store import Store
 
 MARGIN = 0.05  # on top of the shards' projected bytes: manifest rows, file-system slack
 
@@ -112,9 +112,9 @@ def build_layout(settings: BuildSettings, tokenizer: Any) -> KvLayout:
     hash (no weights loaded): the same kv_fp as ``tasks.kv.kv_layout`` of the loaded model."""
     from transformers import AutoConfig
 
-    from inference.kv_dtype import resolve_kv_dtype
-    from inference.models import reference_model_fingerprint, resolve_model_dir
-    from inference.prompt import RagPrompt
+    from coinrag.inference.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.models import reference_model_fingerprint, resolve_model_dir
+    from coinrag.inference.prompt import RagPrompt
 
     dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype  # as kv_task loads it
     config = AutoConfig.from_pretrained(resolve_model_dir(settings.model))

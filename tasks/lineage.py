@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from storage.lineage import open_lineage, run_query, walk
-from storage.store import Store
+from coinrag.storage.lineage import open_lineage, run_query, walk
+from coinrag.storage.store import Store
 
 # Queries that name one of these need the current producers (computed from the settings).
 _NEEDS_CURRENT = ("stale_assets", "current_producers")
 
 
 def _current(store: Store) -> dict[str, str]:
-    from tasks.fingerprints import current_producers, store_settings
+    from coinrag.tasks.fingerprints import current_producers, store_settings
 
     return current_producers(store_settings(store))
 

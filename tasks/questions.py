@@ -34,18 +34,18 @@ from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 
-from schemas.keys import CODE_VERSION, sha256_hex, text_hash
-from schemas.tables import (
+from coinrag.schemas.keys import CODE_VERSION, sha256_hex, text_hash
+from coinrag.schemas.tables import (
     DocumentRow,
     SelfStudyCallRow,
     SelfStudyQuestionRow,
 )
-from storage.store import Store
-from storage.tables import append_rows, read_rows
-from tasks.extract import ledger_row
-from tasks.question_generators.accept import usable_questions
-from tasks.question_generators.base import QuestionGenerator, QuestionRequest
-from tasks.question_generators.prompt import SEED_TYPES
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_rows
+from coinrag.tasks.extract import ledger_row
+from coinrag.tasks.question_generators.accept import usable_questions
+from coinrag.tasks.question_generators.base import QuestionGenerator, QuestionRequest
+from coinrag.tasks.question_generators.prompt import SEED_TYPES
 
 # ---------------------------------------------------------------------------- the plan
 

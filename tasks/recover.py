@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import pyarrow.compute as pc
 
-from schemas.keys import CODE_VERSION, nugget_id
-from schemas.tables import AbandonedRow, ChunkRow, ExtractionRow, NuggetRow
-from storage.store import Store
-from storage.tables import append_rows, read_table
-from tasks.chunk import token_spans_pairs
-from tasks.span_match import recover_candidates
+from coinrag.schemas.keys import CODE_VERSION, nugget_id
+from coinrag.schemas.tables import AbandonedRow, ChunkRow, ExtractionRow, NuggetRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_table
+from coinrag.tasks.chunk import token_spans_pairs
+from coinrag.tasks.span_match import recover_candidates
 
 
 @dataclass
@@ -138,7 +138,7 @@ def current_nuggets(
     store: Store, chunk_ids: Sequence[str], extractor_fp: str, tau: float
 ) -> list[NuggetRow]:
     """The nuggets of these chunks made by this extractor and tau (any run), in chunk order."""
-    from storage.tables import read_rows
+    from coinrag.storage.tables import read_rows
 
     rows = read_rows(
         store,

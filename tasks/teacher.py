@@ -21,15 +21,15 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
-from inference.constrained import left_pad
-from inference.generate import _eos_ids
-from inference.prompt import RagPrompt
-from schemas.keys import CODE_VERSION, fingerprint, sha256_hex
-from schemas.settings import TeacherSettings
-from schemas.tables import DocumentRow, TeacherAnswerRow
-from storage.store import Store
-from storage.tables import append_rows, read_rows
-from tasks.questions import Question
+from coinrag.inference.constrained import left_pad
+from coinrag.inference.generate import _eos_ids
+from coinrag.inference.prompt import RagPrompt
+from coinrag.schemas.keys import CODE_VERSION, fingerprint, sha256_hex
+from coinrag.schemas.settings import TeacherSettings
+from coinrag.schemas.tables import DocumentRow, TeacherAnswerRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_rows
+from coinrag.tasks.questions import Question
 
 
 def teacher_fingerprint(model_fp: str, prefix_sha: str, cfg: TeacherSettings) -> str:

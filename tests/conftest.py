@@ -47,7 +47,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The packaged SmolLM2 tokenizer (converted once into the coinrag cache)."""
-    from inference.models import load_tokenizer
+    from coinrag.inference.models import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -62,7 +62,7 @@ def sample_store(tmp_path_factory, sample_corpus: Path, prefect_harness) -> Path
     """A store built once per session from the first 5 sample documents (rules extractor, the
     packaged SmolLM2: its KV, the LanceDB indexes). Tests read it, or rebuild it unchanged;
     copy it to change it (``shutil.copytree``)."""
-    from flows.build import build_flow
+    from coinrag.flows.build import build_flow
 
     root = tmp_path_factory.mktemp("sample-store")
     src = root / "docs.jsonl"

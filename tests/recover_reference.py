@@ -22,7 +22,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
-from tasks.span_match import AbandonedCandidate, RecoveredSpan, fold_char
+from coinrag.tasks.span_match import AbandonedCandidate, RecoveredSpan, fold_char
 
 DIGITS = "0123456789"
 SEPARATORS = ",_\u2009\u202f"

@@ -80,7 +80,7 @@ def write_corpus(path: Path, docs: list[dict[str, Any]]) -> Path:
 
 def synthetic_chunk(i: int, n: int) -> Any:
     """A chunk row of ``n`` tokens with no text (KV store tests: only ids and sizes matter)."""
-    from schemas.tables import ChunkRow
+    from coinrag.schemas.tables import ChunkRow
 
     return ChunkRow(
         chunk_id=f"ch-{i}",

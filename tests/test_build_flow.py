@@ -10,12 +10,12 @@ import pytest
 from fake_openai_server import Action, FakeOpenAI
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow, NuggetRow
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.extractors.factory import make_extractor
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow, NuggetRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.extractors.factory import make_extractor
 
 API_KEY = "sk-test-SECRET-do-not-store-0123456789"
 

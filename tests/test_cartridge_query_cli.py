@@ -14,11 +14,11 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from schemas.tables import CartridgeManifestRow
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import CartridgeManifestRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -28,7 +28,7 @@ QUESTIONS = '["Which film is about space?", "Who made the film about light?"]'
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, sample_corpus: Path, smollm2_tokenizer) -> dict:
-    from flows.cartridges import train_cartridges
+    from coinrag.flows.cartridges import train_cartridges
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("cartridge-cli")
@@ -83,8 +83,8 @@ def test_cartridge_query_prints_text(trained: dict) -> None:
 
 
 def test_the_cartridge_engine_refuses_blank_questions(trained: dict) -> None:
-    from inference.methods.cartridge import CartridgeRag
-    from inference.models import load_model
+    from coinrag.inference.methods.cartridge import CartridgeRag
+    from coinrag.inference.models import load_model
 
     rag = CartridgeRag(Store.at(trained["store"]), load_model(str(trained["model"])))
     doc = trained["docs"][0]["id"]
@@ -130,7 +130,7 @@ def test_eval_and_the_engine_run_cartridges_like_any_method(trained: dict, tmp_p
     per --k (kc recorded as 0, --kc ignored), and one engine streams its answer tokens."""
     import pyarrow.parquet as pq
 
-    from inference.methods import RagEngine
+    from coinrag.inference.methods import RagEngine
 
     store = str(trained["store"])
     docs = trained["docs"]

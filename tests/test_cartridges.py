@@ -27,15 +27,15 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from inference.assemble import assemble_cartridges
-from inference.encode import from_cache, prefix_kv
-from inference.methods.cartridge import CartridgeRag, text_rag_answer
-from inference.models import LoadedModel
-from inference.prompt import RagPrompt
-from inference.rope import RopeSpec, rerotate_keys
-from schemas.keys import CODE_VERSION, doc_version
-from schemas.settings import CartridgeTrainSettings, TeacherSettings
-from schemas.tables import (
+from coinrag.inference.assemble import assemble_cartridges
+from coinrag.inference.encode import from_cache, prefix_kv
+from coinrag.inference.methods.cartridge import CartridgeRag, text_rag_answer
+from coinrag.inference.models import LoadedModel
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import RopeSpec, rerotate_keys
+from coinrag.schemas.keys import CODE_VERSION, doc_version
+from coinrag.schemas.settings import CartridgeTrainSettings, TeacherSettings
+from coinrag.schemas.tables import (
     CartridgeManifestRow,
     DocumentRow,
     ExtractionCallRow,
@@ -43,21 +43,21 @@ from schemas.tables import (
     SelfStudyCallRow,
     TeacherAnswerRow,
 )
-from storage.cartridges import (
+from coinrag.storage.cartridges import (
     CartridgeLayout,
     CartridgeMeta,
     CartridgeStore,
     CorruptCartridge,
     cartridge_id,
 )
-from storage.store import Store
-from storage.tables import append_rows, read_rows
-from tasks.question_generators.local import LocalQuestionGenerator
-from tasks.question_generators.openai_chat import OpenAIQuestionGenerator
-from tasks.questions import plan_calls, selfstudy_stage
-from tasks.teacher import teacher_answers
-from training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
-from training.cartridges import (
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_rows
+from coinrag.tasks.question_generators.local import LocalQuestionGenerator
+from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
+from coinrag.tasks.questions import plan_calls, selfstudy_stage
+from coinrag.tasks.teacher import teacher_answers
+from coinrag.training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
+from coinrag.training.cartridges import (
     CartridgeSpec,
     Example,
     Visibility,
@@ -193,7 +193,7 @@ def test_full_document_cartridge_reproduces_teacher(tok, kind) -> None:
 
 @pytest.mark.slow
 def test_full_document_cartridge_reproduces_teacher_smollm2() -> None:
-    from inference.models import load_model
+    from coinrag.inference.models import load_model
 
     loaded = load_model(None)
     _check_full_doc_oracle(loaded.model, loaded.tokenizer, DOCS[1], QUESTIONS[:2], 6)
@@ -445,7 +445,7 @@ def test_openai_generator_against_fake_server(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_train_flow_then_cartridge_rag(tok, tmp_path, monkeypatch) -> None:
-    from flows.cartridges import train_cartridges
+    from coinrag.flows.cartridges import train_cartridges
 
     model_dir = Path(tempfile.mkdtemp(dir=tmp_path))
     _tiny("qwen2", len(tok)).save_pretrained(model_dir)
@@ -484,7 +484,7 @@ def test_train_flow_then_cartridge_rag(tok, tmp_path, monkeypatch) -> None:
     assert ("train-cartridges", "completed") in runs
     assert read_rows(store, TeacherAnswerRow)
 
-    from inference.models import load_model
+    from coinrag.inference.models import load_model
 
     loaded = load_model(str(model_dir))
     rag = CartridgeRag(store, loaded)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks.chunk import chunk_document, token_spans_pairs
+from coinrag.tasks.chunk import chunk_document, token_spans_pairs
 
 WORDS = [
     "Gráinne",

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tasks.chunk import chunk_document, chunker_fingerprint, tokenize
-from tasks.chunk_content import CONTEXT_AFTER, CONTEXT_BEFORE, ContentParams, content_plan
+from coinrag.tasks.chunk import chunk_document, chunker_fingerprint, tokenize
+from coinrag.tasks.chunk_content import CONTEXT_AFTER, CONTEXT_BEFORE, ContentParams, content_plan
 
 WORDS = ["the", "café", "naïve", "😀", "東京", "m/s", "(Irish:", "O’Malley)", "299,792", "—"]
 WORDS += ["a", "of", "river", "Gráinne", "head", "x", "is", "and", "were", "dynasty"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.store import Store
+from coinrag.storage.store import Store
 
 COINRAG = str(Path(sys.executable).parent / "coinrag")
 SERVER_STARTED = "Starting temporary server"

@@ -10,8 +10,8 @@ import typer
 from typer.core import TyperOption
 from typer.testing import CliRunner
 
-from flows import cli
-from schemas.settings import BuildSettings, cli_settings
+from coinrag.flows import cli
+from coinrag.schemas.settings import BuildSettings, cli_settings
 
 
 def _setting_options(name: str) -> dict[str, TyperOption]:
@@ -42,7 +42,7 @@ def test_serve_passes_every_build_option_to_its_deployment(
     """Before the options were generated, `serve` lacked --runner & co (exit 2)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    import flows.deployments as deployment
+    import coinrag.flows.deployments as deployment
 
     seen: dict = {}
 
@@ -84,8 +84,8 @@ def test_train_nuggets_options_come_from_the_finetune_settings(
     as its arguments."""
     import json
 
-    import flows.train as train
-    from schemas.settings import FinetuneSettings
+    import coinrag.flows.train as train
+    from coinrag.schemas.settings import FinetuneSettings
 
     command = typer.main.get_command(cli.app).commands["train"].commands["nuggets"]  # type: ignore[attr-defined]
     declared = {f.name for f in cli_settings(FinetuneSettings)}

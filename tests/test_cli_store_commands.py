@@ -15,10 +15,10 @@ import pytest
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from schemas.tables import DocumentRow, KvManifestRow
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import DocumentRow, KvManifestRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -127,9 +127,9 @@ def test_eval_report_on_stdout_with_list_options(sample_store: Path, tmp_path: P
 
 
 def test_retrieval_only_mrr_for_every_mode(sample_store: Path, tmp_path: Path) -> None:
-    from inference.embedders import load_embedder
-    from inference.retrieve import Retriever
-    from schemas.qa import load_questions
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieve import Retriever
+    from coinrag.schemas.qa import load_questions
 
     questions = _questions(tmp_path, sample_store)
     out = tmp_path / "retrieval"
@@ -166,8 +166,8 @@ def test_retrieval_only_mrr_for_every_mode(sample_store: Path, tmp_path: Path) -
 def test_a_refused_model_names_both_fingerprints(
     sample_store: Path, tmp_path: Path, smollm2_tokenizer
 ) -> None:
-    from inference.models import load_model
-    from storage.kv import KvStore
+    from coinrag.inference.models import load_model
+    from coinrag.storage.kv import KvStore
 
     other = save_tiny_llama(tmp_path / "other-model", smollm2_tokenizer, seed=1)
     result = cli("query", "Who?", "--store", str(sample_store), "--model", str(other))
@@ -182,7 +182,7 @@ def test_a_refused_model_names_both_fingerprints(
 
 
 def test_the_engine_refuses_blank_questions(sample_store: Path) -> None:
-    from inference.methods import RagEngine
+    from coinrag.inference.methods import RagEngine
 
     engine = RagEngine.open(str(sample_store), max_new_tokens=2)
     retrieval = engine.retrieve("Who directed it?", "turborag", 1, 1)

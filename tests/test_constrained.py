@@ -17,7 +17,7 @@ import pytest
 import torch
 from store_fixtures import tiny_llama
 
-from inference.constrained import (
+from coinrag.inference.constrained import (
     GreedyChoice,
     SampledChoice,
     decode_constrained,
@@ -77,7 +77,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def loaded(smollm2_tokenizer):
-    from inference.models import LoadedModel
+    from coinrag.inference.models import LoadedModel
 
     model = tiny_llama(smollm2_tokenizer, 0, max_position_embeddings=2048, initializer_range=0.2)
     return LoadedModel(model, smollm2_tokenizer, Path("random-llama"), "model-x", "tok-x")
@@ -89,7 +89,7 @@ def test_left_pad() -> None:
 
 
 def _extractor_run(loaded, batch: list[str]) -> tuple[Any, list[list[int]], list[Recording], int]:
-    from tasks.extractors.local import LocalConstrainedExtractor
+    from coinrag.tasks.extractors.local import LocalConstrainedExtractor
 
     ex = LocalConstrainedExtractor(loaded, min_words=2, max_words=8, max_nuggets=3)
     machines = [Recording(ex.machine(t)) for t in batch]
@@ -118,9 +118,9 @@ def test_greedy_makes_the_old_choices(loaded, batch) -> None:
 
 
 def _skeleton_run(loaded, seed: int):
-    from tasks.question_generators.base import QuestionRequest
-    from tasks.question_generators.local import LocalQuestionGenerator
-    from tasks.question_generators.skeleton import SkeletonMachine, skeleton_vocab
+    from coinrag.tasks.question_generators.base import QuestionRequest
+    from coinrag.tasks.question_generators.local import LocalQuestionGenerator
+    from coinrag.tasks.question_generators.skeleton import SkeletonMachine, skeleton_vocab
 
     gen = LocalQuestionGenerator(
         loaded, n_questions=3, min_question_tokens=2, max_question_tokens=6

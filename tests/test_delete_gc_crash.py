@@ -20,18 +20,18 @@ import pytest
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from inference.embedders import load_embedder
-from inference.methods import RagEngine
-from inference.retrieve import Retriever
-from schemas.tables import ChunkRow, DeletionRow, KvManifestRow
-from storage.corpus import live_versions
-from storage.index import LanceIndex
-from storage.kv import KvStore
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.changes import source_delta
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.inference.embedders import load_embedder
+from coinrag.inference.methods import RagEngine
+from coinrag.inference.retrieve import Retriever
+from coinrag.schemas.tables import ChunkRow, DeletionRow, KvManifestRow
+from coinrag.storage.corpus import live_versions
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.kv import KvStore
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.changes import source_delta
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "prefect_harness")
 
@@ -164,7 +164,7 @@ def test_delete_prune_gc_and_readd(tmp_path, sample_corpus, tiny_model, minilm):
 
 def live_versions_at(summary: dict, st: Store, doc_id: str) -> str:
     """The version the first build recorded for ``doc_id``."""
-    from schemas.tables import DocumentRow
+    from coinrag.schemas.tables import DocumentRow
 
     rows = read_rows(st, DocumentRow, filter=pc.field("run_id") == summary["run_id"])
     return {r.doc_id: r.doc_version for r in rows}[doc_id]
@@ -173,8 +173,8 @@ def live_versions_at(summary: dict, st: Store, doc_id: str) -> str:
 def test_failed_index_update_leaves_the_published_index(tmp_path, sample_corpus, tiny_model):
     """The embed stage deletes stale rows before it writes new ones: a build that dies between
     the two has changed only the latest versions, never the published ones."""
-    from tasks.embed import embed_stage
-    from tasks.ingest import ingest
+    from coinrag.tasks.embed import embed_stage
+    from coinrag.tasks.ingest import ingest
 
     docs = sample_docs(sample_corpus, 3)
     src = write_corpus(tmp_path / "docs.jsonl", docs)

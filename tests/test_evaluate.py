@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from inference.evaluate import (
+from coinrag.inference.evaluate import (
     aggregate,
     best_under_budget,
     doc_recall,
@@ -20,7 +20,7 @@ from inference.evaluate import (
     p99,
     token_f1,
 )
-from schemas.qa import QuestionsError, load_questions
+from coinrag.schemas.qa import QuestionsError, load_questions
 
 # ---------------------------------------------------------------------------- metrics
 
@@ -159,7 +159,7 @@ QUESTIONS = [
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")  # build_flow needs the Prefect API
 def test_evaluate_end_to_end(tmp_path: Path) -> None:
-    from flows.build import build_flow
+    from coinrag.flows.build import build_flow
 
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in DOCS))
@@ -220,12 +220,12 @@ def test_evaluate_end_to_end(tmp_path: Path) -> None:
 def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from flows.build import build_flow
-    from flows.cli import app
-    from inference.embedders import load_embedder
-    from inference.evaluate_retrieval import evaluate_retrieval
-    from inference.retrieve import Retriever
-    from storage.store import Store
+    from coinrag.flows.build import build_flow
+    from coinrag.flows.cli import app
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.evaluate_retrieval import evaluate_retrieval
+    from coinrag.inference.retrieve import Retriever
+    from coinrag.storage.store import Store
 
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in DOCS))

@@ -24,12 +24,12 @@ import pytest
 from fake_openai_server import FakeOpenAI
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.progress import ProgressLog
-from schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow, NuggetRow, RunRow
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.extractors.factory import make_extractor
+from coinrag.flows.cli import app
+from coinrag.flows.progress import ProgressLog
+from coinrag.schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow, NuggetRow, RunRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.extractors.factory import make_extractor
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -134,7 +134,7 @@ def test_killed_build_keeps_every_answer_it_received(tmp_path, sample_corpus) ->
             "PREFECT_LOGGING_LEVEL": "INFO",
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [sys.executable, "-m", "flows.cli", "build", str(src), "--store", str(store)]
+        cmd = [sys.executable, "-m", "coinrag.flows.cli", "build", str(src), "--store", str(store)]
         cmd += ["--config", str(_config(tmp_path, index=True)), "--concurrency", "1"]
         log = tmp_path / "killed.log"
         with log.open("w") as out:
@@ -217,7 +217,7 @@ def test_dask_workers_stage_answers_the_flow_writes_once(
     writes them into the tables, each once."""
     import threading
 
-    from flows.build import build_flow
+    from coinrag.flows.build import build_flow
 
     src, store = _corpus(tmp_path, sample_corpus), tmp_path / "store"
     settings = {"extractor": "openai", "chunk_size": 64, "kv": False, "index": False}

@@ -10,10 +10,10 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS
 
-from inference.context import LiveKvContext, StoredKvContext
-from schemas.qa import DataError, load_examples
-from schemas.settings import FinetuneSettings
-from training.finetune import (
+from coinrag.inference.context import LiveKvContext, StoredKvContext
+from coinrag.schemas.qa import DataError, load_examples
+from coinrag.schemas.settings import FinetuneSettings
+from coinrag.training.finetune import (
     Killed,
     answer_loss_sum,
     attach_lora,
@@ -77,7 +77,7 @@ def tiny_model(tmp_path_factory, smollm2_tokenizer) -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_model, prefect_harness):
     """A store with the QA documents built (rules extractor, the tiny model's KV)."""
-    from flows.build import build_flow
+    from coinrag.flows.build import build_flow
 
     root = tmp_path_factory.mktemp("train-nuggets")
     data = root / "qa.jsonl"
@@ -94,13 +94,13 @@ def built(tmp_path_factory, tiny_model, prefect_harness):
 
 @pytest.fixture(scope="module")
 def parts(built):
-    from inference.embedders import load_embedder
-    from inference.encode import kv_layout
-    from inference.models import load_model
-    from inference.prompt import RagPrompt
-    from inference.retrieve import Retriever
-    from storage.kv import KvStore
-    from storage.store import Store
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.encode import kv_layout
+    from coinrag.inference.models import load_model
+    from coinrag.inference.prompt import RagPrompt
+    from coinrag.inference.retrieve import Retriever
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.store import Store
 
     store = Store.at(built["store"])
     loaded = load_model(built["model"])
@@ -176,8 +176,8 @@ def test_raft_rate_and_gold_removal(built, parts):
 
 
 def test_training_context_equals_inference_context(built, parts, monkeypatch):
-    import inference.methods as methods
-    import inference.methods.kv_reuse as kv_reuse
+    import coinrag.inference.methods as methods
+    import coinrag.inference.methods.kv_reuse as kv_reuse
 
     loaded, prompt = parts["loaded"], parts["prompt"]
     engine = methods.RagEngine(parts["store"], loaded, parts["emb"], max_new_tokens=1)
@@ -206,7 +206,7 @@ def test_training_context_equals_inference_context(built, parts, monkeypatch):
 
 
 def _grads(parts, mode: str, lora: bool = False):
-    from inference.models import load_model
+    from coinrag.inference.models import load_model
 
     loaded = load_model(parts["loaded"].model_dir)
     net = attach_lora(loaded.model, _cfg(lora=True)) if lora else loaded.model
@@ -300,11 +300,11 @@ def test_resume_after_kill_same_next_loss(built, tmp_path):
 
 
 def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
-    from flows.train import train_nuggets
-    from inference.models import load_model
-    from schemas.tables import RunRow
-    from storage.store import Store
-    from storage.tables import read_table
+    from coinrag.flows.train import train_nuggets
+    from coinrag.inference.models import load_model
+    from coinrag.schemas.tables import RunRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_table
 
     out = tmp_path / "ft"
     s = train_nuggets(
@@ -332,7 +332,7 @@ def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
 
 
 def test_deployment_constructs():
-    from flows.deployments import make_train_deployment
+    from coinrag.flows.deployments import make_train_deployment
 
     dep = make_train_deployment("/s", "/d.jsonl", "/o")
     assert dep.triggers and "prefect.flow-run.Completed" in dep.triggers[0].expect
@@ -350,16 +350,16 @@ def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path
 
     import pyarrow.compute as pc
 
-    from flows.train import train_nuggets
-    from inference.encode import from_cache, kv_layout
-    from inference.methods import RagEngine
-    from inference.models import load_model
-    from inference.prompt import RagPrompt
-    from schemas.settings import load_settings
-    from schemas.tables import ChunkRow
-    from storage.kv import KvStore
-    from storage.store import Store
-    from storage.tables import read_rows
+    from coinrag.flows.train import train_nuggets
+    from coinrag.inference.encode import from_cache, kv_layout
+    from coinrag.inference.methods import RagEngine
+    from coinrag.inference.models import load_model
+    from coinrag.inference.prompt import RagPrompt
+    from coinrag.schemas.settings import load_settings
+    from coinrag.schemas.tables import ChunkRow
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_rows
 
     store_dir = tmp_path / "store"
     shutil.copytree(built["store"], store_dir)

@@ -11,25 +11,25 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from schemas.settings import (
+from coinrag.schemas.settings import (
     BuildSettings,
     CartridgeSettings,
     CartridgeTrainSettings,
     FinetuneSettings,
     TeacherSettings,
 )
-from tasks.extractors.local import DECODING, LOCAL_PROMPT_VERSION, LocalConstrainedExtractor
-from tasks.extractors.none import NoExtractor
-from tasks.extractors.openai_batch import OpenAIBatchExtractor
-from tasks.extractors.openai_chat import OpenAIChatExtractor
-from tasks.extractors.prompt import PROMPT_VERSION
-from tasks.extractors.rules import RulesExtractor
-from tasks.question_generators.accept import ACCEPTS_VERSION
-from tasks.question_generators.local import LocalQuestionGenerator
-from tasks.question_generators.openai_chat import OpenAIQuestionGenerator
-from tasks.question_generators.prompt import PROMPT_VERSION as QUESTION_PROMPT_VERSION
-from tasks.teacher import teacher_fingerprint
-from training.cartridges import CartridgeSpec, cartridge_fingerprint
+from coinrag.tasks.extractors.local import DECODING, LOCAL_PROMPT_VERSION, LocalConstrainedExtractor
+from coinrag.tasks.extractors.none import NoExtractor
+from coinrag.tasks.extractors.openai_batch import OpenAIBatchExtractor
+from coinrag.tasks.extractors.openai_chat import OpenAIChatExtractor
+from coinrag.tasks.extractors.prompt import PROMPT_VERSION
+from coinrag.tasks.extractors.rules import RulesExtractor
+from coinrag.tasks.question_generators.accept import ACCEPTS_VERSION
+from coinrag.tasks.question_generators.local import LocalQuestionGenerator
+from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
+from coinrag.tasks.question_generators.prompt import PROMPT_VERSION as QUESTION_PROMPT_VERSION
+from coinrag.tasks.teacher import teacher_fingerprint
+from coinrag.training.cartridges import CartridgeSpec, cartridge_fingerprint
 
 KEY = "sk-frozen-test"  # a client needs a key; none reaches a fingerprint
 LOADED = SimpleNamespace(model_fp="model-x")  # a LoadedModel as far as fingerprints look

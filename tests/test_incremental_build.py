@@ -11,14 +11,14 @@ import pytest
 from fake_openai_server import FakeOpenAI
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 
-from flows.build import build_flow
-from schemas.keys import text_hash
-from schemas.tables import ChunkRow, EmbeddingRow, KvManifestRow, NuggetRow
-from storage.index import LanceIndex
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.embed import nugget_text
-from tasks.extractors.factory import make_extractor
+from coinrag.flows.build import build_flow
+from coinrag.schemas.keys import text_hash
+from coinrag.schemas.tables import ChunkRow, EmbeddingRow, KvManifestRow, NuggetRow
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.embed import nugget_text
+from coinrag.tasks.extractors.factory import make_extractor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "prefect_harness")
 
@@ -127,7 +127,7 @@ def test_producer_changes_invalidate_exactly_their_dependents(
 ):
     from test_index_retrieval import _save_tiny
 
-    from inference.embedders import load_embedder
+    from coinrag.inference.embedders import load_embedder
 
     src = write_corpus(tmp_path / "docs.jsonl", sample_docs(sample_corpus, 3))
     store = tmp_path / "store"

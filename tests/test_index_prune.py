@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 from lancedb.table import LanceTable
 
-from storage.index import LanceIndex
-from storage.publish import publish
-from storage.store import Store
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.publish import publish
+from coinrag.storage.store import Store
 
 DIM = 4
 

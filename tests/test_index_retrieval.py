@@ -18,17 +18,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from inference.embedders import FlagEmbedder, load_embedder  # noqa: E402
-from inference.models import tokenizer_fingerprint  # noqa: E402
-from inference.retrieve import Retriever, order_nuggets  # noqa: E402
-from schemas.keys import CODE_VERSION, fingerprint, nugget_id, text_hash  # noqa: E402
-from schemas.tables import ChunkRow, EmbeddingRow, NuggetRow  # noqa: E402
-from storage.index import EmbedderMismatch, LanceIndex  # noqa: E402
-from storage.store import Store  # noqa: E402
-from storage.tables import read_rows  # noqa: E402
-from tasks.chunk import chunk_document, token_spans_pairs  # noqa: E402
-from tasks.embed import embed_stage  # noqa: E402
-from tasks.ingest import SourceDocument  # noqa: E402
+from coinrag.inference.embedders import FlagEmbedder, load_embedder  # noqa: E402
+from coinrag.inference.models import tokenizer_fingerprint  # noqa: E402
+from coinrag.inference.retrieve import Retriever, order_nuggets  # noqa: E402
+from coinrag.schemas.keys import CODE_VERSION, fingerprint, nugget_id, text_hash  # noqa: E402
+from coinrag.schemas.tables import ChunkRow, EmbeddingRow, NuggetRow  # noqa: E402
+from coinrag.storage.index import EmbedderMismatch, LanceIndex  # noqa: E402
+from coinrag.storage.store import Store  # noqa: E402
+from coinrag.storage.tables import read_rows  # noqa: E402
+from coinrag.tasks.chunk import chunk_document, token_spans_pairs  # noqa: E402
+from coinrag.tasks.embed import embed_stage  # noqa: E402
+from coinrag.tasks.ingest import SourceDocument  # noqa: E402
 
 QUESTIONS = [
     "Who directed 2001: A Space Odyssey?",

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.ingest import SourceError, ingest
+from coinrag.tasks.ingest import SourceError, ingest
 
 
 def test_folder_of_text_and_markdown(tmp_path: Path) -> None:

@@ -33,16 +33,16 @@ import torch
 from store_fixtures import TINY_DIMS, sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from inference.assemble import KvSlice, assemble_context
-from inference.encode import from_cache, keys_to_position_zero
-from inference.models import LoadedModel, tokenizer_fingerprint
-from inference.prompt import RagPrompt
-from inference.rope import RopeSpec, rerotate_keys
-from schemas.keys import fingerprint
-from schemas.settings import KV_CODECS, BuildSettings, SettingsError
-from schemas.tables import RunRow
-from storage.kv import (
+from coinrag.flows.cli import app
+from coinrag.inference.assemble import KvSlice, assemble_context
+from coinrag.inference.encode import from_cache, keys_to_position_zero
+from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import RopeSpec, rerotate_keys
+from coinrag.schemas.keys import fingerprint
+from coinrag.schemas.settings import KV_CODECS, BuildSettings, SettingsError
+from coinrag.schemas.tables import RunRow
+from coinrag.storage.kv import (
     SHARD_OVERHEAD_BYTES,
     CorruptKvEntry,
     KvFingerprintMismatch,
@@ -52,12 +52,12 @@ from storage.kv import (
     kv_fingerprint,
     parse_location,
 )
-from storage.kv.layout import LAYOUT_VERSION
-from storage.kv.transport import LocalTransport
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.chunk import chunk_document
-from tasks.kv import kv_stage
+from coinrag.storage.kv.layout import LAYOUT_VERSION
+from coinrag.storage.kv.transport import LocalTransport
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.chunk import chunk_document
+from coinrag.tasks.kv import kv_stage
 
 # unit roundoff (half an ulp, relative): 2**-p for p significand bits
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -326,7 +326,7 @@ MODELS = {
 @pytest.fixture(scope="module", params=[*MODELS, "smollm2"])
 def model(request, smollm2_tokenizer) -> LoadedModel:
     if request.param == "smollm2":
-        from inference.models import load_model
+        from coinrag.inference.models import load_model
 
         return load_model(None, dtype="bfloat16")
     arch = request.param.split("-")[0]
@@ -358,7 +358,7 @@ def _own_cache(model: LoadedModel, prefix: list[int], chunk: list[int]) -> torch
     """transformers' own cache of ``forward(prefix)`` then ``forward(chunk)`` on that cache:
     ``(L, 2, H, |p| + n, D)`` (what the KV stage stores with batch size 1, bit for bit:
     ``tests/test_kv_store.py``)."""
-    from inference.rope import reset_rotary
+    from coinrag.inference.rope import reset_rotary
 
     reset_rotary(model.model)
     with torch.inference_mode():

@@ -20,14 +20,14 @@ import torch
 from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from inference.kv_dtype import cpu_computes_bf16, read_cpuinfo, resolve_kv_dtype
-from inference.models import default_dtype, reference_model_fingerprint
-from schemas.settings import BuildSettings, SettingsError, load_settings
-from schemas.tables import KvManifestRow, RunRow
-from storage.kv import KvStore, parse_location
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.cli import app
+from coinrag.inference.kv_dtype import cpu_computes_bf16, read_cpuinfo, resolve_kv_dtype
+from coinrag.inference.models import default_dtype, reference_model_fingerprint
+from coinrag.schemas.settings import BuildSettings, SettingsError, load_settings
+from coinrag.schemas.tables import KvManifestRow, RunRow
+from coinrag.storage.kv import KvStore, parse_location
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 # Abridged /proc/cpuinfo "flags" lines of real CPUs.
 SAPPHIRE_RAPIDS = (
@@ -179,8 +179,8 @@ def test_frozen_training_on_a_bf16_store_and_its_kv_rebuild(
     """``train nuggets --mode frozen`` computes in float32 on the store's bfloat16 KV (cast at
     assembly); the model_fp it records is the one the KV rebuild stores under, and the store
     then answers with the new model at bfloat16."""
-    from flows.train import train_nuggets
-    from inference.methods import RagEngine
+    from coinrag.flows.train import train_nuggets
+    from coinrag.inference.methods import RagEngine
 
     _, model = corpus_and_model
     text = "Zorvath is a mountain town in Keldia. It was founded in 1724 by Ilsa Moren."

@@ -11,11 +11,11 @@ import pytest
 import torch
 from store_fixtures import synthetic_chunk
 
-from storage.kv import CorruptKvEntry, KvLayout, KvStore, codec_named, parse_location
-from storage.kv.reads import plan_reads
-from storage.kv.shard import DATA_KEY
-from storage.kv.transport import LocalTransport, ObjectTransport, transport_for
-from storage.store import Store
+from coinrag.storage.kv import CorruptKvEntry, KvLayout, KvStore, codec_named, parse_location
+from coinrag.storage.kv.reads import plan_reads
+from coinrag.storage.kv.shard import DATA_KEY
+from coinrag.storage.kv.transport import LocalTransport, ObjectTransport, transport_for
+from coinrag.storage.store import Store
 
 LENGTHS = [37, 40, 5, 33]  # full blocks, a partial block, a padded short entry
 

@@ -22,11 +22,11 @@ import torch
 from store_fixtures import sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from schemas.tables import ChunkRow, KvManifestRow, RunRow
-from storage.kv import KvLayout, KvStore, parse_location
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import ChunkRow, KvManifestRow, RunRow
+from coinrag.storage.kv import KvLayout, KvStore, parse_location
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 # ---------------------------------------------------------------------------- storage level
 
@@ -59,7 +59,7 @@ def s3_root():
     """A bucket on a moto S3 server on 127.0.0.1 (the AWS variables point at it)."""
     from moto.server import ThreadedMotoServer
 
-    from storage.location import object_filesystem
+    from coinrag.storage.location import object_filesystem
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -18,8 +18,8 @@ import pytest
 import torch
 from store_fixtures import nugget_spans, synthetic_chunk
 
-from storage.kv import KvLayout, KvStore
-from storage.store import Store
+from coinrag.storage.kv import KvLayout, KvStore
+from coinrag.storage.store import Store
 
 BOUND = 1.3
 

@@ -25,13 +25,13 @@ import torch
 from store_fixtures import sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from schemas.settings import load_settings
-from schemas.tables import ExtractionRow, KvManifestRow, RunRow
-from storage.kv import SHARD_OVERHEAD_BYTES, KvLayout, KvStore
-from storage.store import Store
-from storage.tables import read_rows
-from tasks.kv_space import MARGIN, KvSpaceError, build_layout, estimate_kv_space
+from coinrag.flows.cli import app
+from coinrag.schemas.settings import load_settings
+from coinrag.schemas.tables import ExtractionRow, KvManifestRow, RunRow
+from coinrag.storage.kv import SHARD_OVERHEAD_BYTES, KvLayout, KvStore
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.kv_space import MARGIN, KvSpaceError, build_layout, estimate_kv_space
 
 
 def layout(dtype: str = "bfloat16", **kwargs) -> KvLayout:

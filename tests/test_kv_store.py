@@ -25,12 +25,12 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS, synthetic_chunk
 
-from inference.encode import cache_to_kv, compute_chunk_kv, compute_prefix_kv, decoder
-from inference.models import LoadedModel, tokenizer_fingerprint
-from inference.prompt import RagPrompt
-from schemas.keys import fingerprint
-from schemas.tables import KvManifestRow
-from storage.kv import (
+from coinrag.inference.encode import cache_to_kv, compute_chunk_kv, compute_prefix_kv, decoder
+from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.prompt import RagPrompt
+from coinrag.schemas.keys import fingerprint
+from coinrag.schemas.tables import KvManifestRow
+from coinrag.storage.kv import (
     CorruptKvEntry,
     KvFingerprintMismatch,
     KvLayout,
@@ -38,10 +38,10 @@ from storage.kv import (
     MissingKvEntry,
     parse_location,
 )
-from storage.store import Store
-from storage.tables import read_rows, table_files
-from tasks.chunk import chunk_document
-from tasks.kv import kv_stage
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows, table_files
+from coinrag.tasks.chunk import chunk_document
+from coinrag.tasks.kv import kv_stage
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources/faq")
 _TEXT_FALLBACK = (
@@ -106,7 +106,7 @@ def qwen2(smollm2_tokenizer) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def smollm2() -> LoadedModel:
-    from inference.models import load_model
+    from coinrag.inference.models import load_model
 
     return load_model(None)
 
@@ -247,7 +247,7 @@ def test_batched_matches_one_by_one(tmp_path, smollm2_tokenizer, prompt, text, d
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_oracle(tmp_path, smollm2, smollm2_tokenizer, prompt, text, dtype):
-    from inference.models import load_model
+    from coinrag.inference.models import load_model
 
     loaded = smollm2 if dtype == "float32" else load_model(None, dtype=dtype)
     chunks = make_chunks(smollm2_tokenizer, text, 24, 3)

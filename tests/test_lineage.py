@@ -13,10 +13,10 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import TINY_DIMS
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from schemas.keys import new_run_id
-from schemas.tables import (
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.schemas.keys import new_run_id
+from coinrag.schemas.tables import (
     ChunkRow,
     DocumentRow,
     ExtractionCallRow,
@@ -26,16 +26,16 @@ from schemas.tables import (
     arrow_schema,
     column_names,
 )
-from schemas.views import PRODUCERS, VIEWS
-from storage.corpus import live_documents, live_versions
-from storage.index import LanceIndex
-from storage.kv import parse_location
-from storage.lineage import LineageError, open_lineage, run_query, walk
-from storage.runs import finish_run, start_run
-from storage.store import Store
-from storage.tables import append_rows, read_rows, replace_fields
-from tasks.extractors.rules import RULES_VERSION
-from tasks.fingerprints import current_producers, store_settings
+from coinrag.schemas.views import PRODUCERS, VIEWS
+from coinrag.storage.corpus import live_documents, live_versions
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.kv import parse_location
+from coinrag.storage.lineage import LineageError, open_lineage, run_query, walk
+from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows, read_rows, replace_fields
+from coinrag.tasks.extractors.rules import RULES_VERSION
+from coinrag.tasks.fingerprints import current_producers, store_settings
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -80,7 +80,7 @@ def built(tmp_path_factory, sample_corpus: Path, smollm2_tokenizer, monkeypatch_
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     second = build_flow(str(src), str(store), settings)
 
-    from flows.cartridges import train_cartridges
+    from coinrag.flows.cartridges import train_cartridges
 
     doc_ids = [lines[EDITED]["id"], lines[1]["id"]]
     with FakeOpenAI(api_key=API_KEY) as fake:

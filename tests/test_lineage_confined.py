@@ -16,12 +16,12 @@ import pytest
 from store_fixtures import sample_docs, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from schemas.tables import DocumentRow
-from storage.lineage import LineageError, open_lineage, run_query
-from storage.location import object_filesystem
-from storage.store import Store
-from storage.tables import append_rows
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import DocumentRow
+from coinrag.storage.lineage import LineageError, open_lineage, run_query
+from coinrag.storage.location import object_filesystem
+from coinrag.storage.store import Store
+from coinrag.storage.tables import append_rows
 
 NOT_ALLOWED = "not allowed: lineage SQL reads only this store's tables and views"
 

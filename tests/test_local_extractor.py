@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 from store_fixtures import TINY_DIMS
 
-from tasks.extractors.base import ExtractionRequest, ExtractionResult
-from tasks.extractors.local import LocalConstrainedExtractor
-from tasks.extractors.span_copy import BOUNDARIES, SpanCopyMachine, SpecialIds, tokenize_passage
+from coinrag.tasks.extractors.base import ExtractionRequest, ExtractionResult
+from coinrag.tasks.extractors.local import LocalConstrainedExtractor
+from coinrag.tasks.extractors.span_copy import (
+    BOUNDARIES,
+    SpanCopyMachine,
+    SpecialIds,
+    tokenize_passage,
+)
 
 PASSAGES = [
     "Gabriel García Márquez (6 March 1927 – 17 April 2014) was a Colombian novelist, "
@@ -64,7 +69,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from inference.models import load_tokenizer
+    from coinrag.inference.models import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -251,7 +256,7 @@ def random_llama(tokenizer):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from inference.models import LoadedModel
+    from coinrag.inference.models import LoadedModel
 
     torch.manual_seed(0)
     config = LlamaConfig(

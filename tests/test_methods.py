@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from inference.methods import METHODS, RagEngine, RagMethod
-from inference.methods.cartridge import Cartridges
-from inference.methods.coinrag import CoinRag
-from schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
+from coinrag.inference.methods import METHODS, RagEngine, RagMethod
+from coinrag.inference.methods.cartridge import Cartridges
+from coinrag.inference.methods.coinrag import CoinRag
+from coinrag.schemas.settings import DEFAULT_RAG_METHODS, LOCAL_STORE_METHODS, RAG_METHODS
 
 QUESTION = "Who directed 2001: A Space Odyssey?"
 
@@ -71,9 +71,9 @@ def test_answer_tokens_stream_as_they_are_decoded(engine: RagEngine, method: str
 def test_oracle_documents_restrict_every_methods_retrieval(
     engine: RagEngine, sample_store: Path
 ) -> None:
-    from schemas.tables import DocumentRow
-    from storage.store import Store
-    from storage.tables import read_rows
+    from coinrag.schemas.tables import DocumentRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_rows
 
     top = {e["doc_id"] for e in engine.answer(QUESTION, "turborag", kc=2, k=4).evidence}
     other = sorted({d.doc_id for d in read_rows(Store.at(sample_store), DocumentRow)} - top)[0]

@@ -13,8 +13,8 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks.extractors.factory import make_extractor
+from coinrag.flows.cli import app
+from coinrag.tasks.extractors.factory import make_extractor
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -27,20 +27,20 @@ from store_fixtures import (
 )
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from inference.embedders import load_embedder
-from inference.methods import RagEngine
-from inference.retrieve import Retriever
-from schemas.tables import ChunkRow, DocumentRow, EmbeddingRow, KvManifestRow, NuggetRow
-from storage.corpus import live_versions
-from storage.gc import kv_fps
-from storage.index import LanceIndex
-from storage.kv import CorruptKvEntry, KvLayout, KvStore
-from storage.location import StoreUrlError, object_filesystem, split_store_url
-from storage.object_lock import LockContention, LockLost, ObjectLock
-from storage.store import LocalStoreRequired, Store, StoreLocked
-from storage.tables import read_rows
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.inference.embedders import load_embedder
+from coinrag.inference.methods import RagEngine
+from coinrag.inference.retrieve import Retriever
+from coinrag.schemas.tables import ChunkRow, DocumentRow, EmbeddingRow, KvManifestRow, NuggetRow
+from coinrag.storage.corpus import live_versions
+from coinrag.storage.gc import kv_fps
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.kv import CorruptKvEntry, KvLayout, KvStore
+from coinrag.storage.location import StoreUrlError, object_filesystem, split_store_url
+from coinrag.storage.object_lock import LockContention, LockLost, ObjectLock
+from coinrag.storage.store import LocalStoreRequired, Store, StoreLocked
+from coinrag.storage.tables import read_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -498,12 +498,12 @@ def test_staged_answers_move_into_an_object_store_table_once(s3) -> None:
     nothing left to move."""
     from datetime import UTC, datetime
 
-    from inference.llm_client import CallRecord
-    from schemas.tables import ExtractionCallRow, ExtractionRow
-    from storage.tables import staged_files
-    from tasks.extract import ExtractCounts, ExtractionWriter, stage_result
-    from tasks.extractors.base import ExtractionResult
-    from tasks.extractors.rules import RulesExtractor
+    from coinrag.inference.llm_client import CallRecord
+    from coinrag.schemas.tables import ExtractionCallRow, ExtractionRow
+    from coinrag.storage.tables import staged_files
+    from coinrag.tasks.extract import ExtractCounts, ExtractionWriter, stage_result
+    from coinrag.tasks.extractors.base import ExtractionResult
+    from coinrag.tasks.extractors.rules import RulesExtractor
 
     st = Store.at(f"s3://{BUCKET}/staging-test")
     run_id = "build-20260101T000000-staging"

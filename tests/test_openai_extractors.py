@@ -10,13 +10,13 @@ import threading
 import openai
 import pytest
 
-from inference.llm_client import scrub
-from inference.llm_pricing import call_cost, is_priced
-from schemas.keys import text_hash
-from tasks.extractors.base import ExtractionRequest, ExtractionResult
-from tasks.extractors.openai_batch import OpenAIBatchExtractor, custom_id_for
-from tasks.extractors.openai_chat import OpenAIChatExtractor
-from tasks.extractors.prompt import PROMPT_VERSION
+from coinrag.inference.llm_client import scrub
+from coinrag.inference.llm_pricing import call_cost, is_priced
+from coinrag.schemas.keys import text_hash
+from coinrag.tasks.extractors.base import ExtractionRequest, ExtractionResult
+from coinrag.tasks.extractors.openai_batch import OpenAIBatchExtractor, custom_id_for
+from coinrag.tasks.extractors.openai_chat import OpenAIChatExtractor
+from coinrag.tasks.extractors.prompt import PROMPT_VERSION
 
 try:  # `python -m pytest` from the repo root, with or without tests/ as a package
     from tests.fake_openai_server import Action, BatchPlan, FakeOpenAI, nuggets_for
@@ -284,7 +284,7 @@ def test_pricing_table() -> None:
 def test_batch_happy_path_over_several_polls(
     fake: FakeOpenAI, client: openai.OpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tasks.extractors.openai_batch")
+    caplog.set_level(logging.INFO, logger="coinrag.tasks.extractors.openai_batch")
     fake.fixed_usage = (1000, 200)
     reqs = _requests()
     seen: list[ExtractionResult] = []

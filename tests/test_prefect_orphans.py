@@ -106,7 +106,7 @@ def test_the_bound_server_runs_prefects_own_command(monkeypatch) -> None:
     death signal (so a Prefect upgrade that changes the command is noticed here)."""
     from prefect.server.api.server import SubprocessASGIServer
 
-    from flows.prefect_api import _server_class
+    from coinrag.flows.prefect_api import _server_class
 
     calls: list[dict] = []
 

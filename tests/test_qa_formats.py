@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from schemas.qa import (
+from coinrag.schemas.qa import (
     DataError,
     QAFileError,
     QuestionsError,

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from schemas.tables import ChunkRow, KvManifestRow, NuggetRow
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

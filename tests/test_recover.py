@@ -25,7 +25,7 @@ from recover_reference import (
     reference_recover,
 )
 
-from tasks.span_match import (
+from coinrag.tasks.span_match import (
     AbandonedCandidate,
     RecoveredSpan,
     _canonicalize,

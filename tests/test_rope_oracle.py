@@ -45,7 +45,7 @@ from transformers import (
     SmolLM3Config,
 )
 
-from inference.rope import (
+from coinrag.inference.rope import (
     RopeSpec,
     UnsafeRerotation,
     UnsupportedRope,

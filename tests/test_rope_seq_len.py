@@ -36,16 +36,16 @@ import torch
 from store_fixtures import TINY_DIMS, sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from inference.assemble import KvSlice, assemble_context
-from inference.encode import KvBatching, compute_group_kv, compute_prefix_kv
-from inference.generate import prefill_and_decode
-from inference.models import LoadedModel, tokenizer_fingerprint
-from inference.prompt import RagPrompt
-from inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
-from schemas.keys import fingerprint
-from storage.kv import KvStore
-from storage.store import Store
-from tasks.kv import kv_stage
+from coinrag.inference.assemble import KvSlice, assemble_context
+from coinrag.inference.encode import KvBatching, compute_group_kv, compute_prefix_kv
+from coinrag.inference.generate import prefill_and_decode
+from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
+from coinrag.schemas.keys import fingerprint
+from coinrag.storage.kv import KvStore
+from coinrag.storage.store import Store
+from coinrag.tasks.kv import kv_stage
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 8 * 2**-8
@@ -295,7 +295,7 @@ def test_a_query_prefill_forgets_the_previous_query(smollm2_tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_fp32():
-    from inference.models import load_model
+    from coinrag.inference.models import load_model
 
     return load_model(None).model
 
@@ -355,8 +355,8 @@ def test_rag_engine_answers_do_not_depend_on_earlier_queries(
     """Where users meet it: one engine answers many questions (``coinrag eval``). With dynamic
     NTK (threshold 64), a query over 4 chunks grows the frequencies past the length of a query
     over 2 chunks; that query must still be answered as by a fresh engine."""
-    from flows.build import build_flow
-    from inference.methods import RagEngine
+    from coinrag.flows.build import build_flow
+    from coinrag.inference.methods import RagEngine
 
     model_dir = save_tiny_llama(tmp_path / "model", smollm2_tokenizer, 7, **_rope("dynamic"))
     source = write_corpus(tmp_path / "docs.jsonl", sample_docs(sample_corpus, 3))

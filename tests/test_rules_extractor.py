@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from tasks.extractors.base import ExtractionRequest
-from tasks.extractors.none import NoExtractor
-from tasks.extractors.rules import RulesExtractor, segment_words
+from coinrag.tasks.extractors.base import ExtractionRequest
+from coinrag.tasks.extractors.none import NoExtractor
+from coinrag.tasks.extractors.rules import RulesExtractor, segment_words
 
 PASSAGES = [
     "Gabriel García Márquez (6 March 1927 – 17 April 2014) was a Colombian novelist, "

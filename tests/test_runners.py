@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from flows.scaleout import kv_on_workers, task_runner
-from schemas.settings import BuildSettings, SettingsError
-from schemas.tables import TABLES, ChunkRow
-from storage.index import LanceIndex
-from storage.kv import KvStore, to_storage
-from storage.store import Store
-from storage.tables import read_rows, read_table
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.flows.scaleout import kv_on_workers, task_runner
+from coinrag.schemas.settings import BuildSettings, SettingsError
+from coinrag.schemas.tables import TABLES, ChunkRow
+from coinrag.storage.index import LanceIndex
+from coinrag.storage.kv import KvStore, to_storage
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows, read_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 

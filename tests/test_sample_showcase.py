@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from schemas.tables import ChunkRow, NuggetRow
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import ChunkRow, NuggetRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "prefect_harness")]
 

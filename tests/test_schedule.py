@@ -117,17 +117,17 @@ def _write_jsonl(path: Path, docs: list[dict]) -> Path:
 
 
 def _doc_ids(store: Path) -> set[str]:
-    from schemas.tables import DocumentRow
-    from storage.store import Store
-    from storage.tables import column_values
+    from coinrag.schemas.tables import DocumentRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import column_values
 
     return column_values(Store.at(store), DocumentRow, "doc_id")
 
 
 def _n_nuggets(store: Path) -> int:
-    from schemas.tables import NuggetRow
-    from storage.store import Store
-    from storage.tables import read_table
+    from coinrag.schemas.tables import NuggetRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_table
 
     return read_table(Store.at(store), NuggetRow, columns=["nugget_id"]).num_rows
 
@@ -247,7 +247,7 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
     from prefect.deployments import run_deployment
     from prefect.events.filters import EventFilter, EventNameFilter
 
-    from tasks.changes import source_changes
+    from coinrag.tasks.changes import source_changes
 
     env = server["env"]
     source = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
@@ -258,7 +258,7 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
     logs = [log, server["log"]]
     with log.open("w") as out:
         serve = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", str(source), "--store", str(store)]
+            [sys.executable, "-m", "coinrag.flows.cli", "serve", str(source), "--store", str(store)]
             + ["--cron", CRON, "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -303,7 +303,15 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
 
         # A changed source: `coinrag watch` emits coinrag.source.changed; the trigger rebuilds.
         _write_jsonl(source, [*DOCS, {"id": "gamma", "text": "Gamma is the third letter."}])
-        watch = [sys.executable, "-m", "flows.cli", "watch", str(source), "--store", str(store)]
+        watch = [
+            sys.executable,
+            "-m",
+            "coinrag.flows.cli",
+            "watch",
+            str(source),
+            "--store",
+            str(store),
+        ]
         got = subprocess.run([*watch, "--once"], env=env, capture_output=True, text=True)
         assert got.returncode == 0, got.stderr
         assert "1 document(s): gamma" in got.stderr
@@ -371,9 +379,9 @@ def test_prefect_yaml_deploys_and_the_worker_runs_it(server, tmp_path):
 
 
 def test_serve_deployments_construct(tmp_path):
-    from flows.deployments import make_build_deployment, make_serve_deployments
-    from flows.source_events import source_resource_id
-    from schemas.settings import SettingsError
+    from coinrag.flows.deployments import make_build_deployment, make_serve_deployments
+    from coinrag.flows.source_events import source_resource_id
+    from coinrag.schemas.settings import SettingsError
 
     build, train = make_serve_deployments(
         "/data/docs", "/data/store", FAST_RULES, cron=CRON, train_data="/q.jsonl", train_out="/o"
@@ -393,7 +401,7 @@ def test_serve_deployments_construct(tmp_path):
 
 
 def test_source_changes(tmp_path, sample_corpus):
-    from tasks.changes import source_changes
+    from coinrag.tasks.changes import source_changes
 
     source = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
     assert source_changes(source, tmp_path / "no-store") == ["alpha", "beta"]
@@ -403,7 +411,7 @@ def test_source_changes(tmp_path, sample_corpus):
 def test_removed_doc_ids_keep_rejected_records():
     from types import SimpleNamespace
 
-    from tasks.changes import removed_doc_ids
+    from coinrag.tasks.changes import removed_doc_ids
 
     docs = [SimpleNamespace(doc_id="a"), SimpleNamespace(doc_id="b")]
     assert removed_doc_ids(docs, ["a", "c", "r"]) == ["c", "r"]

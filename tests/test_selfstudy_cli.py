@@ -17,10 +17,10 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import sample_docs, write_corpus
 from typer.testing import CliRunner
 
-from flows.cli import app
-from schemas.tables import SelfStudyCallRow, SelfStudyQuestionRow
-from storage.store import Store
-from storage.tables import read_rows
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import SelfStudyCallRow, SelfStudyQuestionRow
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -123,7 +123,7 @@ def test_statements_are_dropped_with_reasons_and_stages_show_an_eta(
     ],
 )
 def test_only_a_json_array_parses(content: str, reason: str) -> None:
-    from tasks.question_generators.accept import MalformedQuestions, parse_questions
+    from coinrag.tasks.question_generators.accept import MalformedQuestions, parse_questions
 
     with pytest.raises(MalformedQuestions) as exc:
         parse_questions(content)
@@ -132,7 +132,7 @@ def test_only_a_json_array_parses(content: str, reason: str) -> None:
 
 
 def test_questions_and_requests_pass_statements_do_not() -> None:
-    from tasks.question_generators.accept import is_question, usable_questions
+    from coinrag.tasks.question_generators.accept import is_question, usable_questions
 
     doc = (
         "2001: A Space Odyssey is a 1968 film directed by Stanley Kubrick. The film's plot, "

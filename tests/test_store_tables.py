@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from schemas.keys import CODE_VERSION, chunk_id, content_key, doc_version, nugget_id
-from schemas.tables import TABLES, DocumentRow, RunRow, arrow_schema
-from storage.runs import finish_run, start_run
-from storage.store import Store, StoreLocked, safe_component
-from storage.tables import append_rows, connect_duckdb, read_rows
+from coinrag.schemas.keys import CODE_VERSION, chunk_id, content_key, doc_version, nugget_id
+from coinrag.schemas.tables import TABLES, DocumentRow, RunRow, arrow_schema
+from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.store import Store, StoreLocked, safe_component
+from coinrag.storage.tables import append_rows, connect_duckdb, read_rows
 
 
 def _doc(i: int, run_id: str = "run-1") -> DocumentRow:

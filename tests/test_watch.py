@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.build import build_flow
-from flows.cli import app
-from flows.source_events import SOURCE_CHANGED_EVENT, source_resource_id
-from tasks.changes import source_changes, source_delta
+from coinrag.flows.build import build_flow
+from coinrag.flows.cli import app
+from coinrag.flows.source_events import SOURCE_CHANGED_EVENT, source_resource_id
+from coinrag.tasks.changes import source_changes, source_delta
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -35,7 +35,7 @@ DOCS = [
 
 def _watch(source: Path, store: Path, api_url: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PREFECT_API_URL": api_url, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "flows.cli", "watch", str(source), "--store", str(store)]
+    cmd = [sys.executable, "-m", "coinrag.flows.cli", "watch", str(source), "--store", str(store)]
     return subprocess.run(
         [*cmd, "--once"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
     )

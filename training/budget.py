@@ -41,13 +41,13 @@ from typing import Any
 
 import torch
 
-from inference.encode import prefix_kv
-from inference.prompt import RagPrompt
-from inference.rope import RopeSpec
-from schemas.settings import CartridgeTrainSettings
-from schemas.tables import CartridgeManifestRow
-from storage.cartridges import CartridgeMeta, CartridgeStore
-from training.cartridges import (
+from coinrag.inference.encode import prefix_kv
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import RopeSpec
+from coinrag.schemas.settings import CartridgeTrainSettings
+from coinrag.schemas.tables import CartridgeManifestRow
+from coinrag.storage.cartridges import CartridgeMeta, CartridgeStore
+from coinrag.training.cartridges import (
     Cartridge,
     CartridgeSpec,
     Example,

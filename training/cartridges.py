@@ -60,13 +60,13 @@ from typing import Any
 
 import torch
 
-from inference.assemble import KvSlice, assemble_cartridges, assemble_context, check_rope
-from inference.encode import document_kv, to_dynamic_cache
-from inference.prompt import RagPrompt
-from inference.rope import RopeSpec
-from schemas.keys import fingerprint
-from schemas.settings import CartridgeSettings, CartridgeTrainSettings, check_visibility
-from storage.cartridges import CartridgeMeta
+from coinrag.inference.assemble import KvSlice, assemble_cartridges, assemble_context, check_rope
+from coinrag.inference.encode import document_kv, to_dynamic_cache
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import RopeSpec
+from coinrag.schemas.keys import fingerprint
+from coinrag.schemas.settings import CartridgeSettings, CartridgeTrainSettings, check_visibility
+from coinrag.storage.cartridges import CartridgeMeta
 
 INITS = ("first_tokens", "random_text")
 

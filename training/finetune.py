@@ -73,16 +73,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.context import FINETUNE_CONTEXTS, ContextBuilder
-from inference.encode import causal_lm, to_dynamic_cache
-from inference.prompt import RagPrompt
-from inference.retrieve import Evidence, Retriever
-from inference.rope import reset_rotary
-from schemas.keys import canonical_json
-from schemas.qa import DataError, QAExample, load_examples
-from schemas.settings import FinetuneSettings
-from storage.kv import KvLayout
-from storage.store import Store
+from coinrag.inference.context import FINETUNE_CONTEXTS, ContextBuilder
+from coinrag.inference.encode import causal_lm, to_dynamic_cache
+from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.retrieve import Evidence, Retriever
+from coinrag.inference.rope import reset_rotary
+from coinrag.schemas.keys import canonical_json
+from coinrag.schemas.qa import DataError, QAExample, load_examples
+from coinrag.schemas.settings import FinetuneSettings
+from coinrag.storage.kv import KvLayout
+from coinrag.storage.store import Store
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 CHECKPOINT_FORMAT = 1
@@ -573,8 +573,8 @@ def _kv_identity(
     cast when the context is assembled), stored with its ``kv_codec``."""
     import dataclasses
 
-    from inference.encode import kv_layout
-    from inference.models import model_fingerprint, weights_sha256
+    from coinrag.inference.encode import kv_layout
+    from coinrag.inference.models import model_fingerprint, weights_sha256
 
     model_fp = model_fingerprint(
         causal_lm(loaded.model).config,
@@ -605,12 +605,12 @@ def run_training(
     """Train on a store whose documents are already built (see ``flows/train.py`` for the flow
     that builds them first). Returns a summary with ``model_fp`` and ``base_model_fp``.
     ``OUT/checkpoints`` is removed once the model is saved unless ``keep_checkpoints``."""
-    from inference.embedders import load_embedder
-    from inference.encode import pad_id
-    from inference.kv_dtype import resolve_kv_dtype
-    from inference.models import load_model, model_fingerprint, weights_sha256
-    from schemas.settings import settings_from_toml
-    from storage.index import LanceIndex
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.encode import pad_id
+    from coinrag.inference.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.models import load_model, model_fingerprint, weights_sha256
+    from coinrag.schemas.settings import settings_from_toml
+    from coinrag.storage.index import LanceIndex
 
     cfg.validate()
     logger = logger or log

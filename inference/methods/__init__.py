@@ -13,8 +13,8 @@ A new method is a module here with one subclass of :class:`RagMethod` (``name=..
 below, and its name in ``schemas.settings.RAG_METHODS``.
 """
 
-from inference.methods import cartridge, coinrag, standard, turborag
-from inference.methods.base import (
+from coinrag.inference.methods import cartridge, coinrag, standard, turborag
+from coinrag.inference.methods.base import (
     METHODS,
     Answer,
     CorruptAssets,
@@ -22,7 +22,7 @@ from inference.methods.base import (
     RagMethod,
     repair_command,
 )
-from inference.methods.engine import RagEngine
+from coinrag.inference.methods.engine import RagEngine
 
 __all__ = [
     "METHODS",

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inference.context import ChunkTokens, ContextBuilder, PrefixMismatch, StoredKvContext
-from inference.encode import kv_layout
-from inference.methods.base import Asset, CorruptAssets, MissingAssets
-from inference.retrieve import Evidence, Retriever
-from storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
-from storage.store import Store
+from coinrag.inference.context import ChunkTokens, ContextBuilder, PrefixMismatch, StoredKvContext
+from coinrag.inference.encode import kv_layout
+from coinrag.inference.methods.base import Asset, CorruptAssets, MissingAssets
+from coinrag.inference.retrieve import Evidence, Retriever
+from coinrag.storage.kv import CorruptKvEntry, KvStore, MissingKvEntry
+from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
-    from inference.methods.engine import RagEngine
+    from coinrag.inference.methods.engine import RagEngine
 
 
 class Index(Asset[Retriever]):
@@ -33,7 +33,7 @@ class Index(Asset[Retriever]):
 
     @classmethod
     def load(cls, engine: RagEngine) -> Retriever:
-        from inference.embedders import load_embedder
+        from coinrag.inference.embedders import load_embedder
 
         embedder = engine.embedder
         if isinstance(embedder, str):
@@ -118,8 +118,8 @@ def _codec_note(kv_codec: str) -> str:
 def _no_kv_message(store: Store, model_fp: str, dtype: str, kv_codec: str = "none") -> str:
     """Why a model cannot answer from ``store``: both fingerprints (the model asked for, the
     models the store's KV was built by, with their dtypes) and the ways out."""
-    from storage.gc import kv_fps
-    from storage.kv import KvError
+    from coinrag.storage.gc import kv_fps
+    from coinrag.storage.kv import KvError
 
     built: set[str] = set()
     for kv_fp in kv_fps(store):

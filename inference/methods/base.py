@@ -29,13 +29,13 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from inference.generate import Generation
-from inference.prompt import require_question
-from storage.kv import CorruptKvEntry
-from storage.store import Store
+from coinrag.inference.generate import Generation
+from coinrag.inference.prompt import require_question
+from coinrag.storage.kv import CorruptKvEntry
+from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
-    from inference.methods.engine import RagEngine
+    from coinrag.inference.methods.engine import RagEngine
 
 T = TypeVar("T")
 OnToken = Callable[[int], None]  # called with each answer token id as it is decoded
@@ -61,8 +61,8 @@ def repair_command(store: Store) -> str:
     (``STORE/coinrag.toml``, for a local store)."""
     import json
 
-    from schemas.tables import RunRow
-    from storage.tables import read_rows
+    from coinrag.schemas.tables import RunRow
+    from coinrag.storage.tables import read_rows
 
     source = "SOURCE"
     try:

@@ -32,19 +32,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inference.assemble import assemble_cartridges
-from inference.encode import prefix_kv, to_dynamic_cache
-from inference.generate import Generation, prefill_and_decode
-from inference.methods.base import Answer, Asset, OnToken, RagMethod, Retrieval
-from inference.models import LoadedModel, default_dtype
-from inference.prompt import RagPrompt, require_question
-from inference.rope import RopeSpec
-from schemas.tables import CartridgeManifestRow
-from storage.cartridges import CartridgeStore, MissingCartridge, version_order
-from storage.store import Store
+from coinrag.inference.assemble import assemble_cartridges
+from coinrag.inference.encode import prefix_kv, to_dynamic_cache
+from coinrag.inference.generate import Generation, prefill_and_decode
+from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod, Retrieval
+from coinrag.inference.models import LoadedModel, default_dtype
+from coinrag.inference.prompt import RagPrompt, require_question
+from coinrag.inference.rope import RopeSpec
+from coinrag.schemas.tables import CartridgeManifestRow
+from coinrag.storage.cartridges import CartridgeStore, MissingCartridge, version_order
+from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
-    from inference.methods.engine import RagEngine
+    from coinrag.inference.methods.engine import RagEngine
 
 
 @dataclass
@@ -268,7 +268,7 @@ class TopDocuments(Retrieval):
     ) -> DocumentSelection:
         if doc_ids is not None:
             return DocumentSelection(list(doc_ids), 0.0)
-        from inference.methods.assets import Index
+        from coinrag.inference.methods.assets import Index
 
         chosen, ms = engine.asset(Cartridges).select(question, k, engine.asset(Index))
         return DocumentSelection(chosen, ms)

@@ -4,9 +4,9 @@ only the query."""
 
 from __future__ import annotations
 
-from inference.methods.assets import Index, StoredNuggetKv
-from inference.methods.kv_reuse import KvReuseMethod
-from inference.methods.retrievals import TwoStageNuggets
+from coinrag.inference.methods.assets import Index, StoredNuggetKv
+from coinrag.inference.methods.kv_reuse import KvReuseMethod
+from coinrag.inference.methods.retrievals import TwoStageNuggets
 
 
 class CoinRag(KvReuseMethod, name="coinrag"):

@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from inference.embedders import Embedder
-from inference.methods.assets import Index
-from inference.methods.base import METHODS, Answer, Asset, MissingAssets, OnToken, RagMethod
-from inference.models import LoadedModel
-from inference.prompt import RagPrompt, require_question
-from inference.retrieve import Retriever
-from schemas.settings import DEFAULT_RAG_METHODS
-from storage.store import Store
+from coinrag.inference.embedders import Embedder
+from coinrag.inference.methods.assets import Index
+from coinrag.inference.methods.base import METHODS, Answer, Asset, MissingAssets, OnToken, RagMethod
+from coinrag.inference.models import LoadedModel
+from coinrag.inference.prompt import RagPrompt, require_question
+from coinrag.inference.retrieve import Retriever
+from coinrag.schemas.settings import DEFAULT_RAG_METHODS
+from coinrag.storage.store import Store
 
 T = TypeVar("T")
 DEFAULT_METHODS = DEFAULT_RAG_METHODS
@@ -86,9 +86,9 @@ class RagEngine:
         """Load everything ``methods`` need from ``store_path``; model and embedder default to
         the store's. The KV methods' model computes in the store's ``kv_dtype`` (the dtype its
         KV was built in)."""
-        from inference.kv_dtype import resolve_kv_dtype
-        from inference.models import load_model
-        from schemas.settings import settings_from_toml
+        from coinrag.inference.kv_dtype import resolve_kv_dtype
+        from coinrag.inference.models import load_model
+        from coinrag.schemas.settings import settings_from_toml
 
         methods = list(dict.fromkeys(methods))
         _check_names(methods)
@@ -116,7 +116,7 @@ class RagEngine:
     def model_at(self, dtype: str) -> LoadedModel:
         """The generation model computing in ``dtype`` (loaded once per dtype)."""
         if dtype not in self._models:
-            from inference.models import load_model
+            from coinrag.inference.models import load_model
 
             self._models[dtype] = load_model(self.model_ref, device=self.device, dtype=dtype)
         return self._models[dtype]
@@ -182,6 +182,6 @@ def _check_names(methods: Sequence[str]) -> None:
 
 def _store_kv_codec(store: Store) -> str:
     """The ``kv_codec`` recorded in ``STORE/coinrag.toml`` (``none`` where it has none)."""
-    from schemas.settings import settings_from_toml
+    from coinrag.schemas.settings import settings_from_toml
 
     return settings_from_toml(store.read_toml(), store.uri(store.settings_path)).kv_codec

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import time
 
-from inference.encode import to_dynamic_cache
-from inference.generate import prefill_and_decode
-from inference.methods.assets import StoredKv, stored_context
-from inference.methods.base import Answer, OnToken, RagMethod
-from inference.methods.retrievals import evidence_rows, retrieval_timings
-from inference.retrieve import RetrievalResult
+from coinrag.inference.encode import to_dynamic_cache
+from coinrag.inference.generate import prefill_and_decode
+from coinrag.inference.methods.assets import StoredKv, stored_context
+from coinrag.inference.methods.base import Answer, OnToken, RagMethod
+from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
+from coinrag.inference.retrieve import RetrievalResult
 
 
 class KvReuseMethod(RagMethod):

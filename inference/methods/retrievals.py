@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from inference.methods.assets import Index
-from inference.methods.base import Retrieval
-from inference.retrieve import RetrievalResult
+from coinrag.inference.methods.assets import Index
+from coinrag.inference.methods.base import Retrieval
+from coinrag.inference.retrieve import RetrievalResult
 
 if TYPE_CHECKING:
-    from inference.methods.engine import RagEngine
+    from coinrag.inference.methods.engine import RagEngine
 
 
 class TopChunks(Retrieval):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from inference.generate import prefill_and_decode
-from inference.methods.assets import ChunkTokenIds, Index
-from inference.methods.base import Answer, OnToken, RagMethod
-from inference.methods.retrievals import TopChunks, evidence_rows, retrieval_timings
-from inference.retrieve import RetrievalResult
+from coinrag.inference.generate import prefill_and_decode
+from coinrag.inference.methods.assets import ChunkTokenIds, Index
+from coinrag.inference.methods.base import Answer, OnToken, RagMethod
+from coinrag.inference.methods.retrievals import TopChunks, evidence_rows, retrieval_timings
+from coinrag.inference.retrieve import RetrievalResult
 
 
 class StandardRag(RagMethod, name="standard"):

@@ -3,9 +3,9 @@ cached prefix ``C_p``; prefill only the query."""
 
 from __future__ import annotations
 
-from inference.methods.assets import Index, StoredChunkKv
-from inference.methods.kv_reuse import KvReuseMethod
-from inference.methods.retrievals import TopChunks
+from coinrag.inference.methods.assets import Index, StoredChunkKv
+from coinrag.inference.methods.kv_reuse import KvReuseMethod
+from coinrag.inference.methods.retrievals import TopChunks
 
 
 class TurboRag(KvReuseMethod, name="turborag"):

@@ -14,7 +14,7 @@ One module per job (import the public names from here):
 - ``reclaim.py``: garbage, dead entries, and the dry-run plan.
 """
 
-from storage.kv.codecs import (
+from coinrag.storage.kv.codecs import (
     KV_CODECS,
     KvCodec,
     codec_named,
@@ -23,7 +23,7 @@ from storage.kv.codecs import (
     storage_view,
     to_storage,
 )
-from storage.kv.layout import (
+from coinrag.storage.kv.layout import (
     DEFAULT_BLOCK_TOKENS,
     KV_CHECK_LEVELS,
     LAYOUT_VERSION,
@@ -36,11 +36,11 @@ from storage.kv.layout import (
     kv_fingerprint,
     parse_location,
 )
-from storage.kv.reads import ReadStats
-from storage.kv.reclaim import KvReclaim
-from storage.kv.shard import encode_shard
-from storage.kv.store import KvStore, kv_free_bytes, stored_content_keys
-from storage.kv.writes import StagedShard, WriteStats
+from coinrag.storage.kv.reads import ReadStats
+from coinrag.storage.kv.reclaim import KvReclaim
+from coinrag.storage.kv.shard import encode_shard
+from coinrag.storage.kv.store import KvStore, kv_free_bytes, stored_content_keys
+from coinrag.storage.kv.writes import StagedShard, WriteStats
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",

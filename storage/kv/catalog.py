@@ -15,10 +15,10 @@ from typing import Any
 
 import zarr
 
-from storage.kv.layout import SHARD_RE, KvLayout
-from storage.kv.shard import ShardMeta, read_problem, verify_slots
-from storage.kv.transport import KvTransport, ScratchBuffers
-from storage.store import Store
+from coinrag.storage.kv.layout import SHARD_RE, KvLayout
+from coinrag.storage.kv.shard import ShardMeta, read_problem, verify_slots
+from coinrag.storage.kv.transport import KvTransport, ScratchBuffers
+from coinrag.storage.store import Store
 
 
 class ShardCatalog:

@@ -46,7 +46,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from schemas.settings import KV_CODECS  # the setting's values: the names registered below
+from coinrag.schemas.settings import KV_CODECS  # the setting's values: the names registered below
 
 # model dtype -> the numpy dtype its values are stored as (identity codec)
 STORAGE_DTYPES = {

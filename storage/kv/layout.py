@@ -84,8 +84,8 @@ from typing import Any
 
 import torch
 
-from schemas.keys import fingerprint
-from storage.kv.codecs import (
+from coinrag.schemas.keys import fingerprint
+from coinrag.storage.kv.codecs import (
     STORAGE_DTYPES,
     TORCH_DTYPES,
     IdentityCodec,

@@ -22,8 +22,8 @@ import zarr
 from zarr.codecs import Crc32cCodec
 from zarr.storage import LocalStore
 
-from storage.kv.codecs import AXES, entry_checksum, from_storage, to_storage
-from storage.kv.layout import (
+from coinrag.storage.kv.codecs import AXES, entry_checksum, from_storage, to_storage
+from coinrag.storage.kv.layout import (
     ATTR,
     PREFIX,
     CorruptKvEntry,
@@ -32,9 +32,9 @@ from storage.kv.layout import (
     KvLayout,
     MissingKvEntry,
 )
-from storage.kv.shard import read_problem
-from storage.kv.transport import KvTransport
-from storage.store import Store
+from coinrag.storage.kv.shard import read_problem
+from coinrag.storage.kv.transport import KvTransport
+from coinrag.storage.store import Store
 
 
 class PrefixFolder:

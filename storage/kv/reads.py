@@ -37,8 +37,8 @@ import torch
 from zarr.core.sync import sync as _zarr_sync
 from zarr.storage import WrapperStore
 
-from storage.kv.layout import CorruptKvEntry, KvLayout
-from storage.kv.shard import (
+from coinrag.storage.kv.layout import CorruptKvEntry, KvLayout
+from coinrag.storage.kv.shard import (
     ShardMeta,
     back_to_back,
     block_problem,

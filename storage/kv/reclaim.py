@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
-from schemas.tables import KvManifestRow
-from storage.kv.layout import CorruptKvEntry, MissingKvEntry, parse_location
-from storage.kv.shard import create_shard_array, data_key, shard_attributes, shard_size
+from coinrag.schemas.tables import KvManifestRow
+from coinrag.storage.kv.layout import CorruptKvEntry, MissingKvEntry, parse_location
+from coinrag.storage.kv.shard import create_shard_array, data_key, shard_attributes, shard_size
 
 if TYPE_CHECKING:
-    from storage.kv.store import KvStore
+    from coinrag.storage.kv.store import KvStore
 
 
 @dataclass
@@ -87,7 +87,7 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
     rows (identical) or orphan folders, which the next ``gc`` removes. An entry that fails
     its check while being moved is dropped (the kv stage rebuilds it when it is needed).
     """
-    from storage.tables import rewrite_rows
+    from coinrag.storage.tables import rewrite_rows
 
     out = KvReclaim(kv_fp=kv.kv_fp)
     manifest = kv.manifest(refresh=True)

@@ -54,10 +54,10 @@ import numpy as np
 import torch
 import zarr
 
-from schemas.tables import ChunkRow, KvManifestRow
-from storage.kv.catalog import ShardCatalog
-from storage.kv.codecs import entry_checksum
-from storage.kv.layout import (
+from coinrag.schemas.tables import ChunkRow, KvManifestRow
+from coinrag.storage.kv.catalog import ShardCatalog
+from coinrag.storage.kv.codecs import entry_checksum
+from coinrag.storage.kv.layout import (
     ATTR,
     KV_CHECK_LEVELS,
     CorruptKvEntry,
@@ -69,8 +69,8 @@ from storage.kv.layout import (
     location_order,
     parse_location,
 )
-from storage.kv.prefix import PrefixFolder
-from storage.kv.reads import (
+from coinrag.storage.kv.prefix import PrefixFolder
+from coinrag.storage.kv.reads import (
     CountingReader,
     ReadStats,
     SlicePlan,
@@ -80,11 +80,11 @@ from storage.kv.reads import (
     shard_geometry,
     slices_of,
 )
-from storage.kv.reclaim import KvReclaim, find_garbage, reclaim_dead, remove_garbage
-from storage.kv.shard import ShardMeta
-from storage.kv.transport import transport_for
-from storage.kv.writes import ShardStager, StagedShard, WriteStats, distinct_entries
-from storage.store import Store
+from coinrag.storage.kv.reclaim import KvReclaim, find_garbage, reclaim_dead, remove_garbage
+from coinrag.storage.kv.shard import ShardMeta
+from coinrag.storage.kv.transport import transport_for
+from coinrag.storage.kv.writes import ShardStager, StagedShard, WriteStats, distinct_entries
+from coinrag.storage.store import Store
 
 
 class KvStore:
@@ -171,7 +171,7 @@ class KvStore:
         if self._manifest is None or refresh:
             import pyarrow.compute as pc
 
-            from storage.tables import read_rows
+            from coinrag.storage.tables import read_rows
 
             rows = read_rows(
                 self.store,
@@ -474,7 +474,7 @@ class KvStore:
         this, so shard numbers are given in publication order."""
         if staged.kv_fp != self.kv_fp:
             raise KvFingerprintMismatch(staged.kv_fp, self.kv_fp, f"staged {staged.tmp_name}")
-        from storage.tables import append_rows
+        from coinrag.storage.tables import append_rows
 
         tmp = self.root / staged.tmp_name
         if not self.store.is_file(tmp / "zarr.json"):

@@ -41,10 +41,10 @@ import numpy as np
 import zarr
 from zarr.storage import FsspecStore, LocalStore
 
-from storage.kv.layout import KvError
-from storage.location import zarr_storage_options
-from storage.object_lock import precondition_failed
-from storage.store import Store
+from coinrag.storage.kv.layout import KvError
+from coinrag.storage.location import zarr_storage_options
+from coinrag.storage.object_lock import precondition_failed
+from coinrag.storage.store import Store
 
 _ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and sizes (a page)
 _CLAIM = ".claim"  # object stores: created (conditionally) before a shard is copied into place

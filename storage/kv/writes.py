@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from schemas.keys import CODE_VERSION
-from schemas.tables import ChunkRow, KvManifestRow
-from storage.kv.codecs import entry_checksum
-from storage.kv.layout import KvLayout
-from storage.kv.shard import shard_attributes, write_shard_direct, write_shard_zarr
-from storage.kv.transport import KvTransport, LocalFiles, ScratchBuffers
+from coinrag.schemas.keys import CODE_VERSION
+from coinrag.schemas.tables import ChunkRow, KvManifestRow
+from coinrag.storage.kv.codecs import entry_checksum
+from coinrag.storage.kv.layout import KvLayout
+from coinrag.storage.kv.shard import shard_attributes, write_shard_direct, write_shard_zarr
+from coinrag.storage.kv.transport import KvTransport, LocalFiles, ScratchBuffers
 
 SHARD_WRITERS = {"direct": write_shard_direct, "zarr": write_shard_zarr}
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference.llm_client import CallRecord
+from coinrag.inference.llm_client import CallRecord
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from schemas.settings import BuildSettings
-from tasks.extractors.base import Extractor
+from coinrag.schemas.settings import BuildSettings
+from coinrag.tasks.extractors.base import Extractor
 
 
 @lru_cache(maxsize=4)
@@ -17,7 +17,7 @@ def make_extractor(settings: BuildSettings, state_dir: str | None = None) -> Ext
     """
     backend = settings.resolved_extractor()
     if backend == "openai":
-        from tasks.extractors.openai_chat import OpenAIChatExtractor
+        from coinrag.tasks.extractors.openai_chat import OpenAIChatExtractor
 
         return OpenAIChatExtractor(
             model=settings.llm_model,
@@ -26,7 +26,7 @@ def make_extractor(settings: BuildSettings, state_dir: str | None = None) -> Ext
             timeout_s=settings.request_timeout,
         )
     if backend == "openai-batch":
-        from tasks.extractors.openai_batch import OpenAIBatchExtractor
+        from coinrag.tasks.extractors.openai_batch import OpenAIBatchExtractor
 
         return OpenAIBatchExtractor(
             model=settings.llm_model,
@@ -36,17 +36,17 @@ def make_extractor(settings: BuildSettings, state_dir: str | None = None) -> Ext
             state_path=f"{state_dir}/openai-batch-state.json" if state_dir else None,
         )
     if backend == "local":
-        from tasks.extractors.local import LocalConstrainedExtractor
+        from coinrag.tasks.extractors.local import LocalConstrainedExtractor
 
         return LocalConstrainedExtractor(
             model=settings.model, max_nuggets=settings.local_max_nuggets, device=settings.device
         )
     if backend == "rules":
-        from tasks.extractors.rules import RulesExtractor
+        from coinrag.tasks.extractors.rules import RulesExtractor
 
         return RulesExtractor()
     if backend == "none":
-        from tasks.extractors.none import NoExtractor
+        from coinrag.tasks.extractors.none import NoExtractor
 
         return NoExtractor()
     raise ValueError(f"unknown extractor {backend!r}")

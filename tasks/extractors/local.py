@@ -26,21 +26,21 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from inference.constrained import (
+from coinrag.inference.constrained import (
     GreedyChoice,
     PromptPrefix,
     decode_constrained,
     decode_with_generate,
 )
-from inference.llm_client import CallRecord
-from schemas.keys import fingerprint, sha256_hex
-from tasks.extractors.base import (
+from coinrag.inference.llm_client import CallRecord
+from coinrag.schemas.keys import fingerprint, sha256_hex
+from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
     ResultReporter,
 )
-from tasks.extractors.span_copy import (
+from coinrag.tasks.extractors.span_copy import (
     BOUNDARIES,
     SpanCopyMachine,
     SpecialIds,
@@ -172,7 +172,7 @@ class LocalConstrainedExtractor:
     def loaded(self) -> Any:
         """The ``LoadedModel`` (loaded on first access)."""
         if self._loaded is None:
-            from inference.models import load_shared_model
+            from coinrag.inference.models import load_shared_model
 
             # Shared with the KV stage of the same build: one copy of the weights per process.
             ref = None if self.model_ref is None else str(self.model_ref)
@@ -189,7 +189,7 @@ class LocalConstrainedExtractor:
         if self._loaded is not None:
             return self._loaded.model_fp
         if self._model_fp is None:
-            from inference.models import reference_model_fingerprint
+            from coinrag.inference.models import reference_model_fingerprint
 
             self._model_fp = reference_model_fingerprint(self.model_ref, self.device)
         return self._model_fp
@@ -271,7 +271,7 @@ class LocalConstrainedExtractor:
         return [r.candidates for r in self.extract(reqs)]
 
     def _run(self, texts: list[str]) -> tuple[list[SpanCopyMachine], list[int], float]:
-        from inference.rope import reset_rotary
+        from coinrag.inference.rope import reset_rotary
 
         machines = [self.machine(t) for t in texts]
         prompts = [self.prompt_ids(t) for t in texts]

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.keys import fingerprint
-from tasks.extractors.base import ExtractionRequest, ExtractionResult, ResultFn, ResultReporter
+from coinrag.schemas.keys import fingerprint
+from coinrag.tasks.extractors.base import (
+    ExtractionRequest,
+    ExtractionResult,
+    ResultFn,
+    ResultReporter,
+)
 
 
 class NoExtractor:

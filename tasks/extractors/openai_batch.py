@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import openai
 
-from inference.llm_client import (
+from coinrag.inference.llm_client import (
     CallRecord,
     LlmEndpoint,
     MalformedResponse,
@@ -51,15 +51,15 @@ from inference.llm_client import (
     classify_error,
     new_call_id,
 )
-from inference.llm_pricing import call_cost
-from schemas.keys import sha256_hex
-from tasks.extractors.base import (
+from coinrag.inference.llm_pricing import call_cost
+from coinrag.schemas.keys import sha256_hex
+from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
     ResultReporter,
 )
-from tasks.extractors.openai_chat import (
+from coinrag.tasks.extractors.openai_chat import (
     MODE_JSON_SCHEMA,
     MODE_PROMPT,
     extractor_fingerprint,
@@ -68,7 +68,7 @@ from tasks.extractors.openai_chat import (
     response_format_param,
     spread_results,
 )
-from tasks.extractors.prompt import PROMPT_VERSION, build_messages, parse_nuggets
+from coinrag.tasks.extractors.prompt import PROMPT_VERSION, build_messages, parse_nuggets
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import openai
 
-from inference.llm_client import (
+from coinrag.inference.llm_client import (
     CallRecord,
     LlmEndpoint,
     MalformedResponse,
@@ -44,14 +44,14 @@ from inference.llm_client import (
     content_of,
     usage_of,
 )
-from schemas.keys import fingerprint as _fingerprint
-from tasks.extractors.base import (
+from coinrag.schemas.keys import fingerprint as _fingerprint
+from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
     ResultReporter,
 )
-from tasks.extractors.prompt import (
+from coinrag.tasks.extractors.prompt import (
     PROMPT_VERSION,
     RESPONSE_SCHEMA,
     build_messages,

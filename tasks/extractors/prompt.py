@@ -11,8 +11,8 @@ import json
 import re
 from typing import Any
 
-from inference.llm_client import MalformedResponse
-from schemas.keys import sha256_hex
+from coinrag.inference.llm_client import MalformedResponse
+from coinrag.schemas.keys import sha256_hex
 
 SYSTEM_PROMPT = (
     "You extract information nuggets from a passage for a retrieval system. A nugget is a short, "

@@ -30,8 +30,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from schemas.keys import fingerprint
-from tasks.extractors.base import ExtractionRequest, ExtractionResult, ResultFn, ResultReporter
+from coinrag.schemas.keys import fingerprint
+from coinrag.tasks.extractors.base import (
+    ExtractionRequest,
+    ExtractionResult,
+    ResultFn,
+    ResultReporter,
+)
 
 RULES_VERSION = "rules-v2"  # v2: a wrapped line of a paragraph no longer ends a sentence
 

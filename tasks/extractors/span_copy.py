@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.extractors.rules import WordSpans, merge_short, runs_after, segment_words
+from coinrag.tasks.extractors.rules import WordSpans, merge_short, runs_after, segment_words
 
 # ---------------------------------------------------------------------------------------------
 # The passage as the machine sees it

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from inference.llm_client import CallRecord
-from schemas.keys import fingerprint
-from tasks.question_generators.prompt import PROMPT_VERSION
+from coinrag.inference.llm_client import CallRecord
+from coinrag.schemas.keys import fingerprint
+from coinrag.tasks.question_generators.prompt import PROMPT_VERSION
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.settings import CartridgeSettings
-from tasks.question_generators.base import QuestionGenerator
-from tasks.question_generators.local import LocalQuestionGenerator
-from tasks.question_generators.openai_chat import OpenAIQuestionGenerator
+from coinrag.schemas.settings import CartridgeSettings
+from coinrag.tasks.question_generators.base import QuestionGenerator
+from coinrag.tasks.question_generators.local import LocalQuestionGenerator
+from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
 
 # backend name -> generator class (each has ``from_settings(settings, loaded)``)
 GENERATORS: dict[str, Any] = {

@@ -14,18 +14,18 @@ from typing import Any
 
 import torch
 
-from inference.constrained import SampledChoice, decode_constrained
-from inference.llm_client import CallRecord, new_call_id
-from schemas.settings import CartridgeSettings
-from tasks.question_generators.accept import MalformedQuestions, parse_questions
-from tasks.question_generators.base import (
+from coinrag.inference.constrained import SampledChoice, decode_constrained
+from coinrag.inference.llm_client import CallRecord, new_call_id
+from coinrag.schemas.settings import CartridgeSettings
+from coinrag.tasks.question_generators.accept import MalformedQuestions, parse_questions
+from coinrag.tasks.question_generators.base import (
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
     generator_fingerprint,
 )
-from tasks.question_generators.prompt import build_local_messages
-from tasks.question_generators.skeleton import SkeletonMachine, skeleton_vocab
+from coinrag.tasks.question_generators.prompt import build_local_messages
+from coinrag.tasks.question_generators.skeleton import SkeletonMachine, skeleton_vocab
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class LocalQuestionGenerator:
     @property
     def loaded(self) -> Any:
         if self._loaded is None:
-            from inference.models import load_model
+            from coinrag.inference.models import load_model
 
             self._loaded = load_model(self.model_ref, device=self.device)
         return self._loaded

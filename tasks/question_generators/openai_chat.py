@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from inference.llm_client import (
+from coinrag.inference.llm_client import (
     CallRecord,
     LlmEndpoint,
     MalformedResponse,
@@ -24,15 +24,19 @@ from inference.llm_client import (
     content_of,
     usage_of,
 )
-from schemas.settings import CartridgeSettings
-from tasks.question_generators.accept import ACCEPTS_VERSION, MalformedQuestions, parse_questions
-from tasks.question_generators.base import (
+from coinrag.schemas.settings import CartridgeSettings
+from coinrag.tasks.question_generators.accept import (
+    ACCEPTS_VERSION,
+    MalformedQuestions,
+    parse_questions,
+)
+from coinrag.tasks.question_generators.base import (
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
     generator_fingerprint,
 )
-from tasks.question_generators.prompt import build_question_messages
+from coinrag.tasks.question_generators.prompt import build_question_messages
 
 log = logging.getLogger(__name__)
 

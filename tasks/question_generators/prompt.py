@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from schemas.keys import sha256_hex
+from coinrag.schemas.keys import sha256_hex
 
 SEED_TYPES = ("structuring", "summarization", "question", "use_case", "creative")
 

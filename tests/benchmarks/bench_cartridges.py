@@ -45,25 +45,25 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from flows.cartridges import build_pool, train_key  # noqa: E402
-from inference.assemble import assemble_cartridges  # noqa: E402
-from inference.encode import document_kv, prefix_kv, to_dynamic_cache  # noqa: E402
-from inference.generate import prefill_and_decode  # noqa: E402
-from inference.methods.cartridge import CartridgeRag, text_rag_answer  # noqa: E402
-from inference.models import load_model  # noqa: E402
-from inference.prompt import RagPrompt  # noqa: E402
-from inference.rope import RopeSpec  # noqa: E402
-from schemas.keys import CODE_VERSION, doc_version  # noqa: E402
-from schemas.settings import CartridgeSettings, TeacherSettings  # noqa: E402
-from schemas.tables import DocumentRow  # noqa: E402
-from storage.cartridges import CartridgeLayout, CartridgeStore  # noqa: E402
-from storage.store import Store  # noqa: E402
-from storage.tables import append_rows  # noqa: E402
-from tasks.question_generators.local import LocalQuestionGenerator  # noqa: E402
-from tasks.questions import selfstudy_stage  # noqa: E402
-from tasks.teacher import teacher_stage  # noqa: E402
-from training.budget import CartridgeTrainer, train_bytes  # noqa: E402
-from training.cartridges import (  # noqa: E402
+from coinrag.flows.cartridges import build_pool, train_key  # noqa: E402
+from coinrag.inference.assemble import assemble_cartridges  # noqa: E402
+from coinrag.inference.encode import document_kv, prefix_kv, to_dynamic_cache  # noqa: E402
+from coinrag.inference.generate import prefill_and_decode  # noqa: E402
+from coinrag.inference.methods.cartridge import CartridgeRag, text_rag_answer  # noqa: E402
+from coinrag.inference.models import load_model  # noqa: E402
+from coinrag.inference.prompt import RagPrompt  # noqa: E402
+from coinrag.inference.rope import RopeSpec  # noqa: E402
+from coinrag.schemas.keys import CODE_VERSION, doc_version  # noqa: E402
+from coinrag.schemas.settings import CartridgeSettings, TeacherSettings  # noqa: E402
+from coinrag.schemas.tables import DocumentRow  # noqa: E402
+from coinrag.storage.cartridges import CartridgeLayout, CartridgeStore  # noqa: E402
+from coinrag.storage.store import Store  # noqa: E402
+from coinrag.storage.tables import append_rows  # noqa: E402
+from coinrag.tasks.question_generators.local import LocalQuestionGenerator  # noqa: E402
+from coinrag.tasks.questions import selfstudy_stage  # noqa: E402
+from coinrag.tasks.teacher import teacher_stage  # noqa: E402
+from coinrag.training.budget import CartridgeTrainer, train_bytes  # noqa: E402
+from coinrag.training.cartridges import (  # noqa: E402
     CartridgeSpec,
     Example,
     student_logprobs,
@@ -128,7 +128,7 @@ class MiniLMRetriever:
     """Top-k documents by cosine similarity of MiniLM vectors (title + summary)."""
 
     def __init__(self, docs: dict[str, str]) -> None:
-        from inference.embedders import load_embedder
+        from coinrag.inference.embedders import load_embedder
 
         self.embedder = load_embedder("minilm")
         self.ids = list(docs)

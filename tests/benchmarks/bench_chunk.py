@@ -11,8 +11,8 @@ import argparse
 import time
 from pathlib import Path
 
-from inference.models import load_tokenizer, tokenizer_fingerprint
-from tasks.chunk import chunk_document
+from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
+from coinrag.tasks.chunk import chunk_document
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from inference.models import load_tokenizer, tokenizer_fingerprint
-from tasks.chunk import chunk_document
-from tasks.chunk_content import ContentParams
+from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
+from coinrag.tasks.chunk import chunk_document
+from coinrag.tasks.chunk_content import ContentParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (store_fixtures)
 from store_fixtures import REPO, load_script  # noqa: E402

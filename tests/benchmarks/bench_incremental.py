@@ -130,10 +130,10 @@ def _bytes_under(path: Path) -> int:
 
 def store_footprint(store_dir: Path) -> dict[str, Any]:
     """Rows and bytes on disk per store part: tables (per table), kv, index, the rest."""
-    from schemas.tables import TABLES
-    from storage.index import LanceIndex
-    from storage.store import Store
-    from storage.tables import read_table, table_files
+    from coinrag.schemas.tables import TABLES
+    from coinrag.storage.index import LanceIndex
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_table, table_files
 
     store = Store.at(store_dir)
     tables: dict[str, dict[str, int]] = {}
@@ -180,7 +180,7 @@ def start_prefect_api() -> float:
 
 def timed_build(source: Path, store: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Run the build flow once; its summary plus ``wall_s``."""
-    from flows.build import build_flow
+    from coinrag.flows.build import build_flow
 
     started = time.perf_counter()
     summary = build_flow(str(source), str(store), settings)

@@ -38,13 +38,13 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from inference.encode import bare_forward_seconds  # noqa: E402
-from inference.models import load_model, load_tokenizer, tokenizer_fingerprint  # noqa: E402
-from inference.prompt import RagPrompt  # noqa: E402
-from storage.kv import KvLayout, KvStore  # noqa: E402
-from storage.store import Store  # noqa: E402
-from tasks.chunk import chunk_document  # noqa: E402
-from tasks.kv import kv_stage  # noqa: E402
+from coinrag.inference.encode import bare_forward_seconds  # noqa: E402
+from coinrag.inference.models import load_model, load_tokenizer, tokenizer_fingerprint  # noqa: E402
+from coinrag.inference.prompt import RagPrompt  # noqa: E402
+from coinrag.storage.kv import KvLayout, KvStore  # noqa: E402
+from coinrag.storage.store import Store  # noqa: E402
+from coinrag.tasks.chunk import chunk_document  # noqa: E402
+from coinrag.tasks.kv import kv_stage  # noqa: E402
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 CHUNK = 512

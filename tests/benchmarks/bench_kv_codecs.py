@@ -46,11 +46,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from inference.assemble import KvSlice, assemble_context  # noqa: E402
-from inference.encode import keys_to_position_zero, to_dynamic_cache  # noqa: E402
-from inference.rope import RopeSpec, reset_rotary  # noqa: E402
-from storage.kv import KvLayout, KvStore  # noqa: E402
-from storage.kv.codecs import dequantize, quantize  # noqa: E402
+from coinrag.inference.assemble import KvSlice, assemble_context  # noqa: E402
+from coinrag.inference.encode import keys_to_position_zero, to_dynamic_cache  # noqa: E402
+from coinrag.inference.rope import RopeSpec, reset_rotary  # noqa: E402
+from coinrag.storage.kv import KvLayout, KvStore  # noqa: E402
+from coinrag.storage.kv.codecs import dequantize, quantize  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +208,7 @@ def prepare(work: Path, kv_dtype: str, store: Path | None = None) -> tuple[Path,
 
 def check_against_a_real_store(reader: CodecReader, ck: str, work: Path) -> None:
     """The emulated int4 round trip is what an int4 store returns, bit for bit."""
-    from storage.store import Store
+    from coinrag.storage.store import Store
 
     kv = reader.kv
     lay = dataclasses.replace(reader.codec_layout, slots_per_shard=4)
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-kv-codecs-"))
     work.mkdir(parents=True, exist_ok=True)
     questions_path, store = prepare(work, args.kv_dtype, args.store)
-    from inference.evaluate import evaluate, load_questions
-    from inference.methods import RagEngine
-    from inference.methods.assets import StoredKv
+    from coinrag.inference.evaluate import evaluate, load_questions
+    from coinrag.inference.methods import RagEngine
+    from coinrag.inference.methods.assets import StoredKv
 
     engine = RagEngine.open(str(store), max_new_tokens=args.max_new_tokens, methods=("coinrag",))
     model = engine.model

@@ -47,9 +47,9 @@ sys.path.insert(0, str(REPO / "tests"))
 import torch  # noqa: E402
 from store_fixtures import synthetic_chunk  # noqa: E402
 
-from storage.kv import KvLayout, KvStore  # noqa: E402
-from storage.kv.transport import LocalTransport  # noqa: E402
-from storage.store import Store  # noqa: E402
+from coinrag.storage.kv import KvLayout, KvStore  # noqa: E402
+from coinrag.storage.kv.transport import LocalTransport  # noqa: E402
+from coinrag.storage.store import Store  # noqa: E402
 
 DIMS = dict(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
 TOKENS = 512
@@ -76,7 +76,7 @@ def start_s3() -> Any:
         AWS_REGION="us-east-1",
         AWS_ENDPOINT_URL=f"http://{host}:{port}",
     )
-    from storage.location import object_filesystem
+    from coinrag.storage.location import object_filesystem
 
     object_filesystem.cache_clear()
     object_filesystem("s3").mkdir("bench")

@@ -86,9 +86,9 @@ def dir_bytes(path: Path) -> int:
 def last_build(store_path: Path, dtype: str, codec: str) -> dict[str, Any] | None:
     """The counts (``stage_seconds`` among them) and fingerprints of the store's last
     completed build run with KV at ``dtype`` / ``codec`` that computed KV (None if none)."""
-    from schemas.tables import RunRow
-    from storage.store import Store
-    from storage.tables import read_table
+    from coinrag.schemas.tables import RunRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_table
 
     if not (store_path / "coinrag.toml").is_file():
         return None
@@ -117,8 +117,8 @@ def kv_measures(store_path: Path, kv_fp: str, kv_seconds: float, run_id: str) ->
     """Bytes on disk of the KV folder, stored chunk tokens, bytes per token over raw bf16, and
     the tokens the build ``run_id`` computed per second of its KV stage (entries an earlier,
     interrupted build committed are reused, not computed)."""
-    from storage.kv import KvStore
-    from storage.store import Store
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.store import Store
 
     kv = KvStore.open(Store.at(store_path), kv_fp)
     lay = kv.layout

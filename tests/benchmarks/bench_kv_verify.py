@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from schemas.tables import ChunkRow
-from storage.kv import KvLayout, KvStore
-from storage.store import Store
+from coinrag.schemas.tables import ChunkRow
+from coinrag.storage.kv import KvLayout, KvStore
+from coinrag.storage.store import Store
 
 LEVELS = ("stat", "crc32c", "sha256")
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tasks.extractors.base import ExtractionRequest  # noqa: E402
-from tasks.extractors.local import LocalConstrainedExtractor  # noqa: E402
-from tasks.extractors.rules import RulesExtractor  # noqa: E402
+from coinrag.tasks.extractors.base import ExtractionRequest  # noqa: E402
+from coinrag.tasks.extractors.local import LocalConstrainedExtractor  # noqa: E402
+from coinrag.tasks.extractors.rules import RulesExtractor  # noqa: E402
 
 
 def load_summaries(n: int, min_words: int = 30) -> list[str]:

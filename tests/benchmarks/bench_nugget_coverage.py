@@ -84,7 +84,7 @@ def faq_data(out: Path, pages: list[str] | None) -> tuple[Path, list[dict]]:
 
 
 def build(source: str, store: Path, extractor: str) -> float:
-    from flows.build import build_flow
+    from coinrag.flows.build import build_flow
 
     t0 = time.perf_counter()
     build_flow(source, str(store), {"extractor": extractor, "kv": False})
@@ -92,9 +92,9 @@ def build(source: str, store: Path, extractor: str) -> float:
 
 
 def coverage(store: Path) -> dict[str, float]:
-    from schemas.tables import ChunkRow, NuggetRow
-    from storage.store import Store
-    from storage.tables import read_rows
+    from coinrag.schemas.tables import ChunkRow, NuggetRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_rows
 
     st = Store.at(store)
     chunks = {c.chunk_id: c for c in read_rows(st, ChunkRow)}
@@ -114,11 +114,11 @@ def coverage(store: Path) -> dict[str, float]:
 def answers(store: Path, questions: list[dict], kc: int, k: int) -> dict[str, float]:
     """Answer-word recall in the retrieved nuggets, the retrieved chunks, the gold page's
     nuggets (see the module docstring)."""
-    from inference.embedders import load_embedder
-    from inference.retrieve import Retriever
-    from schemas.tables import NuggetRow
-    from storage.store import Store
-    from storage.tables import read_rows
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieve import Retriever
+    from coinrag.schemas.tables import NuggetRow
+    from coinrag.storage.store import Store
+    from coinrag.storage.tables import read_rows
 
     st = Store.at(store)
     retriever = Retriever(st, load_embedder("minilm"))
@@ -146,9 +146,9 @@ def answers(store: Path, questions: list[dict], kc: int, k: int) -> dict[str, fl
 
 
 def showcase(store: Path, kc: int, k: int) -> str:
-    from inference.embedders import load_embedder
-    from inference.retrieve import Retriever
-    from storage.store import Store
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieve import Retriever
+    from coinrag.storage.store import Store
 
     two = Retriever(Store.at(store), load_embedder("minilm")).two_stage(
         "Who directed 2001: A Space Odyssey?", kc=kc, k=k

@@ -47,7 +47,7 @@ def start_s3() -> Any:
         AWS_REGION="us-east-1",
         AWS_ENDPOINT_URL=f"http://{host}:{port}",
     )
-    from storage.location import object_filesystem
+    from coinrag.storage.location import object_filesystem
 
     object_filesystem.cache_clear()
     object_filesystem("s3").mkdir("bench")
@@ -71,13 +71,13 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     server = start_s3()
-    from flows.build import build_flow
-    from inference.embedders import load_embedder
-    from inference.retrieve import Retriever
-    from storage.gc import kv_fps
-    from storage.kv import KvStore
-    from storage.location import object_filesystem
-    from storage.store import Store
+    from coinrag.flows.build import build_flow
+    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieve import Retriever
+    from coinrag.storage.gc import kv_fps
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.location import object_filesystem
+    from coinrag.storage.store import Store
 
     docs = load_wiki(args.n_docs, args.seed)
     work = Path(tempfile.mkdtemp(prefix="bench-object-store-"))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parents[2]))  # repository root (tasks)
 
 from recover_reference import make_candidates, reference_recover  # noqa: E402
 
-from tasks.span_match import recover_candidates  # noqa: E402
+from coinrag.tasks.span_match import recover_candidates  # noqa: E402
 
 CHUNK_TOKENS = 512
 DOCS_GLOB = "/usr/share/doc/python3.11/html/_sources"

