@@ -3,12 +3,12 @@ next-token-logit error of coinrag's assembled contexts, and F1, with keys quanti
 (what the int8 / int4 stores do) and after it (the alternative, measured here).
 
     python tests/benchmarks/bench_kv_codecs.py [--work DIR] [--limit 176] [--kc 4] [--k 10]
-        [--kv-dtype bfloat16] [--threads 2] [--no-f1] [--json PATH]
+        [--kv-dtype bfloat16] [--store STORE] [--threads 2] [--no-f1] [--json PATH]
 
 Corpus and questions: the FAQ pages of Debian's ``python3.11-doc`` and their 176 question /
-answer pairs (``infra/python_faq.py OUT --subset 0``), built once into ``WORK/store`` with the
-``rules`` extractor and SmolLM2-135M's KV at ``--kv-dtype`` with codec ``none`` (a second run
-reuses it). The float store is the reference.
+answer pairs (``infra/python_faq.py OUT --subset 0``), built once into ``WORK/store`` with
+``coinrag build`` (the ``rules`` extractor, SmolLM2-135M's KV at ``--kv-dtype``, codec
+``none``; a second run reuses it). The float store is the reference.
 
 Variants (each reads the float store's entries through a codec round trip, exactly what a
 store of that codec returns: checked against a real int4 store's reads at the start):
@@ -182,25 +182,27 @@ class QueryCapture:
             h.remove()
 
 
-def prepare(work: Path, kv_dtype: str) -> tuple[Path, Path]:
-    """The FAQ corpus and questions, and the float store built from them (once)."""
+def prepare(work: Path, kv_dtype: str, store: Path | None = None) -> tuple[Path, Path]:
+    """The FAQ corpus and questions, and the float store built from them (once; ``store``: one
+    already built from them, with codec ``none``)."""
     data = work / "faq"
     if not (data / "questions.jsonl").is_file():
         subprocess.run(
             [sys.executable, str(REPO / "infra" / "python_faq.py"), str(data), "--subset", "0"],
             check=True,
         )
-    store = work / "store"
+    store = store or work / "store"
     if not (store / "coinrag.toml").is_file():
-        from coinrag.flows.build import build_flow
-
+        # the CLI (its temporary Prefect server waits longer than an ephemeral one on a busy
+        # machine)
         t0 = time.perf_counter()
-        summary = build_flow(
-            str(data / "corpus_subset.jsonl"),
-            str(store),
-            {"extractor": "rules", "kv_dtype": kv_dtype},
+        coinrag = str(Path(sys.executable).with_name("coinrag"))
+        subprocess.run(
+            [coinrag, "build", str(data / "corpus_subset.jsonl"), "--store", str(store)]
+            + ["--extractor", "rules", "--kv-dtype", kv_dtype, "--kv-codec", "none"],
+            check=True,
         )
-        print(f"built {store}: {summary['chunks']} chunks in {time.perf_counter() - t0:.0f} s")
+        print(f"built {store} in {time.perf_counter() - t0:.0f} s")
     return data / "questions.jsonl", store
 
 
@@ -231,48 +233,64 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kc", type=int, default=4)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--kv-dtype", default="bfloat16")
+    ap.add_argument("--store", type=Path, help="a store of the FAQ pages, codec none (reused)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--no-f1", action="store_true")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        help="only these variants (default: all)",
+    )
+    ap.add_argument(
+        "--no-diagnostics", action="store_true", help="F1 only (no per-question error measures)"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-kv-codecs-"))
     work.mkdir(parents=True, exist_ok=True)
-    questions_path, store = prepare(work, args.kv_dtype)
+    questions_path, store = prepare(work, args.kv_dtype, args.store)
     from coinrag.inference.evaluate import evaluate, load_questions
     from coinrag.inference.methods import RagEngine
+    from coinrag.inference.methods.assets import StoredKv
 
-    engine = RagEngine.open(str(store), max_new_tokens=args.max_new_tokens)
+    engine = RagEngine.open(str(store), max_new_tokens=args.max_new_tokens, methods=("coinrag",))
     model = engine.model
-    float_kv = engine.kv
-    spec = engine.spec
+    context = engine.asset(StoredKv)  # the coinrag method's stored-KV context (shared)
+    float_kv = context.kv
+    spec = context.spec
+    prefix_kv = context.prefix_kv
     p = engine.prompt.n_prefix
-    readers = {v.name: CodecReader(float_kv, v, spec, p) for v in VARIANTS}
+    variants = [v for v in VARIANTS if not args.variants or v.name in args.variants]
+    if not variants:
+        raise SystemExit(f"error: --variants: none of {args.variants} is a variant")
+    readers = {v.name: CodecReader(float_kv, v, spec, p) for v in variants}
     questions = load_questions(questions_path)[: args.limit]
     first = engine.retriever.two_stage(questions[0].question, kc=args.kc, k=args.k)
-    check_against_a_real_store(readers["int4 pre"], first.evidence[0].content_key, work)
-    stats: dict[str, dict[str, list[float]]] = {v.name: {} for v in VARIANTS[1:]}
+    int4_pre = next(v for v in VARIANTS if v.name == "int4 pre")
+    int4 = CodecReader(float_kv, int4_pre, spec, p)
+    check_against_a_real_store(int4, first.evidence[0].content_key, work)
+    stats: dict[str, dict[str, list[float]]] = {v.name: {} for v in variants if v.codec != "none"}
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     capture = QueryCapture(model)
     t0 = time.perf_counter()
-    for qi, q in enumerate(questions):
+    for qi, q in enumerate([] if args.no_diagnostics else questions):
         retrieval = engine.retriever.two_stage(q.question, kc=args.kc, k=args.k)
         requests = [(e.content_key, e.tok_start, e.tok_end) for e in retrieval.evidence]
         query_ids = engine.prompt.query_ids(q.question)
         total = p + sum(e - s for _, s, e in requests)
         ref = None
-        for v in VARIANTS:
-            reader = readers[v.name]
+        for v in [VARIANTS[0], *(v for v in variants if v.codec != "none")]:
+            reader = readers.get(v.name) or CodecReader(float_kv, v, spec, p)
+            readers[v.name] = reader
             blocks = reader.read_slices(requests)
             slices = [
                 KvSlice(b, p + s, p + float_kv.manifest()[ck].tokens, reader.keys_at_zero)
                 for b, (ck, s, _) in zip(blocks, requests, strict=True)
             ]
-            ctx = assemble_context(
-                engine.prefix_kv, slices, spec, new_seq_len=total + len(query_ids)
-            )
+            ctx = assemble_context(prefix_kv, slices, spec, new_seq_len=total + len(query_ids))
             reset_rotary(model)
             with torch.inference_mode():
                 out = model(
@@ -307,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{qi + 1}/{len(questions)} questions ({time.perf_counter() - t0:.0f} s)")
     capture.close()
     results: dict[str, Any] = {}
-    for v in VARIANTS:
+    for v in variants:
         row: dict[str, Any] = {"bytes_over_raw_bf16": round(bytes_per_token(v, float_kv.layout), 4)}
         reader = readers[v.name]
         if reader.errors:
@@ -319,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, values in stats.get(v.name, {}).items():
             row[key] = round(sum(values) / len(values), 6)
         if not args.no_f1:
-            engine.kv = reader  # type: ignore[assignment]
+            context.kv = reader  # type: ignore[assignment]  # what coinrag reads now
             table = evaluate(
                 store,
                 questions_path,
@@ -342,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                     "results": results,
                 },
                 indent=1,
+                default=str,  # paths among the args
             )
         )
     return 0
