@@ -217,6 +217,7 @@ def _prefect_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.heavy
 def test_killed_build_leaves_previous_version_and_next_build_resumes(
     tmp_path, sample_corpus, tiny_model, minilm
 ):

@@ -116,6 +116,7 @@ def _family(pid: int) -> list[psutil.Process]:
         return []
 
 
+@pytest.mark.heavy
 def test_killed_build_keeps_every_answer_it_received(tmp_path, sample_corpus) -> None:
     """Item 13 (and 11): SIGKILL a real ``coinrag build`` after 5 answers; the resumed build
     asks only for the rest. Progress came per answered chunk text, with an ETA, before that."""
@@ -209,6 +210,7 @@ def test_progress_lines_are_rate_limited_with_percent_and_eta() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_dask_workers_stage_answers_the_flow_writes_once(
     tmp_path, sample_corpus, monkeypatch
 ) -> None:

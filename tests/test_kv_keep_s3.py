@@ -57,6 +57,7 @@ def _rows(st: Store) -> list[dict]:
     return sorted(out, key=lambda r: r["location"])
 
 
+@pytest.mark.heavy
 def test_nuggets_store_on_s3_built_by_dask_workers(
     tmp_path, s3, sample_corpus, smollm2_tokenizer
 ) -> None:

@@ -125,6 +125,7 @@ def rows(st: Store, record: type, key: str) -> list[dict]:
     return sorted(out, key=lambda r: (r[key], json.dumps(r, sort_keys=True, default=str)))
 
 
+@pytest.mark.heavy
 def test_object_store_lifecycle_matches_a_local_store(
     tmp_path, s3, sample_corpus, tiny_model, minilm
 ):
@@ -275,6 +276,7 @@ def test_object_lock_honours_the_holders_ttl(s3):
     assert not s3.exists(path)
 
 
+@pytest.mark.heavy
 def test_dask_workers_stage_kv_shards_into_the_bucket(tmp_path, s3, sample_corpus):
     """Scale-out on an object store: Dask worker processes (they inherit the AWS variables)
     stage their KV shards straight into the bucket, the flow publishes them; the assets are the
@@ -297,6 +299,7 @@ def test_dask_workers_stage_kv_shards_into_the_bucket(tmp_path, s3, sample_corpu
     assert not [o for o in s3.find(f"{BUCKET}/stores/dask") if "/.tmp-" in o]
 
 
+@pytest.mark.heavy
 def test_killed_build_on_s3_keeps_the_published_version_and_its_lease_expires(
     tmp_path, s3, sample_corpus, tiny_model, minilm, monkeypatch
 ):

@@ -54,6 +54,7 @@ def wait_for(predicate, timeout: float, step: float = 0.25) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.heavy
 def test_a_killed_build_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
     home = tmp_path / "prefect-home"
     home.mkdir()

@@ -102,6 +102,7 @@ def _check_summary(summary: dict[str, Any], reference: dict[str, Any]) -> None:
     }
 
 
+@pytest.mark.heavy
 def test_dask_local_cluster_builds_the_same_assets(tmp_path, corpus, default_build) -> None:
     reference, ref_summary = default_build
     store = tmp_path / "store"
@@ -116,6 +117,7 @@ def test_dask_local_cluster_builds_the_same_assets(tmp_path, corpus, default_bui
     assert again["kv_computed"] == 0 and again["embedded"] == 0 and again["extract_requested"] == 0
 
 
+@pytest.mark.heavy
 def test_ray_local_cluster_builds_the_same_assets(tmp_path, corpus, default_build) -> None:
     reference, ref_summary = default_build
     store = tmp_path / "store"
@@ -129,6 +131,7 @@ def _finished_keys(dask_worker: Any) -> list[str]:
     return sorted({str(e[0]) for e in dask_worker.state.log if len(e) > 2 and e[2] == "memory"})
 
 
+@pytest.mark.heavy
 def test_kv_tasks_go_only_to_workers_offering_the_kv_resources(tmp_path, default_build) -> None:
     from distributed import Client, Nanny, Scheduler, SpecCluster
     from prefect import flow
@@ -152,7 +155,8 @@ def test_kv_tasks_go_only_to_workers_offering_the_kv_resources(tmp_path, default
         def kv_only() -> dict[str, Any]:
             with task_runner(settings) as runner:
                 store = Store.at(tmp_path / "store").init()
-                return kv_on_workers(runner, store, chunks, settings, "run-kv")
+                # kv_keep = "chunks": whole chunks, so no extractor's nuggets are read
+                return kv_on_workers(runner, store, chunks, settings, "run-kv", extractor_fp="")
 
         counts = kv_only()
         with Client(cluster.scheduler_address) as client:

@@ -237,12 +237,14 @@ def _assert_cron_scheduled(dep, logs: list[Path]) -> None:
     assert times == {(3, 0)}, times
 
 
+@pytest.mark.heavy
 def test_llm_endpoint_tag_limit_exists(server):
     with _client() as client:
         limit = client.read_global_concurrency_limit_by_name("tag:llm-endpoint")
     assert limit.limit == LLM_LIMIT and limit.active
 
 
+@pytest.mark.heavy
 def test_serve_cron_run_and_source_changed_event(server, tmp_path):
     from prefect.deployments import run_deployment
     from prefect.events.filters import EventFilter, EventNameFilter
@@ -335,6 +337,7 @@ def test_serve_cron_run_and_source_changed_event(server, tmp_path):
             _interrupt(serve, 30)
 
 
+@pytest.mark.heavy
 def test_prefect_yaml_deploys_and_the_worker_runs_it(server, tmp_path):
     from prefect.deployments import run_deployment
 
