@@ -8,7 +8,8 @@ An object store has no ``flock``, but it has conditional writes (S3 since 2024; 
   so the object's ``LastModified`` stays fresh while the holder lives;
 - **release**: delete it with ``If-Match: <our ETag>`` (nothing if it is no longer ours);
 - **a dead holder** stops beating: once ``LastModified`` is older than the lease's ``ttl``
-  (the larger of the holder's, recorded in the object, and the contender's), the next writer
+  (the larger of the holder's, recorded in the object, and the contender's; plus the second
+  ``LastModified`` may round away), the next writer
   takes the lock over with ``If-Match: <the stale ETag>``, so of two writers racing for a stale
   lock exactly one wins.
 
@@ -39,6 +40,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 DEFAULT_TTL_S = 120.0
+
+
+LAST_MODIFIED_RESOLUTION_S = 1.0  # HTTP dates (S3's LastModified) are in whole seconds
 
 
 def lock_ttl_s() -> float:
@@ -152,7 +156,8 @@ class ObjectLock:
         holder = f"{body.get('holder', 'unknown')}, heartbeat {body.get('heartbeat', '?')}"
         ttl = max(self.ttl_s, float(body.get("ttl_s") or 0))
         age = (datetime.now(UTC) - modified).total_seconds()
-        if age <= ttl:
+        # LastModified has whole seconds: the write may be up to a second later than it says.
+        if age <= ttl + LAST_MODIFIED_RESOLUTION_S:
             raise LockContention(f"{holder}; its heartbeat is {age:.0f} s old")
         try:
             self._put(IfMatch=etag)
