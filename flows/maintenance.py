@@ -74,6 +74,7 @@ def gc_counts(report: GcReport) -> dict[str, Any]:
         "index_bytes_freed": report.index_bytes_freed,
         "temp_paths_removed": report.temp_paths_removed,
         "temp_bytes_freed": report.temp_bytes_freed,
+        "reader_versions_kept": report.reader_versions_kept,
         "bytes_reclaimed": report.bytes_reclaimed,
         "kv": [asdict(k) for k in report.kv],
     }

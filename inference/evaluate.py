@@ -68,6 +68,7 @@ from coinrag.inference.report import (
 from coinrag.schemas.evaluation import PER_QUESTION_SCHEMA
 from coinrag.schemas.qa import load_questions
 from coinrag.schemas.settings import DEFAULT_RAG_METHODS
+from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
     from coinrag.inference.methods import RagMethod
@@ -203,7 +204,7 @@ def evaluate(
     store_path: str | Path,
     questions_path: str | Path,
     out_dir: str | Path,
-    methods: Sequence[str] = DEFAULT_METHODS,
+    methods: Sequence[str] | None = None,
     sweep: Sequence[tuple[int, int]] = DEFAULT_SWEEP,
     max_new_tokens: int = 32,
     budgets_ms: Sequence[float] = DEFAULT_BUDGETS_MS,
@@ -220,7 +221,9 @@ def evaluate(
 
     ``methods``: names, or ``METHOD@LABEL`` to run on the model labelled ``LABEL`` of
     ``models`` (default: one model, the store's or ``model``, labelled ``default``); a bare
-    name runs on the first model. ``limit``: only the first ``limit`` questions;
+    name runs on the first model. ``None``: the default methods the store's assets can run
+    (``methods_for``: a store keeping only nugget spans has no turborag; a note names each
+    one left out). ``limit``: only the first ``limit`` questions;
     ``limit_for``: ``{METHOD or METHOD@LABEL: N}``, that method on the first N questions only
     (slow methods on a subset; ``n`` says so in every table). ``engine``: an already opened
     :class:`~inference.methods.RagEngine` for the first model (then ``store_path``, its model
@@ -230,8 +233,14 @@ def evaluate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from coinrag.inference.methods import METHODS, RagEngine
+    from coinrag.inference.methods import METHODS, RagEngine, methods_for, unavailable_methods
 
+    console = Console(stderr=True, quiet=quiet)
+    if methods is None:
+        store = engine.store if engine is not None else Store.at(store_path)
+        methods = methods_for(store, DEFAULT_METHODS)
+        for left_out, why in unavailable_methods(store, DEFAULT_METHODS).items():
+            console.log(f"note: {left_out} left out: {why}")
     models = list(models or [EvalModel(DEFAULT_MODEL_LABEL, model)])
     if len({m.label for m in models}) != len(models):
         raise ValueError(f"two models share a label: {', '.join(m.label for m in models)}")
@@ -256,7 +265,6 @@ def evaluate(
     dataset = Path(questions_path).stem
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=True, quiet=quiet)
 
     engines: dict[str, Any] = {}
     for m in models:

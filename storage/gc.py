@@ -10,7 +10,12 @@
   "nuggets"``) keys its entries by content and kept ranges (``storage/kv/kept.py``): it keeps
   the entries whose ranges a live nugget set uses (:func:`live_nugget_entry_keys`), so the
   entries of spans a replaced extractor found go.
-- **LanceDB versions** older than the published one (``LanceIndex.prune_versions``).
+- **LanceDB versions** older than the published one (``LanceIndex.prune_versions``), except
+  those a reader still holds: a long-lived reader (``coinrag api``) keeps a lease in
+  ``STORE/readers/`` naming the published versions its requests read (``storage.readers``);
+  while it is fresh, those versions' table versions and the KV entries their index rows point
+  to stay (a build's compaction honours the leases too). Expired or unreadable leases (a
+  reader that died) are removed as leftovers.
 - **A dry run** reports what the run would reclaim: for KV, the shards it would drop or
   compact and the bytes of the new shards it would write (``KvStore.reclaim``); for LanceDB,
   whose pruning tells its effect only by doing it, the pruning done on a scratch copy of the
@@ -26,6 +31,7 @@ Parquet tables are not touched, except ``kv_manifest`` rows of dropped entries; 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -37,12 +43,15 @@ from pathlib import Path, PurePath
 
 import pyarrow.compute as pc
 
-from coinrag.schemas.tables import ChunkRow, NuggetRow, RunRow
+from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, NuggetRow, RunRow
 from coinrag.storage.corpus import live_versions
 from coinrag.storage.index import LanceIndex
 from coinrag.storage.kv import KeptRanges, KvReclaim, KvStore, entry_key
+from coinrag.storage.readers import READERS_DIR, fresh_leases, readers_dir, stale_lease_paths
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_table
+
+log = logging.getLogger("coinrag.gc")
 
 
 @dataclass
@@ -56,6 +65,7 @@ class GcReport:
     index_bytes_freed: int = 0  # measured (on a dry run: on a scratch copy of the index)
     temp_paths_removed: int = 0
     temp_bytes_freed: int = 0
+    reader_versions_kept: int = 0  # published versions older than the current one, held by readers
 
     @property
     def kv_entries_dropped(self) -> int:
@@ -151,12 +161,37 @@ def live_nugget_entry_keys(store: Store) -> set[str]:
 
 
 def _indexes(store: Store) -> Iterable[LanceIndex]:
+    """The index views whose rows are live: the latest (the writer's), the published one,
+    and every version a fresh reader lease holds (one a reader still reads after a newer
+    publish)."""
     latest = LanceIndex.open_latest(store)
     if latest is not None:
         yield latest
-    published = (store.published() or {}).get("index")
-    if published:
-        yield LanceIndex.open(store)
+    published = store.published() or {}
+    if published.get("index"):
+        yield LanceIndex.open(store, published)
+    for record in _held_records(store):
+        held = LanceIndex.open(store, record)
+        try:
+            for name in INDEX_TABLES:
+                held.table(name)  # checks each table out at the held version
+        except Exception as exc:  # pruned before the reader leased it: nothing left to keep
+            log.warning("a reader holds index versions %s that are gone: %s", record, exc)
+            continue
+        yield held
+
+
+def _held_records(store: Store) -> list[dict]:
+    """The ``[published]`` records fresh reader leases hold, other than the published one
+    (each once)."""
+    current = ((store.published() or {}).get("index") or {}).get("versions") or {}
+    held: dict[str, dict] = {}
+    for lease in fresh_leases(store):
+        for record in lease.versions:
+            versions = (record.get("index") or {}).get("versions") or {}
+            if versions and versions != current:
+                held[repr(sorted(versions.items()))] = record
+    return list(held.values())
 
 
 def kv_fps(store: Store) -> list[str]:
@@ -208,6 +243,14 @@ def _scratch_copy(store: Store, scratch: Path) -> Store:
         store.fs.get(str(store.index_dir) + "/", str(index) + "/", recursive=True)
     if store.is_file(store.settings_path):
         (scratch / "coinrag.toml").write_bytes(store.read_bytes(store.settings_path))
+    leases = readers_dir(store)
+    for name in store.list_names(leases):  # the readers' holds apply to the copy too
+        dst = scratch / READERS_DIR / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            dst.write_bytes(store.read_bytes(leases / name))
+        except FileNotFoundError:
+            continue
     return Store.at(scratch)
 
 
@@ -231,6 +274,7 @@ def index_dry_run(store: Store) -> tuple[dict[str, int], int]:
 def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcReport:
     """Reclaim dead KV entries, old index versions and leftovers (see the module doc)."""
     report = GcReport(dry_run=dry_run)
+    report.reader_versions_kept = len(_held_records(store))
     live = live_content_keys(store)
     report.live_content_keys = len(live)
     nugget_keys: set[str] | None = None  # computed once, for stores of nugget spans only
@@ -249,7 +293,7 @@ def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcRepor
         before = store.tree_bytes(store.index_dir)
         report.index_versions_removed = latest.prune_versions()
         report.index_bytes_freed = max(0, before - store.tree_bytes(store.index_dir))
-    for path in temp_leftovers(store):
+    for path in temp_leftovers(store) + stale_lease_paths(store):
         report.temp_paths_removed += 1
         report.temp_bytes_freed += store.tree_bytes(path)
         if not dry_run:

@@ -51,6 +51,7 @@ import pyarrow as pa
 
 from coinrag.schemas.tables import INDEX_TABLES, arrow_schema
 from coinrag.storage.location import lance_storage_options
+from coinrag.storage.readers import fresh_leases
 from coinrag.storage.store import Store
 
 META_FILE = "coinrag-index.json"
@@ -439,18 +440,34 @@ class LanceIndex:
             self._write_meta()
         return made
 
+    def _keep_from(self, name: str) -> int | None:
+        """The oldest version of table ``name`` to keep: the published one, or an older one a
+        reader still holds (a fresh lease, ``storage.readers``); None when nothing is published
+        or held."""
+        published = ((self.store.published() or {}).get("index") or {}).get("versions") or {}
+        held = [
+            int(v[name])
+            for lease in fresh_leases(self.store)
+            for v in lease.index_versions()
+            if name in v
+        ]
+        if name in published:
+            held.append(int(published[name]))
+        return min(held) if held else None
+
     def _prunable_age(self, name: str) -> timedelta:
-        """``cleanup_older_than`` that prunes only versions older than the published one.
+        """``cleanup_older_than`` that prunes only versions older than the one to keep
+        (:meth:`_keep_from`).
 
         Lance stamps versions with naive local times; the age is taken under both readings
-        (local and UTC) and the larger kept, plus a margin, so the published version is never
-        pruned. With nothing published, versions older than a day go.
+        (local and UTC) and the larger kept, plus a margin, so the kept version is never
+        pruned. With nothing published or held, versions older than a day go.
         """
-        published = ((self.store.published() or {}).get("index") or {}).get("versions") or {}
-        if name not in published:
+        keep_from = self._keep_from(name)
+        if keep_from is None:
             return timedelta(days=1)
         tbl = self.table(name)
-        stamps = [v["timestamp"] for v in tbl.list_versions() if v["version"] == published[name]]
+        stamps = [v["timestamp"] for v in tbl.list_versions() if v["version"] == keep_from]
         if not stamps:
             return timedelta(days=1)
         at = stamps[0].replace(tzinfo=None)
@@ -460,7 +477,8 @@ class LanceIndex:
         return age + timedelta(seconds=1)
 
     def _compact_then_prune(self, tbl: Any, name: str, delete_unverified: bool = False) -> None:
-        """Compact small files, then prune versions older than the published one.
+        """Compact small files, then prune versions older than the one to keep (the published
+        one, or an older one a reader holds: :meth:`_keep_from`).
 
         Two ``optimize`` calls: Lance takes the cleanup's cutoff (now minus the age) when it
         prunes, after compacting, so an age measured before a long compaction would move the
@@ -473,16 +491,16 @@ class LanceIndex:
         tbl.optimize(cleanup_older_than=age, delete_unverified=delete_unverified)
 
     def prune_versions(self, dry_run: bool = False) -> dict[str, int]:
-        """Remove the versions of each table older than the published one (compacting small
-        files on the way); return how many versions each table lost (or would lose)."""
-        published = ((self.store.published() or {}).get("index") or {}).get("versions") or {}
+        """Remove the versions of each table older than the published one, or than an older
+        version a reader still holds (a fresh lease, ``storage.readers``), compacting small
+        files on the way; return how many versions each table lost (or would lose)."""
         removed: dict[str, int] = {}
         for name in INDEX_TABLES:
             tbl = self.table(name)
             if tbl is None:
                 continue
-            keep_from = published.get(name)
             before = [v["version"] for v in tbl.list_versions()]
+            keep_from = self._keep_from(name)
             if keep_from is None:
                 keep_from = max(before)
             old = sum(v < keep_from for v in before)

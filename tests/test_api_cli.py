@@ -17,6 +17,8 @@ from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
 from coinrag.inference import threads
+from coinrag.storage.readers import fresh_leases
+from coinrag.storage.store import Store
 
 COINRAG = str(Path(sys.executable).with_name("coinrag"))
 
@@ -45,6 +47,9 @@ def test_coinrag_api_serves_the_sample_store_until_ctrl_c(sample_store: Path) ->
         assert 1 <= len(answer["answer"].split()) and answer["timings"]["ttft"] > 0
         bad = httpx.post(f"{base}/query", json={**body, "method": "turborag"}, timeout=60)
         assert bad.status_code == 422 and "not served" in bad.json()["error"]
+        # the server holds a reader lease on the version it serves (gc keeps it)
+        (lease,) = fresh_leases(Store.at(sample_store))
+        assert lease.versions == [Store.at(sample_store).published()]
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -55,6 +60,8 @@ def test_coinrag_api_serves_the_sample_store_until_ctrl_c(sample_store: Path) ->
     output = server.stdout.read().decode()
     assert code == 0, output
     assert "loaded and warmed" in output and "Shutting down" in output
+    assert fresh_leases(Store.at(sample_store)) == []  # released on Ctrl-C
+    assert not (sample_store / "readers").exists()
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from coinrag.flows.cli import app
 from coinrag.inference.server.app import RUN_HEADER, ServerConfig
 from coinrag.storage.location import object_filesystem
+from coinrag.storage.readers import fresh_leases
 from coinrag.storage.store import Store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
@@ -72,3 +73,9 @@ def test_api_serves_an_s3_store_and_follows_a_delete(s3_store: str) -> None:
         assert after.status_code == 200 and after.headers[RUN_HEADER] == run_id
         assert gone not in {e["doc_id"] for e in after.json()["evidence"]}
         assert after.json()["evidence"]
+        # its reader lease lives in the bucket and names the version it serves now
+        deadline = time.monotonic() + 60
+        while [lease.versions for lease in fresh_leases(st)] != [[st.published()]]:
+            assert time.monotonic() < deadline, fresh_leases(st)
+            time.sleep(0.2)
+    assert fresh_leases(st) == []  # released when the server stops

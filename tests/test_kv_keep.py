@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from coinrag.flows.build import build_flow
 from coinrag.flows.cli import app
+from coinrag.inference.evaluate import evaluate
 from coinrag.inference.methods import MissingAssets, RagEngine
 from coinrag.inference.methods.assets import StoredNuggetKv
 from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow
@@ -157,6 +158,9 @@ def test_cli_query_eval_and_lineage_on_a_nuggets_store(built, tmp_path):
 
     methods = set(pq.read_table(tmp_path / "o2" / "results.parquet").column("method").to_pylist())
     assert methods == {"coinrag", "standard"}
+    # the Python API's default methods are the store's too (it ran turborag and failed before)
+    results = evaluate(store, questions, tmp_path / "o3", max_new_tokens=2, quiet=True)
+    assert set(results.column("method").to_pylist()) == {"coinrag", "standard"}
 
     # lineage: which ranges each entry holds, and the nugget's entry holds its span
     sql = "SELECT kv_kept, tok_start, tok_end FROM lineage_nuggets"

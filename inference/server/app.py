@@ -44,6 +44,8 @@ from coinrag.inference.server.queue import Cancel, Cancelled, ModelQueue, QueueF
 from coinrag.inference.server.requests import BadRequest, QueryRequest, parse_query
 from coinrag.inference.server.versions import PublishWatcher, ServedVersion, VersionHolder
 from coinrag.schemas.settings import ApiSettings
+from coinrag.storage.readers import ReaderLeaseHolder
+from coinrag.storage.store import Store
 
 log = logging.getLogger("coinrag.api")
 CONFIG_ENV = "COINRAG_API_CONFIG"  # the ServerConfig of `coinrag api`, as JSON, for workers
@@ -80,7 +82,9 @@ class ApiServer:
     """What one server process holds: the served versions, the model thread and its queue,
     the metrics, the publish watcher."""
 
-    def __init__(self, config: ServerConfig, engine: RagEngine) -> None:
+    def __init__(
+        self, config: ServerConfig, engine: RagEngine, lease: ReaderLeaseHolder | None = None
+    ) -> None:
         self.config = config
         self.settings = config.api_settings()
         self.methods: tuple[str, ...] = tuple(engine.methods)
@@ -88,10 +92,16 @@ class ApiServer:
         self.queue = ModelQueue(self.settings.queue_limit)
         self.warm(engine)
         self.holder = VersionHolder(
-            ServedVersion(engine), lambda v: self.metrics.serve_run(v.run_id)
+            ServedVersion(engine), lambda v: self.metrics.serve_run(v.run_id), self._held_changed
         )
+        self.lease = lease or ReaderLeaseHolder(engine.store, self.holder.held)
+        self.lease.versions = self.holder.held
         self.watcher = PublishWatcher(
-            self.holder, self.settings.poll_interval, self.warm, self._refused
+            self.holder,
+            self.settings.poll_interval,
+            self.warm,
+            self._refused,
+            before_open=lambda record: self.lease.renew(extra=[record]),
         )
 
     @classmethod
@@ -103,13 +113,21 @@ class ApiServer:
         settings = config.api_settings()
         threads = set_process_threads(settings.threads)
         started = time.perf_counter()
-        engine = RagEngine.open(
-            config.store,
-            model=config.model,
-            max_new_tokens=config.max_new_tokens,
-            methods=config.methods,
-        )
-        server = cls(config, engine)
+        store = Store.at(config.store)
+        lease = ReaderLeaseHolder(store, list)  # leased before it is read (gc keeps it)
+        if store.exists() and store.published():
+            lease.renew(extra=[store.published()])
+        try:
+            engine = RagEngine.open(
+                config.store,
+                model=config.model,
+                max_new_tokens=config.max_new_tokens,
+                methods=config.methods,
+            )
+        except BaseException:
+            lease.release()
+            raise
+        server = cls(config, engine, lease)
         log.info(
             "loaded and warmed %s (run %s, %s) in %.1f s, %d thread(s)",
             config.store,
@@ -119,6 +137,13 @@ class ApiServer:
             threads,
         )
         return server
+
+    def _held_changed(self) -> None:
+        """Rewrite the reader lease now (a swap or a closed version), not at the next beat."""
+        try:
+            self.lease.renew()
+        except Exception:
+            log.exception("renewing the reader lease failed (retried at the next beat)")
 
     def _refused(self, message: str) -> None:
         self.metrics.refusals.inc()
@@ -191,11 +216,14 @@ class ApiServer:
         return version, future
 
     def start(self) -> None:
+        """Hold the reader lease (renewed in the background) and start following the store."""
+        self.lease.hold()
         self.watcher.start()
 
     def stop(self) -> None:
         self.watcher.stop()
         self.queue.shutdown()
+        self.lease.release()
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

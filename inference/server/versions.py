@@ -6,6 +6,8 @@ by the requests that hold it. :class:`VersionHolder` hands the current one out
 (:meth:`VersionHolder.acquire`) and swaps it atomically (:meth:`VersionHolder.swap`): requests
 already holding the old version finish on it, new ones get the new one; the old engine's store
 views (index tables, KV readers, chunk tokens) are closed when its last request releases it.
+The server's reader lease (``storage.readers``) names every version held
+(:meth:`VersionHolder.held`), so ``coinrag gc`` and a build's compaction keep them.
 
 :class:`PublishWatcher` polls the store cheaply (the ``coinrag.toml`` object's size and mtime,
 or its ETag on S3: one ``stat``/``HEAD`` per ``poll_interval``; the file is read only when that
@@ -53,16 +55,28 @@ class VersionHolder:
     """The version new requests get; refcounts; closes a retired version's views when its last
     request releases it."""
 
-    def __init__(self, first: ServedVersion, on_swap: Callable[[ServedVersion], None]) -> None:
+    def __init__(
+        self,
+        first: ServedVersion,
+        on_swap: Callable[[ServedVersion], None],
+        on_held: Callable[[], None] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._current = first
         self._on_swap = on_swap
+        self._on_held = on_held  # called when the versions held change (a swap, a close)
         self.retired_open: list[ServedVersion] = []  # retired, still held by requests
         on_swap(first)
 
     @property
     def current(self) -> ServedVersion:
         return self._current
+
+    def held(self) -> list[dict[str, Any]]:
+        """The ``[published]`` records of the versions held: the current one and the retired
+        ones requests still read (what this server's reader lease names)."""
+        with self._lock:
+            return [v.published for v in [self._current, *self.retired_open] if v.published]
 
     def acquire(self) -> ServedVersion:
         with self._lock:
@@ -79,6 +93,8 @@ class VersionHolder:
                 self.retired_open.remove(version)
         if close:
             _close(version)
+            if self._on_held is not None:
+                self._on_held()
 
     def swap(self, new: ServedVersion) -> ServedVersion:
         """Make ``new`` current; the old one is closed now if no request holds it, else when its
@@ -95,6 +111,8 @@ class VersionHolder:
         log.info("serving published run %s (was %s)", new.run_id, old.run_id)
         if close:
             _close(old)
+        if self._on_held is not None:
+            self._on_held()
         return old
 
 
@@ -115,12 +133,14 @@ class PublishWatcher(threading.Thread):
         interval: float,
         prepare: Callable[[RagEngine], None],
         on_refused: Callable[[str], None],
+        before_open: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         super().__init__(name="coinrag-publish-watcher", daemon=True)
         self.holder = holder
         self.interval = interval
         self.prepare = prepare
         self.on_refused = on_refused
+        self.before_open = before_open  # called with the new [published] record before reading it
         self._stop = threading.Event()
         self._stamp: Any = self._read_stamp()
         self._refused: tuple[Any, ...] | None = None
@@ -173,6 +193,8 @@ class PublishWatcher(threading.Thread):
         started = time.perf_counter()
         engine = None
         try:
+            if self.before_open is not None and toml.get("published"):
+                self.before_open(toml["published"])
             engine = current.engine.reopen(toml)
             self.prepare(engine)
         except VersionRefused as exc:

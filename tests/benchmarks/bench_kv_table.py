@@ -3,19 +3,22 @@ CLI, then ``coinrag eval`` it on the FAQ questions, and print one markdown row p
 
     python tests/benchmarks/bench_kv_table.py [--work DIR] [--source CORPUS.jsonl]
         [--questions QUESTIONS.jsonl] [--subset 0] [--limit 176] [--threads 1]
-        [--variants float32:none bfloat16:none bfloat16:int8 bfloat16:int4]
+        [--variants float32:none bfloat16:none bfloat16:int8 bfloat16:int4 bfloat16:int4:nuggets]
         [--methods coinrag standard] [--kc 4] [--k 10] [--json PATH]
 
-Corpus and questions default to the FAQ pages of Debian's ``python3.11-doc`` and their 176
-question / answer pairs (``infra/python_faq.py WORK/faq --subset N``: the FAQ pages plus ``N``
-other pages). Each setting gets its own store ``WORK/store-<dtype>-<codec>`` built from
-scratch (or, with ``--one-store``, all go into ``WORK/store``: the first build does every
-stage, later ones add their KV beside it and eval reads it after ``coinrag.toml``'s
-``kv_dtype`` / ``kv_codec`` are set to the setting's)
-(``coinrag build SOURCE --extractor rules --kv-dtype D --kv-codec C``; a second run with the
-same WORK reuses a built store and its eval results), so every build's stage times cover every
-stage. Both commands run as child processes with ``OMP_NUM_THREADS=--threads``; their peak RSS
-is the child's (``os.wait4``: the process and the children it waited for, as ``/usr/bin/time``).
+A variant is ``DTYPE:CODEC[:KEEP]``, ``KEEP`` being ``chunks`` (default) or ``nuggets``
+(``--kv-keep nuggets``: only the nugget spans' KV is stored; its store is
+``WORK/store-<dtype>-<codec>-nuggets``). Corpus and questions default to the FAQ pages of
+Debian's ``python3.11-doc`` and their 176 question / answer pairs (``infra/python_faq.py
+WORK/faq --subset N``: the FAQ pages plus ``N`` other pages). Each setting gets its own store
+``WORK/store-<dtype>-<codec>`` built from scratch (or, with ``--one-store``, all go into
+``WORK/store``: the first build does every stage, later ones add their KV beside it and eval
+reads it after ``coinrag.toml``'s ``kv_dtype`` / ``kv_codec`` / ``kv_keep`` are set to the
+setting's) (``coinrag build SOURCE --extractor rules --kv-dtype D --kv-codec C``; a second run
+with the same WORK reuses a built store and its eval results), so every build's stage times
+cover every stage. Both commands run as child processes with ``OMP_NUM_THREADS=--threads``;
+their peak RSS is the child's (``os.wait4``: the process and the children it waited for, as
+``/usr/bin/time``).
 
 Columns:
 
@@ -83,9 +86,12 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def last_build(store_path: Path, dtype: str, codec: str) -> dict[str, Any] | None:
+def last_build(
+    store_path: Path, dtype: str, codec: str, keep: str = "chunks"
+) -> dict[str, Any] | None:
     """The counts (``stage_seconds`` among them) and fingerprints of the store's last
-    completed build run with KV at ``dtype`` / ``codec`` that computed KV (None if none)."""
+    completed build run with KV at ``dtype`` / ``codec`` / ``keep`` that computed KV (None if
+    none)."""
     from coinrag.schemas.tables import RunRow
     from coinrag.storage.store import Store
     from coinrag.storage.tables import read_table
@@ -101,6 +107,7 @@ def last_build(store_path: Path, dtype: str, codec: str) -> dict[str, Any] | Non
             and r["status"] == "completed"
             and params.get("kv_dtype") == dtype
             and params.get("kv_codec", "none") == codec
+            and params.get("kv_keep", "chunks") == keep
             and counts.get("kv_computed")
         ):
             rows.append(r)
@@ -139,13 +146,14 @@ def kv_measures(store_path: Path, kv_fp: str, kv_seconds: float, run_id: str) ->
     }
 
 
-def set_kv_settings(store_path: Path, dtype: str, codec: str) -> None:
-    """Point ``STORE/coinrag.toml`` at the KV of ``dtype`` / ``codec`` (already built there)."""
+def set_kv_settings(store_path: Path, dtype: str, codec: str, keep: str = "chunks") -> None:
+    """Point ``STORE/coinrag.toml`` at the KV of ``dtype`` / ``codec`` / ``keep`` (already built
+    there)."""
     import re
 
     path = store_path / "coinrag.toml"
     text = path.read_text()
-    for key, value in (("kv_dtype", dtype), ("kv_codec", codec)):
+    for key, value in (("kv_dtype", dtype), ("kv_codec", codec), ("kv_keep", keep)):
         text, n = re.subn(rf'(?m)^{key} = ".*"$', f'{key} = "{value}"', text)
         assert n == 1, f"{path}: no single {key} line"
     path.write_text(text)
@@ -159,14 +167,16 @@ def eval_results(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str, str]) -> dict:
-    dtype, codec = variant.split(":")
-    name = f"{dtype}-{codec}"
+    dtype, codec, keep = (variant.split(":") + ["chunks"])[:3]
+    if keep not in ("chunks", "nuggets"):
+        raise SystemExit(f"error: variant {variant}: KEEP must be chunks or nuggets")
+    name = f"{dtype}-{codec}" + ("-nuggets" if keep == "nuggets" else "")
     store = args.work / ("store" if args.one_store else f"store-{name}")
     result_path = args.work / f"result-{name}.json"
     if result_path.is_file():
         print(f"{name}: reusing {result_path}", flush=True)
         return json.loads(result_path.read_text())
-    row: dict[str, Any] = {"variant": name, "kv_dtype": dtype, "kv_codec": codec}
+    row: dict[str, Any] = {"variant": name, "kv_dtype": dtype, "kv_codec": codec, "kv_keep": keep}
     build_cmd = [
         COINRAG,
         "build",
@@ -179,13 +189,15 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
         dtype,
         "--kv-codec",
         codec,
+        "--kv-keep",
+        keep,
     ]
-    built = last_build(store, dtype, codec)
+    built = last_build(store, dtype, codec, keep)
     if built is None:
         print(f"{name}: {' '.join(build_cmd)}", flush=True)
         row["build"] = run_child(build_cmd, env, args.work / f"build-{name}.log")
-        built = last_build(store, dtype, codec)
-        assert built is not None, f"{store}: no completed build at {dtype} / {codec}"
+        built = last_build(store, dtype, codec, keep)
+        assert built is not None, f"{store}: no completed build at {dtype} / {codec} / {keep}"
     else:  # built by an earlier run of this script (times from its run row)
         print(f"{name}: {store} already has a build at {dtype} / {codec}: reused", flush=True)
         row["build"] = {"wall_s": None, "peak_rss_mib": None, "load_before": None}
@@ -203,7 +215,7 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
         print(f"{name}: {json.dumps(row, default=str)}", flush=True)
         return row
     if args.one_store:  # the store's settings say which KV eval reads: this variant's
-        set_kv_settings(store, dtype, codec)
+        set_kv_settings(store, dtype, codec, keep)
     out = args.work / f"eval-{name}"
     eval_cmd = [
         COINRAG,
@@ -239,7 +251,7 @@ def markdown(rows: list[dict[str, Any]], methods: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [
-            f"{r['kv_dtype']} {r['kv_codec']}",
+            f"{r['kv_dtype']} {r['kv_codec']} {r.get('kv_keep', 'chunks')}",
             f"{r['bytes_over_raw_bf16']:.4f}",
             f"{r['bytes_per_token']:.0f}",
             f"{r['kv_tokens_per_s']:.0f}",
