@@ -31,7 +31,7 @@ from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.settings import BuildSettings
 from coinrag.storage.publish import begin, publish
-from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
 from coinrag.tasks.chunk import chunk_stage, chunker_fingerprint
 from coinrag.tasks.delete import prune_stage
@@ -314,7 +314,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
         begin(st)
         run = start_run(st, run_id, "build", params)
         clock = StageClock()
-        try:
+        with failing_run(st, run):
             with clock("ingest"):
                 ingested, n_new_docs = ingest_task(st, source, run_id)
             with clock("prune"):
@@ -337,9 +337,6 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
                     if s.index
                     else {}
                 )
-        except BaseException as exc:
-            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
-            raise
         # kv_dtype "auto" is resolved where the KV is computed (here when no KV was); record
         # what it became, so readers load the model in the dtype of the stored KV.
         params["kv_dtype"] = kv.get("kv_dtype") or resolve_kv_dtype(s.kv_dtype, s.device).dtype

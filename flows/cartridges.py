@@ -34,7 +34,7 @@ from coinrag.schemas.settings import CartridgeSettings
 from coinrag.schemas.tables import DocumentRow, TeacherAnswerRow
 from coinrag.storage.cartridges import CartridgeLayout, CartridgeMeta, CartridgeStore, cartridge_id
 from coinrag.storage.corpus import live_documents_in
-from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
 from coinrag.tasks.question_generators.factory import make_generator
 from coinrag.tasks.questions import Question, selfstudy_stage
@@ -239,7 +239,7 @@ def _run_pipeline(
     params["generator"] = s.resolved_generator()
     with st.write_lock(run_id):
         run = start_run(st, run_id, flow_name, params)
-        try:
+        with failing_run(st, run):
             docs = live_documents_in(st, doc_ids)
             if not docs:
                 raise ValueError(f"the store {st} has no documents: run coinrag build first")
@@ -263,9 +263,6 @@ def _run_pipeline(
                     st, docs, questions, answers, s, loaded, max_steps, run_id
                 )
                 fps["cartridge_fp"] = summary["training"]["cartridge_fp"]
-        except BaseException as exc:
-            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
-            raise
         finish_run(
             st,
             run,

@@ -16,7 +16,7 @@ from prefect import flow
 from coinrag.schemas.keys import new_run_id
 from coinrag.storage.gc import GcReport, collect_garbage
 from coinrag.storage.publish import publish
-from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
 from coinrag.tasks.delete import delete_stage
 
@@ -33,12 +33,9 @@ def delete_documents(store: str, doc_ids: list[str]) -> dict[str, str]:
     run_id = new_run_id("delete")
     with st.write_lock(run_id):
         run = start_run(st, run_id, "delete", {"doc_ids": list(doc_ids)})
-        try:
+        with failing_run(st, run):
             deleted = delete_stage(st, doc_ids, run_id)
             publish(st, run_id, "delete")
-        except BaseException as exc:
-            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
-            raise
         finish_run(st, run, "completed", counts={"deleted": len(deleted)})
     return deleted
 
@@ -51,11 +48,8 @@ def gc_store(store: str, dry_run: bool = False) -> GcReport:
     run_id = new_run_id("gc")
     with st.write_lock(run_id):
         run = start_run(st, run_id, "gc", {"dry_run": dry_run})
-        try:
+        with failing_run(st, run):
             report = collect_garbage(st, run_id, dry_run=dry_run)
-        except BaseException as exc:
-            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
-            raise
         finish_run(st, run, "completed", counts=gc_counts(report))
     return report
 

@@ -35,7 +35,7 @@ from coinrag.inference.context import FINETUNE_CONTEXTS
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.qa import load_examples
 from coinrag.schemas.settings import FinetuneSettings, settings_from_toml
-from coinrag.storage.runs import finish_run, start_run
+from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
 from coinrag.training.finetune import file_sha256, run_training, write_documents
 
@@ -121,12 +121,8 @@ def train_nuggets_flow(
     }
     with st.write_lock(run_id):
         run = start_run(st, run_id, "train-nuggets", params)
-    try:
+    with failing_run(st, run, relock=True):
         summary = train_task(str(st.root), data_path, out, cfg, base_ref, examples)
-    except BaseException as exc:
-        with st.write_lock(run_id):
-            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
-        raise
     counts = {
         **summary["counts"],
         "steps": summary["steps"],
@@ -271,7 +267,7 @@ def train_kvlink_flow(
     }
     with st.write_lock(run_id):
         run = start_run(st, run_id, "train-kvlink", params)
-    try:
+    with failing_run(st, run, relock=True):
         summary = train_kvlink_task(
             str(st.root),
             data_path,
@@ -282,10 +278,6 @@ def train_kvlink_flow(
             {"n_link": n_link, "max_docs": max_docs},
             {"run_id": run_id},
         )
-    except BaseException as exc:
-        with st.write_lock(run_id):
-            finish_run(st, run, "failed", error=f"{type(exc).__name__}: {exc}")
-        raise
     counts = {
         **summary["counts"],
         "steps": summary["steps"],

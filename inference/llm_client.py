@@ -25,7 +25,6 @@ from __future__ import annotations
 import email.utils
 import os
 import random
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -36,6 +35,7 @@ from typing import Any
 import openai
 
 from coinrag.inference.llm_pricing import call_cost
+from coinrag.schemas.secrets import scrub
 
 _MAX_ERROR_CHARS = 500
 
@@ -63,21 +63,6 @@ class MalformedResponse(ValueError):
 
 
 # --------------------------------------------------------------------------- secrets and errors
-
-_KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\-]{6,}")
-_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\",}]+")
-_URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
-
-
-def scrub(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with the given secrets, anything shaped like an API key, bearer tokens and URL
-    credentials replaced by ``***``."""
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
-    text = _KEY_LIKE.sub("sk-***", text)
-    text = _BEARER.sub(r"\1***", text)
-    return _URL_USERINFO.sub(r"\1***@", text)
 
 
 def known_secrets(client: Any) -> tuple[str, ...]:

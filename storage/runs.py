@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 from coinrag.schemas.keys import CODE_VERSION, canonical_json
+from coinrag.schemas.secrets import env_secrets, scrub
 from coinrag.schemas.tables import RunRow
 from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows
@@ -58,3 +61,22 @@ def finish_run(
     )
     append_rows(store, [row], started.run_id, "run-end")
     return row
+
+
+def run_error(exc: BaseException) -> str:
+    """What the ``runs`` row's ``error`` says about ``exc``: its type and message, scrubbed of
+    secrets (``schemas.secrets``)."""
+    return scrub(f"{type(exc).__name__}: {exc}", env_secrets())
+
+
+@contextmanager
+def failing_run(store: Store, run: RunRow, relock: bool = False) -> Iterator[None]:
+    """Record ``run`` as failed (:func:`run_error`) if the block raises, then re-raise (a
+    Ctrl-C or SIGTERM included). ``relock``: take the store's write lock to write the row (a
+    block that ran without it, e.g. training)."""
+    try:
+        yield
+    except BaseException as exc:
+        with store.write_lock(run.run_id) if relock else nullcontext():
+            finish_run(store, run, "failed", error=run_error(exc))
+        raise
