@@ -137,6 +137,22 @@ def _ray_options(resources: dict[str, float]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- stages on workers
 
 
+def _worker_threads(settings: BuildSettings) -> int:
+    """The ``threads`` of each worker process (``inference.threads.worker_threads``): a local
+    cluster's ``workers`` share this machine's CPUs; a remote cluster's resolve their own."""
+    from coinrag.inference.threads import worker_threads
+
+    local = None if settings.runner_address else settings.workers
+    return worker_threads(settings.threads, local)
+
+
+def _apply_worker_threads(settings: BuildSettings) -> int:
+    """Set this worker process's torch/BLAS threads (:func:`_worker_threads`); returns them."""
+    from coinrag.inference.threads import set_process_threads
+
+    return set_process_threads(_worker_threads(settings))
+
+
 @dataclass(frozen=True)
 class KvPrep:
     """What the flow needs from the model to plan the KV stage (computed on a worker)."""
@@ -157,8 +173,11 @@ def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
     from coinrag.inference.models import load_shared_model
     from coinrag.inference.prompt import RagPrompt
 
+    threads = _apply_worker_threads(settings)
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
-    get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
+    get_run_logger().info(
+        "kv: %s (%s), %d thread(s) per worker", kv_dtype.dtype, kv_dtype.reason, threads
+    )
     loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     layout = kv_layout(loaded, prompt, kv_codec=settings.kv_codec, keep=settings.kv_keep)
@@ -185,6 +204,7 @@ def kv_group_task(
     from coinrag.inference.models import load_shared_model
     from coinrag.tasks.kv import stage_group_kv
 
+    _apply_worker_threads(settings)
     loaded = load_shared_model(settings.model, settings.device, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
     prefix_kv, _ = kv.read_prefix()
@@ -275,8 +295,12 @@ def _worker_embedder(ref: str) -> Any:
 
 
 @task(name="embed-part", cache_policy=NO_CACHE)
-def embed_part_task(embedder_ref: str, texts: list[str]) -> np.ndarray:
-    """``(len(texts), dim)`` float32 vectors of one part of the texts to embed."""
+def embed_part_task(embedder_ref: str, texts: list[str], threads: int = 0) -> np.ndarray:
+    """``(len(texts), dim)`` float32 vectors of one part of the texts to embed, computed with
+    ``threads`` threads (:func:`worker_threads`' answer; 0: auto on the worker)."""
+    from coinrag.inference.threads import set_process_threads
+
+    set_process_threads(threads)
     return _worker_embedder(embedder_ref).embed_documents(texts)
 
 
@@ -285,8 +309,12 @@ def embed_on_workers(
 ) -> Iterator[np.ndarray]:
     """``tasks.embed.EmbedParts`` on ``runner``: every part submitted at once, vectors yielded
     in order as they come back."""
+    threads = _worker_threads(settings)
     futures = [
-        runner.submit(embed_part_task, {"embedder_ref": settings.embedder, "texts": part})
+        runner.submit(
+            embed_part_task,
+            {"embedder_ref": settings.embedder, "texts": part, "threads": threads},
+        )
         for part in parts
     ]
     for future in futures:

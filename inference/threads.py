@@ -49,6 +49,19 @@ def resolve_threads(threads: int) -> int:
     return 1 if cpus <= 2 else max(1, min(physical_cores(), cpus, 4))
 
 
+def worker_threads(threads: int, local_workers: int | None) -> int:
+    """Threads of one worker process of a scale-out build (Dask or Ray; ``flows/scaleout.py``):
+    ``threads`` if > 0; auto (0) on a local cluster of ``local_workers`` processes: the usable
+    CPUs shared among them (at least 1, at most 4), so N workers do not each start a pool as
+    wide as the machine; auto on a remote cluster (``local_workers`` None): 0, resolved on the
+    worker's own machine by :func:`set_process_threads`."""
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0 (0: auto), got {threads}")
+    if threads > 0 or local_workers is None:
+        return threads
+    return max(1, min(usable_cpus() // max(1, local_workers), 4))
+
+
 def set_process_threads(threads: int) -> int:
     """Set torch's intra-op (and, once, inter-op) threads and the OMP/MKL/OpenBLAS variables
     (read by pools started later, child processes included) to ``resolve_threads(threads)``;
