@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_harness import free_port
+from api_harness import free_port, metric_values
 from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
@@ -114,3 +114,52 @@ def test_threads_is_an_option_of_build_query_eval_and_api() -> None:
     for command in (["build"], ["query"], ["eval"], ["api"]):
         result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
         assert "--threads" in result.output, command
+
+
+@pytest.mark.heavy
+def test_workers_report_one_metrics_view(sample_store: Path) -> None:
+    """``--workers 2``: /metrics from whichever worker answers counts every worker's requests."""
+    port = free_port()
+    cmd = [COINRAG, "api", "--store", str(sample_store), "--port", str(port), "--threads", "1"]
+    cmd += ["--methods", "coinrag", "--max-new-tokens", "2", "--workers", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        loaded = 0
+        output = b""
+        while loaded < 2:  # both workers loaded and warmed (each logs once)
+            assert server.poll() is None, server.stdout.read().decode()
+            assert time.monotonic() < deadline, "the workers never loaded"
+            line = server.stdout.readline()
+            output += line
+            loaded += b"loaded and warmed" in line
+        body = {"question": "Who directed 2001: A Space Odyssey?"}
+        pids, sent = set(), 0
+        while len(pids) < 2:  # until both workers answered (a new connection each time)
+            assert sent < 40, f"40 connections all went to worker {pids}"
+            with httpx.Client(timeout=300) as client:
+                response = client.post(f"{base}/query", json=body)
+                assert response.status_code == 200, response.text
+                sent += 1
+                pids.add(client.get(f"{base}/health").json()["pid"])
+        for _ in range(4):  # every worker's view is the same sum
+            with httpx.Client(timeout=60) as client:
+                values = metric_values(client.get(f"{base}/metrics").text)
+            key = (
+                "coinrag_requests_total",
+                (("endpoint", "query"), ("method", "coinrag"), ("status", "200")),
+            )
+            assert values[key] == sent, values
+            served = [v for (name, _), v in values.items() if name == "coinrag_served_run_info"]
+            assert served == [1.0]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            code = server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    assert code == 0, (output + server.stdout.read()).decode()

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 
 from coinrag.inference.methods import MissingAssets, RagEngine
 from coinrag.inference.methods.base import Answer
-from coinrag.inference.server.metrics import ServerMetrics
+from coinrag.inference.server.metrics import MULTIPROC_ENV, ServerMetrics
 from coinrag.inference.server.queue import Cancel, Cancelled, ModelQueue, QueueFull
 from coinrag.inference.server.requests import BadRequest, QueryRequest, parse_query
 from coinrag.inference.server.versions import PublishWatcher, ServedVersion, VersionHolder
@@ -224,6 +224,7 @@ class ApiServer:
         self.watcher.stop()
         self.queue.shutdown()
         self.lease.release()
+        self.metrics.close()
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -404,4 +405,13 @@ def serve(config: ServerConfig, host: str, port: int, workers: int) -> None:
         uvicorn.run(create_app(ApiServer.open(config)), **options)
         return
     os.environ[CONFIG_ENV] = config.to_json()
-    uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **options)
+    import shutil
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="coinrag-metrics-")  # the workers' metrics, summed
+    os.environ[MULTIPROC_ENV] = shared
+    try:
+        uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **options)
+    finally:
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(shared, ignore_errors=True)
