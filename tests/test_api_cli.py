@@ -23,6 +23,16 @@ from coinrag.storage.store import Store
 COINRAG = str(Path(sys.executable).with_name("coinrag"))
 
 
+def _ctrl_c(server: subprocess.Popen) -> int:
+    """Stop a ``coinrag api`` subprocess as a user does; its exit code (killed after 120 s)."""
+    server.send_signal(signal.SIGINT)
+    try:
+        return server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        raise
+
+
 def test_coinrag_api_serves_the_sample_store_until_ctrl_c(sample_store: Path) -> None:
     port = free_port()
     cmd = [COINRAG, "api", "--store", str(sample_store), "--port", str(port), "--threads", "1"]
@@ -51,12 +61,7 @@ def test_coinrag_api_serves_the_sample_store_until_ctrl_c(sample_store: Path) ->
         (lease,) = fresh_leases(Store.at(sample_store))
         assert lease.versions == [Store.at(sample_store).published()]
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            code = server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            raise
+        code = _ctrl_c(server)
     output = server.stdout.read().decode()
     assert code == 0, output
     assert "loaded and warmed" in output and "Shutting down" in output
@@ -156,10 +161,5 @@ def test_workers_report_one_metrics_view(sample_store: Path) -> None:
             served = [v for (name, _), v in values.items() if name == "coinrag_served_run_info"]
             assert served == [1.0]
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            code = server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            raise
+        code = _ctrl_c(server)
     assert code == 0, (output + server.stdout.read()).decode()
