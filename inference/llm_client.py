@@ -23,7 +23,6 @@ here; every text coming from the client goes through :func:`scrub`.
 from __future__ import annotations
 
 import email.utils
-import os
 import random
 import time
 import uuid
@@ -35,7 +34,7 @@ from typing import Any
 import openai
 
 from coinrag.inference.llm_pricing import call_cost
-from coinrag.schemas.secrets import scrub
+from coinrag.schemas.secrets import env_secrets, scrub
 
 _MAX_ERROR_CHARS = 500
 
@@ -66,12 +65,10 @@ class MalformedResponse(ValueError):
 
 
 def known_secrets(client: Any) -> tuple[str, ...]:
-    """The API keys this process could send: the client's and ``OPENAI_API_KEY``."""
-    found = []
-    for value in (getattr(client, "api_key", None), os.environ.get("OPENAI_API_KEY")):
-        if isinstance(value, str) and value:
-            found.append(value)
-    return tuple(found)
+    """The secrets this process could leak: the client's API key and the secret environment
+    variables (``schemas.secrets.env_secrets``: ``OPENAI_API_KEY`` among them)."""
+    key = getattr(client, "api_key", None)
+    return ((key,) if isinstance(key, str) and key else ()) + env_secrets()
 
 
 def describe_error(exc: BaseException, secrets: Iterable[str] = ()) -> str:

@@ -11,11 +11,19 @@ the KV entries those records point to; a reader that dies stops renewing and its
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Seconds a lease stays fresh after a renewal; readers renew every third of it.
 READER_LEASE_TTL_S = 120.0
+
+
+def published_index_versions(published: Mapping[str, Any] | None) -> dict[str, int]:
+    """The LanceDB table versions a ``[published]`` record names (``index.versions``: table
+    name -> version; ``storage/publish.py`` writes it); empty when it names none."""
+    versions = ((published or {}).get("index") or {}).get("versions") or {}
+    return {str(name): int(version) for name, version in versions.items()}
 
 
 @dataclass(frozen=True)
@@ -53,9 +61,4 @@ class ReaderLease:
 
     def index_versions(self) -> list[dict[str, int]]:
         """Per held version, its LanceDB table versions (name -> version)."""
-        out = []
-        for record in self.versions:
-            versions = (record.get("index") or {}).get("versions") or {}
-            if versions:
-                out.append({str(k): int(v) for k, v in versions.items()})
-        return out
+        return [v for v in map(published_index_versions, self.versions) if v]

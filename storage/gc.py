@@ -43,6 +43,7 @@ from pathlib import Path, PurePath
 
 import pyarrow.compute as pc
 
+from coinrag.schemas.leases import published_index_versions
 from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, NuggetRow, RunRow
 from coinrag.storage.corpus import live_versions
 from coinrag.storage.index import LanceIndex
@@ -170,28 +171,31 @@ def _indexes(store: Store) -> Iterable[LanceIndex]:
     published = store.published() or {}
     if published.get("index"):
         yield LanceIndex.open(store, published)
-    for record in _held_records(store):
-        held = LanceIndex.open(store, record)
-        try:
-            for name in INDEX_TABLES:
-                held.table(name)  # checks each table out at the held version
-        except Exception as exc:  # pruned before the reader leased it: nothing left to keep
-            log.warning("a reader holds index versions %s that are gone: %s", record, exc)
-            continue
-        yield held
+    yield from held_indexes(store)
 
 
-def _held_records(store: Store) -> list[dict]:
-    """The ``[published]`` records fresh reader leases hold, other than the published one
-    (each once)."""
-    current = ((store.published() or {}).get("index") or {}).get("versions") or {}
-    held: dict[str, dict] = {}
+def held_indexes(store: Store) -> list[LanceIndex]:
+    """The index at each version fresh reader leases hold, other than the published one (each
+    once); a held version already gone (pruned before the reader leased it) is left out with
+    a warning: there is nothing left to keep."""
+    current = published_index_versions(store.published())
+    records: dict[str, dict] = {}
     for lease in fresh_leases(store):
         for record in lease.versions:
-            versions = (record.get("index") or {}).get("versions") or {}
+            versions = published_index_versions(record)
             if versions and versions != current:
-                held[repr(sorted(versions.items()))] = record
-    return list(held.values())
+                records[repr(sorted(versions.items()))] = record
+    held = []
+    for record in records.values():
+        try:
+            index = LanceIndex.open(store, record)
+            for name in INDEX_TABLES:
+                index.table(name)  # checks each table out at the held version
+        except Exception as exc:  # or a record this code cannot open
+            log.warning("a reader holds index versions %s that are gone: %s", record, exc)
+            continue
+        held.append(index)
+    return held
 
 
 def kv_fps(store: Store) -> list[str]:
@@ -274,7 +278,7 @@ def index_dry_run(store: Store) -> tuple[dict[str, int], int]:
 def collect_garbage(store: Store, run_id: str, dry_run: bool = False) -> GcReport:
     """Reclaim dead KV entries, old index versions and leftovers (see the module doc)."""
     report = GcReport(dry_run=dry_run)
-    report.reader_versions_kept = len(_held_records(store))
+    report.reader_versions_kept = len(held_indexes(store))
     live = live_content_keys(store)
     report.live_content_keys = len(live)
     nugget_keys: set[str] | None = None  # computed once, for stores of nugget spans only

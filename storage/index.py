@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from coinrag.schemas.leases import published_index_versions
 from coinrag.schemas.tables import INDEX_TABLES, arrow_schema
 from coinrag.storage.location import lance_storage_options
 from coinrag.storage.readers import fresh_leases
@@ -442,18 +443,20 @@ class LanceIndex:
 
     def _keep_from(self, name: str) -> int | None:
         """The oldest version of table ``name`` to keep: the published one, or an older one a
-        reader still holds (a fresh lease, ``storage.readers``); None when nothing is published
-        or held."""
-        published = ((self.store.published() or {}).get("index") or {}).get("versions") or {}
-        held = [
-            int(v[name])
+        reader still holds (a fresh lease, ``storage.readers``), among the versions the table
+        still has (a lease naming a version already gone keeps nothing); None when none is."""
+        wanted = [
+            v[name]
             for lease in fresh_leases(self.store)
             for v in lease.index_versions()
             if name in v
         ]
+        published = published_index_versions(self.store.published())
         if name in published:
-            held.append(int(published[name]))
-        return min(held) if held else None
+            wanted.append(published[name])
+        present = {v["version"] for v in self.table(name).list_versions()}
+        kept = [v for v in wanted if v in present]
+        return min(kept) if kept else None
 
     def _prunable_age(self, name: str) -> timedelta:
         """``cleanup_older_than`` that prunes only versions older than the one to keep

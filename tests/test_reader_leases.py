@@ -138,3 +138,33 @@ def test_gc_removes_the_lease_of_a_dead_reader(tmp_path: Path, sample_store: Pat
     report = _gc(store)
     assert report["reader_versions_kept"] == 0 and report["temp_paths_removed"] >= 1
     assert not st.is_file(lease_path(st, dead.reader))
+
+
+def test_a_lease_on_a_version_already_gone_does_not_stop_pruning(
+    tmp_path: Path, sample_store: Path
+) -> None:
+    """A lease naming versions the tables no longer have (pruned before the reader leased
+    them) keeps nothing: gc still prunes up to the published version."""
+    store = tmp_path / "store"
+    shutil.copytree(sample_store, store)
+    st = Store.at(store)
+    docs = LanceIndex.open(st).table("chunks").to_arrow().column("doc_id").to_pylist()
+    first, second = sorted(set(docs))[:2]
+    time.sleep(1.5)  # pruning keeps versions within a second of the published one
+    result = CliRunner().invoke(app, ["delete", first, "--store", str(store)])
+    assert result.exit_code == 0, result.output
+    _gc(store)  # the build's versions go (older than the published one)
+    latest = LanceIndex.open_latest(st)
+    gone = {name: 1 for name in ("chunks", "nuggets", "documents")}
+    for name in gone:
+        assert 1 not in {v["version"] for v in latest.table(name).list_versions()}
+    published = st.published()
+    record = {**published, "run_id": "old", "index": {**published["index"], "versions": gone}}
+    dead = ReaderLease("late", "host", 1, expires_unix=time.time() + 600, versions=[record])
+    st.write_bytes_atomic(lease_path(st, dead.reader), dead.to_json())
+    time.sleep(1.5)  # pruning keeps versions within a second of the published one
+    result = CliRunner().invoke(app, ["delete", second, "--store", str(store)])
+    assert result.exit_code == 0, result.output
+    report = _gc(store)
+    assert report["reader_versions_kept"] == 0
+    assert report["index_versions_removed"] > 0, report

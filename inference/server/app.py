@@ -115,8 +115,9 @@ class ApiServer:
         started = time.perf_counter()
         store = Store.at(config.store)
         lease = ReaderLeaseHolder(store, list)  # leased before it is read (gc keeps it)
-        if store.exists() and store.published():
-            lease.renew(extra=[store.published()])
+        published = store.published() if store.exists() else None
+        if published:
+            lease.renew(extra=[published])
         try:
             engine = RagEngine.open(
                 config.store,

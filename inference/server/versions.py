@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coinrag.inference.methods.engine import RagEngine, VersionRefused
+from coinrag.schemas.leases import published_index_versions
 
 log = logging.getLogger("coinrag.api")
 
@@ -34,7 +35,7 @@ log = logging.getLogger("coinrag.api")
 def version_key(published: dict[str, Any] | None) -> tuple[Any, ...]:
     """What identifies a published version: run id, time and the index table versions."""
     p = published or {}
-    versions = ((p.get("index") or {}).get("versions")) or {}
+    versions = published_index_versions(p)
     return (p.get("run_id", ""), p.get("time", ""), tuple(sorted(versions.items())))
 
 
