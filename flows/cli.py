@@ -29,6 +29,7 @@ from coinrag.flows.preflight import Preflight
 from coinrag.flows.settings_options import with_settings_options
 from coinrag.schemas.settings import (
     RAG_METHODS,
+    RETRIEVAL_MODES,
     ApiSettings,
     BuildSettings,
     FinetuneSettings,
@@ -230,6 +231,12 @@ def query(
             "others: retrieval among its chunks)."
         ),
     ] = None,
+    retrieval: Annotated[
+        str | None,
+        typer.Option(
+            help=" | ".join(RETRIEVAL_MODES) + " (default: the store's retrieval setting)."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     *,
     overrides: dict[str, Any],
@@ -244,6 +251,8 @@ def query(
 
     if method not in RAG_METHODS:
         _fail(f"--method {method!r} is not one of {', '.join(RAG_METHODS)}", 2)
+    if retrieval is not None and retrieval not in RETRIEVAL_MODES:
+        _fail(f"--retrieval {retrieval!r} is not one of {', '.join(RETRIEVAL_MODES)}", 2)
     try:
         require_question(question)
     except BlankQuestion as exc:
@@ -265,8 +274,8 @@ def query(
         engine = RagEngine.open(
             str(store), model=model, max_new_tokens=max_new_tokens, methods=[method]
         )
-        result = engine.answer(question, method, kc=kc, k=k, doc_ids=doc_ids)
-    except (MissingAssets, LookupError, ValueError) as exc:
+        result = engine.answer(question, method, kc=kc, k=k, doc_ids=doc_ids, retrieval=retrieval)
+    except (MissingAssets, LookupError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 1)
     if json_out:
         print(result.to_json_text())
@@ -274,7 +283,8 @@ def query(
     out = Console()
     out.print(result.answer, style="bold", markup=False, highlight=False)
     out.print(
-        f"method {result.method}, {result.active_tokens} context tokens, "
+        f"method {result.method}, retrieval {result.retrieval}, "
+        f"{result.active_tokens} context tokens, "
         + ", ".join(f"{name} {ms:.1f} ms" for name, ms in result.timings.items())
     )
     for e in result.evidence:
@@ -411,11 +421,20 @@ def eval_cmd(
             help="A method on the first N questions only: --limit-for standard=20 kvlink@links=20",
         ),
     ] = None,
+    retrieval: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--retrieval",
+            help="Search modes to compare: --retrieval dense lexical hybrid (default: the "
+            "store's retrieval setting; with --retrieval-only: all three).",
+        ),
+    ] = None,
     retrieval_only: Annotated[
         bool,
         typer.Option(
             "--retrieval-only",
-            help="Only recall of gold documents (chunks, two-stage, one-stage): no model, no KV.",
+            help="Only hits of gold documents (chunks, two-stage, one-stage) per search mode: "
+            "no model, no KV.",
         ),
     ] = False,
     *,
@@ -440,6 +459,9 @@ def eval_cmd(
     bad = [m for m in names if m not in RAG_METHODS]
     if bad:
         _fail(f"--methods {' '.join(bad)}: not among {', '.join(RAG_METHODS)}", 2)
+    bad = [m for m in retrieval or [] if m not in RETRIEVAL_MODES]
+    if bad:
+        _fail(f"--retrieval {' '.join(bad)}: not among {', '.join(RETRIEVAL_MODES)}", 2)
     for method in dict.fromkeys(m for m in names if m in LOCAL_STORE_METHODS):
         _require_local(store, f"eval --methods {method}")
     for m in models or []:
@@ -468,6 +490,7 @@ def eval_cmd(
                 str(out),
                 kcs=kc or [1, 2, 4, 8],
                 ks=k or [10],
+                retrievals=retrieval or RETRIEVAL_MODES,
                 limit=limit,
             )
         except (IndexNotBuilt, FileNotFoundError) as exc:
@@ -498,6 +521,7 @@ def eval_cmd(
             limit=limit,
             models=models,
             limit_for=limits,
+            retrievals=retrieval,
         )
     except MissingAssets as exc:
         _fail(str(exc), 1)

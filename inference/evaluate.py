@@ -41,6 +41,7 @@ the run holds them).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import string
@@ -65,6 +66,7 @@ from coinrag.inference.report import (
     results_text,
     table3_markdown,
 )
+from coinrag.inference.retrieve import search_mode
 from coinrag.schemas.evaluation import PER_QUESTION_SCHEMA
 from coinrag.schemas.qa import load_questions
 from coinrag.schemas.settings import DEFAULT_RAG_METHODS
@@ -200,6 +202,35 @@ def _configs(
     return out
 
 
+EVAL_RUN_FILE = "eval_run.json"
+
+
+def write_eval_run(out: Path, store: Store, questions: Sequence[str | Path], **fields: Any) -> Path:
+    """``OUT/eval_run.json``: where an evaluation's numbers came from (the lineage of the run):
+    the store and the index versions it read (its ``[published]`` record), each question file
+    with its sha256, the code version, and ``fields`` (methods, sweep, search modes, ...)."""
+    import hashlib
+    import json
+    from datetime import UTC, datetime
+
+    from coinrag.schemas.keys import CODE_VERSION
+
+    record = {
+        "store": store.url,
+        "published": store.published(),
+        "questions": [
+            {"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()}
+            for p in questions
+        ],
+        "code_version": CODE_VERSION,
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        **fields,
+    }
+    path = out / EVAL_RUN_FILE
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
 def evaluate(
     store_path: str | Path,
     questions_path: str | Path,
@@ -215,6 +246,7 @@ def evaluate(
     limit_for: dict[str, int] | None = None,
     engine: Any = None,
     quiet: bool = False,
+    retrievals: Sequence[str] | None = None,
 ) -> pa.Table:
     """Run every method x model x (kc, k) on the questions; write the outputs; return
     ``results``.
@@ -228,7 +260,10 @@ def evaluate(
     (slow methods on a subset; ``n`` says so in every table). ``engine``: an already opened
     :class:`~inference.methods.RagEngine` for the first model (then ``store_path``, its model
     and ``max_new_tokens`` are taken from it). ``quiet``: no progress bar and no printed
-    tables. The tables go to stdout, progress and log lines to stderr.
+    tables. ``retrievals``: the search modes to compare (``schemas.settings.RETRIEVAL_MODES``;
+    every method and (kc, k) runs in each; default: the store's ``retrieval`` setting); each row
+    records its mode (column ``retrieval``). The tables go to stdout, progress and log lines to
+    stderr.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
@@ -259,6 +294,10 @@ def evaluate(
         raise ValueError(f"sweep must be non-empty (kc, k) pairs with kc, k >= 1; got {sweep}")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
+    modes: list[str | None] = list(dict.fromkeys(retrievals)) if retrievals else [None]
+    for mode in modes:
+        if mode is not None:
+            search_mode(mode)  # an unknown mode is refused before any model loads
     questions = load_questions(questions_path)
     if limit is not None:
         questions = questions[:limit]
@@ -286,13 +325,14 @@ def evaluate(
     # Warm-up: one untimed answer per method and model, on the first question.
     kc0, k0 = sweep[0]
     for name, label in entries:
-        engines[label].answer(questions[0].question, method=name, kc=kc0, k=k0)
+        for mode in modes:
+            engines[label].answer(questions[0].question, method=name, kc=kc0, k=k0, retrieval=mode)
 
     def runs(qi: int, label: str, method: str) -> bool:
         return qi < limits.get((method, label), len(questions))
 
     rows: list[dict[str, Any]] = []
-    total = sum(runs(qi, c[0], c[1]) for qi in range(len(questions)) for c in configs)
+    total = len(modes) * sum(runs(qi, c[0], c[1]) for qi in range(len(questions)) for c in configs)
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -304,13 +344,13 @@ def evaluate(
         task = progress.add_task("evaluating", total=total)
         for qi, q in enumerate(questions):
             cache: dict[Any, Any] = {}  # retrieval key -> result, shared between methods
-            for label, method, kc, k in configs:
+            for (label, method, kc, k), mode in itertools.product(configs, modes):
                 if not runs(qi, label, method):
                     continue
                 rag = engines[label].method(method)
-                key = rag.retrieval_key(kc, k)
+                key = rag.retrieval_key(kc, k, mode)
                 if key not in cache:
-                    cache[key] = rag.retrieve(q.question, kc, k)
+                    cache[key] = rag.retrieve(q.question, kc, k, mode=mode)
                 ans = rag.run(q.question, cache[key], kc, k)
                 ev_docs = list(dict.fromkeys(e["doc_id"] for e in ans.evidence))
                 rows.append(
@@ -320,6 +360,7 @@ def evaluate(
                         "dataset": dataset,
                         "model": label,
                         "method": method,
+                        "retrieval": ans.retrieval,
                         "kc": kc,
                         "k": k,
                         "question": q.question,
@@ -347,6 +388,19 @@ def evaluate(
     pq.write_table(table3, out / "table3.parquet")
     pq.write_table(table3, out / "best_under_budget.parquet")  # its former name, same rows
     (out / "table3.md").write_text(table3_markdown(table3), encoding="utf-8")
+    first = engines[entries[0][1]]
+    write_eval_run(
+        out,
+        first.store,
+        [questions_path],
+        kind="eval",
+        methods=[f"{name}@{label}" for name, label in entries],
+        models={label: e.loaded.model_fp for label, e in engines.items()},
+        sweep=sweep,
+        retrievals=sorted({r["retrieval"] for r in rows}),
+        max_new_tokens=max_new_tokens,
+        n_questions=len(questions),
+    )
     figures = [*plot_pareto(results, out), plot_budget_curve(results, out)]
     ablation = plot_ablation(table3, out)
     figures += [ablation] if ablation else []
@@ -355,6 +409,6 @@ def evaluate(
     report.print(budget_text(table3), highlight=False, soft_wrap=True, markup=False)
     console.log(
         f"wrote {out}/results.parquet, per_question.parquet, table3.parquet, table3.md, "
-        + ", ".join(p.name for p in figures)
+        f"{EVAL_RUN_FILE}, " + ", ".join(p.name for p in figures)
     )
     return results

@@ -1,26 +1,33 @@
-"""Retrieval-only evaluation: recall of gold documents without the generation model or KV.
+"""Retrieval-only evaluation: which gold documents each search mode finds, without the generation
+model or KV.
 
 For stores built without KV (``kv = false``: a corpus too large for the disk, or one whose KV is
-not built yet) and for sweeping ``kc`` / ``k`` cheaply. Per question with gold ``doc_ids``:
+not built yet), for sweeping ``kc`` / ``k`` cheaply, and for comparing the search modes
+(``dense``, ``lexical``, ``hybrid``: ``inference.retrieve.SEARCH_MODES``) side by side. Per
+question with gold ``doc_ids``, per search mode, the evidence kinds:
 
 - ``chunks``: the documents of the top-``kc`` chunks (TurboRAG's and standard RAG's evidence);
 - ``two_stage``: the documents of the top-``k`` nuggets inside those chunks (CoinRAG's evidence);
 - ``one_stage``: the documents of the top-``k`` nuggets over the whole nugget table (ablation).
 
-``recall`` is the fraction of the question's gold documents among those documents (hit@kc with
-one gold document), the same measure as :func:`inference.evaluate.doc_recall`. ``rank`` is the
-1-based rank of the first retrieved item of a gold document (null when none is there): among
-the top ``kc`` chunks for ``chunks``, among the retrieved nuggets by score (best first) for the
-nugget modes; ``mrr`` is the mean of ``1 / rank`` (0 for none): MRR@kc for chunks, MRR@k for
-nuggets. ``search_ms`` is query embedding + index search.
+``hit`` is 1 when a gold document is among those documents (hit@kc for chunks: a question whose
+answer several pages give counts as found when one of them is); ``recall`` is the fraction of
+the question's gold documents among them (the same measure as
+:func:`inference.evaluate.doc_recall`; equal to ``hit`` with one gold document). ``rank`` is the
+1-based rank of the first retrieved item of a gold document (null when none is there): among the
+top ``kc`` chunks for ``chunks``, among the retrieved nuggets by score (best first) for the
+nugget kinds; ``mrr`` is the mean of ``1 / rank`` (0 for none): MRR@kc for chunks, MRR@k for
+nuggets. ``search_ms`` is query embedding + index searches (+ fusion for hybrid).
 
-Outputs under ``out_dir``: ``retrieval.parquet`` (one row per mode and (kc, k): ``mode``, ``kc``,
-``k``, ``recall``, ``mrr``, ``search_mean_ms``, ``search_p99_ms``, ``n``) and
-``retrieval_per_question.parquet``.
+Outputs under ``out_dir`` (schemas in ``schemas/evaluation.py``): ``retrieval.parquet`` (one row
+per dataset, search mode, evidence kind and (kc, k)), ``retrieval_per_question.parquet`` and
+``eval_run.json`` (the store's published versions read, the question files' sha256, the modes:
+``inference.evaluate.write_eval_run``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,38 +36,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from coinrag.inference.evaluate import doc_recall, p99
+from coinrag.inference.evaluate import doc_recall, p99, write_eval_run
+from coinrag.schemas.evaluation import RETRIEVAL_PER_QUESTION_SCHEMA, RETRIEVAL_SCHEMA
 from coinrag.schemas.qa import load_questions
+from coinrag.schemas.settings import RETRIEVAL_MODES
 
-MODES = ("chunks", "two_stage", "one_stage")
-
-RETRIEVAL_SCHEMA = pa.schema(
-    [
-        ("mode", pa.string()),
-        ("kc", pa.int32()),  # 0: not applicable (one_stage)
-        ("k", pa.int32()),  # 0: not applicable (chunks)
-        ("recall", pa.float64()),
-        ("mrr", pa.float64()),  # mean reciprocal rank of the first gold chunk / nugget
-        ("search_mean_ms", pa.float64()),
-        ("search_p99_ms", pa.float64()),
-        ("n", pa.int32()),
-    ]
-)
-
-PER_QUESTION_SCHEMA = pa.schema(
-    [
-        ("qid", pa.int32()),
-        ("mode", pa.string()),
-        ("kc", pa.int32()),
-        ("k", pa.int32()),
-        ("question", pa.string()),
-        ("gold_doc_ids", pa.list_(pa.string())),
-        ("evidence_doc_ids", pa.list_(pa.string())),
-        ("recall", pa.float64()),
-        ("rank", pa.int32()),
-        ("search_ms", pa.float64()),
-    ]
-)
+EVIDENCE_KINDS = ("chunks", "two_stage", "one_stage")
 
 
 def first_gold_rank(chunk_doc_ids: Sequence[str], gold: Sequence[str]) -> int | None:
@@ -80,18 +61,18 @@ def nugget_rank(result: Any, gold: Sequence[str]) -> int | None:
 
 
 def aggregate_retrieval(rows: list[dict[str, Any]]) -> pa.Table:
-    """Per-question rows -> one row per (mode, kc, k)."""
-    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    """Per-question rows -> one row per (dataset, retrieval, evidence, kc, k)."""
+    keys = ("dataset", "retrieval", "evidence", "kc", "k")
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["mode"], r["kc"], r["k"]), []).append(r)
+        groups.setdefault(tuple(r[key] for key in keys), []).append(r)
     out = []
-    for (mode, kc, k), rs in groups.items():
+    for key, rs in groups.items():
         ms = [r["search_ms"] for r in rs]
         out.append(
             {
-                "mode": mode,
-                "kc": kc,
-                "k": k,
+                **dict(zip(keys, key, strict=True)),
+                "hit": float(np.mean([r["hit"] for r in rs])),
                 "recall": float(np.mean([r["recall"] for r in rs])),
                 "mrr": float(np.mean([1.0 / r["rank"] if r["rank"] else 0.0 for r in rs])),
                 "search_mean_ms": float(np.mean(ms)),
@@ -104,99 +85,146 @@ def aggregate_retrieval(rows: list[dict[str, Any]]) -> pa.Table:
 
 def evaluate_retrieval(
     store_path: str | Path,
-    questions_path: str | Path,
+    questions_path: str | Path | Sequence[str | Path],
     out_dir: str | Path,
     kcs: Sequence[int] = (1, 2, 4, 8),
     ks: Sequence[int] = (10,),
-    modes: Sequence[str] = MODES,
+    evidence: Sequence[str] = EVIDENCE_KINDS,
     *,
+    retrievals: Sequence[str] = RETRIEVAL_MODES,
     embedder: str | None = None,
     limit: int | None = None,
 ) -> pa.Table:
-    """Recall of gold documents for each mode and (kc, k); write the outputs; return the table.
+    """Hits and recall of gold documents for each question file (``questions_path``: one or
+    several; ``dataset``: a file's stem), search mode, evidence kind and (kc, k); write the
+    outputs; return the table.
 
     Only questions with gold ``doc_ids`` count (a file without any raises ``ValueError``). On an
-    index without nuggets (extractor ``none``) only the ``chunks`` mode runs.
-    ``embedder`` defaults to the store's; a different one than the index's is refused.
+    index without nuggets (extractor ``none``) only the ``chunks`` kind runs. ``embedder``
+    defaults to the store's; a different one than the index's is refused. Each search mode is
+    warmed up once (untimed) before the timed queries.
     """
     from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.retrieve import Retriever, search_mode
     from coinrag.schemas.settings import settings_from_toml
     from coinrag.storage.store import Store
 
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"modes must be among {', '.join(MODES)}; got {list(modes)}")
+    bad = [m for m in evidence if m not in EVIDENCE_KINDS]
+    if bad or not evidence:
+        raise ValueError(f"evidence kinds must be among {', '.join(EVIDENCE_KINDS)}; got {bad}")
+    modes = [search_mode(m) for m in dict.fromkeys(retrievals)]
+    if not modes:
+        raise ValueError(f"no search mode: give some of {', '.join(RETRIEVAL_MODES)}")
     if not kcs or not ks or min(kcs) < 1 or min(ks) < 1:
         raise ValueError("kc and k values must be >= 1")
-    questions = [q for q in load_questions(questions_path) if q.doc_ids]
-    if limit is not None:
-        questions = questions[:limit]
-    if not questions:
-        raise ValueError(f"{questions_path}: no question has gold doc_ids")
+    paths = [questions_path] if isinstance(questions_path, str | Path) else list(questions_path)
+    datasets: list[tuple[str, list[Any]]] = []
+    for path in paths:
+        questions = [q for q in load_questions(path) if q.doc_ids]
+        if limit is not None:
+            questions = questions[:limit]
+        if not questions:
+            raise ValueError(f"{path}: no question has gold doc_ids")
+        datasets.append((Path(path).stem, questions))
     store = Store.at(store_path)
     if not store.exists():
         raise FileNotFoundError(f"{store} is not a coinrag store (run coinrag build first)")
     settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
     retriever = Retriever(store, load_embedder(embedder or settings.embedder))
     if retriever.index.count("nuggets") == 0:  # e.g. built with extractor "none"
-        modes = [m for m in modes if m == "chunks"]
-        if not modes:
-            raise ValueError(f"{store}: the index holds no nuggets; use the chunks mode")
-    retriever.chunks_only(questions[0].question, kc=1)  # warm-up: lazy loads, untimed
+        evidence = [m for m in evidence if m == "chunks"]
+        if not evidence:
+            raise ValueError(f"{store}: the index holds no nuggets; use the chunks kind")
+    first = datasets[0][1][0].question
+    for mode in modes:  # warm-up: lazy loads and first-query costs, untimed
+        retriever.two_stage(first, kc=1, k=1, mode=mode)
 
     rows: list[dict[str, Any]] = []
 
-    def row(qi: int, q: Any, mode: str, kc: int, k: int, result: Any, rank: int | None) -> None:
+    def row(qi: int, dataset: str, q: Any, key: tuple[Any, ...], result: Any, rank: Any) -> None:
         docs = list(dict.fromkeys(e.doc_id for e in result.evidence))
+        gold = q.doc_ids or []
         rows.append(
             {
                 "qid": qi,
-                "mode": mode,
-                "kc": kc,
-                "k": k,
+                "dataset": dataset,
+                **dict(zip(("retrieval", "evidence", "kc", "k"), key, strict=True)),
                 "question": q.question,
-                "gold_doc_ids": q.doc_ids,
+                "gold_doc_ids": gold,
                 "evidence_doc_ids": docs,
-                "recall": doc_recall(docs, q.doc_ids),
+                "hit": float(any(d in set(gold) for d in docs)),
+                "recall": doc_recall(docs, gold),
                 "rank": rank,
                 "search_ms": result.embed_ms + result.search_ms,
             }
         )
 
-    for qi, q in enumerate(questions):
-        if "chunks" in modes:
-            for kc in sorted(set(kcs)):
-                res = retriever.chunks_only(q.question, kc=kc)
-                rank = first_gold_rank([h.doc_id for h in res.chunks], q.doc_ids or [])
-                row(qi, q, "chunks", kc, 0, res, rank)
-        for k in sorted(set(ks)):
-            if "two_stage" in modes:
+    for (dataset, questions), mode in itertools.product(datasets, modes):
+        for qi, q in enumerate(questions):
+            gold = q.doc_ids or []
+            if "chunks" in evidence:
                 for kc in sorted(set(kcs)):
-                    res = retriever.two_stage(q.question, kc=kc, k=k)
-                    row(qi, q, "two_stage", kc, k, res, nugget_rank(res, q.doc_ids or []))
-            if "one_stage" in modes:
-                res = retriever.one_stage(q.question, k=k)
-                row(qi, q, "one_stage", 0, k, res, nugget_rank(res, q.doc_ids or []))
+                    res = retriever.chunks_only(q.question, kc=kc, mode=mode)
+                    rank = first_gold_rank([h.doc_id for h in res.chunks], gold)
+                    row(qi, dataset, q, (mode.name, "chunks", kc, 0), res, rank)
+            for k in sorted(set(ks)):
+                if "two_stage" in evidence:
+                    for kc in sorted(set(kcs)):
+                        res = retriever.two_stage(q.question, kc=kc, k=k, mode=mode)
+                        key = (mode.name, "two_stage", kc, k)
+                        row(qi, dataset, q, key, res, nugget_rank(res, gold))
+                if "one_stage" in evidence:
+                    res = retriever.one_stage(q.question, k=k, mode=mode)
+                    key = (mode.name, "one_stage", 0, k)
+                    row(qi, dataset, q, key, res, nugget_rank(res, gold))
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = aggregate_retrieval(rows)
     pq.write_table(
-        pa.Table.from_pylist(rows, schema=PER_QUESTION_SCHEMA),
+        pa.Table.from_pylist(rows, schema=RETRIEVAL_PER_QUESTION_SCHEMA),
         out / "retrieval_per_question.parquet",
     )
     pq.write_table(results, out / "retrieval.parquet")
+    write_eval_run(
+        out,
+        store,
+        paths,
+        kind="retrieval",
+        retrievals=[m.name for m in modes],
+        evidence=list(evidence),
+        kcs=sorted(set(kcs)),
+        ks=sorted(set(ks)),
+        embedder_fp=retriever.embedder.fingerprint,
+    )
     return results
 
 
 def retrieval_text(results: pa.Table) -> str:
-    """A plain-text table of ``retrieval.parquet`` (recall in percent)."""
-    lines = [f"{'mode':<10} {'kc':>3} {'k':>3} {'recall%':>8} {'mrr':>6} {'ms mean':>8} {'p99':>8}"]
-    for r in results.to_pylist():
-        mrr = "" if r["mrr"] is None else f"{r['mrr']:.3f}"
-        lines.append(
-            f"{r['mode']:<10} {r['kc']:>3} {r['k']:>3} {100 * r['recall']:>8.1f} {mrr:>6} "
-            f"{r['search_mean_ms']:>8.1f} {r['search_p99_ms']:>8.1f}"
+    """A plain-text view of ``retrieval.parquet``: per dataset and evidence kind, one line per
+    (kc, k) with each search mode's hit % side by side, then MRR and search mean / P99 ms."""
+    rows = results.to_pylist()
+    modes = list(dict.fromkeys(r["retrieval"] for r in rows))
+    by_key = {(r["dataset"], r["evidence"], r["kc"], r["k"], r["retrieval"]): r for r in rows}
+    lines: list[str] = []
+    blocks = dict.fromkeys((r["dataset"], r["evidence"]) for r in rows)
+    for dataset, kind in blocks:
+        lines.append(f"{dataset}: {kind} (n {rows[0]['n']}), hit % / MRR / search ms mean, p99")
+        head = f"{'kc':>3} {'k':>3}" + "".join(f" {m:>26}" for m in modes)
+        lines.append(head)
+        configs = dict.fromkeys(
+            (r["kc"], r["k"]) for r in rows if (r["dataset"], r["evidence"]) == (dataset, kind)
         )
-    return "\n".join(lines)
+        for kc, k in configs:
+            cells = []
+            for m in modes:
+                r = by_key.get((dataset, kind, kc, k, m))
+                cells.append(
+                    " " * 27
+                    if r is None
+                    else f" {100 * r['hit']:>6.1f} {r['mrr']:>5.3f} "
+                    f"{r['search_mean_ms']:>6.1f} {r['search_p99_ms']:>6.1f}"
+                )
+            lines.append(f"{kc:>3} {k:>3}" + "".join(cells))
+        lines.append("")
+    return "\n".join(lines).rstrip()

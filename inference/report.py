@@ -57,18 +57,19 @@ def p99(values: Sequence[float]) -> float:
 def aggregate(rows: Sequence[dict[str, Any]]) -> pa.Table:
     """Per-question rows -> ``results`` (:data:`RESULTS_SCHEMA`), in first-seen order. Rows
     without ``dataset`` / ``model`` count as dataset ``questions`` and model ``default``."""
-    groups: dict[tuple[str, str, str, int, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str, str, int, int], list[dict[str, Any]]] = {}
     for r in rows:
         key = (
             r.get("dataset", "questions"),
             r.get("model", "default"),
             r["method"],
+            r.get("retrieval") or "",
             r["kc"],
             r["k"],
         )
         groups.setdefault(key, []).append(r)
     out = []
-    for (dataset, model, method, kc, k), rs in groups.items():
+    for (dataset, model, method, retrieval, kc, k), rs in groups.items():
         recalls = [r["recall"] for r in rs if r["recall"] is not None]
         ttft = [r["ttft_ms"] for r in rs]
         out.append(
@@ -76,6 +77,7 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> pa.Table:
                 "dataset": dataset,
                 "model": model,
                 "method": method,
+                "retrieval": retrieval,
                 "kc": kc,
                 "k": k,
                 "f1": float(np.mean([r["f1"] for r in rs])),
@@ -96,9 +98,23 @@ def primary_model(results: pa.Table) -> str:
     return models[0] if models else "default"
 
 
-def method_label(method: str, model: str, primary: str) -> str:
-    """``coinrag`` on the primary model, ``coinrag [base]`` on model ``base``."""
-    return method if model == primary else f"{method} [{model}]"
+def method_label(method: str, model: str, primary: str, retrieval: str = "") -> str:
+    """``coinrag`` on the primary model, ``coinrag [base]`` on model ``base``; with
+    ``retrieval`` (a run comparing search modes) ``coinrag (lexical)``."""
+    label = method if model == primary else f"{method} [{model}]"
+    return f"{label} ({retrieval})" if retrieval else label
+
+
+def row_labeller(results: pa.Table) -> Any:
+    """``row -> label`` (:func:`method_label`) for the rows of ``results``: the retrieval shown
+    only when the run compares more than one search mode."""
+    primary = primary_model(results)
+    several = len(set(results.column("retrieval").to_pylist())) > 1 if results.num_rows else False
+
+    def label(r: dict[str, Any]) -> str:
+        return method_label(r["method"], r["model"], primary, r["retrieval"] if several else "")
+
+    return label
 
 
 def best_under_budget(results: pa.Table, budgets_ms: Sequence[float]) -> pa.Table:
@@ -106,12 +122,12 @@ def best_under_budget(results: pa.Table, budgets_ms: Sequence[float]) -> pa.Tabl
     with the best F1 among those whose P99 TTFT <= budget (ties: lower P99, then fewer active
     tokens); null F1 and configuration where none meets the budget."""
     rows = results.to_pylist()
-    primary = primary_model(results)
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    label = row_labeller(results)
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["dataset"], r["model"], r["method"]), []).append(r)
+        groups.setdefault((r["dataset"], r["model"], r["method"], r["retrieval"]), []).append(r)
     out = []
-    for (dataset, model, method), mine in groups.items():
+    for (dataset, model, method, retrieval), mine in groups.items():
         for budget in budgets_ms:
             ok = [r for r in mine if r["ttft_p99_ms"] <= budget]
             best = (
@@ -123,7 +139,8 @@ def best_under_budget(results: pa.Table, budgets_ms: Sequence[float]) -> pa.Tabl
                 "dataset": dataset,
                 "model": model,
                 "method": method,
-                "label": method_label(method, model, primary),
+                "retrieval": retrieval,
+                "label": label(mine[0]),
                 "budget_ms": float(budget),
             }
             for col in TABLE3_SCHEMA.names[len(row) :]:
@@ -146,8 +163,8 @@ def budget_name(budget_ms: float) -> str:
 def results_text(results: pa.Table) -> str:
     """A fixed-width table of ``results``: F1 / EM / recall in percent, TTFT in ms."""
     rows = results.to_pylist()
-    primary = primary_model(results)
-    labels = [method_label(r["method"], r["model"], primary) for r in rows]
+    label = row_labeller(results)
+    labels = [label(r) for r in rows]
     width = max([len("method"), *map(len, labels)])
     datasets = len({r["dataset"] for r in rows}) > 1
     head = (
@@ -251,10 +268,8 @@ def _pyplot() -> Any:
 
 
 def _labelled(results: pa.Table) -> list[dict[str, Any]]:
-    primary = primary_model(results)
-    return [
-        {**r, "label": method_label(r["method"], r["model"], primary)} for r in results.to_pylist()
-    ]
+    label = row_labeller(results)
+    return [{**r, "label": label(r)} for r in results.to_pylist()]
 
 
 def _colors(rows: Sequence[dict[str, Any]]) -> dict[str, str]:

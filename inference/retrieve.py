@@ -25,14 +25,16 @@ returned as selected, and the assembler decides whether to merge overlapping spa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from coinrag.inference.embedders import Embedder
-from coinrag.storage.index import LanceIndex
+from coinrag.schemas.settings import DEFAULT_RETRIEVAL
+from coinrag.storage.index import ID_COLUMNS, LanceIndex, in_filter
 from coinrag.storage.store import Store
 
 
@@ -67,8 +69,9 @@ class RetrievalResult:
     method: str  # two_stage | one_stage | chunks_only
     evidence: list[Evidence]
     chunks: list[ChunkHit] = field(default_factory=list)  # stage 1 (two_stage, chunks_only)
-    embed_ms: float = 0.0  # embedding the question
-    search_ms: float = 0.0  # all index searches
+    embed_ms: float = 0.0  # embedding the question (0 for a lexical search)
+    search_ms: float = 0.0  # all index searches and their fusion
+    mode: str = DEFAULT_RETRIEVAL  # the search mode (schemas.settings.RETRIEVAL_MODES)
 
     @property
     def triples(self) -> list[tuple[str, int, int]]:
@@ -78,6 +81,34 @@ class RetrievalResult:
     @property
     def active_tokens(self) -> int:
         return sum(e.tok_end - e.tok_start for e in self.evidence)
+
+
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al. 2009; LanceDB's RRFReranker)
+
+
+HYBRID_DEPTH = 20  # rows each ranking of a hybrid search contributes (at least k)
+DOCUMENT_CHUNK_FANOUT = 4  # lexical document ranking: chunks searched per document wanted
+
+
+def rrf_scores(rankings: Sequence[Sequence[Hashable]], k: int = RRF_K) -> dict[Hashable, float]:
+    """Reciprocal rank fusion: every item scores ``sum(1 / (k + rank))`` over the rankings it
+    is in (rank 1-based). Dict order is first appearance (a stable tie-break)."""
+    scores: dict[Hashable, float] = {}
+    for ranking in rankings:
+        for rank, item in enumerate(ranking, start=1):
+            scores[item] = scores.get(item, 0.0) + 1.0 / (k + rank)
+    return scores
+
+
+def rrf_fuse(rankings: Sequence[Sequence[Hashable]], k: int = RRF_K) -> list[Hashable]:
+    """The items of ``rankings`` by :func:`rrf_scores`, best first; ties keep the order of
+    first appearance.
+
+    >>> rrf_fuse([["a", "b", "c"], ["c", "a"]])
+    ['a', 'c', 'b']
+    """
+    scores = rrf_scores(rankings, k)
+    return sorted(scores, key=lambda item: -scores[item])
 
 
 def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> list[Evidence]:
@@ -108,26 +139,156 @@ def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> 
     ]
 
 
-class Retriever:
-    """Searches one store's index with one embedder (refused if it is not the index's)."""
+class Query:
+    """A question as the searches need it: its text (lexical search) and its vector (dense
+    search), embedded on first use and once only; ``embed_ms`` is the time that took."""
 
-    def __init__(self, store: Store, embedder: Embedder, index: LanceIndex | None = None) -> None:
+    def __init__(self, text: str, embedder: Embedder) -> None:
+        self.text = text
+        self.embedder = embedder
+        self._vector: np.ndarray | None = None
+        self.embed_ms = 0.0
+
+    @property
+    def vector(self) -> np.ndarray:
+        """The query's ``(dim,)`` float32 vector (with the embedder's query instruction)."""
+        if self._vector is None:
+            t = time.perf_counter()
+            self._vector = self.embedder.embed_queries([self.text])[0]
+            self.embed_ms += (time.perf_counter() - t) * 1000.0
+        return self._vector
+
+
+class SearchMode(ABC):
+    """How a table of the index is ranked for a query: one subclass per ``retrieval`` setting
+    (``schemas.settings.RETRIEVAL_MODES``), registered by its ``name``.
+
+    :meth:`rank` returns the top-``k`` rows of ``chunks`` or ``nuggets`` (their
+    ``storage.index.HIT_COLUMNS`` and a ``score``: higher is better, on the mode's own scale),
+    best first; ``where`` is a prefilter (``chunk_id IN (...)``, ``doc_id IN (...)``), under
+    which the search is exact. :meth:`documents` ranks whole documents (cartridge selection).
+    """
+
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            SEARCH_MODES[name] = cls
+
+    @abstractmethod
+    def rank(
+        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
+    ) -> list[dict[str, Any]]: ...
+
+    @abstractmethod
+    def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]: ...
+
+
+SEARCH_MODES: dict[str, type[SearchMode]] = {}
+
+
+def search_mode(mode: str | SearchMode | None) -> SearchMode:
+    """The search mode named ``mode`` (None: the default, :data:`DEFAULT_RETRIEVAL`)."""
+    if isinstance(mode, SearchMode):
+        return mode
+    name = DEFAULT_RETRIEVAL if mode is None else mode
+    if name not in SEARCH_MODES:
+        raise ValueError(f"retrieval {name!r} is not one of {', '.join(SEARCH_MODES)}")
+    return SEARCH_MODES[name]()
+
+
+class DenseSearch(SearchMode, name="dense"):
+    """Cosine similarity of the query's vector and the rows' vectors (ANN above the index's
+    threshold, exact under a prefilter); ``score`` is the cosine similarity."""
+
+    def rank(
+        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
+    ) -> list[dict[str, Any]]:
+        return index.search_vector(
+            table, query.vector, k, embedder_fp=query.embedder.fingerprint, where=where
+        )
+
+    def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]:
+        return index.search_documents(query.vector, k, embedder_fp=query.embedder.fingerprint)
+
+
+class LexicalSearch(SearchMode, name="lexical"):
+    """BM25 of the question's words against the rows' text (LanceDB's full-text index over the
+    whole text, never truncated); ``score`` is the BM25 score. A document ranks by its best
+    chunk."""
+
+    def rank(
+        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
+    ) -> list[dict[str, Any]]:
+        return index.search_text(table, query.text, k, where=where)
+
+    def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]:
+        chunks = self.rank(index, "chunks", query, k * DOCUMENT_CHUNK_FANOUT)
+        best: dict[str, dict[str, Any]] = {}
+        for row in chunks:
+            best.setdefault(
+                row["doc_id"],
+                {"doc_id": row["doc_id"], "doc_version": row["doc_version"], "score": row["score"]},
+            )
+        return list(best.values())[:k]
+
+
+class HybridSearch(SearchMode, name="hybrid"):
+    """Dense and lexical rankings fused by reciprocal rank (:func:`rrf_fuse`): each ranks its
+    top ``max(k, HYBRID_DEPTH)`` rows, and the fused top ``k`` are kept; ``score`` is the RRF
+    score."""
+
+    parts: ClassVar[tuple[SearchMode, ...]] = (DenseSearch(), LexicalSearch())
+
+    def _fuse(self, lists: list[list[dict[str, Any]]], key: str, k: int) -> list[dict[str, Any]]:
+        rows: dict[str, dict[str, Any]] = {}
+        for ranking in lists:
+            for row in ranking:
+                rows.setdefault(row[key], row)
+        scores = rrf_scores([[row[key] for row in ranking] for ranking in lists])
+        order = sorted(scores, key=lambda item: -scores[item])[:k]
+        return [{**rows[item], "score": scores[item]} for item in order]
+
+    def rank(
+        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
+    ) -> list[dict[str, Any]]:
+        depth = max(k, HYBRID_DEPTH)
+        lists = [part.rank(index, table, query, depth, where) for part in self.parts]
+        return self._fuse(lists, ID_COLUMNS[table], k)
+
+    def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]:
+        depth = max(k, HYBRID_DEPTH)
+        lists = [part.documents(index, query, depth) for part in self.parts]
+        return self._fuse(lists, "doc_id", k)
+
+
+class Retriever:
+    """Searches one store's index with one embedder (refused if it is not the index's), in a
+    search mode (``mode``: the default of every call; each call may name another)."""
+
+    def __init__(
+        self,
+        store: Store,
+        embedder: Embedder,
+        index: LanceIndex | None = None,
+        mode: str | None = None,
+    ) -> None:
         self.store = store
         self.embedder = embedder
         self.index = index or LanceIndex.open(store)
         self.index.check(embedder.fingerprint)
+        self.mode = search_mode(mode)
 
-    def _embed(self, question: str) -> tuple[np.ndarray, float]:
-        t = time.perf_counter()
-        vector = self.embedder.embed_queries([question])[0]
-        return vector, (time.perf_counter() - t) * 1000.0
+    def _start(self, question: str, mode: str | SearchMode | None) -> tuple[SearchMode, Query]:
+        return (self.mode if mode is None else search_mode(mode)), Query(question, self.embedder)
 
     def _chunks(
-        self, vector: np.ndarray, kc: int, doc_ids: Sequence[str] | None = None
+        self, search: SearchMode, query: Query, kc: int, doc_ids: Sequence[str] | None = None
     ) -> list[ChunkHit]:
-        rows = self.index.search_chunks(
-            vector, kc, embedder_fp=self.embedder.fingerprint, doc_ids=doc_ids
-        )
+        where = None if doc_ids is None else in_filter("doc_id", doc_ids)
+        rows = search.rank(self.index, "chunks", query, kc, where)
         return [
             ChunkHit(
                 chunk_id=r["chunk_id"],
@@ -141,47 +302,74 @@ class Retriever:
             for i, r in enumerate(rows)
         ]
 
-    def two_stage(
-        self, question: str, kc: int = 5, k: int = 10, doc_ids: Sequence[str] | None = None
+    @staticmethod
+    def _timed(
+        kind: str,
+        search: SearchMode,
+        query: Query,
+        started: float,
+        evidence: list[Evidence],
+        hits: list[ChunkHit],
     ) -> RetrievalResult:
-        """CoinRAG: top-``kc`` chunks, then the top-``k`` nuggets inside them (see module doc).
+        total = (time.perf_counter() - started) * 1000.0
+        return RetrievalResult(
+            kind, evidence, hits, query.embed_ms, total - query.embed_ms, search.name
+        )
+
+    def two_stage(
+        self,
+        question: str,
+        kc: int = 4,
+        k: int = 10,
+        doc_ids: Sequence[str] | None = None,
+        mode: str | SearchMode | None = None,
+    ) -> RetrievalResult:
+        """CoinRAG: top-``kc`` chunks, then the top-``k`` nuggets inside them (see module doc),
+        both ranked by ``mode`` (default: this retriever's).
 
         ``doc_ids``: stage 1 ranks only these documents' chunks (training restricts retrieval
         to an example's own documents)."""
-        vector, embed_ms = self._embed(question)
+        search, query = self._start(question, mode)
         t = time.perf_counter()
-        hits = self._chunks(vector, kc, doc_ids)
-        nuggets = self.index.search_nuggets(
-            vector, k, [h.chunk_id for h in hits], embedder_fp=self.embedder.fingerprint
-        )
-        search_ms = (time.perf_counter() - t) * 1000.0
+        hits = self._chunks(search, query, kc, doc_ids)
+        nuggets: list[dict[str, Any]] = []
+        if hits:
+            where = in_filter("chunk_id", [h.chunk_id for h in hits])
+            nuggets = search.rank(self.index, "nuggets", query, k, where)
         evidence = order_nuggets(nuggets, {h.chunk_id: h.rank for h in hits})
-        return RetrievalResult("two_stage", evidence, hits, embed_ms, search_ms)
+        return self._timed("two_stage", search, query, t, evidence, hits)
 
-    def one_stage(self, question: str, k: int = 10) -> RetrievalResult:
+    def one_stage(
+        self, question: str, k: int = 10, mode: str | SearchMode | None = None
+    ) -> RetrievalResult:
         """The ablation: top-``k`` nuggets over the whole nugget table (see module doc)."""
-        vector, embed_ms = self._embed(question)
+        search, query = self._start(question, mode)
         t = time.perf_counter()
-        nuggets = self.index.search_nuggets(vector, k, embedder_fp=self.embedder.fingerprint)
-        search_ms = (time.perf_counter() - t) * 1000.0
-        return RetrievalResult("one_stage", order_nuggets(nuggets, {}), [], embed_ms, search_ms)
+        nuggets = search.rank(self.index, "nuggets", query, k)
+        return self._timed("one_stage", search, query, t, order_nuggets(nuggets, {}), [])
 
     def chunks_only(
-        self, question: str, kc: int = 5, doc_ids: Sequence[str] | None = None
+        self,
+        question: str,
+        kc: int = 4,
+        doc_ids: Sequence[str] | None = None,
+        mode: str | SearchMode | None = None,
     ) -> RetrievalResult:
         """Whole chunks, best first (TurboRAG and standard RAG); ``doc_ids``: only these
         documents' chunks."""
-        vector, embed_ms = self._embed(question)
+        search, query = self._start(question, mode)
         t = time.perf_counter()
-        hits = self._chunks(vector, kc, doc_ids)
-        search_ms = (time.perf_counter() - t) * 1000.0
+        hits = self._chunks(search, query, kc, doc_ids)
         evidence = [
             Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score)
             for h in hits
         ]
-        return RetrievalResult("chunks_only", evidence, hits, embed_ms, search_ms)
+        return self._timed("chunks_only", search, query, t, evidence, hits)
 
-    def documents(self, question: str, k: int = 5) -> list[dict[str, Any]]:
-        """Top-``k`` documents by their document vector (cartridge selection), best first."""
-        vector, _ = self._embed(question)
-        return self.index.search_documents(vector, k, embedder_fp=self.embedder.fingerprint)
+    def documents(
+        self, question: str, k: int = 5, mode: str | SearchMode | None = None
+    ) -> list[dict[str, Any]]:
+        """Top-``k`` documents (cartridge selection), best first: dicts with ``doc_id``,
+        ``doc_version`` and ``score``."""
+        search, query = self._start(question, mode)
+        return search.documents(self.index, query, k)

@@ -25,6 +25,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
     kv_codec = "none"           # none | int8 | int4 (how the stored KV is encoded)
     kv_keep = "chunks"          # chunks | nuggets (store only the KV of nugget spans)
+    retrieval = "hybrid"        # dense | lexical | hybrid (how queries rank; per query too)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
 environment, and nothing in this module reads or records them.
@@ -50,6 +51,10 @@ KV_CODECS = ("none", "int8", "int4")
 # can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
 KV_KEEPS = ("chunks", "nuggets")
 CHUNKERS = ("fixed", "sentence", "content")
+# How retrieval ranks chunks, nuggets and documents (inference.retrieve.SEARCH_MODES; a test keeps
+# them equal): by embedding (dense), by BM25 over the words (lexical), or both fused (hybrid).
+RETRIEVAL_MODES = ("dense", "lexical", "hybrid")
+DEFAULT_RETRIEVAL = "hybrid"
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
 # The RAG methods: the names of inference/methods' registry (METHODS; a test keeps them equal),
@@ -167,6 +172,12 @@ class BuildSettings:
         cli=True,
     )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
+    retrieval: str = setting(
+        DEFAULT_RETRIEVAL,
+        "How queries of this store rank chunks and nuggets: dense | lexical | hybrid "
+        "(default {default}).",
+        cli=True,
+    )
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
     prune: bool = setting(
         False,  # tombstone live documents that are absent from SOURCE
@@ -222,6 +233,10 @@ class BuildSettings:
             raise SettingsError(
                 'kv_keep = "nuggets" stores the KV of nugget spans, and extractor none extracts '
                 'no nuggets: nothing would be stored; use kv_keep = "chunks" or an extractor'
+            )
+        if self.retrieval not in RETRIEVAL_MODES:
+            raise SettingsError(
+                f"retrieval {self.retrieval!r} is not one of {', '.join(RETRIEVAL_MODES)}"
             )
         if self.chunker not in CHUNKERS:
             raise SettingsError(f"chunker {self.chunker!r} is not one of {', '.join(CHUNKERS)}")

@@ -29,6 +29,13 @@ Schemas come from ``schemas/tables.py`` (``INDEX_TABLES``); the ``vector`` colum
   with no ``[published]`` table at all (written by the stages alone) is read at its latest
   versions. A new embedder overwrites the tables (a new version with a new schema), it never
   drops them, so the published vectors stay readable until the new ones are published.
+- A full-text (BM25) index on ``text`` (LanceDB's native inverted index, :data:`FTS_CONFIG`)
+  makes chunks and nuggets searchable by their words (:meth:`LanceIndex.search_text`). It is
+  created by the first build that indexes a table (and by the next build of a store indexed
+  before it existed) and is part of each table version like the table's rows: a reader checked
+  out at the published version searches the index of that version, rows written after the
+  index are searched unindexed until ``optimize`` merges them in, and deleted rows are never
+  found.
 - A nugget search restricted to some chunks (the second stage of CoinRAG's two-stage retrieval)
   is a prefiltered *exact* search: the filter keeps a few hundred rows, and an IVF index probing
   only some partitions could miss rows of those chunks and return fewer than ``k``.
@@ -57,12 +64,31 @@ from coinrag.storage.store import Store
 
 META_FILE = "coinrag-index.json"
 ID_COLUMNS = {"chunks": "chunk_id", "nuggets": "nugget_id", "documents": "doc_id"}
+FTS_TABLES = ("chunks", "nuggets")  # tables searched by their words (documents: by chunks')
 SCALAR_COLUMNS = {
     "chunks": ("chunk_id", "doc_id"),
     "nuggets": ("nugget_id", "chunk_id", "doc_id"),
     "documents": ("doc_id",),
 }
 METRIC = "cosine"
+# What a search returns of each table (besides ``score``).
+CHUNK_HIT_COLUMNS = ("chunk_id", "doc_id", "doc_version", "content_key", "text", "n_tokens")
+NUGGET_HIT_COLUMNS = (
+    "nugget_id",
+    "chunk_id",
+    "doc_id",
+    "doc_version",
+    "content_key",
+    "text",
+    "tok_start",
+    "tok_end",
+)
+DOCUMENT_HIT_COLUMNS = ("doc_id", "doc_version", "title")
+HIT_COLUMNS = {
+    "chunks": CHUNK_HIT_COLUMNS,
+    "nuggets": NUGGET_HIT_COLUMNS,
+    "documents": DOCUMENT_HIT_COLUMNS,
+}
 
 # Measured on 2 shared CPU cores (load average 4-6) with tests/benchmarks/bench_retrieval.py,
 # dim 384, clustered vectors: a flat scan costs ~10 ms at 10^4 rows, ~15-20 ms at 2*10^4,
@@ -80,6 +106,19 @@ SEARCH_NPROBES = 32  # IVF partitions probed per query
 SEARCH_REFINE_FACTOR = 5  # re-rank 5*k candidates with the exact float32 vectors
 SEARCH_EF = 100  # HNSW candidate list (IVF_HNSW_* indexes only)
 RETRAIN_GROWTH = 2.0  # retrain the ANN index when the table has grown this much since training
+# LanceDB's native full-text (BM25) index on the ``text`` column of chunks and nuggets: simple
+# word tokens, lower case, ASCII folding, English stemming and stop words, no positions (no
+# phrase queries: questions are matched as bags of words).
+FTS_COLUMN = "text"
+FTS_CONFIG: dict[str, Any] = {
+    "with_position": False,
+    "base_tokenizer": "simple",
+    "language": "English",
+    "lower_case": True,
+    "stem": True,
+    "remove_stop_words": True,
+    "ascii_folding": True,
+}
 _DELETE_BATCH = 2000  # ids per DELETE ... IN (...) statement
 _WRITE_BATCH = 50_000  # rows per merge_insert
 
@@ -95,6 +134,10 @@ class EmbedderMismatch(ValueError):
             f"but the query was embedded with {query_fp}; embed the query with the index's "
             "embedder, or rebuild the index with this one"
         )
+
+
+class LexicalIndexMissing(FileNotFoundError):
+    """A table without its full-text index (an index built before coinrag had one)."""
 
 
 class IndexNotBuilt(FileNotFoundError):
@@ -144,6 +187,11 @@ def vectors_array(vectors: np.ndarray, dim: int) -> pa.FixedSizeListArray:
 
 def _sql_list(values: Iterable[str]) -> str:
     return ", ".join("'" + str(v).replace("'", "''") + "'" for v in values)
+
+
+def in_filter(column: str, values: Iterable[str]) -> str:
+    """The prefilter ``column IN (...)`` for these values (quoted; duplicates dropped)."""
+    return f"{column} IN ({_sql_list(dict.fromkeys(values))})"
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
@@ -285,7 +333,7 @@ class LanceIndex:
             schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
             self.db.create_table(name, schema=schema, mode="overwrite")
         self._tables.pop(name, None)
-        self._has_ann.pop(name, None)
+        self._has_ann.clear()
 
     def _table_names(self) -> set[str]:
         result = self.db.list_tables()
@@ -409,7 +457,7 @@ class LanceIndex:
         Returns the indexes created (or retrained) per table. With ``optimize``, new rows are
         merged into existing indexes and small files compacted first.
         """
-        from lancedb.index import BTree
+        from lancedb.index import FTS, BTree
 
         threshold = VECTOR_INDEX_MIN_ROWS if min_rows is None else min_rows
         made: dict[str, list[str]] = {}
@@ -428,6 +476,10 @@ class LanceIndex:
                 if column not in have:
                     tbl.create_index(column, config=BTree(), replace=True)
                     made.setdefault(name, []).append(f"btree:{column}")
+            if name in FTS_TABLES and not self._has_fts(tbl):
+                tbl.create_index(FTS_COLUMN, config=FTS(**FTS_CONFIG), replace=True)
+                made.setdefault(name, []).append(f"fts:{FTS_COLUMN}")
+                self._has_ann.pop(f"fts:{name}", None)
             info = vector_indexes.get(name)
             stale = info is not None and rows >= RETRAIN_GROWTH * int(info.get("rows", 0))
             if rows >= threshold and ("vector" not in have or info is None or stale):
@@ -440,6 +492,24 @@ class LanceIndex:
             )
             self._write_meta()
         return made
+
+    def _has_fts(self, tbl: Any) -> bool:
+        return any(
+            idx.index_type == "FTS" and FTS_COLUMN in idx.columns for idx in tbl.list_indices()
+        )
+
+    def lacks_text_index(self) -> bool:
+        """Whether a table of :data:`FTS_TABLES` holds rows but no full-text index (an index
+        built before it existed: :meth:`ensure_indexes` adds it)."""
+        return any(self.count(n) and not self.has_text_index(n) for n in FTS_TABLES)
+
+    def has_text_index(self, name: str) -> bool:
+        """Whether table ``name`` (at this reader's version) has its full-text index."""
+        key = f"fts:{name}"
+        if key not in self._has_ann:
+            tbl = self.table(name)
+            self._has_ann[key] = tbl is not None and self._has_fts(tbl)
+        return self._has_ann[key]
 
     def _keep_from(self, name: str) -> int | None:
         """The oldest version of table ``name`` to keep: the published one, or an older one a
@@ -559,6 +629,53 @@ class LanceIndex:
         rows.sort(key=lambda r: -r["score"])
         return rows
 
+    def search_vector(
+        self,
+        name: str,
+        vector: np.ndarray,
+        k: int,
+        *,
+        embedder_fp: str,
+        where: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Top-``k`` rows of ``name`` (their :data:`HIT_COLUMNS`) by cosine similarity to
+        ``vector`` (``(dim,)`` float32), best first, with ``score``. ``where``: a prefilter,
+        under which the search is exact (it keeps a few hundred rows, and an IVF index probing
+        some partitions could miss some)."""
+        return self._search(
+            name, vector, k, embedder_fp, HIT_COLUMNS[name], where=where, exact=where is not None
+        )
+
+    def search_text(
+        self, name: str, text: str, k: int, *, where: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Top-``k`` rows of ``name`` (their :data:`HIT_COLUMNS`) by BM25 of ``text`` against
+        their ``text`` column, best first (dicts with ``score``, the BM25 score); ``where``: a
+        prefilter. A query with no indexed word (only stop words, say) finds nothing.
+        :class:`LexicalIndexMissing` if the table has no full-text index."""
+        columns = HIT_COLUMNS[name]
+        from lancedb.query import MatchQuery
+
+        tbl = self.table(name)
+        if tbl is None or k <= 0 or not text.strip():
+            return []
+        if not self.has_text_index(name):
+            raise LexicalIndexMissing(
+                f"the {name} index in {self.store.uri(self.store.index_dir)} has no full-text "
+                "index (built before lexical search existed): run `coinrag build` on the store "
+                "once (an unchanged rebuild only adds it), or search with --retrieval dense"
+            )
+        query = tbl.search(MatchQuery(text, FTS_COLUMN), query_type="fts").select(
+            [*columns, "_score"]
+        )
+        if where is not None:
+            query = query.where(where, prefilter=True)
+        rows = query.limit(k).to_arrow().to_pylist()
+        for row in rows:
+            row["score"] = float(row.pop("_score"))
+        rows.sort(key=lambda r: -r["score"])
+        return rows
+
     def search_chunks(
         self,
         vector: np.ndarray,
@@ -571,11 +688,12 @@ class LanceIndex:
 
         ``doc_ids``: only these documents' chunks (a prefiltered exact search, so it returns
         ``min(k, their chunks)``)."""
-        cols = ["chunk_id", "doc_id", "doc_version", "content_key", "text", "n_tokens"]
         if doc_ids is None:
-            return self._search("chunks", vector, k, embedder_fp, cols)
-        where = f"doc_id IN ({_sql_list(dict.fromkeys(doc_ids))})"
-        return self._search("chunks", vector, k, embedder_fp, cols, where=where, exact=True)
+            return self._search("chunks", vector, k, embedder_fp, CHUNK_HIT_COLUMNS)
+        where = in_filter("doc_id", doc_ids)
+        return self._search(
+            "chunks", vector, k, embedder_fp, CHUNK_HIT_COLUMNS, where=where, exact=True
+        )
 
     def search_nuggets(
         self,
@@ -590,29 +708,19 @@ class LanceIndex:
         The restricted search prefilters ``chunk_id IN (...)`` (BTREE index) and then ranks the
         remaining rows exactly, so it returns ``min(k, nuggets of those chunks)`` rows.
         """
-        cols = [
-            "nugget_id",
-            "chunk_id",
-            "doc_id",
-            "doc_version",
-            "content_key",
-            "text",
-            "tok_start",
-            "tok_end",
-        ]
+        cols = NUGGET_HIT_COLUMNS
         if chunk_ids is None:
             return self._search("nuggets", vector, k, embedder_fp, cols)
         ids = list(dict.fromkeys(chunk_ids))
         if not ids:
             self.check(embedder_fp, vector)
             return []
-        where = f"chunk_id IN ({_sql_list(ids)})"
+        where = in_filter("chunk_id", ids)
         return self._search("nuggets", vector, k, embedder_fp, cols, where=where, exact=True)
 
     def search_documents(self, vector: np.ndarray, k: int, *, embedder_fp: str) -> list[dict]:
         """Top-``k`` documents (one vector each), best first."""
-        cols = ["doc_id", "doc_version", "title"]
-        return self._search("documents", vector, k, embedder_fp, cols)
+        return self._search("documents", vector, k, embedder_fp, DOCUMENT_HIT_COLUMNS)
 
 
 def create_vector_index(tbl: Any, rows: int, dim: int, index_type: str = VECTOR_INDEX_TYPE) -> None:

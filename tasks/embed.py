@@ -316,7 +316,7 @@ def embed_stage(
         + counts.chunks_deleted
         + counts.nuggets_deleted
     )
-    if changed or counts.index_reset:
+    if changed or counts.index_reset or index.lacks_text_index():
         counts.indexes_built = index.ensure_indexes(min_rows=vector_index_min_rows)
     counts.index_seconds += time.perf_counter() - t1
     return counts

@@ -27,7 +27,7 @@ from coinrag.storage.store import Store
 pytestmark = pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
 
 QUESTION = "Who directed 2001: A Space Odyssey?"
-SAME = ("answer", "method", "evidence", "active_tokens", "kc", "k", "model_fp")
+SAME = ("answer", "method", "evidence", "active_tokens", "kc", "k", "model_fp", "retrieval")
 NEW_DOC = {
     "id": "zorvath",
     "text": "Zorvath is a harbour town on the island of Keldia. Zorvath was founded by the "
@@ -61,8 +61,8 @@ def client():
         yield c
 
 
-def _cli_query(store: Path, method: str) -> dict:
-    args = ["query", QUESTION, "--store", str(store), "--method", method]
+def _cli_query(store: Path, method: str, *more: str) -> dict:
+    args = ["query", QUESTION, "--store", str(store), "--method", method, *more]
     args += ["--kc", "2", "--k", "4", "--max-new-tokens", "8", "--json", "--threads", "1"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -81,6 +81,13 @@ def test_answers_equal_coinrag_query_json(server, client, store: Path) -> None:
         assert {key: served[key] for key in SAME} == {key: cli[key] for key in SAME}
         assert set(served) == set(cli) and set(served["timings"]) == set(cli["timings"])
         assert served["evidence"] and "Kubrick" in " ".join(e["text"] for e in served["evidence"])
+        assert served["retrieval"] == "hybrid"  # the store's default search mode
+    # a request names its search mode; the answer records it, as `coinrag query` does
+    body = {"question": QUESTION, "method": "coinrag", "kc": 2, "k": 4, "retrieval": "lexical"}
+    served = client.post(f"{base}/query", json=body).json()
+    cli = _cli_query(store, "coinrag", "--retrieval", "lexical")
+    assert {key: served[key] for key in SAME} == {key: cli[key] for key in SAME}
+    assert served["retrieval"] == "lexical"
 
 
 def test_stream_sends_each_token_then_the_answer(server, client) -> None:
@@ -118,6 +125,7 @@ def test_stream_sends_each_token_then_the_answer(server, client) -> None:
         ({"question": QUESTION, "max_new_tokens": 0}, 422, "max_new_tokens"),
         ({"question": QUESTION, "kc": "4"}, 422, "kc must be an integer"),
         ({"question": QUESTION, "stream": 1}, 422, "stream must be true or false"),
+        ({"question": QUESTION, "retrieval": "fuzzy"}, 422, "retrieval 'fuzzy' is not one of"),
         ({"question": QUESTION, "temperature": 1}, 422, "unknown field"),
         ({}, 422, "question is required"),
         ([QUESTION], 400, "JSON object"),

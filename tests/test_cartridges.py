@@ -491,7 +491,7 @@ def test_train_flow_then_cartridge_rag(tok, tmp_path, monkeypatch) -> None:
     assert rag.doc_ids == ["doc0", "doc1", "doc2"]
 
     class Retriever:
-        def documents(self, question, k):
+        def documents(self, question, k, mode=None):
             return [{"doc_id": "doc2"}, {"doc_id": "doc0"}][:k]
 
     rag.retriever = Retriever()

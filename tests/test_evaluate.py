@@ -180,9 +180,10 @@ def test_evaluate_end_to_end(tmp_path: Path) -> None:
     on_disk = pq.read_table(out / "results.parquet")
     assert on_disk.equals(results)
     assert results.column_names == [
-        "dataset", "model", "method", "kc", "k", "f1", "em", "recall", "ttft_mean_ms",
-        "ttft_p99_ms", "active_tokens", "n",
+        "dataset", "model", "method", "retrieval", "kc", "k", "f1", "em", "recall",
+        "ttft_mean_ms", "ttft_p99_ms", "active_tokens", "n",
     ]  # fmt: skip
+    assert set(results.column("retrieval").to_pylist()) == {"hybrid"}  # the store's default
     rows = results.to_pylist()
     assert {(r["method"], r["kc"], r["k"]) for r in rows} == expected
     assert all(r["n"] == 3 and r["ttft_p99_ms"] >= r["ttft_mean_ms"] > 0 for r in rows)
@@ -238,39 +239,59 @@ def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
 
     results = evaluate_retrieval(store, questions, out, kcs=(1, 2), ks=(2,))
 
-    rows = {(r["mode"], r["kc"], r["k"]): r for r in results.to_pylist()}
+    modes = ("dense", "lexical", "hybrid")
+    rows = {(r["retrieval"], r["evidence"], r["kc"], r["k"]): r for r in results.to_pylist()}
     assert set(rows) == {
-        ("chunks", 1, 0), ("chunks", 2, 0), ("two_stage", 1, 2), ("two_stage", 2, 2),
-        ("one_stage", 0, 2),
+        (m, *key)
+        for m in modes
+        for key in (("chunks", 1, 0), ("chunks", 2, 0), ("two_stage", 1, 2), ("two_stage", 2, 2),
+                    ("one_stage", 0, 2))
     }  # fmt: skip
     assert all(r["n"] == 2 for r in rows.values())  # the question without gold ids is left out
-    # recall recomputed by hand from the retriever, for every question and mode
+    # hits and recall recomputed by hand from the retriever, for every question and mode
     retriever = Retriever(Store.at(store), load_embedder("minilm"))
     gold = [q for q in QUESTIONS if "doc_ids" in q]
-    for kc in (1, 2):
-        by_hand = [
-            doc_recall([e.doc_id for e in retriever.chunks_only(q["question"], kc).evidence],
-                       q["doc_ids"])
-            for q in gold
-        ]  # fmt: skip
-        assert rows[("chunks", kc, 0)]["recall"] == pytest.approx(sum(by_hand) / len(by_hand))
-    assert rows[("chunks", 2, 0)]["recall"] >= rows[("chunks", 1, 0)]["recall"]
-    assert 0.0 <= rows[("chunks", 1, 0)]["mrr"] <= 1.0
+    for mode in modes:
+        for kc in (1, 2):
+            found = [
+                [e.doc_id for e in retriever.chunks_only(q["question"], kc, mode=mode).evidence]
+                for q in gold
+            ]
+            recall = [doc_recall(f, q["doc_ids"]) for f, q in zip(found, gold, strict=True)]
+            hit = [any(d in q["doc_ids"] for d in f) for f, q in zip(found, gold, strict=True)]
+            row = rows[(mode, "chunks", kc, 0)]
+            assert row["recall"] == pytest.approx(sum(recall) / len(recall))
+            assert row["hit"] == pytest.approx(sum(hit) / len(hit))
+        assert rows[(mode, "chunks", 2, 0)]["hit"] >= rows[(mode, "chunks", 1, 0)]["hit"]
     assert all(0.0 <= r["mrr"] <= 1.0 for r in rows.values())  # every mode has its MRR
     per_q = pq.read_table(out / "retrieval_per_question.parquet").to_pylist()
     # two-stage evidence never leaves the chosen chunks' documents
-    chunk_docs = {(r["qid"], r["kc"]): set(r["evidence_doc_ids"]) for r in per_q
-                  if r["mode"] == "chunks"}  # fmt: skip
+    chunk_docs = {(r["retrieval"], r["qid"], r["kc"]): set(r["evidence_doc_ids"]) for r in per_q
+                  if r["evidence"] == "chunks"}  # fmt: skip
     for r in per_q:
-        if r["mode"] == "two_stage":
-            assert set(r["evidence_doc_ids"]) <= chunk_docs[(r["qid"], r["kc"])]
+        if r["evidence"] == "two_stage":
+            assert set(r["evidence_doc_ids"]) <= chunk_docs[(r["retrieval"], r["qid"], r["kc"])]
     assert pq.read_table(out / "retrieval.parquet").equals(results)
+    lineage = json.loads((out / "eval_run.json").read_text())
+    assert lineage["retrievals"] == list(modes) and lineage["kind"] == "retrieval"
+    assert lineage["published"]["index"]["versions"]  # the index versions the numbers read
 
     runner = CliRunner()
     ok = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",
                              str(tmp_path / "cli"), "--retrieval-only", "--kc", "1"])  # fmt: skip
     assert ok.exit_code == 0, ok.output
     assert "two_stage" in ok.output
+    assert all(m in ok.output for m in modes)  # the three modes side by side
+    one = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",
+                              str(tmp_path / "cli1"), "--retrieval-only", "--kc", "1",
+                              "--retrieval", "lexical"])  # fmt: skip
+    assert one.exit_code == 0, one.output
+    written = pq.read_table(tmp_path / "cli1" / "retrieval.parquet")
+    assert set(written.column("retrieval").to_pylist()) == {"lexical"}
+    bad = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",
+                              str(tmp_path / "cli2"), "--retrieval-only",
+                              "--retrieval", "fuzzy"])  # fmt: skip
+    assert bad.exit_code == 2 and "fuzzy" in bad.output
     missing = runner.invoke(app, ["eval", str(questions), "--store", str(tmp_path / "nope"),
                                   "--out", str(tmp_path / "x"), "--retrieval-only"])  # fmt: skip
     assert missing.exit_code == 1
@@ -282,14 +303,24 @@ def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
     # the engine loads only what the methods asked for need: standard RAG needs no KV
     standard = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",
                                    str(tmp_path / "s"), "--limit", "1", "--methods", "standard",
-                                   "--max-new-tokens", "2"])  # fmt: skip
+                                   "--max-new-tokens", "2", "--retrieval", "dense",
+                                   "lexical"])  # fmt: skip
     assert standard.exit_code == 0, standard.output
-    assert pq.read_table(tmp_path / "s" / "results.parquet").column("method").to_pylist() == [
-        "standard"
+    results = pq.read_table(tmp_path / "s" / "results.parquet")
+    assert results.column("method").to_pylist() == ["standard", "standard"]
+    assert results.column("retrieval").to_pylist() == ["dense", "lexical"]  # compared side by side
+    assert "standard (lexical)" in standard.output  # labelled by mode when several run
+    assert json.loads((tmp_path / "s" / "eval_run.json").read_text())["retrievals"] == [
+        "dense",
+        "lexical",
     ]
+    table3 = pq.read_table(tmp_path / "s" / "table3.parquet")
+    assert set(table3.column("retrieval").to_pylist()) == {"dense", "lexical"}
 
     # the same store rebuilt without nuggets (extractor none): only the chunks mode runs
     build_flow(str(src), str(store), {"extractor": "none", "kv": False})
-    only_chunks = evaluate_retrieval(store, questions, tmp_path / "r2", kcs=(2,), ks=(2,))
-    assert only_chunks.column("mode").to_pylist() == ["chunks"]
-    assert only_chunks.column("recall").to_pylist() == [rows[("chunks", 2, 0)]["recall"]]
+    only_chunks = evaluate_retrieval(
+        store, questions, tmp_path / "r2", kcs=(2,), ks=(2,), retrievals=("dense",)
+    )
+    assert only_chunks.column("evidence").to_pylist() == ["chunks"]
+    assert only_chunks.column("recall").to_pylist() == [rows[("dense", "chunks", 2, 0)]["recall"]]

@@ -667,7 +667,7 @@ def run_training(
     loaded = load_model(base_ref, device=cfg.device, dtype=cfg.dtype)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     emb = load_embedder(embedder or settings.embedder)
-    retriever = Retriever(store, emb, LanceIndex.open(store))
+    retriever = Retriever(store, emb, LanceIndex.open(store), mode=settings.retrieval)
     t0 = time.perf_counter()
     plans, counts = make_plans(examples, retriever, prompt, loaded.tokenizer, cfg)
     prep_s = time.perf_counter() - t0

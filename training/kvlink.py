@@ -139,7 +139,10 @@ def run_kvlink_training(
     loaded.model.requires_grad_(False)
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     retriever = Retriever(
-        store, load_embedder(embedder or settings.embedder), LanceIndex.open(store)
+        store,
+        load_embedder(embedder or settings.embedder),
+        LanceIndex.open(store),
+        mode=settings.retrieval,
     )
     objective = KvLinkObjective(n_link)
     t0 = time.perf_counter()

@@ -53,7 +53,7 @@ class Index(Asset[Retriever]):
         from coinrag.storage.index import LanceIndex
 
         index = LanceIndex.open(engine.store, engine.published)
-        return Retriever(engine.store, embedder, index)
+        return Retriever(engine.store, embedder, index, mode=engine.retrieval)
 
 
 class ChunkTokenIds(Asset[ChunkTokens]):

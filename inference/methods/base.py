@@ -96,6 +96,7 @@ class Answer:
     kc: int
     k: int
     model_fp: str = ""
+    retrieval: str = ""  # the search mode that found the evidence (schemas RETRIEVAL_MODES)
     token_ids: list[int] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -160,15 +161,22 @@ class Retrieval(ABC):
     uses_kc: ClassVar[bool] = False  # the result depends on kc (chunks of stage 1)
     uses_k: ClassVar[bool] = False  # the result depends on k (nuggets, documents)
 
-    def key(self, kc: int, k: int) -> Hashable:
-        return (type(self).__name__, kc if self.uses_kc else 0, k if self.uses_k else 0)
+    def key(self, kc: int, k: int, mode: str = "") -> Hashable:
+        return (type(self).__name__, kc if self.uses_kc else 0, k if self.uses_k else 0, mode)
 
     @abstractmethod
     def __call__(
-        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+        self,
+        engine: RagEngine,
+        question: str,
+        kc: int,
+        k: int,
+        doc_ids: Sequence[str] | None,
+        mode: str,
     ) -> Any:
         """The evidence for ``question`` (its type is what the method's ``run`` takes), with
-        the time it took; ``doc_ids``: only these documents (an oracle's gold documents)."""
+        the time it took; ``doc_ids``: only these documents (an oracle's gold documents);
+        ``mode``: the search mode (``schemas.settings.RETRIEVAL_MODES``)."""
 
 
 # Methods that live in a module of another name (a variant beside the method it varies).
@@ -272,13 +280,22 @@ class RagMethod(ABC):
     def uses_k(self) -> bool:
         return self.retrieval.uses_k
 
-    def retrieval_key(self, kc: int, k: int) -> Hashable:
-        """Equal for two methods whose retrievals for ``(kc, k)`` are the same."""
-        return self.retrieval.key(kc, k)
+    def retrieval_key(self, kc: int, k: int, mode: str | None = None) -> Hashable:
+        """Equal for two methods whose retrievals for ``(kc, k)`` in search mode ``mode``
+        (default: the engine's) are the same."""
+        return self.retrieval.key(kc, k, mode or self.engine.retrieval)
 
-    def retrieve(self, question: str, kc: int, k: int, doc_ids: Sequence[str] | None = None) -> Any:
-        """The evidence :meth:`run` takes (``doc_ids``: retrieve among these documents only)."""
-        return self.retrieval(self.engine, question, kc, k, doc_ids)
+    def retrieve(
+        self,
+        question: str,
+        kc: int,
+        k: int,
+        doc_ids: Sequence[str] | None = None,
+        mode: str | None = None,
+    ) -> Any:
+        """The evidence :meth:`run` takes (``doc_ids``: retrieve among these documents only;
+        ``mode``: the search mode, default the engine's)."""
+        return self.retrieval(self.engine, question, kc, k, doc_ids, mode or self.engine.retrieval)
 
     @abstractmethod
     def run(
@@ -295,10 +312,13 @@ class RagMethod(ABC):
         *,
         doc_ids: Sequence[str] | None = None,
         on_token: OnToken | None = None,
+        mode: str | None = None,
     ) -> Answer:
-        """Retrieve, then :meth:`run` (``BlankQuestion``, a ValueError, for a blank question)."""
+        """Retrieve (in search mode ``mode``, default the engine's), then :meth:`run`
+        (``BlankQuestion``, a ValueError, for a blank question)."""
         require_question(question)
-        return self.run(question, self.retrieve(question, kc, k, doc_ids), kc, k, on_token)
+        found = self.retrieve(question, kc, k, doc_ids, mode)
+        return self.run(question, found, kc, k, on_token)
 
     def finish(
         self,
@@ -308,10 +328,12 @@ class RagMethod(ABC):
         active_tokens: int,
         kc: int,
         k: int,
+        *,
+        mode: str,
     ) -> Answer:
         """The :class:`Answer` of ``gen``: ``timings`` holds ``retrieval``, ``kv_load`` and
         ``assembly``; ``prefill``, ``ttft`` (the four summed) and ``decode`` are added, each
-        rounded to the microsecond."""
+        rounded to the microsecond; ``mode``: the search mode the evidence was found in."""
         spent = {**timings, "prefill": gen.prefill_ms}
         spent["ttft"] = spent["retrieval"] + spent["kv_load"] + spent["assembly"] + gen.prefill_ms
         spent["decode"] = gen.decode_ms
@@ -324,5 +346,6 @@ class RagMethod(ABC):
             kc=kc,
             k=k,
             model_fp=self.loaded.model_fp,
+            retrieval=mode,
             token_ids=gen.token_ids,
         )

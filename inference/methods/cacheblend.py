@@ -82,7 +82,9 @@ class CacheBlend(TurboRag, name="cacheblend"):
             on_token=on_token,
         )
         active = total - engine.prompt.n_prefix
-        return self.finish(gen, timings, evidence_rows(retrieval), active, kc, k)
+        return self.finish(
+            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
+        )
 
 
 class CacheBlendV(CacheBlend, name="cacheblend-v"):

@@ -124,9 +124,12 @@ class CartridgeRag:
                 self._loaded_kv[doc_id] = kv
         return kv
 
-    def select(self, question: str, k: int, retriever: Any = None) -> tuple[list[str], float]:
+    def select(
+        self, question: str, k: int, retriever: Any = None, mode: str | None = None
+    ) -> tuple[list[str], float]:
         """Top-``k`` document ids from the retriever (``retriever``, else this one's; best
-        first) and the time it took (ms)."""
+        first), ranked in search mode ``mode`` (default: the retriever's), and the time it
+        took (ms)."""
         retriever = retriever or self.retriever
         if retriever is None:
             raise ValueError("no retriever: pass doc_ids")
@@ -135,7 +138,7 @@ class CartridgeRag:
         # first (a store where few documents have cartridges still answers).
         fetch = k
         while True:
-            hits = retriever.documents(question, fetch)
+            hits = retriever.documents(question, fetch, mode=mode)
             chosen = [h["doc_id"] for h in hits if h["doc_id"] in self.rows][:k]
             if len(chosen) == k or len(hits) < fetch:
                 break
@@ -254,6 +257,7 @@ class DocumentSelection:
 
     doc_ids: list[str]
     ms: float  # the time retrieval took
+    mode: str = ""  # the search mode that ranked the documents
 
 
 class TopDocuments(Retrieval):
@@ -264,14 +268,20 @@ class TopDocuments(Retrieval):
     uses_k = True
 
     def __call__(
-        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+        self,
+        engine: RagEngine,
+        question: str,
+        kc: int,
+        k: int,
+        doc_ids: Sequence[str] | None,
+        mode: str,
     ) -> DocumentSelection:
         if doc_ids is not None:
-            return DocumentSelection(list(doc_ids), 0.0)
+            return DocumentSelection(list(doc_ids), 0.0, mode)
         from coinrag.inference.methods.assets import Index
 
-        chosen, ms = engine.asset(Cartridges).select(question, k, engine.asset(Index))
-        return DocumentSelection(chosen, ms)
+        chosen, ms = engine.asset(Cartridges).select(question, k, engine.asset(Index), mode)
+        return DocumentSelection(chosen, ms, mode)
 
 
 class CartridgeMethod(RagMethod, name="cartridge"):
@@ -309,4 +319,4 @@ class CartridgeMethod(RagMethod, name="cartridge"):
             for d, c in zip(got.doc_ids, got.cartridge_ids, strict=True)
         ]
         active = got.context_tokens - rag.prompt.n_prefix
-        return self.finish(gen, timings, evidence, active, 0, len(got.doc_ids))
+        return self.finish(gen, timings, evidence, active, 0, len(got.doc_ids), mode=retrieval.mode)

@@ -30,7 +30,7 @@ from coinrag.inference.methods.base import (
 )
 from coinrag.inference.models import LoadedModel
 from coinrag.inference.prompt import RagPrompt, require_question
-from coinrag.inference.retrieve import Retriever
+from coinrag.inference.retrieve import Retriever, search_mode
 from coinrag.schemas.settings import DEFAULT_RAG_METHODS, settings_from_toml
 from coinrag.storage.store import Store
 
@@ -68,12 +68,14 @@ class RagEngine:
         published: dict[str, Any] | None = None,
         link_adapter: str | None = None,
         kv_keep: str | None = None,
+        retrieval: str | None = None,
     ) -> None:
         """``kv_codec``: how the store's KV is encoded; ``kv_keep``: what it keeps of each chunk
         (``chunks`` | ``nuggets``); both default to the store's recorded settings.
         ``published``: the store's ``[published]`` record this engine reads (its index versions;
         default: the one published when the index first loads); ``link_adapter``: a folder of
-        trained KVLink link tokens (``kvlink`` needs one)."""
+        trained KVLink link tokens (``kvlink`` needs one); ``retrieval``: the search mode of
+        questions that name none (default: the store's ``retrieval`` setting)."""
         self.store = store
         self.published = published
         self.loaded = loaded
@@ -88,6 +90,7 @@ class RagEngine:
         recorded = store_settings(store)
         self.kv_codec = kv_codec or recorded.kv_codec
         self.kv_keep = kv_keep or recorded.kv_keep
+        self.retrieval = search_mode(retrieval or recorded.retrieval).name
         # what the methods' assets are checked against (Asset.unavailable)
         self.store_settings = dataclasses.replace(
             recorded, kv_codec=self.kv_codec, kv_keep=self.kv_keep
@@ -251,8 +254,12 @@ class RagEngine:
 
     # ------------------------------------------------------------------ answering
 
-    def retrieve(self, question: str, method: str, kc: int, k: int) -> Any:
-        return self.method(method).retrieve(question, kc, k)
+    def retrieve(
+        self, question: str, method: str, kc: int, k: int, retrieval: str | None = None
+    ) -> Any:
+        """``method``'s evidence for ``question`` in search mode ``retrieval`` (default: the
+        engine's)."""
+        return self.method(method).retrieve(question, kc, k, mode=retrieval)
 
     def answer(
         self,
@@ -263,11 +270,17 @@ class RagEngine:
         *,
         doc_ids: Sequence[str] | None = None,
         on_token: OnToken | None = None,
+        retrieval: str | None = None,
     ) -> Answer:
-        """Retrieve (among ``doc_ids`` only, if given), then answer with ``method``
-        (``BlankQuestion``, a ValueError, for a blank question: before anything loads)."""
+        """Retrieve (among ``doc_ids`` only, if given; in search mode ``retrieval``, default
+        the engine's), then answer with ``method`` (``BlankQuestion``, a ValueError, for a
+        blank question: before anything loads)."""
         require_question(question)
-        return self.method(method).answer(question, kc, k, doc_ids=doc_ids, on_token=on_token)
+        if retrieval is not None:
+            search_mode(retrieval)  # an unknown mode is refused before any work
+        return self.method(method).answer(
+            question, kc, k, doc_ids=doc_ids, on_token=on_token, mode=retrieval
+        )
 
     def run(
         self,

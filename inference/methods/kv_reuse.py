@@ -55,4 +55,6 @@ class KvReuseMethod(RagMethod):
             on_token=on_token,
         )
         active = total - engine.prompt.n_prefix
-        return self.finish(gen, timings, evidence_rows(retrieval), active, kc, k)
+        return self.finish(
+            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
+        )

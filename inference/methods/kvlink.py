@@ -95,6 +95,8 @@ class KvLink(TurboRag, name="kvlink"):
             on_token=on_token,
         )
         active = sum(s.tokens for s in slices) + links.n_link * len(slices)
-        answer = self.finish(gen, timings, evidence_rows(retrieval), active, kc, k)
+        answer = self.finish(
+            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
+        )
         answer.model_fp = info.kvlink_fp
         return answer

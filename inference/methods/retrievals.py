@@ -29,9 +29,15 @@ class TopChunks(Retrieval):
     uses_kc = True
 
     def __call__(
-        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+        self,
+        engine: RagEngine,
+        question: str,
+        kc: int,
+        k: int,
+        doc_ids: Sequence[str] | None,
+        mode: str,
     ) -> RetrievalResult:
-        return engine.asset(Index).chunks_only(question, kc=kc, doc_ids=doc_ids)
+        return engine.asset(Index).chunks_only(question, kc=kc, doc_ids=doc_ids, mode=mode)
 
 
 class TwoStageNuggets(Retrieval):
@@ -41,9 +47,15 @@ class TwoStageNuggets(Retrieval):
     uses_k = True
 
     def __call__(
-        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+        self,
+        engine: RagEngine,
+        question: str,
+        kc: int,
+        k: int,
+        doc_ids: Sequence[str] | None,
+        mode: str,
     ) -> RetrievalResult:
-        return engine.asset(Index).two_stage(question, kc=kc, k=k, doc_ids=doc_ids)
+        return engine.asset(Index).two_stage(question, kc=kc, k=k, doc_ids=doc_ids, mode=mode)
 
 
 class OneStageNuggets(Retrieval):
@@ -53,14 +65,20 @@ class OneStageNuggets(Retrieval):
     uses_k = True
 
     def __call__(
-        self, engine: RagEngine, question: str, kc: int, k: int, doc_ids: Sequence[str] | None
+        self,
+        engine: RagEngine,
+        question: str,
+        kc: int,
+        k: int,
+        doc_ids: Sequence[str] | None,
+        mode: str,
     ) -> RetrievalResult:
         if doc_ids:
             raise ValueError(
                 "coinrag-onestage searches the whole nugget index: an oracle document does not "
                 "apply to it"
             )
-        return engine.asset(Index).one_stage(question, k=k)
+        return engine.asset(Index).one_stage(question, k=k, mode=mode)
 
 
 def retrieval_timings(retrieval: RetrievalResult) -> dict[str, float]:

@@ -38,4 +38,6 @@ class StandardRag(RagMethod, name="standard"):
         )
         active = sum(len(c) for c in context)
         timings = retrieval_timings(retrieval)
-        return self.finish(gen, timings, evidence_rows(retrieval), active, kc, k)
+        return self.finish(
+            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
+        )

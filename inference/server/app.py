@@ -199,7 +199,13 @@ class ApiServer:
                     emit({"index": len(ids) - 1, "token_id": token_id, "text": delta})
 
             return engine.answer(
-                req.question, req.method, kc=req.kc, k=req.k, doc_ids=req.doc_ids, on_token=on_token
+                req.question,
+                req.method,
+                kc=req.kc,
+                k=req.k,
+                doc_ids=req.doc_ids,
+                on_token=on_token,
+                retrieval=req.retrieval,
             )
         finally:
             self.holder.release(version)

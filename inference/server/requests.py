@@ -1,5 +1,6 @@
 """A query request as the server reads it: the options of ``coinrag query`` (question, method,
-kc, k, max_new_tokens, oracle_doc) plus ``stream``, checked with one error message each."""
+kc, k, max_new_tokens, oracle_doc, retrieval) plus ``stream``, checked with one error message
+each."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coinrag.schemas.qa import BlankQuestion, require_question
-from coinrag.schemas.settings import ApiSettings
+from coinrag.schemas.settings import RETRIEVAL_MODES, ApiSettings
 
 
 class BadRequest(ValueError):
@@ -28,6 +29,7 @@ class QueryRequest:
     k: int = 10
     max_new_tokens: int = 32
     oracle_doc: str | None = None
+    retrieval: str | None = None  # search mode (RETRIEVAL_MODES); None: the store's setting
     stream: bool = False
 
     @property
@@ -42,6 +44,7 @@ _TYPES: dict[str, type] = {
     "k": int,
     "max_new_tokens": int,
     "oracle_doc": str,
+    "retrieval": str,
     "stream": bool,
 }
 
@@ -68,7 +71,7 @@ def parse_query(
     if "question" not in data:
         raise BadRequest(422, "question is required")
     for name, value in data.items():
-        if name == "oracle_doc" and value is None:
+        if name in ("oracle_doc", "retrieval") and value is None:
             continue
         kind = _TYPES[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -86,6 +89,10 @@ def _check(req: QueryRequest, settings: ApiSettings, methods: Sequence[str]) -> 
         raise BadRequest(422, str(exc)) from exc
     if len(req.question) > settings.max_question_chars:
         raise BadRequest(422, f"question over {settings.max_question_chars} characters")
+    if req.retrieval is not None and req.retrieval not in RETRIEVAL_MODES:
+        raise BadRequest(
+            422, f"retrieval {req.retrieval!r} is not one of {', '.join(RETRIEVAL_MODES)}"
+        )
     if req.method not in methods:
         raise BadRequest(422, f"method {req.method!r} is not served; served: {', '.join(methods)}")
     for name, top in (

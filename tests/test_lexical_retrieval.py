@@ -1,0 +1,172 @@
+"""Lexical (LanceDB full-text, BM25) and hybrid retrieval: the full-text index kept in step with
+the tables through every change the store handles, the search modes, and their fusion.
+
+Real LanceDB tables in temp dirs, written by the real embed stage; vectors come from a cheap
+deterministic embedder (``HashEmbedder``) where only the lexical side is under test."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_index_retrieval import HashEmbedder, cut
+
+from coinrag.inference.retrieve import (
+    SEARCH_MODES,
+    Retriever,
+    rrf_fuse,
+    rrf_scores,
+    search_mode,
+)
+from coinrag.schemas.settings import RETRIEVAL_MODES, BuildSettings, SettingsError
+from coinrag.storage.index import FTS_TABLES, LanceIndex, LexicalIndexMissing
+from coinrag.storage.store import Store
+from coinrag.tasks.embed import embed_stage
+from coinrag.tasks.ingest import SourceDocument
+
+NEW_WORD = "quetzalcoatlus"  # in no sample document
+OLD_WORD = "xylophonist"
+
+
+def _docs() -> list[SourceDocument]:
+    texts = {
+        "birds": "Penguins are flightless birds of the southern hemisphere. "
+        f"A {OLD_WORD} once played for the penguins of Antarctica.",
+        "rivers": "The Amazon river carries more water than any other river on Earth.",
+        "volcanoes": "Mount Etna is an active stratovolcano on the east coast of Sicily.",
+        "stars": "A neutron star is the collapsed core of a massive supergiant star.",
+    }
+    return [SourceDocument(k, v, {}, "test") for k, v in texts.items()]
+
+
+def _lexical_docs(index: LanceIndex, word: str, table: str = "chunks") -> set[str]:
+    return {r["doc_id"] for r in index.search_text(table, word, 10)}
+
+
+@pytest.fixture()
+def store_and_rows(tmp_path, smollm2_tokenizer):
+    store = Store.at(tmp_path / "s").init()
+    docs = _docs()
+    chunks, nuggets = cut(smollm2_tokenizer, docs)
+    embed_stage(store, chunks, nuggets, docs, HashEmbedder(), "r1")
+    return store, docs
+
+
+def test_rrf_by_hand():
+    # a: 1/61 + 1/62; c: 1/63 + 1/61; b: 1/62 (k = 60)
+    scores = rrf_scores([["a", "b", "c"], ["c", "a"]])
+    assert scores["a"] == pytest.approx(1 / 61 + 1 / 62)
+    assert scores["c"] == pytest.approx(1 / 63 + 1 / 61)
+    assert rrf_fuse([["a", "b", "c"], ["c", "a"]]) == ["a", "c", "b"]
+    assert rrf_fuse([["x", "y"], []]) == ["x", "y"]  # one empty list: the other's order
+    assert rrf_fuse([["p", "q"], ["q", "p"]]) == ["p", "q"]  # a tie keeps first appearance
+
+
+def test_modes_are_the_settings_modes():
+    assert tuple(SEARCH_MODES) == RETRIEVAL_MODES
+    assert search_mode(None).name == BuildSettings().retrieval == "hybrid"
+    with pytest.raises(ValueError, match="'fuzzy' is not one of dense, lexical, hybrid"):
+        search_mode("fuzzy")
+    with pytest.raises(SettingsError, match="retrieval 'fuzzy'"):
+        BuildSettings(retrieval="fuzzy").validate()
+
+
+def test_build_creates_the_full_text_index(store_and_rows):
+    store, _ = store_and_rows
+    index = LanceIndex.open(store)
+    for name in FTS_TABLES:
+        assert index.has_text_index(name)
+    assert not index.lacks_text_index()
+    assert _lexical_docs(index, OLD_WORD) == {"birds"}
+    assert _lexical_docs(index, OLD_WORD, "nuggets") <= {"birds"}
+    # stemming: "rivers" finds "river"; stop words alone find nothing
+    assert _lexical_docs(index, "Rivers") == {"rivers"}
+    assert index.search_text("chunks", "the of and is", 5) == []
+
+
+def test_edit_is_found_by_its_new_words_only(store_and_rows, smollm2_tokenizer):
+    store, docs = store_and_rows
+    published = LanceIndex.open_latest(store).published_state()
+    edited = replace(docs[0], text=docs[0].text.replace(OLD_WORD, NEW_WORD))
+    new_docs = [edited, *docs[1:]]
+    chunks, nuggets = cut(smollm2_tokenizer, new_docs)
+    embed_stage(store, chunks, nuggets, new_docs, HashEmbedder(), "r2")
+    latest = LanceIndex.open_latest(store)
+    assert _lexical_docs(latest, NEW_WORD) == {"birds"}
+    assert _lexical_docs(latest, OLD_WORD) == set()
+    assert _lexical_docs(latest, NEW_WORD, "nuggets") <= {"birds"}
+    assert _lexical_docs(latest, OLD_WORD, "nuggets") == set()
+    # A reader of the version published before the edit searches that version's words.
+    before = LanceIndex(store, latest.meta, published["versions"])
+    assert _lexical_docs(before, OLD_WORD) == {"birds"}
+    assert _lexical_docs(before, NEW_WORD) == set()
+
+
+def test_deleted_document_is_never_found_lexically(store_and_rows):
+    store, _ = store_and_rows
+    index = LanceIndex.open_latest(store)
+    assert _lexical_docs(index, "Etna") == {"volcanoes"}
+    index.delete_documents(["volcanoes"])
+    assert _lexical_docs(index, "Etna") == set()
+    assert _lexical_docs(index, "Etna", "nuggets") == set()
+    # compaction, index merging and version pruning keep the index in step
+    index.ensure_indexes()
+    index.prune_versions()
+    again = LanceIndex.open_latest(store)
+    assert _lexical_docs(again, "Etna") == set()
+    assert _lexical_docs(again, "Amazon") == {"rivers"}
+    assert _lexical_docs(again, OLD_WORD) == {"birds"}
+
+
+def test_an_index_without_full_text_is_refused_then_repaired(tmp_path, smollm2_tokenizer):
+    store = Store.at(tmp_path / "s").init()
+    docs = _docs()
+    chunks, nuggets = cut(smollm2_tokenizer, docs)
+    emb = HashEmbedder()
+    embed_stage(store, chunks, nuggets, docs, emb, "r1")
+    index = LanceIndex.open_latest(store)
+    for name in FTS_TABLES:  # as an index built before lexical search existed
+        index.table(name).drop_index("text_idx")
+    stale = LanceIndex.open_latest(store)
+    assert stale.lacks_text_index()
+    with pytest.raises(LexicalIndexMissing, match="run `coinrag build` on the store once"):
+        stale.search_text("chunks", "Amazon", 3)
+    assert Retriever(store, emb, stale, mode="dense").chunks_only("Amazon", 2).evidence
+    counts = embed_stage(store, chunks, nuggets, docs, emb, "r2")  # an unchanged rebuild
+    assert counts.chunks_written == counts.nuggets_written == 0
+    assert "fts:text" in counts.indexes_built["chunks"]
+    assert _lexical_docs(LanceIndex.open_latest(store), "Amazon") == {"rivers"}
+
+
+def test_retriever_modes(store_and_rows):
+    store, _ = store_and_rows
+    emb = HashEmbedder()
+    retriever = Retriever(store, emb, LanceIndex.open_latest(store), mode="lexical")
+    question = f"Who played for the penguins, the {OLD_WORD}?"
+    lexical = retriever.chunks_only(question, kc=2)
+    assert lexical.mode == "lexical" and lexical.embed_ms == 0.0  # no embedding needed
+    assert lexical.chunks[0].doc_id == "birds"
+    dense = retriever.chunks_only(question, kc=2, mode="dense")
+    assert dense.mode == "dense" and dense.embed_ms > 0.0
+    hybrid = retriever.chunks_only(question, kc=4, mode="hybrid")
+    # RRF by hand over the two rankings (each of depth HYBRID_DEPTH)
+    index = retriever.index
+    d = [r["chunk_id"] for r in index.search_vector(
+        "chunks", emb.embed_queries([question])[0], 20, embedder_fp=emb.fingerprint)]  # fmt: skip
+    lex = [r["chunk_id"] for r in index.search_text("chunks", question, 20)]
+    assert [h.chunk_id for h in hybrid.chunks] == rrf_fuse([d, lex])[:4]
+    assert hybrid.chunks[0].doc_id == "birds"  # first in lexical, fused to the top
+    # two-stage: nuggets inside the stage-1 chunks only, in every mode
+    for mode in RETRIEVAL_MODES:
+        res = retriever.two_stage(question, kc=1, k=3, mode=mode)
+        assert res.mode == mode
+        assert {e.chunk_id for e in res.evidence} <= {h.chunk_id for h in res.chunks}
+        one = retriever.one_stage(question, k=3, mode=mode)
+        # lexical finds only nuggets sharing a word with the question
+        assert one.mode == mode and len(one.evidence) == (3 if mode != "lexical" else 2)
+        docs = retriever.documents(question, 2, mode=mode)
+        want = 2 if mode != "lexical" else 1  # only "birds" shares a word with the question
+        assert len(docs) == want and len({r["doc_id"] for r in docs}) == want
+    assert retriever.documents(question, 1, mode="lexical")[0]["doc_id"] == "birds"
+    restricted = retriever.chunks_only(question, kc=3, doc_ids=["rivers"], mode="hybrid")
+    assert {h.doc_id for h in restricted.chunks} == {"rivers"}
