@@ -4,7 +4,8 @@
 Click gives an option one value per occurrence; :class:`ListOptionsCommand` rewrites the
 arguments before Click parses them. After a list option's first value, the next tokens are
 more of its values while they fit it: numbers for a number option, one of its known values for
-an option listed in :data:`KNOWN_VALUES` (``--methods``, ``coinrag@base`` too), a
+an option listed in :data:`KNOWN_VALUES` (``--methods``, ``coinrag@base`` too;
+``--retrieval``), a
 ``NAME=VALUE`` pair for one in :data:`PAIR_VALUES` (``--model``, ``--limit-for``), and, for a
 string option of a command without positional arguments (``train cartridges --docs a b``),
 anything that does not start with ``-``. So a positional argument after a list option is never
@@ -20,9 +21,10 @@ from typing import Any
 
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
-from coinrag.schemas.settings import RAG_METHODS
+from coinrag.schemas.settings import RAG_METHODS, RETRIEVAL_MODES
 
-KNOWN_VALUES: dict[str, Sequence[str]] = {"--methods": RAG_METHODS}  # also as NAME@LABEL
+# --methods also as NAME@LABEL
+KNOWN_VALUES: dict[str, Sequence[str]] = {"--methods": RAG_METHODS, "--retrieval": RETRIEVAL_MODES}
 # Options whose values are NAME=VALUE pairs (``eval --model base=default links=DIR``,
 # ``--limit-for standard=20``): a token with ``=`` is one more value (and ``default``, the
 # store's model, for ``--model``).
