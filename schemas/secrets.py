@@ -3,7 +3,8 @@
 :func:`scrub` replaces the values of :data:`SECRET_ENV_VARS` found in the environment, any
 given secrets, the secrets this process registered (:func:`register_secrets`: the query
 server's API keys, every key it has read, rotated-out ones included), anything shaped like an
-API key, bearer tokens and URL credentials with ``***``. The LLM clients
+API key, bearer tokens, URL credentials and URL key parameters (``?api_key=``, ``&token=``)
+with ``***``. The LLM clients
 (``inference.llm_client``) and the ``runs`` table's error column (``storage.runs.failing_run``)
 scrub through it; :class:`ScrubSecrets` scrubs log records (the query server puts it on its
 loggers and uvicorn's: a key sent in a URL never reaches the access log).
@@ -26,6 +27,7 @@ SECRET_ENV_VARS = ("OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN
 _KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\-]{6,}")
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\",}]+")
 _URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
+_URL_KEY_PARAM = re.compile(r"(?i)([?&](?:api[_-]?key|key|token|access_token)=)[^&#\s'\"]+")
 _MIN_SECRET_CHARS = 4  # shorter "secrets" would scrub ordinary words
 
 _registered: set[str] = set()
@@ -53,7 +55,7 @@ def known_secrets() -> tuple[str, ...]:
 
 def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with the given and the registered secrets, anything shaped like an API key,
-    bearer tokens and URL credentials replaced by ``***``."""
+    bearer tokens, URL credentials and URL key parameters replaced by ``***``."""
     with _registered_lock:
         every = {*secrets, *_registered}
     for secret in sorted(every, key=len, reverse=True):  # a secret inside another: longest first
@@ -61,6 +63,7 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
             text = text.replace(secret, "***")
     text = _KEY_LIKE.sub("sk-***", text)
     text = _BEARER.sub(r"\1***", text)
+    text = _URL_KEY_PARAM.sub(r"\1***", text)
     return _URL_USERINFO.sub(r"\1***@", text)
 
 
