@@ -6,6 +6,7 @@ store or the metrics afterwards. The module's tests run in order on one server."
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import shutil
@@ -102,6 +103,19 @@ def test_no_key_or_a_wrong_key_gets_401_and_health_says_only_ok(keyed, client) -
         assert values[("coinrag_unauthorized_total", (("endpoint", endpoint),))] == len(refused)
     status_401 = (("endpoint", "query"), ("method", "-"), ("status", "401"))
     assert values[("coinrag_requests_total", status_401)] == len(refused)
+
+
+def test_metrics_open_serves_metrics_without_a_key(keyed, client) -> None:
+    srv = keyed.srv
+    saved = srv.settings
+    srv.settings = dataclasses.replace(saved, metrics_open=True)  # as --metrics-open starts it
+    try:
+        response = client.get(f"{keyed.base}/metrics")
+        assert response.status_code == 200 and "coinrag_requests_total" in response.text
+        assert client.post(f"{keyed.base}/query", json=BODY).status_code == 401  # only metrics
+    finally:
+        srv.settings = saved
+    assert client.get(f"{keyed.base}/metrics").status_code == 401
 
 
 def test_each_key_answers(keyed, client) -> None:
