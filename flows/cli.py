@@ -27,6 +27,7 @@ from rich.markup import escape
 from coinrag.flows.cli_lists import ListOptionsCommand
 from coinrag.flows.preflight import Preflight
 from coinrag.flows.settings_options import with_settings_options
+from coinrag.schemas.secrets import API_KEY_ENV
 from coinrag.schemas.settings import (
     RAG_METHODS,
     RETRIEVAL_MODES,
@@ -85,45 +86,11 @@ def _check(check: Callable[..., T], *args: Any) -> T:
 def _prefect_run() -> None:
     """Before a command's first flow run: Prefect's temporary server bound to this process
     (``flows/prefect_api.py``), and Prefect's console tracebacks only with --debug."""
-    from coinrag.flows.prefect_api import bind_temporary_server
+    from coinrag.flows.prefect_api import bind_temporary_server, hide_prefect_tracebacks
 
     if not _DEBUG["on"]:
-        _hide_prefect_tracebacks()
+        hide_prefect_tracebacks()
     bind_temporary_server()
-
-
-def _hide_prefect_tracebacks() -> None:
-    """Prefect logs a failed flow or task with its traceback on the console: keep the
-    message, and say where the traceback is (records sent to the Prefect API keep it)."""
-    import logging
-
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, PrefectConsoleHandler) and handler.formatter is not None:
-            handler.setFormatter(_WithoutTraceback(handler.formatter))
-
-
-class _WithoutTraceback:
-    """A log formatter that formats a record as ``inner`` does, without its traceback (the
-    API handler may have rendered it into the record already: ``exc_text``)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def format(self, record: Any) -> str:
-        saved = record.exc_info, record.exc_text, record.stack_info
-        record.exc_info = record.exc_text = record.stack_info = None
-        try:
-            text = self.inner.format(record)
-        finally:
-            record.exc_info, record.exc_text, record.stack_info = saved
-        if saved[0] is not None:
-            text += "  (its traceback: coinrag --debug ...)"
-        return text
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _require_local(store: str, what: str) -> None:
@@ -327,6 +294,14 @@ def api(
     config: Annotated[
         Path | None, typer.Option(help="TOML file with an \\[api] table of the server settings.")
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar=API_KEY_ENV,
+            show_default=False,
+            help="API key requests must send (Authorization: Bearer KEY); prefer the env var.",
+        ),
+    ] = None,
     *,
     overrides: dict[str, Any],
 ) -> None:
@@ -334,6 +309,7 @@ def api(
 
     Loads the model, embedder, index and KV readers once and warms them; follows every version
     a build, delete or gc publishes (in-flight requests finish on theirs). Runs until Ctrl-C.
+    Listening beyond loopback (--host 0.0.0.0) needs an API key (or --insecure).
     """
     from coinrag.flows import preflight
     from coinrag.schemas.settings import (
@@ -350,9 +326,6 @@ def api(
         settings = load_api_settings(config, overrides)
     except SettingsError as exc:
         _fail(str(exc), 2)
-    _check(preflight.built_store, store)
-    if model is not None:
-        _check(preflight.model, model)
     import dataclasses
     import logging
 
@@ -360,12 +333,19 @@ def api(
     from coinrag.inference.server.app import LOG_FORMAT, ServerConfig, serve
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    insecure = _check(preflight.api_access, host, api_key, settings)  # before the port binds
+    if insecure:
+        logging.getLogger("coinrag.api").warning(insecure)
+    _check(preflight.built_store, store)
+    if model is not None:
+        _check(preflight.model, model)
     served = ServerConfig(
         store=str(store),
         model=model,
         methods=tuple(dict.fromkeys(methods or DEFAULT_RAG_METHODS)),
         max_new_tokens=max_new_tokens,
         settings=dataclasses.asdict(settings),
+        api_key=api_key,
     )
     try:
         serve(served, host, port, workers)

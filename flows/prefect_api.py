@@ -22,6 +22,9 @@ its default action), so the server outlived every killed build as an orphan of P
   handler and re-sends the signal, which lands here.
 
 Ctrl-C was already clean (KeyboardInterrupt unwinds the same way).
+
+:func:`hide_prefect_tracebacks` keeps Prefect's console log lines without their tracebacks (the
+``coinrag`` CLI without ``--debug``).
 """
 
 from __future__ import annotations
@@ -122,3 +125,37 @@ def _raise_exit(signum: int, frame: Any) -> None:
 def exit_on_sigterm() -> None:
     """Make SIGTERM unwind this process like Ctrl-C does (``finally``, ``atexit``), exit 143."""
     signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def hide_prefect_tracebacks() -> None:
+    """Prefect logs a failed flow or task with its traceback on the console: keep the
+    message, and say where the traceback is (records sent to the Prefect API keep it)."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and handler.formatter is not None:
+            handler.setFormatter(WithoutTraceback(handler.formatter))
+
+
+class WithoutTraceback:
+    """A log formatter that formats a record as ``inner`` does, without its traceback (the
+    API handler may have rendered it into the record already: ``exc_text``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def format(self, record: Any) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            text = self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+        if saved[0] is not None:
+            text += "  (its traceback: coinrag --debug ...)"
+        return text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coinrag.schemas.settings import BuildSettings
+from coinrag.schemas.settings import ApiSettings, BuildSettings
 from coinrag.storage.store import Store, StoreLocked
 
 OPENAI_EXTRACTORS = ("openai", "openai-batch")
@@ -173,6 +173,47 @@ def prefect_api(command: str) -> None:
             f"coinrag {command} needs a running Prefect server: start one with "
             "python infra/prefect_server.py --home DIR, then export the PREFECT_API_URL it prints"
         )
+
+
+def api_access(host: str, api_key: str | None, settings: ApiSettings) -> str | None:
+    """``coinrag api``'s keys and address, before the port is bound and the model loads:
+    ``--api-key`` usable (exit 2), the keys file readable (exit 1) with usable keys (exit 2),
+    and no non-loopback ``--host`` without a key (exit 2) unless ``insecure``: then the
+    warning to log (once) is returned."""
+    from coinrag.inference.server.auth import (
+        KEY_HINT,
+        BadKey,
+        check_key,
+        is_loopback,
+        read_keys_file,
+    )
+    from coinrag.schemas.secrets import API_KEY_ENV
+
+    try:
+        if api_key:
+            check_key(api_key, f"--api-key (or ${API_KEY_ENV})")
+        if settings.api_key_file:
+            read_keys_file(settings.api_key_file)
+    except BadKey as exc:
+        raise Preflight(str(exc), 2) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Preflight(
+            f"--api-key-file {settings.api_key_file} is unreadable ({type(exc).__name__}: "
+            f"{getattr(exc, 'strerror', None) or exc}): give a text file of keys, one per line"
+        ) from None
+    if api_key or settings.api_key_file or is_loopback(host):
+        return None
+    if not settings.insecure:
+        raise Preflight(
+            f"--host {host} is reachable from other machines and no API key is set: "
+            f"export {API_KEY_ENV}=$({KEY_HINT}) "
+            "(or --api-key-file FILE, one key per line), or pass --insecure to serve anyone",
+            2,
+        )
+    return (
+        f"--insecure: listening on {host} without an API key; anyone who reaches the port "
+        "may query, read /health and /metrics"
+    )
 
 
 def output_folder(path: Path, option: str) -> None:

@@ -360,7 +360,15 @@ class ApiSettings:
 
     Requests are answered one at a time per worker process (the model's rotary state and the
     CPU are shared); up to ``queue_limit`` more wait in its queue, and one past that is
-    answered 503 with ``Retry-After``.
+    answered 503 with ``Retry-After``. Each client (an API key, else an address) has a share:
+    at most ``client_queue_limit`` of its requests in progress or waiting, and a token bucket
+    of ``client_burst`` requests refilled at ``client_rate`` per second; past either it gets
+    429 with ``Retry-After`` while other clients are served (``inference/server/limits.py``;
+    per worker process).
+
+    Access (``inference/server/auth.py``): the keys of ``api_key_file`` (one per line, reread
+    when the file changes) and the ``--api-key`` / ``$COINRAG_API_KEY`` of the command line
+    (never a setting: settings are recorded, keys are secrets).
     """
 
     threads: int = threads_setting()
@@ -377,14 +385,46 @@ class ApiSettings:
     max_kc: int = 64  # chunks retrieved in stage 1 at most
     max_k: int = 256  # nuggets (documents) at most
     max_new_tokens: int = 512  # answer tokens a request may ask for at most
-    retry_after_s: int = 1  # Retry-After of a 503
+    retry_after_s: int = 1  # Retry-After of a 503, and of a 429 for a client's full share
+    api_key_file: str | None = setting(
+        None,
+        "File of API keys, one per line, reread when it changes (rotation without a restart); "
+        "requests then need Authorization: Bearer KEY.",
+        cli=True,
+    )
+    metrics_open: bool = setting(False, "Serve /metrics without an API key.", cli=True)
+    insecure: bool = setting(
+        False,
+        "Listen on a non-loopback --host without any API key (every client may ask; logged "
+        "as a warning).",
+        cli=True,
+    )
+    client_queue_limit: int = setting(
+        8,
+        "Requests of one client (API key, else address) in progress or waiting at most; more "
+        "get 429 (default {default}).",
+        cli=True,
+    )
+    client_rate: float = setting(
+        10.0,
+        "Requests per second one client may send, sustained; faster gets 429 (default "
+        "{default}; 0: no rate limit).",
+        cli=True,
+    )
+    client_burst: int = 20  # requests one client may send at once (its token bucket's size)
 
     def validate(self) -> ApiSettings:
-        for name in ("queue_limit", "max_body_bytes", "max_question_chars", "max_kc", "max_k"):
+        names = ("queue_limit", "max_body_bytes", "max_question_chars", "max_kc", "max_k")
+        for name in (*names, "client_queue_limit", "client_burst"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.poll_interval <= 0:
             raise SettingsError(f"poll_interval must be > 0, got {self.poll_interval}")
+        if self.client_rate < 0:
+            raise SettingsError(
+                f"client_rate must be >= 0 (requests per second; 0: no limit), "
+                f"got {self.client_rate}"
+            )
         if self.threads < 0:
             raise SettingsError(f"threads must be >= 0 (0: auto), got {self.threads}")
         return self

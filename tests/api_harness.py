@@ -22,10 +22,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(config: Any) -> Iterator[tuple[str, Any]]:
+def serving(config: Any, log_level: str = "warning") -> Iterator[tuple[str, Any]]:
     """``(base URL, ApiServer)`` of a server for ``config`` (an ``inference.server.app
     .ServerConfig``), loaded and warmed before the port opens; stopped (watcher, model thread,
-    uvicorn) on exit."""
+    uvicorn) on exit. ``log_level``: uvicorn's ("info" keeps its access log)."""
     import uvicorn
 
     from coinrag.inference.server.app import ApiServer, create_app
@@ -33,7 +33,7 @@ def serving(config: Any) -> Iterator[tuple[str, Any]]:
     server = ApiServer.open(config)
     port = free_port()
     uv = uvicorn.Server(
-        uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level=log_level)
     )
     thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
     thread.start()

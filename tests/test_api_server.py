@@ -49,7 +49,15 @@ def server(store: Path):
         store=str(store),
         methods=("coinrag", "turborag", "standard"),
         max_new_tokens=8,
-        settings={"queue_limit": 2, "poll_interval": 0.2, "threads": 1},
+        # one address asks for everything here: no per-client share in the way of the queue
+        # test's 503s or of the hot-swap loop, which asks as fast as answers come
+        settings={
+            "queue_limit": 2,
+            "poll_interval": 0.2,
+            "threads": 1,
+            "client_queue_limit": 16,
+            "client_rate": 0,
+        },
     )
     with serving(config) as (base, srv):
         yield base, srv

@@ -65,3 +65,6 @@ def test_scrub_covers_every_secret_env_var(monkeypatch) -> None:
     assert scrub(text, env_secrets()) == " ".join(["***"] * len(SECRET_ENV_VARS))
     assert scrub("Authorization: Bearer abc.def") == "Authorization: Bearer ***"
     assert scrub("key sk-proj-abcdef123") == "key sk-***"
+    assert (
+        scrub('"GET /query?api_key=abc123&x=1 HTTP/1.1"') == '"GET /query?api_key=***&x=1 HTTP/1.1"'
+    )

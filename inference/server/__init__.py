@@ -1,4 +1,5 @@
 """The warm query server of ``coinrag api``: ``app.py`` (FastAPI endpoints, one process's
 state), ``versions.py`` (the published versions served, refcounted, and the watcher that swaps
 them), ``queue.py`` (the model thread and its bounded queue), ``requests.py`` (request checks),
-``metrics.py`` (Prometheus)."""
+``auth.py`` (API keys), ``limits.py`` (each client's share: 429), ``metrics.py``
+(Prometheus)."""

@@ -14,11 +14,18 @@ Endpoints:
 - ``GET /health``: the run served, its ``[published]`` record and fingerprints, the queue.
 - ``GET /metrics``: Prometheus text (``inference/server/metrics.py``).
 
-Errors are JSON ``{"error": "..."}``: 400 (not a JSON object), 413 (body over
-``max_body_bytes``), 422 (blank or over-long question, method not served, kc/k/max_new_tokens
-out of range, unknown field), 503 + ``Retry-After`` (queue full: ``inference/server/queue.py``),
-500 (an answer that failed, e.g. a corrupt KV entry: the message names it). A client that
-disconnects stops its generation at the next token.
+With API keys (``inference/server/auth.py``) every route needs ``Authorization: Bearer KEY``,
+but ``/health``, which answers a request without a valid key with ``{"status": "ok"}`` only
+(liveness: no store path, run ids or fingerprints), and ``/metrics`` with ``metrics_open``.
+Without keys (``coinrag api`` allows that on a loopback address, or with ``--insecure``)
+every route is open.
+
+Errors are JSON ``{"error": "..."}``: 400 (not a JSON object), 401 + ``WWW-Authenticate`` (no
+valid key), 413 (body over ``max_body_bytes``), 422 (blank or over-long question, method not
+served, kc/k/max_new_tokens out of range, unknown field), 429 + ``Retry-After`` (the client is
+over its share: ``inference/server/limits.py``), 503 + ``Retry-After`` (queue full:
+``inference/server/queue.py``), 500 (an answer that failed, e.g. a corrupt KV entry: the
+message names it). A client that disconnects stops its generation at the next token.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,10 +46,13 @@ from starlette.exceptions import HTTPException
 
 from coinrag.inference.methods import MissingAssets, RagEngine
 from coinrag.inference.methods.base import Answer
+from coinrag.inference.server.auth import ApiKeys
+from coinrag.inference.server.limits import ClientLimits, Limited
 from coinrag.inference.server.metrics import MULTIPROC_ENV, ServerMetrics
 from coinrag.inference.server.queue import Cancel, Cancelled, ModelQueue, QueueFull
 from coinrag.inference.server.requests import BadRequest, QueryRequest, parse_query
 from coinrag.inference.server.versions import PublishWatcher, ServedVersion, VersionHolder
+from coinrag.schemas.secrets import API_KEY_ENV, scrub_logs
 from coinrag.schemas.settings import ApiSettings
 from coinrag.storage.readers import ReaderLeaseHolder
 from coinrag.storage.store import Store
@@ -52,24 +62,28 @@ CONFIG_ENV = "COINRAG_API_CONFIG"  # the ServerConfig of `coinrag api`, as JSON,
 RUN_HEADER = "X-Coinrag-Run-Id"
 WARM_QUESTION = "What is this about?"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SCRUBBED_LOGGERS = ("coinrag.api", "uvicorn", "uvicorn.error", "uvicorn.access")
+BAD_KEY_HEADERS = {"WWW-Authenticate": 'Bearer realm="coinrag"'}
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """What ``coinrag api`` serves: the store, the model (None: the store's), the methods
-    opened at start, the default ``max_new_tokens`` of a request, and the API settings."""
+    opened at start, the default ``max_new_tokens`` of a request, the API settings, and the
+    ``--api-key`` (never in :meth:`to_json`: workers read it from ``$COINRAG_API_KEY``)."""
 
     store: str
     model: str | None = None
     methods: tuple[str, ...] = ("coinrag", "turborag", "standard")
     max_new_tokens: int = 32
     settings: dict[str, Any] | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def api_settings(self) -> ApiSettings:
         return ApiSettings(**(self.settings or {})).validate()
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({**asdict(self), "api_key": None})
 
     @classmethod
     def from_json(cls, text: str) -> ServerConfig:
@@ -89,6 +103,11 @@ class ApiServer:
         self.settings = config.api_settings()
         self.methods: tuple[str, ...] = tuple(engine.methods)
         self.metrics = ServerMetrics()
+        self.keys = ApiKeys(config.api_key, self.settings.api_key_file)
+        s = self.settings
+        self.limits = ClientLimits(
+            s.client_queue_limit, s.client_rate, s.client_burst, s.retry_after_s
+        )
         self.queue = ModelQueue(self.settings.queue_limit)
         self.warm(engine)
         self.holder = VersionHolder(
@@ -210,16 +229,32 @@ class ApiServer:
         finally:
             self.holder.release(version)
 
+    def client(self, request: Request) -> str | None:
+        """Who sends ``request``: its API key's client (None: no valid key), or its address
+        when the server has no keys."""
+        if self.keys.enabled:
+            return self.keys.client(request.headers.get("authorization"))
+        return "address:" + (request.client.host if request.client else "unknown")
+
     def admit(
-        self, req: QueryRequest, cancel: Cancel, emit: Callable | None = None
+        self,
+        req: QueryRequest,
+        cancel: Cancel,
+        emit: Callable | None = None,
+        client: str = "-",
     ) -> tuple[ServedVersion, Any]:
-        """Take the current version and queue the answer; :class:`QueueFull` past the limit."""
+        """Take the current version and queue the answer, counted in ``client``'s share until
+        it ends; :class:`Limited` past the client's share, :class:`QueueFull` past the
+        queue's limit."""
+        release = self.limits.enter(client)
         version = self.holder.acquire()
         try:
             future = self.queue.submit(self.answer_job, version, req, cancel, emit)
         except BaseException:
             self.holder.release(version)
+            release()
             raise
+        future.add_done_callback(lambda _: release())
         return version, future
 
     def start(self) -> None:
@@ -273,6 +308,7 @@ def create_app(server: ApiServer) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scrub_logs(*SCRUBBED_LOGGERS)  # a key sent in a URL never reaches the access log
         server.start()
         try:
             yield
@@ -291,16 +327,41 @@ def create_app(server: ApiServer) -> FastAPI:
         log.error("unexpected error", exc_info=exc)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
+    def unauthorized(endpoint: str) -> JSONResponse:
+        metrics.unauthorized.labels(endpoint).inc()
+        return _error(
+            401,
+            "missing or wrong API key: send the header Authorization: Bearer KEY",
+            BAD_KEY_HEADERS,
+        )
+
+    def limited(endpoint: str, method: str, exc: Limited) -> JSONResponse:
+        metrics.limited.labels(exc.reason).inc()
+        metrics.requests.labels(endpoint, method, "429").inc()
+        return _error(429, str(exc), {"Retry-After": str(exc.retry_after)})
+
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        if server.client(request) is None:
+            return JSONResponse({"status": "ok"})  # liveness only, without a key
         return JSONResponse(server.health())
 
     @app.get("/metrics")
-    async def metrics_text() -> Response:
+    async def metrics_text(request: Request) -> Response:
+        if not server.settings.metrics_open and server.client(request) is None:
+            return unauthorized("metrics")
         metrics.queue_depth.set(server.queue.admitted)
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def handle(request: Request, endpoint: str, force_stream: bool) -> Response:
+        client = server.client(request)
+        if client is None:
+            metrics.requests.labels(endpoint, "-", "401").inc()
+            return unauthorized(endpoint)
+        try:
+            server.limits.take(client)  # before the body is read
+        except Limited as exc:
+            return limited(endpoint, "-", exc)
         try:
             body = await _read_body(request, server.settings.max_body_bytes)
             req = parse_query(body, server.settings, server.methods, server.config.max_new_tokens)
@@ -318,7 +379,9 @@ def create_app(server: ApiServer) -> FastAPI:
             loop.call_soon_threadsafe(events.put_nowait, ("token", data))
 
         try:
-            version, future = server.admit(req, cancel, emit if stream else None)
+            version, future = server.admit(req, cancel, emit if stream else None, client)
+        except Limited as exc:
+            return limited(endpoint, req.method, exc)
         except QueueFull as exc:
             metrics.requests.labels(endpoint, req.method, "503").inc()
             retry = str(server.settings.retry_after_s)
@@ -400,6 +463,7 @@ def app_from_env() -> FastAPI:
     if not logging.getLogger().handlers:  # a worker process: log as `coinrag api` does
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     config = ServerConfig.from_json(os.environ[CONFIG_ENV])
+    config = replace(config, api_key=os.environ.get(API_KEY_ENV) or None)
     return create_app(ApiServer.open(config))
 
 
@@ -412,6 +476,8 @@ def serve(config: ServerConfig, host: str, port: int, workers: int) -> None:
         uvicorn.run(create_app(ApiServer.open(config)), **options)
         return
     os.environ[CONFIG_ENV] = config.to_json()
+    if config.api_key:  # the workers' --api-key (kept out of the JSON above)
+        os.environ[API_KEY_ENV] = config.api_key
     import shutil
     import tempfile
 

@@ -1,14 +1,18 @@
 """The server's Prometheus metrics, in one registry per app (``GET /metrics``, text format).
 
 - ``coinrag_requests_total{endpoint, method, status}``: requests answered, by endpoint
-  (``query``, ``stream``), RAG method (``-`` when the request named none that is served) and
-  HTTP status;
+  (``query``, ``stream``), RAG method (``-`` when the request named none that is served, or
+  was refused before its body was read: 401, a 429 for the rate) and HTTP status;
 - ``coinrag_ttft_seconds``, ``coinrag_retrieval_seconds``, ``coinrag_kv_load_seconds``,
   ``coinrag_prefill_seconds``, ``coinrag_request_seconds`` (end to end, admission to last byte
   computed) ``{method}``: histograms of the answers' timings;
 - ``coinrag_served_run_info{run_id}`` (1 for the run served now), ``coinrag_version_swaps_total``,
   ``coinrag_version_refusals_total``, ``coinrag_queue_depth`` (requests admitted, not finished),
-  ``coinrag_cancelled_total`` (generations stopped by a client that went away).
+  ``coinrag_cancelled_total`` (generations stopped by a client that went away);
+- ``coinrag_unauthorized_total{endpoint}`` (401: no valid API key; ``/health`` without one is
+  answered, barely, and not counted), ``coinrag_client_limited_total{reason}`` (429: a client
+  over its share, ``reason`` ``queue`` or ``rate``; ``inference/server/limits.py``). No label
+  names a key or a client.
 
 With ``--workers N`` (N processes on one port: uvicorn), every process writes its values to
 files in one folder (``prometheus_client``'s multiprocess mode, ``$PROMETHEUS_MULTIPROC_DIR``,
@@ -80,6 +84,18 @@ class ServerMetrics:
         )
         self.cancelled = Counter(
             "coinrag_cancelled", "Generations stopped by a disconnected client.", registry=r
+        )
+        self.unauthorized = Counter(
+            "coinrag_unauthorized",
+            "Requests refused for a missing or wrong API key.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.limited = Counter(
+            "coinrag_client_limited",
+            "Requests refused because their client was over its share.",
+            ["reason"],
+            registry=r,
         )
         self._run_id: str | None = None
 

@@ -215,6 +215,7 @@ def main() -> None:
     port = free_port()
     cmd = [COINRAG, "api", "--store", str(store), "--port", str(port), "--methods", args.method]
     cmd += ["--threads", str(args.threads), "--queue-limit", "64"]
+    cmd += ["--client-queue-limit", "64", "--client-rate", "0"]  # every client is 127.0.0.1
     cmd += ["--max-new-tokens", str(args.max_new_tokens)]
     t = time.perf_counter()
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
