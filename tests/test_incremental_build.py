@@ -100,6 +100,9 @@ def test_edit_and_new_document_redo_only_their_own_work(tmp_path, sample_corpus,
     assert third["embedded"] == len(embedded) > 0
     others = [r for r in index_rows(st, "chunks", ["doc_id", "run_id"]) if r["doc_id"] != edited]
     assert others and {r["run_id"] for r in others} == {first["run_id"]}
+    # The published full-text index has the edit's words (nuggets are searched the same way).
+    hits = LanceIndex.open(st).search_text("chunks", "closing sentence came with an edit", 1)
+    assert hits[0]["doc_id"] == edited and "came with an edit" in hits[0]["text"]
 
     # A new document: the same, for it alone.
     extra = sample_docs(sample_corpus, 5)[4]

@@ -191,6 +191,14 @@ def test_object_store_lifecycle_matches_a_local_store(
     )
     assert answer.evidence and answer.evidence == answer_local.evidence
     assert answer.token_ids == answer_local.token_ids and answer.active_tokens > 0
+    # The full-text index lives in the bucket too: lexical and hybrid search as on the local copy.
+    for mode in ("lexical", "hybrid"):
+        got = Retriever(st, minilm, mode=mode).two_stage(question).evidence
+        want = Retriever(lt, minilm, mode=mode).two_stage(question).evidence
+        assert got and [h.chunk_id for h in got] == [h.chunk_id for h in want], mode
+    words = docs[1]["text"][:200]
+    found = Retriever(st, minilm, mode="lexical").chunks_only(words, kc=3).chunks
+    assert docs[1]["id"] in {h.doc_id for h in found}
 
     # Lineage over the bucket's Parquet files (DuckDB through s3fs).
     runner = CliRunner()
@@ -228,6 +236,8 @@ def test_object_store_lifecycle_matches_a_local_store(
     would = dry.output.split("would reclaim ")[-1].strip()
     assert done.output.split("reclaimed ")[-1].strip() == would
     assert s3.du(f"{BUCKET}/stores/e2e/kv", total=True) < kv_bytes
+    found = Retriever(st, minilm, mode="lexical").chunks_only(words, kc=3).chunks
+    assert found and gone not in {h.doc_id for h in found}  # never found by its words again
     kv = KvStore.open(st, fp)
     assert not dead & set(kv.manifest(refresh=True))
     assert all(kv.verify_entry(ck) for ck in kv.manifest())
