@@ -87,6 +87,7 @@ RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al. 2009; LanceDB's 
 
 
 HYBRID_DEPTH = 20  # rows each ranking of a hybrid search contributes (at least k)
+NUGGET_FANOUT = 5  # dense chunk search: nuggets searched per chunk wanted
 DOCUMENT_CHUNK_FANOUT = 4  # lexical document ranking: chunks searched per document wanted
 
 
@@ -201,14 +202,46 @@ def search_mode(mode: str | SearchMode | None) -> SearchMode:
 
 class DenseSearch(SearchMode, name="dense"):
     """Cosine similarity of the query's vector and the rows' vectors (ANN above the index's
-    threshold, exact under a prefilter); ``score`` is the cosine similarity."""
+    threshold, exact under a prefilter); ``score`` is the cosine similarity.
 
-    def rank(
-        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
+    A chunk scores the larger of its own vector's cosine and its best nugget's: the embedder
+    keeps only its first ``max_length`` word pieces of a chunk (MiniLM: 256, about a third of a
+    512-token chunk), while the nuggets cover the chunk end to end, so a chunk whose answer
+    sits in its second half is still found (:meth:`_chunks`; measured in
+    ``tests/benchmarks/bench_chunk_coverage.py``)."""
+
+    def _search(
+        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None
     ) -> list[dict[str, Any]]:
         return index.search_vector(
             table, query.vector, k, embedder_fp=query.embedder.fingerprint, where=where
         )
+
+    def _chunks(
+        self, index: LanceIndex, query: Query, k: int, where: str | None
+    ) -> list[dict[str, Any]]:
+        """Top-``k`` chunks by ``max(chunk cosine, best nugget cosine)``: the top
+        ``NUGGET_FANOUT * k`` nuggets (under the same prefilter) vote for their chunks; chunks
+        found only through a nugget are read by id."""
+        chunks = self._search(index, "chunks", query, k, where)
+        best: dict[str, float] = {}
+        for row in self._search(index, "nuggets", query, NUGGET_FANOUT * k, where):
+            best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), row["score"])
+        rows = {row["chunk_id"]: row for row in chunks}
+        missing = [cid for cid in best if cid not in rows]
+        if missing:
+            for row in index.rows_where("chunks", in_filter("chunk_id", missing), len(missing)):
+                rows[row["chunk_id"]] = {**row, "score": -2.0}
+        for cid, row in rows.items():
+            row["score"] = max(float(row["score"]), best.get(cid, -2.0))
+        return sorted(rows.values(), key=lambda r: -r["score"])[:k]
+
+    def rank(
+        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
+    ) -> list[dict[str, Any]]:
+        if table == "chunks" and index.count("nuggets"):
+            return self._chunks(index, query, k, where)
+        return self._search(index, table, query, k, where)
 
     def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]:
         return index.search_documents(query.vector, k, embedder_fp=query.embedder.fingerprint)

@@ -440,6 +440,15 @@ class LanceIndex:
             return schema.empty_table().select(list(columns))
         return tbl.search().select(list(columns)).limit(None).to_arrow()
 
+    def rows_where(self, name: str, where: str, limit: int) -> list[dict[str, Any]]:
+        """At most ``limit`` rows of ``name`` (their :data:`HIT_COLUMNS`) matching ``where``
+        (``chunk_id IN (...)``), in no particular order."""
+        tbl = self.table(name)
+        if tbl is None or limit <= 0:
+            return []
+        rows = tbl.search().where(where).select(list(HIT_COLUMNS[name])).limit(limit)
+        return rows.to_arrow().to_pylist()
+
     def count(self, name: str) -> int:
         tbl = self.table(name)
         return 0 if tbl is None else tbl.count_rows()

@@ -527,3 +527,33 @@ def test_ann_index_with_prefilter(tmp_path):
     inside = [i for i, c in enumerate(cids) if c in chosen]
     want = sorted(inside, key=lambda i: -float(vecs[i] @ q))[:10]
     assert [r["nugget_id"] for r in got] == [cols["nugget_id"][i] for i in want]
+
+
+def test_dense_chunk_score_is_the_best_of_its_vector_and_its_nuggets(built, minilm):
+    """A chunk's dense score is max(its own cosine, its best nugget's cosine): recomputed by hand
+    over every chunk and nugget vector, the top-kc chunks and their scores are the same."""
+    store, _ = built
+    retriever = Retriever(store, minilm, mode="dense")
+    index = retriever.index
+
+    def vectors(table: str) -> tuple[list[str], np.ndarray]:
+        data = index.columns(table, ["chunk_id", "vector"])
+        vec = data.column("vector").combine_chunks()
+        mat = vec.flatten().to_numpy().reshape(len(vec), -1).astype(np.float32)
+        return data.column("chunk_id").to_pylist(), mat
+
+    chunk_ids, chunk_vec = vectors("chunks")
+    nugget_chunks, nugget_vec = vectors("nuggets")
+    helped = 0
+    for question in QUESTIONS:
+        q = minilm.embed_queries([question])[0]
+        score = dict(zip(chunk_ids, (chunk_vec @ q).tolist(), strict=True))
+        own = dict(score)
+        for cid, s in zip(nugget_chunks, (nugget_vec @ q).tolist(), strict=True):
+            score[cid] = max(score[cid], s)
+        want = sorted(score, key=lambda c: -score[c])[:4]
+        got = retriever.chunks_only(question, kc=4).chunks
+        assert [h.chunk_id for h in got] == want
+        assert [h.score for h in got] == pytest.approx([score[c] for c in want], abs=1e-5)
+        helped += sum(score[c] > own[c] for c in want)
+    assert helped > 0  # nuggets lifted some chunks above their own vector's score

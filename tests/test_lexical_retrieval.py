@@ -13,6 +13,7 @@ from test_index_retrieval import HashEmbedder, cut
 
 from coinrag.inference.retrieve import (
     SEARCH_MODES,
+    Query,
     Retriever,
     rrf_fuse,
     rrf_scores,
@@ -151,8 +152,8 @@ def test_retriever_modes(store_and_rows):
     hybrid = retriever.chunks_only(question, kc=4, mode="hybrid")
     # RRF by hand over the two rankings (each of depth HYBRID_DEPTH)
     index = retriever.index
-    d = [r["chunk_id"] for r in index.search_vector(
-        "chunks", emb.embed_queries([question])[0], 20, embedder_fp=emb.fingerprint)]  # fmt: skip
+    dense_rows = search_mode("dense").rank(index, "chunks", Query(question, emb), 20)
+    d = [r["chunk_id"] for r in dense_rows]
     lex = [r["chunk_id"] for r in index.search_text("chunks", question, 20)]
     assert [h.chunk_id for h in hybrid.chunks] == rrf_fuse([d, lex])[:4]
     assert hybrid.chunks[0].doc_id == "birds"  # first in lexical, fused to the top
