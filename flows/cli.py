@@ -2,9 +2,11 @@
 
 Exit codes: 0 done; 1 failed (nothing or not everything was built: the message says why);
 2 usage error (unknown option, bad value); 3 built, but some documents were rejected (listed);
-4 built, but some work failed and is retried by the next build (e.g. chunk texts the LLM
-endpoint did not answer: one ``error:`` line each). A build with both rejects and failed work
-exits 4 (and prints both).
+4 built, but some work failed and is retried by the next build (chunk texts the LLM endpoint
+did not answer, or answered only malformed: one ``error:`` line each). A build with both
+rejects and failed work exits 4 (and prints both). Work settled as not worth asking again
+(chunk texts abandoned after malformed replies in ``abandon_after`` builds) is one
+``warning:`` line, exit 0.
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM): both unwind, leaving no process behind.
 
 What can be checked cheaply is checked before any work (``flows/preflight.py``: paths,
@@ -204,6 +206,8 @@ def build(
         _error(f"{len(rejected)} document(s) rejected (see the rejects table)")
     for line in failures:
         _error(f"{line}; run coinrag build again to retry them")
+    for line in summary.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
     if failures or rejected:
         raise typer.Exit(4 if failures else 3)
 
