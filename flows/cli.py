@@ -3,10 +3,8 @@
 Exit codes: 0 done; 1 failed (nothing or not everything was built: the message says why);
 2 usage error (unknown option, bad value); 3 built, but some documents were rejected (listed);
 4 built, but some work failed and is retried by the next build (chunk texts the LLM endpoint
-did not answer, or answered only malformed: one ``error:`` line each). A build with both
-rejects and failed work exits 4 (and prints both). Work settled as not worth asking again
-(chunk texts abandoned after malformed replies in ``abandon_after`` builds) is one
-``warning:`` line, exit 0.
+did not answer, or answered only malformed: one ``error:`` line each); with rejects too, 4.
+Chunk texts abandoned (malformed in ``abandon_after`` builds) are one ``warning:`` line, exit 0.
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM): both unwind, leaving no process behind.
 
 What can be checked cheaply is checked before any work (``flows/preflight.py``: paths,
@@ -29,6 +27,7 @@ from rich.markup import escape
 from coinrag.flows.cli_lists import ListOptionsCommand
 from coinrag.flows.preflight import Preflight
 from coinrag.flows.settings_options import with_settings_options
+from coinrag.inference.quiet import quiet_libraries
 from coinrag.schemas.settings import (
     RAG_METHODS,
     ApiSettings,
@@ -55,13 +54,13 @@ T = TypeVar("T")
 def _root(
     debug: Annotated[
         bool,
-        typer.Option(
-            "--debug", help="Show the traceback of an unexpected error (and Prefect's own)."
-        ),
+        typer.Option("--debug", help="Show tracebacks, and model libraries' progress bars."),
     ] = False,
 ) -> None:
     """coinrag: the offline asset factory for KV-cache-reuse RAG."""
     _DEBUG["on"] = debug
+    if not debug:  # the model libraries' progress bars and self-talk: --debug shows them
+        quiet_libraries()
 
 
 def _error(message: str) -> None:
