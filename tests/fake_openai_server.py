@@ -107,6 +107,7 @@ class BatchPlan:
     processed_fraction: float = 1.0  # expired/cancelled: share of the lines that were answered
     shuffle: bool = False
     malformed_match: str | None = None  # malformed content for passages containing this
+    malformed_content: str = '{"nuggets": ["cut off'  # what they get
     error_match: str | None = None  # a 500 line in the error file for passages containing this
     failure_message: str = "injected batch failure"
 
@@ -425,7 +426,7 @@ class FakeOpenAI:
             return error_line(500, _error_body("injected line failure", 500, None, None))
         content = None
         if plan.malformed_match is not None and plan.malformed_match in passage:
-            content = '{"nuggets": ["cut off'
+            content = plan.malformed_content
         completion = self._completion(body, content)
         response = {"status_code": 200, "request_id": rid, "body": completion}
         return True, {"id": rid, "custom_id": cid, "response": response, "error": None}

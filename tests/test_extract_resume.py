@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pyarrow.compute as pc
 import pytest
-from fake_openai_server import FakeOpenAI
+from fake_openai_server import Action, FakeOpenAI
 from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
@@ -259,6 +259,9 @@ def test_dask_workers_stage_answers_the_flow_writes_once(
 # about one passage, every time it is asked (repair requests included).
 NOT_JSON = "Sure! Here are the nuggets: Kubrick, Clarke, the Sentinel."
 TARGET = "2001: A Space Odyssey is a 1968 epic"  # the first chunk of the first document
+LIGHT = "The speed of light is the speed of electromagnetic waves"  # the second document's
+# A reply cut off after one complete item: the item is salvaged (no second request).
+CUT_OFF = json.dumps({"nuggets": [LIGHT, "Light travels"]})[:-14]
 
 
 def test_malformed_replies_settle_after_three_builds_and_are_not_asked_again(
@@ -275,15 +278,24 @@ def test_malformed_replies_settle_after_three_builds_and_are_not_asked_again(
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
     with FakeOpenAI(api_key=API_KEY) as fake:
         fake.answer_always(TARGET, NOT_JSON)
+        fake.script_chat(Action.raw_content(CUT_OFF), match=LIGHT)
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
         exits, asked = [], []
-        for _ in range(3):
+        for build in range(3):
             before = len(fake.chat_requests())
             result = _build(runner, src, store, config)
             exits.append(result.exit_code)
             mine = [r.body for r in fake.chat_requests()[before:] if TARGET in r.body.decode()]
             assert 1 < len(mine) <= 3 and len(set(mine)) == len(mine), result.output
             asked.append(len(mine))
+            if build < 2:
+                assert "1 of " in result.output and "got only malformed replies" in result.output
+            if build == 0:  # the cut-off reply's complete item was kept: one request
+                counts = json.loads(_last_run(store).counts_json)
+                assert counts["extract_salvaged"] == 1, counts
+                light = [r for r in fake.chat_requests() if LIGHT in r.body.decode()]
+                assert len(light) == 1
+                assert any(LIGHT in n.text for n in read_rows(Store.at(store), NuggetRow))
         n = _texts(store)
         assert exits == [4, 4, 0], result.output
         assert asked == [asked[0]] * 3 and len(fake.chat_requests()) == n - 1 + 3 * asked[0]
@@ -332,3 +344,13 @@ def test_malformed_replies_settle_after_three_builds_and_are_not_asked_again(
         assert retried.exit_code == 0, retried.output  # asked again, malformed: abandoned again
         assert len(fake.chat_requests()) == calls + asked[0]
         assert "warning: 1 chunk text(s) abandoned" in retried.output
+        # another extractor fingerprint (model) asks every text, the abandoned one included
+        calls = len(fake.chat_requests())
+        other = runner.invoke(
+            app,
+            ["build", str(src), "--store", str(store), "--config", str(config)]
+            + ["--llm-model", "gpt-4o"],
+        )
+        make_extractor.cache_clear()
+        assert other.exit_code == 4 and "got only malformed replies" in other.output
+        assert len(fake.chat_requests()) == calls + n - 1 + asked[0]

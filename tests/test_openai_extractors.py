@@ -447,6 +447,17 @@ def test_batch_malformed_and_line_errors_retried_then_failed_not_lost(
     assert "HTTP 500" in (results[3].calls[0].error or "")
 
 
+def test_batch_salvages_the_complete_items_of_a_cut_off_line(
+    fake: FakeOpenAI, client: openai.OpenAI
+) -> None:
+    first = _expected(TEXTS[1])[0]
+    cut = json.dumps({"nuggets": [first, "She was born"]})[:-10]
+    fake.plan_batch(BatchPlan(progression=[], malformed_match="Marie", malformed_content=cut))
+    results = _batch(client).extract(_requests(TEXTS[:2]))
+    assert [r.status for r in results] == ["ok", "ok"] and results[1].candidates == [first]
+    assert _statuses(results[1]) == ["salvaged"] and len(fake.uploaded_lines()) == 1
+
+
 def test_batch_json_schema_rejected_lines_fall_back(
     fake: FakeOpenAI, client: openai.OpenAI
 ) -> None:
