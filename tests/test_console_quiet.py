@@ -27,9 +27,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _query(store: Path, *first: str) -> subprocess.CompletedProcess[str]:
+def _query(store: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``coinrag [--debug] query QUESTION --store STORE ...`` (``extra`` before ``query`` when
+    it is ``--debug``, else after it)."""
+    first = [x for x in extra if x == "--debug"]
     cmd = [COINRAG, *first, "query", QUESTION, "--store", str(store), "--threads", "1"]
     cmd += ["--kc", "2", "--k", "4", "--max-new-tokens", "4"]
+    cmd += [x for x in extra if x != "--debug"]
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -59,4 +63,15 @@ def test_eval_keeps_its_own_progress_lines_only(sample_store: Path, tmp_path: Pa
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip(), "eval's own progress lines are on stderr"
+    assert not NOISE.search(done.stderr), done.stderr
+
+
+@pytest.mark.heavy
+def test_an_error_after_the_models_load_is_the_only_line(sample_store: Path) -> None:
+    """No cartridge is trained: the error comes once the model is loaded, alone on stderr."""
+    done = _query(sample_store, "--method", "cartridge")
+    assert done.returncode == 1, done.stderr
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [
+        line for line in done.stderr.splitlines() if line.startswith("error: no cartridges")
+    ], done.stderr
     assert not NOISE.search(done.stderr), done.stderr
