@@ -18,7 +18,7 @@ would get the same answer. Its complete string items are kept when there are any
 asked again only with *other* requests (:func:`content_variants`): a repair request quoting the
 parse error, then that repair in the next response format where there is one. When those are
 malformed too the result is ``status="malformed"`` (``tasks/extract.py`` settles it across
-builds). Every request counts against ``max_attempts``.
+builds). Every reply and transport failure counts against ``max_attempts``.
 
 Response format (``structured``): ``True`` asks for ``json_schema`` structured outputs, ``False``
 for plain prompting; ``None`` (default) tries ``json_schema``, and on a 400 saying the endpoint
@@ -94,7 +94,7 @@ def response_format_param(mode: str) -> dict[str, Any] | None:
     return None
 
 
-def content_variants(mode: str) -> list[str | None]:
+def content_variants(mode: str) -> list[str]:
     """The response formats of the repair requests after a malformed reply in ``mode``: the
     same mode, then the next one (json_schema -> json_object -> prompt) where there is one. A
     reply to the last one that is malformed too ends the chunk text's attempts in this build."""
@@ -252,7 +252,7 @@ class OpenAIChatExtractor:
         attempt = 0  # every HTTP attempt, for the ledger
         spent = 0  # attempts that count against max_attempts (format fallbacks do not)
         failures = 0  # consecutive transport failures, for the backoff
-        repairs: list[str | None] | None = None  # formats of the repair requests still to send
+        repairs: list[str] | None = None  # formats of the repair requests still to send
         repair_mode: str | None = None  # the format of the repair request being sent
         while True:
             if self._fatal is not None:
