@@ -440,8 +440,8 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
         logger.info("build %s done: %s", run_id, summary)
         for line in failures:
             logger.warning("%s; the next build retries them", line)
-        for line in warnings:  # the CLI prints it as its one warning line
-            logger.info("extract: %s", line)
+        if warnings:  # the CLI prints the warning line itself
+            logger.info("extract: %d chunk text(s) abandoned", extracted.abandoned)
         summary["rejected"] = [asdict(r) for r in ingested.rejects]
         summary["failures"] = failures
         summary["warnings"] = warnings
