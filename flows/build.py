@@ -30,6 +30,7 @@ from coinrag.inference.kv_dtype import resolve_kv_dtype
 from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.settings import BuildSettings
+from coinrag.schemas.tables import EXTRACTION_ABANDONED
 from coinrag.storage.publish import begin, publish
 from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
@@ -40,9 +41,11 @@ from coinrag.tasks.extract import (
     ExtractBatch,
     ExtractCounts,
     ExtractionWriter,
+    abandon_repeated,
     answered_ok,
     pending_requests,
     run_extraction,
+    settled_answers,
     stage_result,
 )
 from coinrag.tasks.extractors.base import ExtractionRequest
@@ -210,9 +213,20 @@ def _extract_all(
     kept = writer.flush()
     if kept:
         logger.info("extract: kept %d answer(s) an interrupted build had received", kept)
-    pending = pending_requests(chunks, answered_ok(store, fp))
+    settled = settled_answers(store, fp, settings.retry_abandoned)
+    pending = pending_requests(chunks, settled)
+    texts = {c.text_hash for c in chunks}
     total.requested = len(pending)
-    total.cached = len({c.text_hash for c in chunks}) - len(pending)
+    total.abandoned_before = sum(  # abandoned by an earlier build
+        settled[t].status == EXTRACTION_ABANDONED for t in texts if t in settled
+    )
+    total.cached = len(texts) - len(pending) - total.abandoned_before
+    if total.abandoned_before:
+        logger.info(
+            "extract: %d chunk texts not asked: abandoned by an earlier build "
+            "(coinrag build --retry-abandoned asks again)",
+            total.abandoned_before,
+        )
     if pending:
         logger.info(
             "extract: %d chunk texts to ask %s %s (%d answered before)",
@@ -235,6 +249,8 @@ def _extract_all(
         batch = result_with_ticks(future, lambda: progress.update(writer.answered()))
         writer.flush(batch)
         progress.update(writer.answered())
+    if total.malformed:
+        abandon_repeated(store, fp, run_id, settings.abandon_after, total)
     return total, fp, extractor.prompt_version
 
 
@@ -299,8 +315,10 @@ class StageClock:
 @flow(name="coinrag-build")
 def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build (or update) STORE from SOURCE; return the summary counts, with ``rejected`` (the
-    rejected records) and ``failures`` (one line per kind of work that failed and that the next
-    build retries, e.g. chunk texts the extractor could not answer; empty when all was built)."""
+    rejected records), ``failures`` (one line per kind of work that failed and that the next
+    build retries, e.g. chunk texts the extractor could not answer; empty when all was built)
+    and ``warnings`` (work settled as not worth asking again: chunk texts abandoned after
+    malformed replies in ``abandon_after`` builds)."""
     s = BuildSettings(**(settings or {})).validate()
     from coinrag.inference.threads import set_process_threads
 
@@ -352,6 +370,10 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "extract_cached": extracted.cached,
             "extract_ok": extracted.ok,
             "extract_failed": extracted.failed,
+            "extract_malformed": extracted.malformed,
+            "extract_salvaged": extracted.salvaged,
+            "extract_abandoned": extracted.abandoned,
+            "extract_abandoned_before": extracted.abandoned_before,
             "llm_calls": extracted.calls,
             "tokens_in": extracted.tokens_in,
             "tokens_out": extracted.tokens_out,
@@ -389,8 +411,17 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             index=s.index or bool(pruned),
         )
         # Work that failed but may succeed when asked again (the next build retries it): the
-        # run is committed, and its row says what is missing.
-        failures = [line for line in (extracted.failure_line(),) if line]
+        # run is committed, and its row says what is missing. Work settled as abandoned is
+        # a warning (the build did all it will do).
+        failures = [
+            line
+            for line in (
+                extracted.failure_line(),
+                extracted.malformed_line(s.abandon_after),
+            )
+            if line
+        ]
+        warnings = [line for line in (extracted.abandoned_line(s.abandon_after),) if line]
         finish_run(
             st,
             run,
@@ -409,6 +440,9 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
         logger.info("build %s done: %s", run_id, summary)
         for line in failures:
             logger.warning("%s; the next build retries them", line)
+        if warnings:  # the CLI prints the warning line itself
+            logger.info("extract: %d chunk text(s) abandoned", extracted.abandoned)
         summary["rejected"] = [asdict(r) for r in ingested.rejects]
         summary["failures"] = failures
+        summary["warnings"] = warnings
         return summary

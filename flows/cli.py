@@ -2,9 +2,9 @@
 
 Exit codes: 0 done; 1 failed (nothing or not everything was built: the message says why);
 2 usage error (unknown option, bad value); 3 built, but some documents were rejected (listed);
-4 built, but some work failed and is retried by the next build (e.g. chunk texts the LLM
-endpoint did not answer: one ``error:`` line each). A build with both rejects and failed work
-exits 4 (and prints both).
+4 built, but some work failed and is retried by the next build (chunk texts the LLM endpoint
+did not answer, or answered only malformed: one ``error:`` line each); with rejects too, 4.
+Chunk texts abandoned (malformed in ``abandon_after`` builds) are one ``warning:`` line, exit 0.
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM): both unwind, leaving no process behind.
 
 What can be checked cheaply is checked before any work (``flows/preflight.py``: paths,
@@ -27,6 +27,7 @@ from rich.markup import escape
 from coinrag.flows.cli_lists import ListOptionsCommand
 from coinrag.flows.preflight import Preflight
 from coinrag.flows.settings_options import with_settings_options
+from coinrag.inference.quiet import quiet_libraries
 from coinrag.schemas.secrets import API_KEY_ENV
 from coinrag.schemas.settings import (
     RAG_METHODS,
@@ -55,13 +56,13 @@ T = TypeVar("T")
 def _root(
     debug: Annotated[
         bool,
-        typer.Option(
-            "--debug", help="Show the traceback of an unexpected error (and Prefect's own)."
-        ),
+        typer.Option("--debug", help="Show tracebacks, and model libraries' progress bars."),
     ] = False,
 ) -> None:
     """coinrag: the offline asset factory for KV-cache-reuse RAG."""
     _DEBUG["on"] = debug
+    if not debug:  # the model libraries' progress bars and self-talk: --debug shows them
+        quiet_libraries()
 
 
 def _error(message: str) -> None:
@@ -172,6 +173,8 @@ def build(
         _error(f"{len(rejected)} document(s) rejected (see the rejects table)")
     for line in failures:
         _error(f"{line}; run coinrag build again to retry them")
+    for line in summary.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
     if failures or rejected:
         raise typer.Exit(4 if failures else 3)
 
@@ -247,26 +250,9 @@ def query(
     if json_out:
         print(result.to_json_text())
         return
-    out = Console()
-    out.print(result.answer, style="bold", markup=False, highlight=False)
-    out.print(
-        f"method {result.method}, retrieval {result.retrieval}, "
-        f"{result.active_tokens} context tokens, "
-        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in result.timings.items())
-    )
-    for e in result.evidence:
-        out.print(_evidence_line(e), highlight=False)
+    from coinrag.flows import render
 
-
-def _evidence_line(e: dict[str, Any]) -> str:
-    """One line of evidence: a nugget or chunk (doc, chunk, token range, text) or, for the
-    cartridge method, a document and its cartridge."""
-    if "chunk_id" not in e:  # cartridge evidence: {doc_id, cartridge_id}
-        return f"  [dim]{escape(e['doc_id'])} cartridge {escape(e['cartridge_id'])}[/]"
-    return (
-        f"  [dim]{escape(e['doc_id'])} {e['chunk_id'][:12]} [{e['tok_start']}:{e['tok_end']})[/] "
-        f"{escape(e['text'].strip()[:100])}"
-    )
+    render.print_answer(Console(), result)
 
 
 @app.command(cls=ListOptionsCommand)

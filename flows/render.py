@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from coinrag.storage.lineage import describe_views
@@ -107,7 +108,7 @@ def print_build_summary(console: Console, summary: dict[str, Any]) -> None:
         if isinstance(value, dict):  # stage_seconds: one row per stage
             for name, sub in value.items():
                 table.add_row(f"{key}.{name}", str(sub))
-        elif key not in ("run_id", "rejected", "failures"):
+        elif key not in ("run_id", "rejected", "failures", "warnings"):
             table.add_row(key, str(value))
     console.print(table)
 
@@ -126,4 +127,28 @@ def print_gc(console: Console, counts: dict[str, Any], verb: str) -> None:
         f"{verb} {counts['kv_entries_dropped']} KV entries, "
         f"{counts['index_versions_removed']} index versions, "
         f"{counts['temp_paths_removed']} leftovers: {counts['bytes_reclaimed']} bytes"
+    )
+
+
+def print_answer(console: Console, answer: Any) -> None:
+    """``coinrag query``'s answer (an ``inference.methods.Answer``): its text, one line of how
+    it was found (method, search mode, context tokens, timings in ms), one line per evidence."""
+    console.print(answer.answer, style="bold", markup=False, highlight=False)
+    console.print(
+        f"method {answer.method}, retrieval {answer.retrieval}, "
+        f"{answer.active_tokens} context tokens, "
+        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in answer.timings.items())
+    )
+    for e in answer.evidence:
+        console.print(evidence_line(e), highlight=False)
+
+
+def evidence_line(e: dict[str, Any]) -> str:
+    """One line of evidence: a nugget or chunk (doc, chunk, token range, text) or, for the
+    cartridge method, a document and its cartridge."""
+    if "chunk_id" not in e:  # cartridge evidence: {doc_id, cartridge_id}
+        return f"  [dim]{escape(e['doc_id'])} cartridge {escape(e['cartridge_id'])}[/]"
+    return (
+        f"  [dim]{escape(e['doc_id'])} {e['chunk_id'][:12]} [{e['tok_start']}:{e['tok_end']})[/] "
+        f"{escape(e['text'].strip()[:100])}"
     )

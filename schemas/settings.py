@@ -138,7 +138,16 @@ class BuildSettings:
     chunk_size: int = setting(512, "Tokens per chunk (default {default}).", cli=True)
     tau: float = setting(0.7, "Fuzzy recovery threshold (default {default}).", cli=True)
     concurrency: int = setting(8, "Simultaneous LLM requests (default {default}).", cli=True)
-    max_attempts: int = 5  # per chunk, for 429/5xx/timeouts/malformed answers
+    max_attempts: int = 5  # requests per chunk text and build: 429/5xx/timeouts, repairs
+    # A chunk text whose replies were malformed in this many builds (same extractor
+    # fingerprint) is abandoned: no LLM nuggets, not asked again (tasks/extract.py).
+    abandon_after: int = 3
+    retry_abandoned: bool = setting(
+        False,  # one build: ask the abandoned chunk texts of this extractor again
+        "Ask again the chunk texts abandoned after repeatedly malformed replies.",
+        cli=True,
+        flag="--retry-abandoned",
+    )
     request_timeout: float = 60.0  # seconds, per request
     batch_poll_interval: float = 30.0  # seconds between Batch API status polls
     batch_max_rounds: int = 3  # resubmissions of failed/expired batch requests
@@ -247,6 +256,7 @@ class BuildSettings:
         for name in (
             "concurrency",
             "max_attempts",
+            "abandon_after",
             "batch_max_rounds",
             "extract_batch_size",
             "kv_batch_size",

@@ -89,12 +89,24 @@ class DeletionRow:
 # ---------------------------------------------------------------------------- extraction
 
 
+# The statuses of an ``extractions`` row (tasks/extract.py says what each one leads to).
+EXTRACTION_OK = "ok"  # candidates parsed (or salvaged from a malformed reply)
+EXTRACTION_FAILED = "failed"  # transient: no answer (transport, timeout, 429, 5xx)
+EXTRACTION_MALFORMED = "malformed"  # content: every reply of the run was unreadable
+EXTRACTION_ABANDONED = "abandoned"  # settled: malformed in abandon_after runs, not asked again
+# The ledger status of a malformed reply whose complete items were kept as candidates.
+CALL_SALVAGED = "salvaged"
+
+
 @dataclass(frozen=True)
 class ExtractionRow:
     """The LLM's answer for one chunk text: the response cache, keyed by (text_hash, extractor_fp).
 
-    ``status`` is ``ok`` (candidates parsed) or ``failed`` (retries exhausted: ``error`` says why;
-    never silently empty). A later build retries failed rows.
+    ``status`` is ``ok`` (candidates parsed), ``failed`` (no answer, retries exhausted),
+    ``malformed`` (answers, none readable) or ``abandoned`` (malformed in ``abandon_after``
+    builds: the run that settled it, ``error`` says so); ``error`` says why, a failure is never
+    silently empty. A later build asks failed and malformed texts again, abandoned ones only
+    under another fingerprint or with ``retry_abandoned``.
     """
 
     text_hash: str
@@ -121,7 +133,8 @@ class ExtractionCallRow:
     custom_id: str | None  # Batch API request id
     batch_id: str | None
     attempt: int  # 1-based
-    status: str  # ok | malformed | rate_limited | server_error | timeout | error | expired
+    # ok | salvaged | malformed | rate_limited | server_error | timeout | error | expired
+    status: str
     tokens_in: int
     tokens_out: int
     cost_usd: float

@@ -107,6 +107,27 @@ class NuggetLineage:
 
 
 @dataclass(frozen=True)
+class AbandonedExtraction:
+    """``abandoned_extractions``: one row per chunk whose text an extractor abandoned (its
+    replies were malformed in ``abandon_after`` builds under that fingerprint, and no build got
+    an ``ok`` answer since): the chunk has no LLM nuggets of that extractor, and no build asks
+    again until the fingerprint changes or ``coinrag build --retry-abandoned``."""
+
+    chunk_id: str
+    doc_id: str
+    doc_version: str
+    text_hash: str
+    extractor_fp: str
+    backend: str
+    llm_model: str
+    prompt_version: str
+    malformed_runs: int  # builds (distinct runs) whose replies for the text were malformed
+    error: str | None  # "malformed in N builds: <the last reason>"
+    run_id: str  # the build that abandoned it
+    live: bool  # the chunk belongs to a live document version
+
+
+@dataclass(frozen=True)
 class CartridgeLineage:
     """``lineage_cartridges``: the latest stored version of each cartridge, with its run."""
 
@@ -189,6 +210,7 @@ VIEWS: dict[str, type] = {
     **SAME_AS_TABLE,
     "lineage_chunks": ChunkLineage,
     "lineage_nuggets": NuggetLineage,
+    "abandoned_extractions": AbandonedExtraction,
     "lineage_cartridges": CartridgeLineage,
     "run_fingerprints": RunFingerprint,
     "run_costs": RunCost,

@@ -33,7 +33,15 @@ from collections.abc import Mapping
 import duckdb
 import pyarrow as pa
 
-from coinrag.schemas.tables import INDEX_TABLES, TABLES, arrow_schema, column_names
+from coinrag.schemas.tables import (
+    EXTRACTION_ABANDONED,
+    EXTRACTION_MALFORMED,
+    EXTRACTION_OK,
+    INDEX_TABLES,
+    TABLES,
+    arrow_schema,
+    column_names,
+)
 from coinrag.schemas.views import PRODUCERS, SAME_AS_TABLE, VIEWS, CurrentProducer
 from coinrag.storage.corpus import live_events
 from coinrag.storage.store import Store
@@ -184,6 +192,20 @@ _SQL: dict[str, str] = {
         LEFT JOIN kv_entries k ON k.content_key = n.content_key
                AND {_HOLDS_SPAN.format(k="k", n="n")}
         LEFT JOIN index_nuggets i ON i.nugget_id = n.nugget_id""",
+    "abandoned_extractions": f"""
+        SELECT c.chunk_id, c.doc_id, c.doc_version, a.text_hash, a.extractor_fp, a.backend,
+               a.llm_model, a.prompt_version,
+               (SELECT count(DISTINCT m.run_id) FROM extractions m
+                 WHERE m.text_hash = a.text_hash AND m.extractor_fp = a.extractor_fp
+                 AND m.status = '{EXTRACTION_MALFORMED}'),
+               a.error, a.run_id, c.chunk_id IN (SELECT chunk_id FROM _live_chunks)
+        FROM (SELECT * FROM extractions x WHERE x.status = '{EXTRACTION_ABANDONED}'
+              AND NOT EXISTS (SELECT 1 FROM extractions o WHERE o.text_hash = x.text_hash
+                              AND o.extractor_fp = x.extractor_fp
+                              AND o.status = '{EXTRACTION_OK}')
+              QUALIFY row_number() OVER (PARTITION BY x.text_hash, x.extractor_fp
+                                         ORDER BY {_run_order_desc("x")}) = 1) a
+        JOIN ({_UNIQUE_CHUNKS}) c ON c.text_hash = a.text_hash""",
     "lineage_cartridges": f"""
         SELECT m.cartridge_id, m.doc_id, m.doc_version, m.model_fp, m.cartridge_fp, m.kind,
                m.step, m.location, m.run_id, r.flow, {_LIVE.format(a="m")}

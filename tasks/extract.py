@@ -2,8 +2,19 @@
 
 The response cache is the ``extractions`` table keyed by ``(text_hash, extractor_fp)``: a text
 answered ``ok`` by this extractor (same LLM, prompt version, decoding settings) is never sent
-again, in this build or any later one. Failed answers are recorded as ``failed`` (with the error)
-and retried by the next build. Every call is ledgered in ``extraction_calls``.
+again, in this build or any later one. Every call is ledgered in ``extraction_calls``.
+
+Two kinds of failure, settled differently:
+
+- ``failed`` (transient: transport errors, timeouts, 429, 5xx): the next build asks again, as
+  many times as it takes;
+- ``malformed`` (content: every reply of the build, repair requests included, was unreadable):
+  the next build asks again, until the text was ``malformed`` in ``abandon_after`` builds under
+  the same extractor fingerprint; then :func:`abandon_repeated` records it ``abandoned`` (an
+  ``extractions`` row with the run and fingerprint that settled it: the
+  ``abandoned_extractions`` lineage view lists them). An abandoned text has no LLM nuggets and
+  is not asked again (:func:`settled_answers`) until the fingerprint changes or a build runs
+  with ``retry_abandoned``.
 
 Each answer of an extractor with ``stage_answers`` (LLM endpoints, local models) is on disk as
 soon as it arrives (``stage_result``, a staged file per answer, written wherever the task runs);
@@ -17,14 +28,22 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow.compute as pc
 
 from coinrag.inference.llm_client import CallRecord
 from coinrag.schemas.keys import CODE_VERSION
-from coinrag.schemas.tables import ChunkRow, ExtractionCallRow, ExtractionRow
+from coinrag.schemas.tables import (
+    CALL_SALVAGED,
+    EXTRACTION_ABANDONED,
+    EXTRACTION_MALFORMED,
+    EXTRACTION_OK,
+    ChunkRow,
+    ExtractionCallRow,
+    ExtractionRow,
+)
 from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_files, read_rows, stage_rows, staged_files
 from coinrag.tasks.extractors.base import (
@@ -35,26 +54,58 @@ from coinrag.tasks.extractors.base import (
 )
 
 
+def _commonest(errors: dict[str, int]) -> str:
+    reason = max(errors, key=lambda e: errors[e]) if errors else "unknown"
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
 @dataclass
 class ExtractCounts:
+    """Chunk texts (distinct ``text_hash``) per outcome of one build's extraction stage."""
+
     requested: int = 0  # distinct chunk texts needing an answer
     cached: int = 0  # answered ok by an earlier run
     ok: int = 0
-    failed: int = 0
+    failed: int = 0  # transient failures: the next build asks again
+    malformed: int = 0  # content failures of this build (abandoned ones included)
+    abandoned: int = 0  # malformed texts this build settled as abandoned
+    abandoned_before: int = 0  # not asked: abandoned by an earlier build (same fingerprint)
+    salvaged: int = 0  # answered by the readable items of a malformed reply
     calls: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
     cost_usd: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)  # failure reason -> failed answers
+    malformed_errors: dict[str, int] = field(default_factory=dict)  # reason -> malformed
 
     def failure_line(self) -> str | None:
-        """One line on what failed (the commonest reason), or None if nothing did."""
+        """One line on what failed transiently (the commonest reason), or None."""
         if not self.failed:
             return None
-        reason = max(self.errors, key=lambda e: self.errors[e]) if self.errors else "unknown"
-        if len(reason) > 160:
-            reason = reason[:157] + "..."
+        reason = _commonest(self.errors)
         return f"{self.failed} of {self.requested} chunk texts could not be extracted ({reason})"
+
+    def malformed_line(self, abandon_after: int) -> str | None:
+        """One line on the malformed texts the next build asks again, or None."""
+        left = self.malformed - self.abandoned
+        if left <= 0:
+            return None
+        reason = _commonest(self.malformed_errors)
+        return (
+            f"{left} of {self.requested} chunk texts got only malformed replies ({reason}); "
+            f"a text malformed in {abandon_after} builds is abandoned"
+        )
+
+    def abandoned_line(self, abandon_after: int) -> str | None:
+        """The one warning of a build that abandoned texts, or None."""
+        if not self.abandoned:
+            return None
+        return (
+            f"{self.abandoned} chunk text(s) abandoned: their replies were malformed in "
+            f"{abandon_after} builds of this extractor; they keep no LLM nuggets "
+            "(coinrag build --retry-abandoned asks again; the lineage view "
+            "abandoned_extractions lists them)"
+        )
 
 
 def answered_ok(store: Store, extractor_fp: str) -> dict[str, ExtractionRow]:
@@ -62,9 +113,68 @@ def answered_ok(store: Store, extractor_fp: str) -> dict[str, ExtractionRow]:
     rows = read_rows(
         store,
         ExtractionRow,
-        filter=(pc.field("extractor_fp") == extractor_fp) & (pc.field("status") == "ok"),
+        filter=(pc.field("extractor_fp") == extractor_fp) & (pc.field("status") == EXTRACTION_OK),
     )
     return {r.text_hash: r for r in rows}
+
+
+def settled_answers(
+    store: Store, extractor_fp: str, retry_abandoned: bool = False
+) -> dict[str, ExtractionRow]:
+    """The texts this extractor is not asked about again: its latest ``ok`` answer per
+    text_hash, and (unless ``retry_abandoned``) its ``abandoned`` rows."""
+    statuses = [EXTRACTION_OK] if retry_abandoned else [EXTRACTION_OK, EXTRACTION_ABANDONED]
+    rows = read_rows(
+        store,
+        ExtractionRow,
+        filter=(pc.field("extractor_fp") == extractor_fp) & pc.field("status").isin(statuses),
+    )
+    out: dict[str, ExtractionRow] = {}
+    for r in rows:
+        if r.status == EXTRACTION_OK or r.text_hash not in out:
+            out[r.text_hash] = r
+    return out
+
+
+def abandon_repeated(
+    store: Store,
+    extractor_fp: str,
+    run_id: str,
+    abandon_after: int,
+    counts: ExtractCounts | None = None,
+) -> list[ExtractionRow]:
+    """Record ``abandoned`` every text this run got only malformed replies for that was
+    malformed in ``abandon_after`` builds (distinct runs, this one included) under
+    ``extractor_fp``; return the rows written (and count them in ``counts``).
+
+    The row copies the run's malformed row (backend, model, prompt version), with this run's
+    id and the error ``malformed in N builds: <last reason>``."""
+    malformed = read_rows(
+        store,
+        ExtractionRow,
+        filter=(pc.field("extractor_fp") == extractor_fp)
+        & (pc.field("status") == EXTRACTION_MALFORMED),
+    )
+    mine = {r.text_hash: r for r in malformed if r.run_id == run_id}
+    runs: dict[str, set[str]] = {}
+    for r in malformed:
+        if r.text_hash in mine:
+            runs.setdefault(r.text_hash, set()).add(r.run_id)
+    rows = [
+        replace(
+            mine[key],
+            status=EXTRACTION_ABANDONED,
+            error=f"malformed in {len(ids)} builds: {mine[key].error or 'no reason given'}",
+            candidates=[],
+            code_version=CODE_VERSION,
+        )
+        for key, ids in sorted(runs.items())
+        if len(ids) >= abandon_after
+    ]
+    append_rows(store, rows, run_id, "extract-abandon")
+    if counts is not None:
+        counts.abandoned += len(rows)
+    return rows
 
 
 def pending_requests(
@@ -123,7 +233,7 @@ def result_rows(
             backend=extractor.backend,
             llm_model=extractor.llm_model,
             prompt_version=prompt_version,
-            candidates=list(r.candidates) if r.status == "ok" else [],
+            candidates=list(r.candidates) if r.status == EXTRACTION_OK else [],
             status=r.status,
             error=r.error,
             run_id=run_id,
@@ -234,12 +344,17 @@ class ExtractionWriter:
     def _count(self, answers: list[ExtractionRow], calls: list[ExtractionCallRow]) -> None:
         counts = self.counts
         self._own_answers += len(answers)
-        counts.ok += sum(a.status == "ok" for a in answers)
         for a in answers:
-            if a.status != "ok":
-                counts.failed += 1
-                reason = a.error or "no reason given"
-                counts.errors[reason] = counts.errors.get(reason, 0) + 1
+            if a.status == EXTRACTION_OK:
+                counts.ok += 1
+                continue
+            malformed = a.status == EXTRACTION_MALFORMED
+            counts.malformed += malformed
+            counts.failed += not malformed
+            errors = counts.malformed_errors if malformed else counts.errors
+            reason = a.error or "no reason given"
+            errors[reason] = errors.get(reason, 0) + 1
+        counts.salvaged += sum(c.status == CALL_SALVAGED for c in calls)
         counts.calls += len(calls)
         counts.tokens_in += sum(c.tokens_in for c in calls)
         counts.tokens_out += sum(c.tokens_out for c in calls)

@@ -56,7 +56,12 @@ end of its last token and ``text = chunk_text[char_start:char_end]``, the *sourc
 candidate. With byte-level BPE tokenizers (GPT-2, SmolLM2) the text therefore often starts with
 the first token's leading space, and ``tokenizer.decode(token_ids[tok_start:tok_end]) == text``
 exactly. Punctuation the candidate lacks is in the text only where a tokenizer glues it to a
-word's token (SmolLM2 splits ``","`` and ``"."`` into tokens of their own: they stay out).
+word's token (SmolLM2 splits ``","`` and ``"."`` into tokens of their own: they stay out). A
+token of punctuation only that the span reaches into, and that brings punctuation the candidate
+lacks at that end, is left out (:func:`shed_edge_tokens`): SmolLM2 reads ``"(1368–1644)."`` as
+``... "4", ")."``, and the candidate ``"built by the Ming dynasty (1368-1644)"`` recovers
+``" built by the Ming dynasty (1368–1644"``, not ``"... (1368–1644)."``: the candidate's own
+``")"`` goes with the ``"."`` it lacks, since a nugget is whole tokens.
 
 Duplicates are kept: candidates landing on the same span give several ``RecoveredSpan`` (the
 caller dedupes by token span).
@@ -91,6 +96,7 @@ __all__ = [
     "char_span_to_token_span",
     "fold_char",
     "recover_candidates",
+    "shed_edge_tokens",
     "trim_edge_punctuation",
     "window_word_range",
 ]
@@ -351,6 +357,48 @@ def trim_edge_punctuation(canon: str, a: int, b: int, c: str) -> tuple[int, int]
 
 
 # ---------------------------------------------------------------------------- token snapping
+
+
+def _lacks(chars: str, run: str) -> bool:
+    """Whether ``chars`` (source text) hold punctuation not in ``run`` (a candidate's edge run,
+    canonical): spaces do not count."""
+    return any(u != " " and u not in run for ch in chars for u in fold_char(ch))
+
+
+def _punctuation_only(text: str) -> bool:
+    return not any(_is_word_char(ch) for ch in text)
+
+
+def shed_edge_tokens(
+    text: str, token_spans: Sequence[tuple[int, int]], ts: int, te: int, cs: int, ce: int, c: str
+) -> tuple[int, int]:
+    """The token range ``[ts, te)`` covering the char span ``[cs, ce)`` of ``text`` without its
+    edge tokens that reach beyond the span with punctuation the candidate ``c`` (canonical)
+    lacks at that end and hold no word character: such a token (``").")`` glued by the
+    tokenizer) would bring that punctuation into the nugget. At least one token stays.
+
+    >>> text = "(1368–1644). It"
+    >>> spans = [(0, 1), (1, 5), (5, 6), (6, 10), (10, 12), (12, 15)]
+    >>> shed_edge_tokens(text, spans, 0, 5, 0, 11, "(1368-1644)")
+    (0, 4)
+    >>> shed_edge_tokens(text, spans, 0, 5, 0, 12, "(1368-1644).")
+    (0, 5)
+    """
+    lead, trail = _edge_runs(c)
+    while te - ts > 1:
+        s, e = token_spans[te - 1]
+        if e > ce and _lacks(text[ce:e], trail) and _punctuation_only(text[s:e]):
+            te -= 1
+        else:
+            break
+    while te - ts > 1:
+        s, e = token_spans[ts]
+        if s < cs and _lacks(text[s:cs], lead) and _punctuation_only(text[s:e]):
+            ts += 1
+        else:
+            break
+    return ts, te
+
 
 _START = itemgetter(0)
 _END = itemgetter(1)
@@ -655,6 +703,11 @@ def recover_candidates(
         te = bisect_left(token_spans, ce, key=_START)
         if ts >= te:
             raise ValueError(f"char span [{cs}, {ce}) is covered by no token")
+        left = text[token_spans[ts][0] : cs]
+        right = text[ce : token_spans[te - 1][1]]
+        if (left and not left.isspace()) or (right and not right.isspace()):  # reach out
+            c = canonical_form(stripped) if kind == EXACT else c
+            ts, te = shed_edge_tokens(text, token_spans, ts, te, cs, ce, c)
         cs = int(token_spans[ts][0])
         ce = int(token_spans[te - 1][1])
         recovered.append(_span(cand, text[cs:ce], kind, sim, cs, ce, ts, te, occ))

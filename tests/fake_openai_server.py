@@ -8,7 +8,7 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/files`` (multipart), ``GET 
 ``POST /v1/batches/{id}/cancel``.
 
 Answers are deterministic: a chat request "extracts" the first clauses (split at ``.`` and ``;``)
-of the passage between ``<<<`` and ``>>>`` of the last user message, verbatim, as
+of the passage between ``<<<`` and ``>>>`` of the request's (first) user message, verbatim, as
 ``{"nuggets": [...]}``, with a ``usage`` block (word counts, or :attr:`FakeOpenAI.fixed_usage`).
 
 Failure injection, per test:
@@ -17,6 +17,8 @@ Failure injection, per test:
   ``Retry-After``, a delay longer than the client's timeout, a raw message content such as cut-off
   JSON) consumed by the next chat requests (optionally only those whose passage contains a
   string);
+- :meth:`FakeOpenAI.answer_always` answers every chat request about a passage with the same
+  content (a deterministic model's malformed reply), whatever the request;
 - :attr:`FakeOpenAI.reject_formats`: ``response_format`` types answered with a 400;
 - :attr:`FakeOpenAI.hold_after` ``= n``: every chat request after the first ``n`` waits, unanswered,
   until :meth:`FakeOpenAI.release` (or the server stops): a client killed while waiting got
@@ -105,6 +107,7 @@ class BatchPlan:
     processed_fraction: float = 1.0  # expired/cancelled: share of the lines that were answered
     shuffle: bool = False
     malformed_match: str | None = None  # malformed content for passages containing this
+    malformed_content: str = '{"nuggets": ["cut off'  # what they get
     error_match: str | None = None  # a 500 line in the error file for passages containing this
     failure_message: str = "injected batch failure"
 
@@ -113,6 +116,17 @@ def passage_of(user_text: str) -> str:
     """The passage between ``<<<`` and ``>>>`` of a user message."""
     match = re.search(r"<<<\n?(.*?)\n?>>>", user_text, re.DOTALL)
     return match.group(1) if match else user_text
+
+
+def passage_in(messages: list[dict[str, Any]]) -> str:
+    """The passage a chat request is about: of its first user message holding ``<<< >>>`` (a
+    repair request repeats the conversation and ends with another user message), else of the
+    last user message."""
+    users = [str(m.get("content", "")) for m in messages if m.get("role") == "user"]
+    for text in users:
+        if "<<<" in text:
+            return passage_of(text)
+    return passage_of(users[-1]) if users else ""
 
 
 def nuggets_for(passage: str) -> list[str]:
@@ -145,6 +159,7 @@ class FakeOpenAI:
         self.in_flight = 0
         self.max_in_flight = 0
         self.hold_after: int | None = None  # chat requests after this many wait for release()
+        self.always: list[tuple[str, str]] = []  # (match, content): see answer_always
         self._released = threading.Event()
         self._chat_seen = 0
         self.files: dict[str, dict[str, Any]] = {}
@@ -201,6 +216,13 @@ class FakeOpenAI:
         with self._lock:
             self._chat_scripts.append((match, deque(actions)))
 
+    def answer_always(self, match: str, content: str) -> None:
+        """Answer every chat request whose passage contains ``match`` with this message content
+        (e.g. the same malformed JSON), in this server's whole life, repair requests included:
+        a model at temperature 0 that answers that passage this way."""
+        with self._lock:
+            self.always.append((match, content))
+
     def release(self) -> None:
         """Let the chat requests held by :attr:`hold_after` go on (and any later ones)."""
         self._released.set()
@@ -253,9 +275,8 @@ class FakeOpenAI:
 
     def _completion(self, body: dict[str, Any], content: str | None = None) -> dict[str, Any]:
         messages = body.get("messages") or []
-        user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
         if content is None:
-            passage = passage_of(str(user.get("content", "")))
+            passage = passage_in(messages)
             content = json.dumps({"nuggets": nuggets_for(passage)}, ensure_ascii=False)
         if self.fixed_usage is not None:
             tokens_in, tokens_out = self.fixed_usage
@@ -294,9 +315,11 @@ class FakeOpenAI:
                 self._released.wait(0.05)
             if self.latency_s:
                 self._stop.wait(self.latency_s)
-            messages = body.get("messages") or []
-            user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
-            action = self._next_action(passage_of(str(user.get("content", ""))))
+            passage = passage_in(body.get("messages") or [])
+            always = next((c for m, c in self.always if m in passage), None)
+            if always is not None:  # a model at temperature 0: the same answer every time
+                return 200, {}, self._completion(body, always)
+            action = self._next_action(passage)
             if action is not None and action.kind == "error":
                 err = _error_body(action.message, action.status, action.code, action.param)
                 return action.status, action.headers, err
@@ -387,9 +410,7 @@ class FakeOpenAI:
         """(goes to the output file, the result line) for one input line."""
         cid = line.get("custom_id")
         body = line.get("body") or {}
-        messages = body.get("messages") or []
-        user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
-        passage = passage_of(str(user.get("content", "")))
+        passage = passage_in(body.get("messages") or [])
         rid = "batch_req_" + uuid.uuid4().hex[:20]
 
         def error_line(status: int, err: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
@@ -405,7 +426,7 @@ class FakeOpenAI:
             return error_line(500, _error_body("injected line failure", 500, None, None))
         content = None
         if plan.malformed_match is not None and plan.malformed_match in passage:
-            content = '{"nuggets": ["cut off'
+            content = plan.malformed_content
         completion = self._completion(body, content)
         response = {"status_code": 200, "request_id": rid, "body": completion}
         return True, {"id": rid, "custom_id": cid, "response": response, "error": None}

@@ -69,15 +69,17 @@ def test_openai_default_from_env_ledger_failures_and_no_secrets(
         monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
         monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
         make_extractor.cache_clear()
-        # One chunk keeps getting malformed answers: it must fail loudly, not come back empty.
+        # One chunk keeps getting malformed answers (its repair request too): it must fail
+        # loudly, as a content failure (malformed), not come back empty.
         fake.script_chat(*[Action.raw_content('{"nuggets": ["cut off')] * 2, match="Everest")
         settings = {"max_attempts": 2}
         first = build_flow(str(src), str(store), settings)
-        assert first["extract_failed"] == 1 and first["extract_ok"] == first["chunks"] - 1
+        assert first["extract_malformed"] == 1 and first["extract_failed"] == 0
+        assert first["extract_ok"] == first["chunks"] - 1 and first["extract_abandoned"] == 0
         assert first["llm_calls"] == len(fake.chat_requests()) == first["chunks"] + 1
-        assert first["cost_usd"] > 0
+        assert first["cost_usd"] > 0 and len(first["failures"]) == 1
         rows = read_rows(Store.at(store), ExtractionRow)
-        (failed,) = [r for r in rows if r.status == "failed"]
+        (failed,) = [r for r in rows if r.status == "malformed"]
         assert failed.candidates == [] and "JSON" in failed.error
         calls = read_rows(Store.at(store), ExtractionCallRow)
         assert {c.status for c in calls} == {"ok", "malformed"}

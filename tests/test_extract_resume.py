@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pyarrow.compute as pc
 import pytest
-from fake_openai_server import FakeOpenAI
+from fake_openai_server import Action, FakeOpenAI
 from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
@@ -253,3 +253,104 @@ def test_dask_workers_stage_answers_the_flow_writes_once(
     calls = read_rows(st, ExtractionCallRow)
     assert len(calls) == len({c.call_id for c in calls}) == n
     assert not list((store / "staging").rglob("*.parquet"))
+
+
+# A reply no parser can read, and no item to salvage: what a small model at temperature 0 says
+# about one passage, every time it is asked (repair requests included).
+NOT_JSON = "Sure! Here are the nuggets: Kubrick, Clarke, the Sentinel."
+TARGET = "2001: A Space Odyssey is a 1968 epic"  # the first chunk of the first document
+LIGHT = "The speed of light is the speed of electromagnetic waves"  # the second document's
+# A reply cut off after one complete item: the item is salvaged (no second request).
+CUT_OFF = json.dumps({"nuggets": [LIGHT, "Light travels"]})[:-14]
+
+
+def test_malformed_replies_settle_after_three_builds_and_are_not_asked_again(
+    tmp_path, sample_corpus, monkeypatch
+) -> None:
+    """Where the user meets issue 22: an endpoint on 127.0.0.1 answers one chunk malformed the
+    same way every time. Builds 1 and 2 exit 4 (the next build asks again, with repair
+    requests, never the same request twice); build 3 abandons it (exit 0, one warning line,
+    runs.counts_json and the abandoned_extractions view show it); build 4 makes no call and the
+    chunk is indexed without LLM nuggets; --retry-abandoned asks again."""
+    src, store = _corpus(tmp_path, sample_corpus), tmp_path / "store"
+    config = _config(tmp_path)
+    runner = CliRunner()
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    with FakeOpenAI(api_key=API_KEY) as fake:
+        fake.answer_always(TARGET, NOT_JSON)
+        fake.script_chat(Action.raw_content(CUT_OFF), match=LIGHT)
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        exits, asked = [], []
+        for build in range(3):
+            before = len(fake.chat_requests())
+            result = _build(runner, src, store, config)
+            exits.append(result.exit_code)
+            mine = [r.body for r in fake.chat_requests()[before:] if TARGET in r.body.decode()]
+            assert 1 < len(mine) <= 3 and len(set(mine)) == len(mine), result.output
+            asked.append(len(mine))
+            if build < 2:
+                assert "1 of " in result.output and "got only malformed replies" in result.output
+            if build == 0:  # the cut-off reply's complete item was kept: one request
+                counts = json.loads(_last_run(store).counts_json)
+                assert counts["extract_salvaged"] == 1, counts
+                light = [r for r in fake.chat_requests() if LIGHT in r.body.decode()]
+                assert len(light) == 1
+                assert any(LIGHT in n.text for n in read_rows(Store.at(store), NuggetRow))
+        n = _texts(store)
+        assert exits == [4, 4, 0], result.output
+        assert asked == [asked[0]] * 3 and len(fake.chat_requests()) == n - 1 + 3 * asked[0]
+        assert "got only malformed replies" not in result.output
+        warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+        assert warnings == [
+            "warning: 1 chunk text(s) abandoned: their replies were malformed in 3 builds of "
+            "this extractor; they keep no LLM nuggets (coinrag build --retry-abandoned asks "
+            "again; the lineage view abandoned_extractions lists them)"
+        ]
+        third = _last_run(store)
+        counts = json.loads(third.counts_json)
+        assert counts["extract_malformed"] == counts["extract_abandoned"] == 1
+        assert counts["extract_failed"] == 0 and third.error is None
+
+        calls = len(fake.chat_requests())
+        fourth = _build(runner, src, store, _config(tmp_path, index=True))
+        assert fourth.exit_code == 0, fourth.output
+        assert len(fake.chat_requests()) == calls  # no call at all
+        assert "warning:" not in fourth.output
+        counts = json.loads(_last_run(store).counts_json)
+        assert counts["extract_abandoned_before"] == 1 and counts["llm_calls"] == 0
+
+        sql = "SELECT * FROM abandoned_extractions"
+        view = runner.invoke(app, ["lineage", "--store", str(store), sql, "--json"])
+        assert view.exit_code == 0, view.output
+        (row,) = json.loads(view.stdout)
+        assert row["malformed_runs"] == 3 and row["run_id"] == third.run_id and row["live"]
+        assert row["error"].startswith("malformed in 3 builds: malformed after 3 attempt(s)")
+        chunk = row["chunk_id"]
+        st = Store.at(store)
+        assert not [r for r in read_rows(st, NuggetRow) if r.chunk_id == chunk]
+        indexed = runner.invoke(
+            app,
+            ["lineage", "--store", str(store), "--json"]
+            + [f"SELECT index_run_id FROM lineage_chunks WHERE chunk_id = '{chunk}'"],
+        )
+        assert json.loads(indexed.stdout)[0]["index_run_id"]  # indexed like any chunk
+
+        retried = runner.invoke(
+            app,
+            ["build", str(src), "--store", str(store), "--config", str(config)]
+            + ["--retry-abandoned"],
+        )
+        make_extractor.cache_clear()
+        assert retried.exit_code == 0, retried.output  # asked again, malformed: abandoned again
+        assert len(fake.chat_requests()) == calls + asked[0]
+        assert "warning: 1 chunk text(s) abandoned" in retried.output
+        # another extractor fingerprint (model) asks every text, the abandoned one included
+        calls = len(fake.chat_requests())
+        other = runner.invoke(
+            app,
+            ["build", str(src), "--store", str(store), "--config", str(config)]
+            + ["--llm-model", "gpt-4o"],
+        )
+        make_extractor.cache_clear()
+        assert other.exit_code == 4 and "got only malformed replies" in other.output
+        assert len(fake.chat_requests()) == calls + n - 1 + asked[0]

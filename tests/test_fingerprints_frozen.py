@@ -157,6 +157,8 @@ BUILD_SETTINGS = {
     "tau": 0.7,
     "concurrency": 8,
     "max_attempts": 5,
+    "abandon_after": 3,  # malformed builds before a chunk text is abandoned (issue 22)
+    "retry_abandoned": False,
     "request_timeout": 60.0,
     "batch_poll_interval": 30.0,
     "batch_max_rounds": 3,

@@ -158,27 +158,71 @@ def test_chat_timeout_then_success(fake: FakeOpenAI, client: openai.OpenAI) -> N
     assert res.candidates == _expected(TEXTS[0])
 
 
-def test_chat_malformed_then_success(fake: FakeOpenAI, client: openai.OpenAI) -> None:
+def test_chat_malformed_then_repaired(fake: FakeOpenAI, client: openai.OpenAI) -> None:
+    """A malformed reply is asked again with another request: the conversation, the reply and
+    a message quoting the parse error; then that repair in the next response format."""
+    cut = '{"nuggets": ["The Rhine flows'  # cut off inside the first item: nothing to salvage
     fake.script_chat(
-        Action.raw_content('{"nuggets": ["The Rhine flows'),  # cut off
-        Action.raw_content('["a bare list"]'),
+        Action.raw_content(cut),
         Action.raw_content('{"nuggets": [{"text": "an object"}]}'),
     )
     (res,) = _chat(client).extract(_requests(TEXTS[:1]))
     assert res.status == "ok" and res.candidates == _expected(TEXTS[0])
-    assert _statuses(res) == ["malformed", "malformed", "malformed", "ok"]
+    assert _statuses(res) == ["malformed", "malformed", "ok"]
     assert all(c.tokens_in > 0 for c in res.calls)  # malformed answers were paid for
+    first, second, third = (r.json for r in fake.chat_requests())
+    assert len(first["messages"]) == 2 and first["response_format"]["type"] == "json_schema"
+    assert second["messages"][:2] == first["messages"]
+    assert second["messages"][2] == {"role": "assistant", "content": cut}
+    assert "could not be read: not JSON" in second["messages"][3]["content"]
+    assert second["response_format"]["type"] == "json_schema"
+    assert third["response_format"]["type"] == "json_object"  # the next format
+    assert '"an object"' not in json.dumps(second) and "an object" in json.dumps(third)
 
 
-def test_chat_malformed_forever_fails_loudly(fake: FakeOpenAI, client: openai.OpenAI) -> None:
+def test_chat_malformed_forever_is_a_content_failure_never_the_same_request_twice(
+    fake: FakeOpenAI, client: openai.OpenAI
+) -> None:
+    """A model at temperature 0 that answers one passage malformed whatever it is asked: each
+    request about it differs from the others, and the result is ``malformed`` (a content
+    failure, not a transient one) after the repairs, not after max_attempts copies."""
     target = "Marie Curie"
-    fake.script_chat(*[Action.raw_content("not json at all")] * 10, match=target)
-    results = _chat(client, max_attempts=3).extract(_requests(TEXTS[:3]))
+    fake.answer_always(target, "not json at all")
+    results = _chat(client, max_attempts=5).extract(_requests(TEXTS[:3]))
     bad = results[1]
-    assert bad.status == "failed" and bad.candidates == []
+    assert bad.status == "malformed" and bad.candidates == []
     assert bad.error and "malformed" in bad.error
     assert _statuses(bad) == ["malformed"] * 3
-    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    asked = [r.body for r in fake.chat_requests() if target in json.dumps(r.json)]
+    assert len(asked) == 3 and len(set(asked)) == 3  # three different requests
+    assert [r.status for r in results] == ["ok", "malformed", "ok"]
+    # plain prompting has no next format: the repair request is the only other one
+    fake.requests.clear()
+    (bad,) = _chat(client, structured=False).extract(_requests(TEXTS[1:2]))
+    assert bad.status == "malformed" and _statuses(bad) == ["malformed"] * 2
+    # a transport failure is still transient: failed, not malformed
+    fake.script_chat(*[Action.error(503)] * 3, match="Eiffel")
+    (res,) = _chat(client, max_attempts=3).extract(_requests(TEXTS[3:4]))
+    assert res.status == "failed" and _statuses(res) == ["server_error"] * 3
+
+
+@pytest.mark.parametrize(
+    ("content", "items"),
+    [
+        ('{"nuggets": ["The Rhine flows through six countries", "It is 1,23', 1),  # truncated
+        ('{"nuggets": ["The Rhine flows through six countries" "It is 1,230 km long"]}', 2),
+    ],
+)
+def test_chat_salvages_the_complete_items_of_a_malformed_reply(
+    fake: FakeOpenAI, client: openai.OpenAI, content: str, items: int
+) -> None:
+    """A truncated array or one missing comma: the complete string items are the candidates
+    (no second request), and the call is ledgered ``salvaged``."""
+    fake.script_chat(Action.raw_content(content))
+    (res,) = _chat(client).extract(_requests(TEXTS[:1]))
+    assert res.status == "ok" and res.candidates == _expected(TEXTS[0])[:items]
+    assert _statuses(res) == ["salvaged"] and len(fake.chat_requests()) == 1
+    assert f"{items} items salvaged" in (res.calls[0].error or "")
 
 
 def test_chat_json_schema_unsupported_falls_back_and_remembers(
@@ -389,13 +433,29 @@ def test_batch_malformed_and_line_errors_retried_then_failed_not_lost(
     plan = BatchPlan(progression=["validating"], malformed_match="Marie", error_match="Eiffel")
     fake.plan_batch(plan, BatchPlan(progression=[], malformed_match="Marie"))
     reqs = _requests(TEXTS[:4])
-    results = _batch(client, max_rounds=2).extract(reqs)
+    results = _batch(client, max_rounds=3).extract(reqs)
     assert [r.key for r in results] == [r.key for r in reqs]
-    assert [r.status for r in results] == ["ok", "failed", "ok", "ok"]
+    assert [r.status for r in results] == ["ok", "malformed", "ok", "ok"]
+    # malformed, then malformed again to the repair request: settled, no third round for it
     assert _statuses(results[1]) == ["malformed", "malformed"]
     assert "malformed" in (results[1].error or "") and results[1].candidates == []
+    first, second = fake.uploaded_lines()
+    (repair,) = [line for line in second if "Marie" in json.dumps(line)]
+    assert repair["body"]["messages"][2]["role"] == "assistant"
+    assert "could not be read" in repair["body"]["messages"][3]["content"]
     assert _statuses(results[3]) == ["error", "ok"]  # the 500 line, then a good answer
     assert "HTTP 500" in (results[3].calls[0].error or "")
+
+
+def test_batch_salvages_the_complete_items_of_a_cut_off_line(
+    fake: FakeOpenAI, client: openai.OpenAI
+) -> None:
+    first = _expected(TEXTS[1])[0]
+    cut = json.dumps({"nuggets": [first, "She was born"]})[:-10]
+    fake.plan_batch(BatchPlan(progression=[], malformed_match="Marie", malformed_content=cut))
+    results = _batch(client).extract(_requests(TEXTS[:2]))
+    assert [r.status for r in results] == ["ok", "ok"] and results[1].candidates == [first]
+    assert _statuses(results[1]) == ["salvaged"] and len(fake.uploaded_lines()) == 1
 
 
 def test_batch_json_schema_rejected_lines_fall_back(

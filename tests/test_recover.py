@@ -67,6 +67,11 @@ def char_token_spans(text: str) -> list[tuple[int, int]]:
     return [(i, i + 1) for i in range(len(text))]
 
 
+def glued_token_spans(text: str) -> list[tuple[int, int]]:
+    """Words, and runs of punctuation glued into one token (``").")`` as SmolLM2 does)."""
+    return [m.span() for m in re.finditer(r"\s*\w+|\s*[^\w\s]+|\s+", text)]
+
+
 def shared_token_spans(text: str) -> list[tuple[int, int]]:
     """Per character, but a non-ASCII character becomes two tokens sharing one span (bytes)."""
     out = []
@@ -419,7 +424,7 @@ def test_parity_with_reference_on_mutated_candidates():
     total = 0
     for k, text in enumerate(PARAGRAPHS):
         other = PARAGRAPHS[(k + 1) % len(PARAGRAPHS)]
-        for tokenize in (word_token_spans, shared_token_spans):
+        for tokenize in (word_token_spans, shared_token_spans, glued_token_spans):
             spans = tokenize(text)
             cands = [c for c, _ in make_candidates(text, rng, 40, 0.6, 0.15, other)]
             fast = recover_candidates(text, spans, cands)
@@ -565,3 +570,46 @@ def test_fuzzy_edges_carry_only_punctuation_of_the_candidate(data, kind, rnd, st
             assert canon[0] in lead or canon[0] == "_", (cand, s.text)
         if not canon[-1].isalnum() and not unicodedata.category(canon[-1]).startswith("M"):
             assert canon[-1] in trail or canon[-1] == "_", (cand, s.text)
+
+
+MING = "The Great Wall was largely built by the Ming dynasty (1368–1644). It is long."
+
+
+def test_candidate_ending_in_punctuation_gets_none_the_source_adds(smollm2):
+    """Issue 22, item 4: SmolLM2 reads "(1368–1644)." as ... "4", ").": a candidate ending in
+    ")" (verbatim, normalised or fuzzy) must not bring the "." into its nugget; the token of
+    punctuation only is left out (a nugget is whole tokens), the span ends at "1644"."""
+    enc = smollm2(MING, add_special_tokens=False, return_offsets_mapping=True)
+    ids, spans = enc["input_ids"], [tuple(x) for x in enc["offset_mapping"]]
+    assert ")." in [MING[a:b] for a, b in spans]
+    cands = [
+        "built by the Ming dynasty (1368–1644)",  # exact
+        "built by the Ming dynasty (1368-1644)",  # the dash differs: normalised exact
+        "built by the Ming dynsty (1368-1644)",  # fuzzy
+    ]
+    got, lost = recover_candidates(MING, spans, cands)
+    assert not lost and [s.match_kind for s in got] == ["exact", "fuzzy", "fuzzy"]
+    for s in got:
+        assert s.text == " built by the Ming dynasty (1368–1644", s
+        assert smollm2.decode(ids[s.tok_start : s.tok_end]) == s.text
+    # a candidate that has the "." keeps it
+    ((s,), _) = recover_candidates(MING, spans, ["built by the Ming dynasty (1368-1644)."])
+    assert s.text == " built by the Ming dynasty (1368–1644)."
+    assert (got, lost) == reference_recover(MING, spans, cands)
+
+
+@pytest.mark.parametrize(
+    ("cand", "want"),
+    [
+        ('"Long live the king,"', 'Long live the king,"'),  # '."' before: its "." is left out
+        ("Long live the king", "Long live the king"),
+        ('Long live the king,"', 'Long live the king,"'),  # the candidate's own end stays
+        ("The war ended", "The war ended"),  # '."' after: left out, its quote too
+    ],
+)
+def test_glued_punctuation_tokens_at_both_edges(cand: str, want: str) -> None:
+    text = 'The war ended."Long live the king," they cried.'
+    spans = glued_token_spans(text)
+    (s,), lost = recover_candidates(text, spans, [cand])
+    assert not lost and s.text.strip() == want, s
+    assert ([s], lost) == reference_recover(text, spans, [cand])

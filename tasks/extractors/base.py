@@ -30,10 +30,14 @@ class ExtractionRequest:
 
 @dataclass
 class ExtractionResult:
-    """The outcome for one request: candidates (``status == "ok"``) or a failure, never lost."""
+    """The outcome for one request: candidates (``status == "ok"``) or a failure, never lost.
+
+    ``failed``: the endpoint did not answer (transport errors, timeouts, 429, 5xx: worth asking
+    again later); ``malformed``: it answered, and every reply (and every repair request) was
+    unreadable: a content failure, which the build settles after ``abandon_after`` builds."""
 
     key: str
-    status: str  # ok | failed
+    status: str  # ok | failed | malformed
     candidates: list[str] = field(default_factory=list)
     error: str | None = None
     calls: list[CallRecord] = field(default_factory=list)

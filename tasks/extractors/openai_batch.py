@@ -9,14 +9,20 @@ exceed ``max_requests_per_batch`` lines or ``max_bytes_per_batch`` bytes, upload
 every ``poll_interval_s`` seconds through all their statuses (``validating``, ``in_progress``,
 ``finalizing``, ``cancelling`` and the terminal ``completed``, ``failed``, ``expired``,
 ``cancelled``), with a log line per change. Then the output and error files are downloaded and
-matched to the requests **by custom_id** (their order is irrelevant). Whatever failed, is
-missing or is malformed is submitted again in the next round, up to ``max_rounds``; an expired
-or cancelled batch keeps the answers it did produce. After the last round the leftovers are
+matched to the requests **by custom_id** (their order is irrelevant). Whatever failed or is
+missing is submitted again in the next round, up to ``max_rounds``; an expired or cancelled
+batch keeps the answers it did produce. After the last round the leftovers are
 ``status="failed"`` with the last reason: no chunk is ever lost.
+
+A malformed answer is content (the same request gets the same answer): its complete string
+items are kept when there are any (``salvage_nuggets``; ledger status ``salvaged``), else the
+next round sends a *repair* request (the reply and its parse error quoted back,
+``prompt.repair_messages``), and a malformed answer to that settles the request as
+``status="malformed"`` (``tasks/extract.py`` settles those across builds).
 
 Ledger: one :class:`~inference.llm_client.CallRecord` per request per round (``attempt`` = the
 round), with ``custom_id``, ``batch_id``, tokens from the answer's ``usage`` and the cost at batch
-prices; status ``ok``, ``malformed``, ``expired`` or ``error``.
+prices; status ``ok``, ``salvaged``, ``malformed``, ``expired`` or ``error``.
 
 Resuming (``state_path``): the uploaded files and submitted batches are recorded in a JSON file
 as soon as they exist (written atomically). A build that is killed and restarted with the same
@@ -68,7 +74,13 @@ from coinrag.tasks.extractors.openai_chat import (
     response_format_param,
     spread_results,
 )
-from coinrag.tasks.extractors.prompt import PROMPT_VERSION, build_messages, parse_nuggets
+from coinrag.tasks.extractors.prompt import (
+    PROMPT_VERSION,
+    build_messages,
+    parse_nuggets,
+    repair_messages,
+    salvage_nuggets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +139,18 @@ class _Job:
         )
 
 
+_ANSWERED = frozenset({"ok", "salvaged"})  # outcomes whose candidates are the answer
+
+
 @dataclass
 class _Outcome:
-    status: str  # ok | malformed | error | expired
+    status: str  # ok | salvaged | malformed | error | expired
     tokens_in: int = 0
     tokens_out: int = 0
     candidates: list[str] | None = None
     error: str | None = None
+    reply: str | None = None  # a malformed answer's content (quoted back by its repair)
+    parse_error: str | None = None  # why it did not parse
 
 
 class OpenAIBatchExtractor:
@@ -182,6 +199,8 @@ class OpenAIBatchExtractor:
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._state_jobs: list[_Job] = []
+        self._repairs: dict[str, tuple[str | None, str]] = {}
+        self._last_malformed: dict[str, bool] = {}
 
     @property
     def fingerprint(self) -> str:
@@ -210,6 +229,8 @@ class OpenAIBatchExtractor:
         calls: dict[str, list[CallRecord]] = {key: [] for key in unique}
         last_error: dict[str, str] = {}
         done: dict[str, ExtractionResult] = {}
+        self._repairs: dict[str, tuple[str | None, str]] = {}  # key -> (reply, parse error)
+        self._last_malformed: dict[str, bool] = {}  # key -> its last outcome was malformed
         report = ResultReporter(on_result)
 
         def finished(keys: list[str]) -> None:
@@ -252,15 +273,16 @@ class OpenAIBatchExtractor:
                 jobs.extend(self._submit(to_send, round_))
             self._wait(jobs)
             for job in jobs:
-                ok_keys = self._collect(job, pending, done, calls, last_error)
-                finished(ok_keys)
+                settled = self._collect(job, pending, done, calls, last_error)
+                finished(settled)
 
         leftovers = list(pending)
         for key in leftovers:
             reason = last_error.get(key, "no answer")
             done[key] = ExtractionResult(
                 key=key,
-                status="failed",
+                # the last round's answer was content, not an accident: a content failure
+                status="malformed" if self._last_malformed.get(key) else "failed",
                 error=f"no valid answer after {self.max_rounds} round(s): {reason}",
             )
             log.warning("%s failed: %s", key, done[key].error)
@@ -270,9 +292,14 @@ class OpenAIBatchExtractor:
     # ----------------------------------------------------------------------- submitting
 
     def _request_line(self, custom_id: str, req: ExtractionRequest, mode: str) -> bytes:
+        repair = self._repairs.get(req.key)
+        if repair is None:
+            messages = build_messages(req.text)
+        else:
+            messages = repair_messages(req.text, *repair)
         body: dict[str, Any] = {
             "model": self.llm_model,
-            "messages": build_messages(req.text),
+            "messages": messages,
             "temperature": self.temperature,
         }
         fmt = response_format_param(mode)
@@ -432,7 +459,8 @@ class OpenAIBatchExtractor:
         calls: dict[str, list[CallRecord]],
         last_error: dict[str, str],
     ) -> list[str]:
-        """Ledger a job's requests, settle the good ones; the keys that finished ok."""
+        """Ledger a job's requests, settle the good ones and those whose repair request was
+        malformed too; the keys settled."""
         outcomes: dict[str, _Outcome] = {}
         problems: list[str] = []
         batch = job.batch
@@ -463,6 +491,7 @@ class OpenAIBatchExtractor:
         default = self._default_outcome(job, problems)
         started_at, latency_ms = self._timing(job)
         ok_keys: list[str] = []
+        given_up: list[str] = []
         for cid, key in job.serves.items():
             outcome = outcomes.get(cid, default)
             error = self.endpoint.scrub(outcome.error) if outcome.error else None
@@ -484,24 +513,39 @@ class OpenAIBatchExtractor:
                     batch_id=job.batch_id,
                 )
             )
-            if outcome.status == "ok" and key in pending:
+            if key not in pending:
+                continue
+            if outcome.status in _ANSWERED:
                 del pending[key]
                 done[key] = ExtractionResult(
                     key=key, status="ok", candidates=outcome.candidates or []
                 )
                 ok_keys.append(key)
+            elif outcome.status == "malformed" and key in self._repairs:  # the repair too
+                del pending[key]
+                done[key] = ExtractionResult(
+                    key=key,
+                    status="malformed",
+                    error=f"malformed after a repair request (round {job.round}): {error}",
+                )
+                log.warning("%s: %s", key, done[key].error)
+                given_up.append(key)
             else:
                 last_error[key] = f"round {job.round}: {outcome.status}: {error}"
+                self._last_malformed[key] = outcome.status == "malformed"
+                if outcome.status == "malformed":
+                    self._repairs[key] = (outcome.reply, outcome.parse_error or "malformed")
         n_ok = len(ok_keys)
         log.info(
-            "round %d: batch %s (%s): %d ok, %d to retry",
+            "round %d: batch %s (%s): %d ok, %d malformed after a repair, %d to retry",
             job.round,
             job.batch_id,
             job.status,
             n_ok,
-            len(job.serves) - n_ok,
+            len(given_up),
+            len(job.serves) - n_ok - len(given_up),
         )
-        return ok_keys
+        return ok_keys + given_up
 
     def _default_outcome(self, job: _Job, problems: list[str]) -> _Outcome:
         """The outcome of a request with no line in the output or error file."""
@@ -553,7 +597,22 @@ class OpenAIBatchExtractor:
             message = body["choices"][0]["message"]
             if message.get("refusal"):
                 raise MalformedResponse(f"refusal: {message['refusal']}")
-            candidates = parse_nuggets(message.get("content"))
+            content = message.get("content")
+            try:
+                candidates = parse_nuggets(content)
+            except MalformedResponse as exc:
+                salvaged = salvage_nuggets(content)
+                if salvaged:
+                    error = f"malformed answer ({len(salvaged)} items salvaged): {exc}"
+                    return _Outcome("salvaged", tokens_in, tokens_out, salvaged, error)
+                return _Outcome(
+                    "malformed",
+                    tokens_in,
+                    tokens_out,
+                    error=f"malformed answer: {exc}",
+                    reply=content,
+                    parse_error=str(exc),
+                )
         except MalformedResponse as exc:
             return _Outcome("malformed", tokens_in, tokens_out, error=f"malformed answer: {exc}")
         except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:

@@ -7,11 +7,18 @@ here, as one :class:`~inference.llm_client.CallRecord` each (the client, retries
 classes and scrubbing are ``inference/llm_client.py``'s, shared with self-study).
 
 Retries: 429 (honouring ``Retry-After`` / ``retry-after-ms``), 5xx, 408/409, timeouts and
-connection errors, with exponential backoff and jitter, up to ``max_attempts`` per request. A
-malformed answer (``parse_nuggets`` raises) is retried as well; after the last attempt the
-result is ``status="failed"`` with the reason, never an empty success. 401/403/404 and
-``insufficient_quota`` are fatal: the remaining requests of the run fail at once instead of
-hammering the endpoint.
+connection errors, with exponential backoff and jitter, up to ``max_attempts`` per request; after
+the last attempt the result is ``status="failed"`` with the reason (transient: the next build
+asks again), never an empty success. 401/403/404 and ``insufficient_quota`` are fatal: the
+remaining requests of the run fail at once instead of hammering the endpoint.
+
+A malformed answer (``parse_nuggets`` raises) is content, not an accident: the same request
+would get the same answer. Its complete string items are kept when there are any
+(``salvage_nuggets``: the call is ledgered ``salvaged``, the result is ``ok``); otherwise it is
+asked again only with *other* requests (:func:`content_variants`): a repair request quoting the
+parse error, then that repair in the next response format where there is one. When those are
+malformed too the result is ``status="malformed"`` (``tasks/extract.py`` settles it across
+builds). Every reply and transport failure counts against ``max_attempts``.
 
 Response format (``structured``): ``True`` asks for ``json_schema`` structured outputs, ``False``
 for plain prompting; ``None`` (default) tries ``json_schema``, and on a 400 saying the endpoint
@@ -56,6 +63,8 @@ from coinrag.tasks.extractors.prompt import (
     RESPONSE_SCHEMA,
     build_messages,
     parse_nuggets,
+    repair_messages,
+    salvage_nuggets,
 )
 
 log = logging.getLogger(__name__)
@@ -83,6 +92,14 @@ def response_format_param(mode: str) -> dict[str, Any] | None:
     if mode == MODE_JSON_OBJECT:
         return {"type": "json_object"}
     return None
+
+
+def content_variants(mode: str) -> list[str]:
+    """The response formats of the repair requests after a malformed reply in ``mode``: the
+    same mode, then the next one (json_schema -> json_object -> prompt) where there is one. A
+    reply to the last one that is malformed too ends the chunk text's attempts in this build."""
+    nxt = _NEXT_MODE.get(mode)
+    return [mode, nxt] if nxt is not None else [mode]
 
 
 def extractor_fingerprint(backend: str, model: str, temperature: float, fmt: str) -> str:
@@ -235,12 +252,14 @@ class OpenAIChatExtractor:
         attempt = 0  # every HTTP attempt, for the ledger
         spent = 0  # attempts that count against max_attempts (format fallbacks do not)
         failures = 0  # consecutive transport failures, for the backoff
+        repairs: list[str] | None = None  # formats of the repair requests still to send
+        repair_mode: str | None = None  # the format of the repair request being sent
         while True:
             if self._fatal is not None:
                 error = f"aborted: {self._fatal}"
                 return ExtractionResult(req.key, "failed", error=error, calls=calls)
             with self._lock:
-                mode = self._mode
+                mode = self._mode if repair_mode is None else repair_mode
             attempt += 1
             kwargs: dict[str, Any] = {
                 "model": self.llm_model,
@@ -258,6 +277,8 @@ class OpenAIChatExtractor:
                 msg = self.endpoint.describe(exc)
                 if self._format_unsupported(exc, mode):
                     new_mode = self._downgrade(mode)
+                    if repair_mode is not None:  # this repair's own format: the next one
+                        repair_mode = new_mode = _NEXT_MODE[mode]
                     note = f"response_format {mode} unsupported, falling back to {new_mode}: {msg}"
                     rec = self.endpoint.record(
                         req.key, attempt, "error", started_at, t0, error=note
@@ -284,20 +305,31 @@ class OpenAIChatExtractor:
 
             failures = 0
             tokens_in, tokens_out = usage_of(completion)
+            content = content_of(completion)
             try:
-                nuggets = parse_nuggets(content_of(completion))
+                nuggets = parse_nuggets(content)
             except MalformedResponse as exc:
-                msg = self.endpoint.scrub(f"malformed answer: {exc}")
+                spent += 1
+                salvaged = salvage_nuggets(content)
+                status = "salvaged" if salvaged else "malformed"
+                note = f" ({len(salvaged)} items salvaged)" if salvaged else ""
+                msg = self.endpoint.scrub(f"malformed answer{note}: {exc}")
                 rec = self.endpoint.record(
-                    req.key, attempt, "malformed", started_at, t0, tokens_in, tokens_out, msg
+                    req.key, attempt, status, started_at, t0, tokens_in, tokens_out, msg
                 )
                 calls.append(rec)
-                spent += 1
-                if spent >= self.endpoint.retry.max_attempts:
-                    error = f"malformed after {spent} attempt(s): {exc}"
-                    log.warning("%s failed: %s", req.key, error)
-                    return ExtractionResult(req.key, "failed", error=error, calls=calls)
-                log.info("%s attempt %d: %s; retrying", req.key, attempt, msg)
+                if salvaged:
+                    log.info("%s attempt %d: %s", req.key, attempt, msg)
+                    return ExtractionResult(req.key, "ok", candidates=salvaged, calls=calls)
+                if repairs is None:  # structured=True/False: the format asked for, only
+                    repairs = content_variants(mode) if self.structured is None else [mode]
+                if not repairs or spent >= self.endpoint.retry.max_attempts:
+                    error = self.endpoint.scrub(f"malformed after {spent} attempt(s): {exc}")
+                    log.warning("%s: %s", req.key, error)
+                    return ExtractionResult(req.key, "malformed", error=error, calls=calls)
+                repair_mode = repairs.pop(0)
+                messages = repair_messages(req.text, content, str(exc))
+                log.info("%s attempt %d: %s; asking with a repair request", req.key, attempt, msg)
                 continue
             rec = self.endpoint.record(
                 req.key, attempt, "ok", started_at, t0, tokens_in, tokens_out
