@@ -108,7 +108,9 @@ UNSUPPORTED_FEATURES: dict[str, str] = {
     "llama4_text": "NoPE and chunked-attention layers",
     "cohere2": "NoPE full-attention layers",
     "qwen2_vl": "multimodal M-RoPE",
+    "qwen2_vl_text": "multimodal M-RoPE",
     "qwen2_5_vl": "multimodal M-RoPE",
+    "qwen2_5_vl_text": "multimodal M-RoPE",
     "gemma3": "multimodal Gemma 3 (give the text model: model_type gemma3_text)",
     "gemma3n": "per-layer KV sharing and AltUp",
 }
