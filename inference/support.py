@@ -136,4 +136,3 @@ def gguf_architecture(path: Path) -> str:
                 return string()
             skip(kind)
     raise ValueError(f"{path} has no general.architecture")
-

@@ -153,9 +153,7 @@ ATTENTIONS = ("sdpa", "eager")
 
 def family_cases() -> list[tuple[str, str]]:
     """(family, attention implementation) pairs of the matrix."""
-    return [
-        (f, a) for f in FAMILIES for a in ATTENTIONS if a == "eager" or f not in EAGER_ONLY
-    ]
+    return [(f, a) for f in FAMILIES for a in ATTENTIONS if a == "eager" or f not in EAGER_ONLY]
 
 
 def family_config(name: str, vocab: int = 500, tokenizer: Any = None, **kw: Any) -> Any:
