@@ -405,3 +405,34 @@ def test_a_chunk_longer_than_the_window(attn: str) -> None:
     ]
     assert torch.equal(answers[0].first_logits, answers[1].first_logits)
     assert answers[0].token_ids == answers[1].token_ids
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_teacher_and_full_document_cartridge_on_sliding_layers(family: str, smollm2_tokenizer):
+    """Self-study's teacher answers each question as one forward over prefix + document +
+    question would (sliding models: one question at a time), and a cartridge holding the
+    whole document at canonical positions gives the student the teacher's log-probs."""
+    from coinrag.inference.encode import prefix_kv
+    from coinrag.inference.prompt import RagPrompt
+    from coinrag.schemas.settings import TeacherSettings
+    from coinrag.tasks.teacher import teacher_answers
+    from coinrag.training.cartridges import student_logprobs
+
+    tok = smollm2_tokenizer
+    model = family_model(family, tokenizer=tok)
+    prompt = RagPrompt.for_tokenizer(tok)
+    doc = random_ids(30, 7)
+    questions = ["Who wrote it?", "Where is the river that runs through the valley?"]
+    cfg = TeacherSettings(max_new_tokens=5, batch_size=2)
+    outs = teacher_answers(model, tok, prompt, doc, questions, cfg)
+    rope = model_rope(model.config)
+    z = init_cartridge(model, prompt, rope, doc, p=len(doc))
+    ctx = assemble_cartridges(prefix_kv(model, prompt), [z], rope)
+    for q, out in zip(questions, outs, strict=True):
+        ids = list(prompt.prefix_ids) + doc + prompt.query_ids(q)
+        alone = prefill_and_decode(model, tok, None, 0, ids, max_new_tokens=5)
+        assert [t for t in out.answer_ids if t != tok.eos_token_id] == alone.token_ids
+        with torch.no_grad():
+            logp = student_logprobs(model, ctx, prompt.query_ids(q), out.answer_ids)
+        got = logp.gather(-1, out.topk_ids)
+        assert float((got - out.topk_logprobs).abs().max()) <= LOGIT_ATOL_FP32
