@@ -106,6 +106,7 @@ _BASE = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_s
         (
             lambda: Gemma3TextConfig(
                 **_BASE,
+                layer_types=["sliding_attention", "full_attention"],
                 rope_parameters={
                     "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
