@@ -436,3 +436,26 @@ def test_teacher_and_full_document_cartridge_on_sliding_layers(family: str, smol
             logp = student_logprobs(model, ctx, prompt.query_ids(q), out.answer_ids)
         got = logp.gather(-1, out.topk_ids)
         assert float((got - out.topk_logprobs).abs().max()) <= LOGIT_ATOL_FP32
+
+
+@pytest.mark.parametrize("family", [f for f, a in CASES if a == "eager"])
+def test_quantized_frame_keys_at_position_zero(family: str) -> None:
+    """A quantized store keeps keys rotated back to position 0 (``keys_to_position_zero``),
+    each layer with its own RoPE; placed from there they equal the slices placed from where
+    they were encoded."""
+    from coinrag.inference.encode import keys_to_position_zero
+
+    model = _model(family, "eager")
+    prefix_kv, (kv_a, kv_b) = _stored(model, [CHUNK_A, CHUNK_B])
+    p = len(PREFIX)
+    rope = model_rope(model.config)
+    zero_a = keys_to_position_zero(kv_a, rope, p)
+    zero_b = keys_to_position_zero(kv_b, rope, p)
+    moved = [KvSlice(kv_b[..., 2:9, :], p + 2, p + 13), KvSlice(kv_a, p, p + 24)]
+    at_zero = [
+        KvSlice(zero_b[..., 2:9, :], p + 2, p + 13, at_zero=True),
+        KvSlice(zero_a, p, p + 24, at_zero=True),
+    ]
+    want = assemble_context(prefix_kv, moved, rope, new_seq_len=p + 31 + 5)
+    got = assemble_context(prefix_kv, at_zero, rope, new_seq_len=p + 31 + 5)
+    assert _rel(got, want) <= FP32_RTOL
