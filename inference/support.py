@@ -12,6 +12,7 @@ out, before any work: the CLI's preflight calls :func:`check_model_reference`, w
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -46,17 +47,21 @@ class UnsupportedModel(ValueError):
     message names its model type and the feature."""
 
 
+def _unverified(model_type: str) -> UnsupportedModel:
+    feature = UNSUPPORTED_FEATURES.get(model_type, "architecture not verified for KV reuse")
+    return UnsupportedModel(
+        f"model type {model_type!r}: {feature} is not supported (supported model types: "
+        f"{', '.join(VERIFIED_ARCHITECTURES)})"
+    )
+
+
 def check_config(config: Any) -> None:
     """Refuse a transformers config whose model is not exact here (:class:`UnsupportedModel`,
     one line: model type, feature, what is supported)."""
     text = config.get_text_config(decoder=True)
     model_type = str(getattr(text, "model_type", None) or type(text).__name__)
     if model_type not in VERIFIED_ARCHITECTURES:
-        feature = UNSUPPORTED_FEATURES.get(model_type, "architecture not verified for KV reuse")
-        raise UnsupportedModel(
-            f"model type {model_type!r}: {feature} is not supported (supported model types: "
-            f"{', '.join(VERIFIED_ARCHITECTURES)})"
-        )
+        raise _unverified(model_type)
     if getattr(text, "use_bidirectional_attention", False):
         raise UnsupportedModel(
             f"model type {model_type!r}: bidirectional attention is not supported (causal only)"
@@ -72,14 +77,9 @@ def check_model_reference(found: Path) -> None:
     """:func:`check_config` of a located model (``inference.models.locate_model``): a folder's
     ``config.json``; a GGUF's converted folder when it exists, else its header's architecture
     (the only thing checked before conversion)."""
-    from transformers import AutoConfig
-
-    if found.is_dir():
-        check_config(AutoConfig.from_pretrained(found))
-        return
-    converted = _converted_folder(found)
-    if converted is not None:
-        check_config(AutoConfig.from_pretrained(converted))
+    folder = found if found.is_dir() else _converted_folder(found)
+    if folder is not None:
+        check_config(_read_config(folder))
         return
     arch = gguf_architecture(found)
     model_type = GGUF_ARCHITECTURES.get(arch)
@@ -88,6 +88,28 @@ def check_model_reference(found: Path) -> None:
             f"GGUF architecture {arch!r} ({found.name}): not a verified architecture "
             f"(supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
+
+
+def _read_config(folder: Path) -> Any:
+    """The transformers config of ``folder/config.json`` (no weights read); a model type that
+    is not verified is refused from the JSON alone, before transformers parses it."""
+    from transformers import AutoConfig
+
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"{path} is unreadable: {exc}") from None
+    model_type = str(raw.get("model_type")) if isinstance(raw, dict) else None
+    if model_type not in VERIFIED_ARCHITECTURES:
+        raise _unverified(str(model_type))
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedModel(
+            f"model type {model_type!r}: {path} does not load: {first}"
+        ) from None
 
 
 def _converted_folder(gguf: Path) -> Path | None:

@@ -141,6 +141,22 @@ def test_matrix_families_pass_the_check(family: str) -> None:
     check_config(family_config(family))
 
 
+def test_config_json_alone_decides(tmp_path: Path) -> None:
+    """A folder's ``config.json`` is read as JSON first: an unknown or unverified model type is
+    refused without transformers parsing it (no weights are ever read)."""
+    for text, words in [
+        ('{"model_type": "nonsense"}', ["'nonsense'", "not verified"]),
+        ('{"model_type": "gemma3"}', ["'gemma3'", "gemma3_text"]),
+        ("{not json", ["unreadable"]),
+    ]:
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(UnsupportedModel) as info:
+            check_model_reference(tmp_path)
+        assert all(w in str(info.value) for w in words), str(info.value)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    check_model_reference(tmp_path)
+
+
 def _gguf_header(path: Path, architecture: str) -> Path:
     """A GGUF file holding only a header: one u32 field, then ``general.architecture``."""
 
