@@ -28,7 +28,7 @@ from prefect.cache_policies import NONE
 from coinrag.flows.progress import ProgressLog
 from coinrag.inference.models import LoadedModel, load_model
 from coinrag.inference.prompt import RagPrompt
-from coinrag.inference.rope import RopeSpec
+from coinrag.inference.rope import model_rope
 from coinrag.schemas.keys import fingerprint, new_run_id, sha256_hex
 from coinrag.schemas.settings import CartridgeSettings
 from coinrag.schemas.tables import DocumentRow, TeacherAnswerRow
@@ -171,7 +171,7 @@ def train_task(
 ) -> dict[str, Any]:
     logger = get_run_logger()
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-    rope = RopeSpec.from_config(loaded.model.config)
+    rope = model_rope(loaded.model.config)
     pool, examples, cfp = build_pool(loaded, prompt, docs, questions, answers, settings)
     if not examples:
         raise ValueError("no training examples: self-study produced no usable question")

@@ -102,18 +102,28 @@ def source(path: str) -> None:
         raise Preflight(f"source {path} is unreadable: {exc}") from None
 
 
-def model(ref: str | None) -> None:
+def model(ref: str | None, exact: bool = True) -> None:
     """``--model`` names a model folder, a GGUF file, the packaged default, or a KVLink
-    adapter folder (``kvlink.json``) whose base model is one of those."""
+    adapter folder (``kvlink.json``) whose base model is one of those; with ``exact`` (any
+    use of its KV), a model whose KV is reproduced exactly (``inference.support``: from its
+    ``config.json`` or GGUF header, no weights loaded), else exit 2 naming the model type and
+    the feature."""
     from coinrag.inference.link import is_link_adapter, read_link_adapter_info
     from coinrag.inference.models import ModelNotFound, locate_model
+    from coinrag.inference.support import UnsupportedModel, check_model_reference
 
     try:
         if ref is not None and is_link_adapter(ref):
             ref = read_link_adapter_info(ref).model
-        locate_model(ref)
+        found = locate_model(ref)
     except ModelNotFound as exc:
         raise Preflight(str(exc)) from None
+    if not exact:
+        return
+    try:
+        check_model_reference(found)
+    except UnsupportedModel as exc:
+        raise Preflight(f"--model {ref or 'smollm2'}: {exc}", 2) from None
 
 
 def embedder(ref: str | None) -> None:
@@ -154,8 +164,9 @@ def device(name: str) -> None:
 
 
 def build_settings(settings: BuildSettings) -> None:
-    """What a build's settings name: the model, the embedder, the extractor's key, the device."""
-    model(settings.model)
+    """What a build's settings name: the model (exact when the build computes KV), the
+    embedder, the extractor's key, the device."""
+    model(settings.model, exact=settings.kv)
     if settings.index:
         embedder(settings.embedder)
     extractor = settings.resolved_extractor()

@@ -15,7 +15,17 @@ The KV layout (in memory, after RoPE, on disk, after re-rotation) is stated once
   context plus the query prefilled after it), i.e. the layer-0 keys of the model's own forward
   over the same tokens at the same positions (``tests/test_rope_seq_len.py``);
 - cartridges (:func:`assemble_cartridges`) are stored at canonical positions ``0..p_i-1`` and
-  placed the same way, one after the other after ``C_p``.
+  placed the same way, one after the other after ``C_p``;
+- per-layer RoPE (Gemma 3): each layer's keys are rotated with that layer's RoPE (the local
+  base in sliding layers, the global base and scaling in full ones: ``inference.rope.
+  model_rope``);
+- sliding-window layers (``inference.layers``): ``C_ctx`` holds every position in every
+  layer; handed to the model through ``to_dynamic_cache(ctx, config)`` a sliding layer of
+  window ``W`` keeps its last ``W - 1`` positions, as transformers' sliding cache does after
+  one forward over the same context, so the query at position ``T`` attends in that layer to
+  positions ``T - W + 1 .. T``: the end of the last slices, never an earlier one. A slice's
+  sliding-layer K/V stay those of its chunk's own forward (``inference/encode.py``: each token's
+  window ended inside ``prefix + chunk``), the same relocation approximation as in full layers.
 
 The result is handed to the model as a ``transformers.DynamicCache`` (batch 1:
 ``inference.encode.to_dynamic_cache``).
@@ -28,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coinrag.inference.rope import RopeSpec, UnsupportedRope, rerotate_keys
+from coinrag.inference.rope import ModelRope, UnsupportedRope
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,7 @@ class KvSlice:
 def assemble_context(
     prefix_kv: torch.Tensor,
     slices: Sequence[KvSlice],
-    spec: RopeSpec,
+    spec: ModelRope,
     *,
     new_seq_len: int | None = None,
 ) -> torch.Tensor:
@@ -64,7 +74,8 @@ def assemble_context(
     Args:
         prefix_kv: ``(layers, 2, kv_heads, P, head_dim)``, encoded at positions ``0..P-1``.
         slices: in context order.
-        spec: the model's RoPE.
+        spec: the model's RoPE (``inference.rope.model_rope``: one for every layer, or each
+            layer's own).
         new_seq_len: length of the forward whose cache this stands for (dynamic / longrope
             only; defaults to the assembled length): with the query prefilled after the
             context, the context plus the query. Every key, ``C_p``'s included, gets the
@@ -87,7 +98,7 @@ def place_slices(
     prefix_kv: torch.Tensor,
     slices: Sequence[KvSlice],
     starts: Sequence[int],
-    spec: RopeSpec,
+    spec: ModelRope,
     *,
     new_seq_len: int | None = None,
 ) -> torch.Tensor:
@@ -102,9 +113,7 @@ def place_slices(
     ends = [start + s.tokens for s, start in zip(slices, starts, strict=True)]
     seq_len = new_seq_len or max([n_prefix, *ends])
     parts = [prefix_kv]
-    if spec.seq_len_dependent and not torch.equal(
-        spec.inv_freq_for(n_prefix), spec.inv_freq_for(seq_len)
-    ):
+    if not spec.same_frequencies(n_prefix, seq_len):
         # C_p was encoded in a forward of its own length; a forward of length seq_len uses
         # other frequencies (dynamic NTK above max_position_embeddings, longrope's long factors).
         parts = [_rotated(KvSlice(prefix_kv, 0, n_prefix), 0, spec, seq_len)]
@@ -114,7 +123,7 @@ def place_slices(
     return torch.cat(parts, dim=-2)
 
 
-def _rotated(s: KvSlice, start: int, spec: RopeSpec, seq_len: int) -> torch.Tensor:
+def _rotated(s: KvSlice, start: int, spec: ModelRope, seq_len: int) -> torch.Tensor:
     """``s.kv`` with its keys moved to positions ``start..`` of a forward of length ``seq_len``
     (from position 0 where ``s.at_zero``: the rotation is then RoPE itself, at ``seq_len``'s
     frequencies)."""
@@ -122,14 +131,14 @@ def _rotated(s: KvSlice, start: int, spec: RopeSpec, seq_len: int) -> torch.Tens
     if s.at_zero:
         old = torch.zeros(s.tokens, dtype=torch.long)
     new = torch.arange(start, start + s.tokens)
-    keys = rerotate_keys(s.kv[:, 0], old, new, spec, old_seq_len=s.old_seq_len, new_seq_len=seq_len)
+    keys = spec.rotate_layers(s.kv[:, 0], old, new, old_seq_len=s.old_seq_len, new_seq_len=seq_len)
     return torch.stack([keys.to(s.kv.dtype), s.kv[:, 1]], dim=1)
 
 
 # ---------------------------------------------------------------------------- cartridges
 
 
-def check_rope(rope: RopeSpec) -> None:
+def check_rope(rope: ModelRope) -> None:
     """Refuse RoPE variants whose rotation depends on the forward's length (cartridges are
     stored at canonical positions, which have no forward length)."""
     if rope.seq_len_dependent:
@@ -140,7 +149,7 @@ def check_rope(rope: RopeSpec) -> None:
 
 
 def assemble_cartridges(
-    prefix: torch.Tensor, cartridges: Sequence[torch.Tensor], rope: RopeSpec
+    prefix: torch.Tensor, cartridges: Sequence[torch.Tensor], rope: ModelRope
 ) -> torch.Tensor:
     """``C_p ⊕ Rot(Z_1) ⊕ Rot(Z_2) ⊕ ...`` at contiguous positions after the prefix.
 

@@ -43,11 +43,15 @@ import torch
 from transformers import DynamicCache
 
 from coinrag.inference.encode import causal_lm, decoder
-from coinrag.inference.masks import check_attention, key_position_mask
-from coinrag.inference.rope import reset_rotary
+from coinrag.inference.masks import check_attention, check_no_sliding, key_position_mask
+from coinrag.inference.rope import LayerRopes, model_rope, reset_rotary
 
 DEFAULT_RATIO = 0.15  # LMCache's default recompute ratio
 DEFAULT_CHECK_LAYER = 1  # LMCache's check layer
+
+
+# Verified architectures (inference.rope) whose modules CacheBlend's layer loop cannot call.
+_OTHER_DECODER_LAYOUT = {"gpt_neox": "its decoder is embed_in, layers, final_layer_norm, embed_out"}
 
 
 class UnsupportedBlend(ValueError):
@@ -192,8 +196,20 @@ def check_blendable(config: Any, ratio: float, check_layer: int) -> None:
         )
     try:
         check_attention(config)
+        check_no_sliding(config)
+        rope = model_rope(config)
     except ValueError as exc:
         raise UnsupportedBlend(str(exc)) from exc
+    if config.model_type in _OTHER_DECODER_LAYOUT:
+        raise UnsupportedBlend(
+            f"{config.model_type!r}: {_OTHER_DECODER_LAYOUT[config.model_type]}; CacheBlend "
+            "calls embed_tokens, layers, norm and lm_head"
+        )
+    if isinstance(rope, LayerRopes):
+        raise UnsupportedBlend(
+            f"{config.model_type!r} has per-layer RoPE ({rope.rope_type}): CacheBlend calls "
+            "the decoder layers with one rotary embedding"
+        )
 
 
 @torch.inference_mode()

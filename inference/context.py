@@ -37,7 +37,7 @@ from coinrag.inference.assemble import KvSlice, assemble_context, place_slices
 from coinrag.inference.encode import cache_to_kv, causal_lm, compute_prefix_kv, forward_after_prefix
 from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.retrieve import Evidence
-from coinrag.inference.rope import ForwardFrequencies, RopeSpec
+from coinrag.inference.rope import ForwardFrequencies, model_rope
 from coinrag.schemas.tables import ChunkRow
 from coinrag.storage.kv import KvLayout, KvStore
 from coinrag.storage.store import Store
@@ -83,7 +83,7 @@ class ContextBuilder(ABC):
         self.store = store
         self.model = model
         self.prompt = prompt
-        self.spec = RopeSpec.from_config(causal_lm(model).config)
+        self.spec = model_rope(causal_lm(model).config)
         self.chunk_token_ids = ChunkTokens(store)
 
     @property

@@ -28,6 +28,18 @@ when it is the first chunk after the prefix in a standard RAG prompt. ``C_p`` is
 - ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
   the cache it is given).
 
+Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``; ``inference.
+layers``): every forward here runs on a cache that keeps every position of every layer
+(:func:`full_cache`), so the stored block holds the chunk's **whole** KV in every layer, while
+the model still applies its own masks, sliding ones included (the window is the mask's, not
+the cache's). So a sliding layer's K/V of chunk token ``t`` are what one forward over ``prefix +
+chunk`` gives it: computed from the positions ``|p| + t - W + 1 .. |p| + t`` of that forward
+(through the layer's input, from a window of earlier layers too). For a chunk longer than the
+window ``W`` its first tokens are out of its last tokens' window in that layer, and once the
+chunk is assembled, a sliding layer of the query sees only the last ``W - 1`` positions of the
+context (``inference/assemble.py``). transformers' own sliding cache would keep only the last
+``W - 1`` positions, which is why the model's default cache is never used to encode.
+
 Cartridges (``training/cartridges.py``) use :func:`prefix_kv` and :func:`document_kv`: the same
 prefix KV as a tensor autograd may use, and a document encoded right after the prefix in one
 forward.
@@ -43,7 +55,7 @@ from typing import Any
 import torch
 
 from coinrag.inference.prompt import RagPrompt
-from coinrag.inference.rope import ForwardFrequencies, RopeSpec, rerotate_keys, reset_rotary
+from coinrag.inference.rope import ForwardFrequencies, ModelRope, model_rope, reset_rotary
 from coinrag.schemas.tables import ChunkRow
 from coinrag.storage.kv import KvLayout
 
@@ -101,21 +113,36 @@ def from_cache(cache: Any, batch_index: int = 0) -> torch.Tensor:
     return cache_to_kv(cache)[batch_index]
 
 
-def to_dynamic_cache(kv: torch.Tensor, config: Any) -> Any:
-    """A batch-1 ``DynamicCache`` holding ``kv`` ``(layers, 2, kv_heads, T, head_dim)``."""
+def full_cache() -> Any:
+    """An empty ``DynamicCache`` whose layers keep every position (none is a sliding-window
+    layer, whatever the model): what the encoding forwards run on, so the cache holds the
+    whole KV of every layer. The model's sliding masks still apply (they come from its
+    config, not from the cache)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=config)
+    return DynamicCache()
+
+
+def to_dynamic_cache(kv: torch.Tensor, config: Any | None) -> Any:
+    """A batch-1 ``DynamicCache`` holding ``kv`` ``(layers, 2, kv_heads, T, head_dim)``.
+
+    With the model's ``config`` it is the cache the model builds for itself: a sliding layer
+    keeps the last ``W - 1`` positions (``DynamicSlidingWindowLayer``), so a query prefilled
+    after it attends to what one forward over the whole context would show it. With
+    ``config=None`` every layer keeps every position (:func:`full_cache`; for forwards that
+    pass their own per-layer masks, KVLink)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for layer in range(kv.shape[0]):
         cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
     return cache
 
 
 def prefix_cache(model: Any, prefix_kv: torch.Tensor, batch: int) -> Any:
-    """A fresh ``DynamicCache`` holding ``C_p`` (``(layers, 2, H, P, D)``) for ``batch`` rows."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+    """A fresh cache holding ``C_p`` (``(layers, 2, H, P, D)``) for ``batch`` rows, every
+    position of every layer kept (:func:`full_cache`)."""
+    cache = full_cache()
     for i in range(prefix_kv.shape[0]):
         k = prefix_kv[i, 0].unsqueeze(0).expand(batch, -1, -1, -1)
         v = prefix_kv[i, 1].unsqueeze(0).expand(batch, -1, -1, -1)
@@ -137,7 +164,7 @@ def compute_prefix_kv(
     ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)
     reset_rotary(model)
     with torch.inference_mode(not differentiable):
-        out = decoder(model)(input_ids=ids, use_cache=True)
+        out = decoder(model)(input_ids=ids, past_key_values=full_cache(), use_cache=True)
     return cache_to_kv(out.past_key_values)[0]
 
 
@@ -152,8 +179,9 @@ def document_kv(model: Any, prompt: RagPrompt, doc_ids: Sequence[int]) -> torch.
     forward over prefix and document: ``(layers, 2, kv_heads, len(doc_ids), head_dim)``."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt.prefix_ids) + list(doc_ids)], device=device)
+    reset_rotary(model)
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
+        out = decoder(model)(input_ids=ids, past_key_values=full_cache(), use_cache=True)
     return from_cache(out.past_key_values)[..., prompt.n_prefix :, :].clone()
 
 
@@ -266,7 +294,7 @@ def compute_group_kv(
     ``(layers, 2, kv_heads, n_tokens, head_dim)``, in the frame ``layout`` stores
     (:func:`stored_frame`; as the model cached it when no layout is given)."""
     batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
-    spec = RopeSpec.from_config(model.config) if layout and layout.keys_at_zero else None
+    spec = model_rope(model.config) if layout and layout.keys_at_zero else None
     p = prefix_kv.shape[3]
     out: list[tuple[ChunkRow, torch.Tensor]] = []
     for batch in batching.split(group):
@@ -277,7 +305,7 @@ def compute_group_kv(
     return out
 
 
-def keys_to_position_zero(kv: torch.Tensor, spec: RopeSpec, start: int) -> torch.Tensor:
+def keys_to_position_zero(kv: torch.Tensor, spec: ModelRope, start: int) -> torch.Tensor:
     """A chunk's KV as computed (keys after RoPE at ``start .. start + n - 1``, in a forward
     of length ``start + n``) -> float32, keys rotated back to position 0: the frame of a
     quantized store (``storage/kv/layout.py``; KVQuant: per-channel key quantization before
@@ -288,11 +316,10 @@ def keys_to_position_zero(kv: torch.Tensor, spec: RopeSpec, start: int) -> torch
     longrope depend on it)."""
     n = kv.shape[3]
     old = torch.arange(start, start + n)
-    keys = rerotate_keys(
+    keys = spec.rotate_layers(
         kv[:, 0].to(torch.float32),
         old,
         torch.zeros(n, dtype=torch.long),
-        spec,
         old_seq_len=start + n,
         new_seq_len=1,
     )

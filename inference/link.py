@@ -20,8 +20,10 @@ CoinRAG make too), re-rotated from positions ``|p|..`` to its global position, l
 for the links. The link tokens and the query (and, in training, the answer) are then prefilled
 in **one** forward, appended after the context in the cache with their global position ids and
 the mask "key position <= query position" (:func:`inference.masks.key_position_mask`); the
-cache is then not in position order, which attention does not care about. Decoding continues
-at position ``T`` (everything visible). The forward is differentiable in the link embeddings:
+cache is then put back in position order (cache index = position), so decoding continues at
+position ``T`` as after one forward. Sliding-window layers (Mistral, Gemma 2/3) get the same
+mask limited to their window (``inference.masks.layer_masks``: one mask per layer type) over a
+cache that keeps every position. The forward is differentiable in the link embeddings:
 training (``training/kvlink.py``) runs the same function with ``tail = query + answer``.
 
 Oracles (``tests/test_kvlink_oracle.py``): with documents encoded *alone* (positions ``0..n``)
@@ -49,8 +51,8 @@ import torch
 
 from coinrag.inference.assemble import KvSlice, place_slices
 from coinrag.inference.encode import causal_lm, to_dynamic_cache
-from coinrag.inference.masks import check_attention, key_position_mask
-from coinrag.inference.rope import RopeSpec, reset_rotary
+from coinrag.inference.masks import check_attention, layer_masks
+from coinrag.inference.rope import ModelRope, reset_rotary
 from coinrag.schemas.keys import fingerprint, sha256_hex
 
 DEFAULT_N_LINK = 5  # KVLink's reencode_num
@@ -173,7 +175,7 @@ def link_forward(
     prefix_kv: torch.Tensor,
     documents: Sequence[KvSlice],
     tail_ids: Sequence[int],
-    spec: RopeSpec,
+    spec: ModelRope,
     *,
     logits_to_keep: int = 1,
 ) -> LinkForward:
@@ -206,12 +208,17 @@ def link_forward(
     out = lm(
         inputs_embeds=x,
         position_ids=positions[None],
-        past_key_values=to_dynamic_cache(context, lm.config),
-        attention_mask=key_position_mask(key_positions, positions, x.dtype),
+        past_key_values=to_dynamic_cache(context, None),  # every position of every layer
+        attention_mask=layer_masks(lm.config, key_positions, positions, x.dtype),
         use_cache=True,
         logits_to_keep=logits_to_keep,
     )
-    return LinkForward(out.logits[0].float(), out.past_key_values, layout.total, layout)
+    cache = out.past_key_values
+    order = torch.argsort(key_positions)  # links and tail back between the documents
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, order]
+        layer.values = layer.values[:, :, order]
+    return LinkForward(out.logits[0].float(), cache, layout.total, layout)
 
 
 # ---------------------------------------------------------------------------- the adapter

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from coinrag.inference.layers import AttentionLayers
+
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # those that take an additive 4D mask as given
 
 
@@ -34,22 +36,55 @@ def key_position_mask(
     return mask[None, None]
 
 
+def window_mask(
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    dtype: torch.dtype,
+    window: int | None,
+) -> torch.Tensor:
+    """:func:`key_position_mask`, and for a sliding layer (``window`` ``W``) only the keys at
+    positions ``> q - W`` (transformers' ``sliding_window_overlay`` by position). E.g. keys
+    at ``[0, 1, 5]``, a query at 5, ``W = 5``: ``[[min, 0, 0]]``."""
+    mask = key_position_mask(key_positions, query_positions, dtype)
+    if window is None:
+        return mask
+    near = key_positions.view(1, -1).to(query_positions.device) > (
+        query_positions.view(-1, 1) - window
+    )
+    return mask.masked_fill(~near[None, None], torch.finfo(dtype).min)
+
+
+def layer_masks(
+    config: object, key_positions: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` argument of a forward over a cache in any order: one
+    :func:`window_mask` when every layer has the same attention (full, or one window: Llama,
+    Mistral, Phi-3), else one per layer type, keyed as the model keys its own masks
+    (``{"full_attention": ..., "sliding_attention": ...}``: Gemma 2/3, Qwen2 with sliding
+    layers, whose forwards take such a dict as given)."""
+    layers = AttentionLayers.from_config(config)
+    if layers.uniform:
+        return window_mask(key_positions, query_positions, dtype, layers.windows[0])
+    return {
+        t: window_mask(key_positions, query_positions, dtype, layers.window_of(t))
+        for t in dict.fromkeys(layers.types)
+    }
+
+
 def check_attention(config: object) -> None:
-    """Refuse attention implementations that cannot take an additive 4D mask (flash, flex) and
-    sliding-window layers (a 4D mask would silently bypass the window)."""
+    """Refuse attention implementations that cannot take an additive 4D mask (flash, flex)."""
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
     if impl not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"attention implementation {impl!r} cannot take a 4D mask; load the model with "
             f"attn_implementation one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
         )
-    layer_types = getattr(config, "layer_types", None)
-    sliding = (
-        any(t != "full_attention" for t in layer_types)
-        if layer_types
-        else getattr(config, "sliding_window", None) is not None
-    )
-    if sliding:
+
+
+def check_no_sliding(config: object) -> None:
+    """Refuse sliding-window layers (for a forward that passes one 4D mask to every layer
+    itself: it would silently bypass the window)."""
+    if AttentionLayers.from_config(config).sliding:
         raise ValueError(
             "the model has sliding-window attention layers: a per-position 4D mask would bypass "
             "the window"

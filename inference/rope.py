@@ -1,4 +1,5 @@
-"""Re-rotation of cached RoPE keys to new positions (Qwen2 / Qwen3 / Llama / Mistral / Phi-3).
+"""Re-rotation of cached RoPE keys to new positions (Llama, Mistral, Qwen2/3, Phi-3, OLMo 2,
+GPT-NeoX, Gemma 2/3: the architectures of ``_ARCHITECTURES``).
 
 transformers caches keys *after* RoPE. A key encoded at position ``p`` is
 ``s * R(a(p)) k_raw`` where ``R`` rotates each dimension pair ``(i, i + rotary_dim/2)``
@@ -21,6 +22,14 @@ position up to float32 rounding of the products (~1e-7 relative), also far from 
 A pure ``delta * inv_freq`` rotation (``shift_keys`` without ``old_start``) is mathematically
 the same but misses the model's own float32 rounding of ``p * inv_freq``: it differs from a
 fresh prefill by up to ``~|p| * 2**-24`` rad per pair (about 1e-4 rad at p = 3000).
+
+Per-layer RoPE (:class:`LayerRopes`, :func:`model_rope`): Gemma 3 rotates its sliding layers
+with the local base (``rope_parameters["sliding_attention"]``, from ``rope_local_base_freq``)
+and its full layers with the global base and scaling (``rope_parameters["full_attention"]``);
+which layer is which is ``config.layer_types`` (``inference.layers.AttentionLayers``). Each
+layer's keys are re-rotated with that layer's :class:`RopeSpec`, taken from the model's own
+rotary module for that layer type. Code that places KV of every layer takes a
+:data:`ModelRope`: a :class:`RopeSpec` (one RoPE for every layer) or a :class:`LayerRopes`.
 """
 
 from __future__ import annotations
@@ -36,9 +45,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 __all__ = [
     "ForwardFrequencies",
+    "LayerRopes",
+    "ModelRope",
     "RopeSpec",
     "UnsafeRerotation",
     "UnsupportedRope",
+    "model_rope",
     "rerotate_keys",
     "reset_rotary",
     "shift_keys",
@@ -54,21 +66,55 @@ class UnsafeRerotation(ValueError):
     sequence lengths the frequencies depend on)."""
 
 
+@dataclass(frozen=True)
+class _Arch:
+    module: str  # transformers.models.<module>.modeling_<module>
+    rotary: str  # its rotary-embedding class
+    partial: bool = False  # applies RoPE to the first rotary_dim dims only (partial_rotary_factor)
+    per_layer_type: bool = False  # one rope parameter set per layer type (rope_parameters[type])
+
+
 # Architectures whose attention applies RoPE with transformers' `rotate_half` convention on the
-# first `rotary_dim` dims of every key head, every layer, with one global rope config. Checked
-# against the transformers 5.23 modeling files. Value: (module, rotary class, applies partial
-# rotation). Architectures with interleaved rotation (GPT-J style), NoPE layers (SmolLM3),
-# per-layer rope configs (Gemma 2/3, ...) or multimodal M-RoPE (Qwen2-VL, ...) are not listed.
-_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
-    "llama": ("llama", "LlamaRotaryEmbedding", False),
-    "mistral": ("mistral", "MistralRotaryEmbedding", False),
-    "mixtral": ("mixtral", "MixtralRotaryEmbedding", False),
-    "qwen2": ("qwen2", "Qwen2RotaryEmbedding", False),
-    "qwen2_moe": ("qwen2_moe", "Qwen2MoeRotaryEmbedding", False),
-    "qwen3": ("qwen3", "Qwen3RotaryEmbedding", False),
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeRotaryEmbedding", False),
-    "phi3": ("phi3", "Phi3RotaryEmbedding", True),
+# first `rotary_dim` dims of every key head, every layer, checked against the transformers 5.23
+# modeling files (keys cached after q/k norms and RoPE; Gemma 2's soft-capping and Gemma 3's
+# QK-norm act before the cache or on the scores, never on a cached key's position).
+# Architectures with interleaved rotation (GPT-J style), NoPE layers (SmolLM3, Llama 4,
+# Cohere 2) or multimodal M-RoPE (Qwen2-VL, ...) are not listed: `UNSUPPORTED_FEATURES` names
+# why.
+_ARCHITECTURES: dict[str, _Arch] = {
+    "llama": _Arch("llama", "LlamaRotaryEmbedding"),
+    "mistral": _Arch("mistral", "MistralRotaryEmbedding"),
+    "mixtral": _Arch("mixtral", "MixtralRotaryEmbedding"),
+    "qwen2": _Arch("qwen2", "Qwen2RotaryEmbedding"),
+    "qwen2_moe": _Arch("qwen2_moe", "Qwen2MoeRotaryEmbedding"),
+    "qwen3": _Arch("qwen3", "Qwen3RotaryEmbedding"),
+    "qwen3_moe": _Arch("qwen3_moe", "Qwen3MoeRotaryEmbedding"),
+    "phi3": _Arch("phi3", "Phi3RotaryEmbedding", partial=True),
+    "olmo2": _Arch("olmo2", "Olmo2RotaryEmbedding"),
+    "gpt_neox": _Arch("gpt_neox", "GPTNeoXRotaryEmbedding", partial=True),
+    "gemma2": _Arch("gemma2", "Gemma2RotaryEmbedding"),
+    "gemma3_text": _Arch("gemma3", "Gemma3RotaryEmbedding", per_layer_type=True),
 }
+VERIFIED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
+
+# What keeps a known architecture out (the preflight names it).
+UNSUPPORTED_FEATURES: dict[str, str] = {
+    "gptj": "interleaved (GPT-J style) RoPE",
+    "codegen": "interleaved (GPT-J style) RoPE",
+    "gpt_neo": "no RoPE (learned positions)",
+    "gpt2": "no RoPE (learned positions)",
+    "smollm3": "NoPE layers",
+    "llama4": "NoPE and chunked-attention layers",
+    "llama4_text": "NoPE and chunked-attention layers",
+    "cohere2": "NoPE full-attention layers",
+    "qwen2_vl": "multimodal M-RoPE",
+    "qwen2_vl_text": "multimodal M-RoPE",
+    "qwen2_5_vl": "multimodal M-RoPE",
+    "qwen2_5_vl_text": "multimodal M-RoPE",
+    "gemma3": "multimodal Gemma 3 (give the text model: model_type gemma3_text)",
+    "gemma3n": "per-layer KV sharing and AltUp",
+}
+
 
 # Rope types whose frequencies do not depend on the sequence length.
 _STATIC_TYPES = frozenset({"default", "linear", "yarn", "llama3"})
@@ -104,6 +150,8 @@ class RopeSpec:
             (yarn, llama3, longrope; the longrope short/long threshold), else None.
         long_inv_freq: longrope only: float32 ``(rotary_dim // 2,)`` frequencies used for a
             forward longer than ``original_max_position_embeddings``; None otherwise.
+        layer_type: for per-layer RoPE (Gemma 3), the layer type this RoPE is for
+            (``sliding_attention`` / ``full_attention``); None when every layer has it.
     """
 
     model_type: str
@@ -115,33 +163,54 @@ class RopeSpec:
     max_position_embeddings: int
     original_max_position_embeddings: int | None = None
     long_inv_freq: torch.Tensor | None = None
+    layer_type: str | None = None
     _config: Any = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_config(cls, config: Any) -> RopeSpec:
-        """Read the RoPE variant of ``config`` (a transformers ``PretrainedConfig``).
+    def from_config(cls, config: Any, layer_type: str | None = None) -> RopeSpec:
+        """Read the RoPE variant of ``config`` (a transformers ``PretrainedConfig``): the one of
+        every layer, or, for an architecture with one rope parameter set per layer type
+        (Gemma 3), the one of the layers of ``layer_type`` (:func:`model_rope` gives each
+        layer its own).
 
         Raises:
             UnsupportedRope: the architecture is not one whose RoPE convention was verified,
                 the rope type is not supported (named in the message), the config is
-                multimodal (M-RoPE) or has per-layer rope parameters.
+                multimodal (M-RoPE), or has per-layer rope parameters and no ``layer_type``
+                (or an architecture that does not read them per layer).
         """
+        config = config.get_text_config(decoder=True)
         model_type = getattr(config, "model_type", None) or type(config).__name__
-        if model_type not in _ARCHITECTURES:
+        arch = _ARCHITECTURES.get(model_type)
+        if arch is None:
+            feature = UNSUPPORTED_FEATURES.get(model_type, "architecture not verified")
             raise UnsupportedRope(
-                f"architecture {model_type!r} is not supported for key re-rotation (verified: "
-                f"{', '.join(sorted(_ARCHITECTURES))}); multimodal / M-RoPE, interleaved-RoPE and "
-                "NoPE-layer architectures are refused"
+                f"architecture {model_type!r} is not supported for key re-rotation ({feature}; "
+                f"verified: {', '.join(VERIFIED_ARCHITECTURES)}); multimodal / M-RoPE, "
+                "interleaved-RoPE and NoPE-layer architectures are refused"
             )
         params = getattr(config, "rope_parameters", None)
         if not params:
             raise UnsupportedRope(f"{model_type!r} config has no rope_parameters")
-        if "rope_type" not in params and "type" not in params:
+        per_layer = "rope_type" not in params and "type" not in params
+        if per_layer and not arch.per_layer_type:
             raise UnsupportedRope(
                 f"{model_type!r} rope_parameters look per-layer (keys {sorted(params)}); "
-                "per-layer RoPE is not supported"
+                "per-layer RoPE is not supported for this architecture"
             )
+        if per_layer and layer_type is None:
+            raise UnsupportedRope(
+                f"{model_type!r} has per-layer RoPE (rope_parameters per layer type "
+                f"{sorted(params)}): read it with model_rope(config), each layer its own"
+            )
+        if arch.per_layer_type:
+            layer_type = layer_type or "full_attention"
+            if not isinstance(params.get(layer_type), dict):
+                raise UnsupportedRope(
+                    f"{model_type!r} has no rope_parameters for layer type {layer_type!r}"
+                )
+            params = params[layer_type]
         rope_type = params.get("rope_type", params.get("type", "default"))
         if "mrope_section" in params or "mrope" in str(rope_type):
             raise UnsupportedRope(f"rope type 'mrope' (multimodal RoPE, {rope_type!r}) is refused")
@@ -150,26 +219,33 @@ class RopeSpec:
                 f"rope type {rope_type!r} is not supported for key re-rotation "
                 f"(supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})"
             )
+        if arch.per_layer_type and rope_type in _SEQ_LEN_TYPES:
+            raise UnsupportedRope(
+                f"{model_type!r} layer type {layer_type!r}: rope type {rope_type!r} depends on "
+                "the sequence length, which is not supported with per-layer RoPE"
+            )
 
         config = copy.deepcopy(config)  # transformers' init functions standardize in place
-        module_name, class_name, partial_ok = _ARCHITECTURES[model_type]
         modeling = importlib.import_module(
-            f"transformers.models.{module_name}.modeling_{module_name}"
+            f"transformers.models.{arch.module}.modeling_{arch.module}"
         )
-        rotary = getattr(modeling, class_name)(config)
-        inv_freq = rotary.inv_freq.detach().to(device="cpu", dtype=torch.float32).clone()
-        attention_scaling = float(rotary.attention_scaling)
-        params = config.rope_parameters
+        rotary = getattr(modeling, arch.rotary)(config)
+        prefix = f"{layer_type}_" if arch.per_layer_type else ""
+        inv_freq = getattr(rotary, f"{prefix}inv_freq").detach()
+        inv_freq = inv_freq.to(device="cpu", dtype=torch.float32).clone()
+        attention_scaling = float(getattr(rotary, f"{prefix}attention_scaling"))
+        if not arch.per_layer_type:
+            params = config.rope_parameters
 
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         rotary_dim = 2 * inv_freq.numel()
-        if rotary_dim > head_dim or (rotary_dim != head_dim and not partial_ok):
+        if rotary_dim > head_dim or (rotary_dim != head_dim and not arch.partial):
             raise UnsupportedRope(
                 f"{model_type!r} with rope type {rope_type!r}: rotary dim {rotary_dim} does not "
                 f"fit head dim {head_dim} the way this architecture applies RoPE "
-                "(partial_rotary_factor is only applied by Phi-3 here)"
+                "(partial_rotary_factor is only applied by Phi-3 and GPT-NeoX here)"
             )
 
         long_inv_freq = None
@@ -192,8 +268,36 @@ class RopeSpec:
             max_position_embeddings=int(config.max_position_embeddings),
             original_max_position_embeddings=None if original is None else int(original),
             long_inv_freq=long_inv_freq,
+            layer_type=layer_type if arch.per_layer_type else None,
             _config=config if rope_type == "dynamic" else None,
         )
+
+    def rotate_layers(
+        self,
+        keys: torch.Tensor,
+        old_positions: torch.Tensor | Sequence[int],
+        new_positions: torch.Tensor | Sequence[int],
+        *,
+        old_seq_len: int | None = None,
+        new_seq_len: int | None = None,
+    ) -> torch.Tensor:
+        """:func:`rerotate_keys` of ``keys`` ``(layers, ..., kv_heads, tokens, head_dim)``: one
+        RoPE for every layer (the :data:`ModelRope` interface)."""
+        return rerotate_keys(
+            keys,
+            old_positions,
+            new_positions,
+            self,
+            old_seq_len=old_seq_len,
+            new_seq_len=new_seq_len,
+        )
+
+    def same_frequencies(self, seq_len_a: int, seq_len_b: int) -> bool:
+        """Forwards of these lengths use the same frequencies (always, unless dynamic or
+        longrope)."""
+        if not self.seq_len_dependent:
+            return True
+        return torch.equal(self.inv_freq_for(seq_len_a), self.inv_freq_for(seq_len_b))
 
     @property
     def seq_len_dependent(self) -> bool:
@@ -235,6 +339,96 @@ class RopeSpec:
             cached = inv.detach().to(device="cpu", dtype=torch.float32).clone()
             self._cache[key] = cached
         return cached
+
+
+class LayerRopes:
+    """Each decoder layer's RoPE (per-layer RoPE: Gemma 3's local and global bases).
+
+    ``specs[i]`` is layer ``i``'s :class:`RopeSpec` (one object per layer type). Keys of every
+    layer, ``(layers, ..., kv_heads, tokens, head_dim)``, are re-rotated layer by layer group
+    with their own spec (:meth:`rotate_layers`), exactly as :func:`rerotate_keys` rotates one
+    layer. Build it with :func:`model_rope`. Only position-independent rope types (default,
+    linear, yarn, llama3) are accepted per layer.
+    """
+
+    def __init__(self, specs: Sequence[RopeSpec]) -> None:
+        self.specs = tuple(specs)
+        self.model_type = self.specs[0].model_type
+        self.head_dim = self.specs[0].head_dim
+        groups: dict[int, list[int]] = {}
+        for i, spec in enumerate(self.specs):
+            groups.setdefault(id(spec), []).append(i)
+        self._groups = [(self.specs[idx[0]], idx) for idx in groups.values()]
+
+    @property
+    def rope_type(self) -> str:
+        """The rope types of the layer types, e.g. ``full_attention: linear, sliding_attention:
+        default`` (for messages)."""
+        named = {s.layer_type: s.rope_type for s, _ in self._groups}
+        return ", ".join(f"{t}: {r}" for t, r in sorted(named.items(), key=lambda x: str(x[0])))
+
+    @property
+    def seq_len_dependent(self) -> bool:
+        return any(s.seq_len_dependent for s, _ in self._groups)
+
+    def same_frequencies(self, seq_len_a: int, seq_len_b: int) -> bool:
+        return all(s.same_frequencies(seq_len_a, seq_len_b) for s, _ in self._groups)
+
+    def rotate_layers(
+        self,
+        keys: torch.Tensor,
+        old_positions: torch.Tensor | Sequence[int],
+        new_positions: torch.Tensor | Sequence[int],
+        *,
+        old_seq_len: int | None = None,
+        new_seq_len: int | None = None,
+    ) -> torch.Tensor:
+        """Keys ``(layers, ..., kv_heads, tokens, head_dim)`` (dim 0: the model's layers) moved
+        from ``old_positions`` to ``new_positions``, each layer with its own RoPE; same shape
+        and dtype. Differentiable (one rotation per layer type, then re-interleaved)."""
+        if keys.shape[0] != len(self.specs):
+            raise ValueError(
+                f"keys have {keys.shape[0]} layers on dim 0, the model {len(self.specs)}"
+            )
+        parts: list[torch.Tensor | None] = [None] * len(self.specs)
+        for spec, layers in self._groups:
+            index = torch.tensor(layers, device=keys.device)
+            moved = rerotate_keys(
+                keys.index_select(0, index),
+                old_positions,
+                new_positions,
+                spec,
+                old_seq_len=old_seq_len,
+                new_seq_len=new_seq_len,
+            )
+            for j, layer in enumerate(layers):
+                parts[layer] = moved[j]
+        return torch.stack([p for p in parts if p is not None])
+
+
+ModelRope = RopeSpec | LayerRopes
+"""What places the KV of every layer: one :class:`RopeSpec` for all layers, or a
+:class:`LayerRopes`. Both have ``rotate_layers``, ``same_frequencies``, ``seq_len_dependent``,
+``rope_type`` and ``head_dim``."""
+
+
+def model_rope(config: Any) -> ModelRope:
+    """The RoPE of every layer of ``config``'s model: its :class:`RopeSpec` when all layers
+    share one rope parameter set (every verified architecture but Gemma 3), else a
+    :class:`LayerRopes` giving layer ``i`` the spec of ``config.layer_types[i]``.
+
+    Raises:
+        UnsupportedRope: as :meth:`RopeSpec.from_config`, for any layer type's RoPE.
+    """
+    text = config.get_text_config(decoder=True)
+    arch = _ARCHITECTURES.get(getattr(text, "model_type", ""))
+    if arch is None or not arch.per_layer_type:
+        return RopeSpec.from_config(text)
+    from coinrag.inference.layers import AttentionLayers
+
+    types = AttentionLayers.from_config(text).types
+    by_type = {t: RopeSpec.from_config(text, layer_type=t) for t in dict.fromkeys(types)}
+    return LayerRopes([by_type[t] for t in types])
 
 
 def _rope_parameter_sets(config: Any) -> list[dict[str, Any]]:

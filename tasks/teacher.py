@@ -22,7 +22,9 @@ import pyarrow.compute as pc
 import torch
 
 from coinrag.inference.constrained import left_pad
+from coinrag.inference.encode import full_cache
 from coinrag.inference.generate import _eos_ids
+from coinrag.inference.layers import AttentionLayers
 from coinrag.inference.prompt import RagPrompt
 from coinrag.schemas.keys import CODE_VERSION, fingerprint, sha256_hex
 from coinrag.schemas.settings import TeacherSettings
@@ -75,24 +77,28 @@ def teacher_answers(
     batches: query ids left-padded to ``(B, Q)`` *after* the context, padding masked out, real
     tokens at positions ``T..T+len-1``, so every row computes what a lone forward of
     ``prefix + doc + query`` computes. ``on_batch(n)`` after each batch of ``n`` questions.
+    The caches keep every position of every layer (``inference.encode.full_cache``); a model
+    with sliding-window layers answers one question at a time (no padding: its windows count
+    cache slots, which padding would shift).
     """
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     ctx = list(prompt.prefix_ids) + list(doc_ids)
     t = len(ctx)
-    out0 = model(input_ids=torch.tensor([ctx], device=device), use_cache=True)
+    out0 = model(
+        input_ids=torch.tensor([ctx], device=device), past_key_values=full_cache(), use_cache=True
+    )
     layers = [(lay.keys, lay.values) for lay in out0.past_key_values.layers]
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     results: list[TeacherOutput] = []
-    for s in range(0, len(questions), cfg.batch_size):
-        qs = [prompt.query_ids(q) for q in questions[s : s + cfg.batch_size]]
+    batch_size = 1 if AttentionLayers.from_config(model.config).sliding else cfg.batch_size
+    for s in range(0, len(questions), batch_size):
+        qs = [prompt.query_ids(q) for q in questions[s : s + batch_size]]
         b = len(qs)
         ids, qmask = left_pad(qs, pad)  # (B, Q): the padding sits between context and query
         mask = torch.cat([torch.ones((b, t), dtype=torch.long), qmask], dim=1)  # (B, T + Q)
         pos = t + (qmask.cumsum(-1) - 1).clamp(min=0)  # real tokens at T..T+len-1
-        cache = DynamicCache(config=model.config)
+        cache = full_cache()
         for i, (k, v) in enumerate(layers):
             cache.update(
                 k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous(), i

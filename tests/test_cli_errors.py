@@ -183,7 +183,7 @@ def test_a_failure_inside_the_flow_shows_no_traceback(tmp_path: Path, corpus: Pa
     is one ``error:`` line."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text('{"model_type": "nonsense"}')
+    (model / "config.json").write_text('{"model_type": "llama"}')  # passes the preflight
     result = coinrag("build", str(corpus), "--store", str(tmp_path / "s"), "--model", str(model))
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr + result.stdout

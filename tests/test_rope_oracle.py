@@ -32,10 +32,13 @@ import torch
 from store_fixtures import TINY_DIMS
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPTJConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -46,9 +49,11 @@ from transformers import (
 )
 
 from coinrag.inference.rope import (
+    LayerRopes,
     RopeSpec,
     UnsafeRerotation,
     UnsupportedRope,
+    model_rope,
     rerotate_keys,
     shift_keys,
 )
@@ -154,6 +159,15 @@ def _qwen3_moe() -> Qwen3MoeConfig:
     )
 
 
+def _olmo2() -> Olmo2Config:
+    return Olmo2Config(**_BASE, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+
+
+def _gemma2() -> Gemma2Config:
+    # layer 0 slides (window 4096 here: the oracle's forwards are shorter)
+    return Gemma2Config(**_BASE, head_dim=16, query_pre_attn_scalar=16)
+
+
 CONFIGS: dict[str, Callable] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -166,6 +180,8 @@ CONFIGS: dict[str, Callable] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
+    "olmo2": _olmo2,
+    "gemma2": _gemma2,
 }
 
 _MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
@@ -232,6 +248,35 @@ def test_rerotated_keys_match_model(name: str, dtype: torch.dtype) -> None:
         assert got.dtype == dtype and got.shape == ref.shape
         err = _rel_err(got, ref)
         assert err <= tol, f"{name} {dtype} {a0}->{b0}: rel err {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("first", ["sliding_attention", "full_attention"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemma3_each_layer_type_rotates_with_its_own_rope(first: str, dtype) -> None:
+    """Gemma 3's dual RoPE: layer 0 is a sliding layer (local base 1e4) or a full one (global
+    base 1e6, linear scaling 8); its keys re-rotated with ``model_rope``'s spec for layer 0
+    equal the model's, and the other type's spec would not do."""
+    other = "full_attention" if first == "sliding_attention" else "sliding_attention"
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    }
+    config = Gemma3TextConfig(
+        **_BASE, head_dim=16, layer_types=[first, other], rope_parameters=rope
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    _MODELS[(f"gemma3-{first}", dtype)] = model  # kept alive: _ENCODED is keyed by id(model)
+    layers = model_rope(config)
+    assert isinstance(layers, LayerRopes) and layers.specs[0].layer_type == first
+    with pytest.raises(UnsupportedRope, match="per-layer"):
+        RopeSpec.from_config(config)
+    tol = FP32_RTOL if dtype == torch.float32 else BF16_RTOL
+    for a0, b0 in MOVES:
+        got, ref, *_ = _oracle(model, layers.specs[0], a0, b0)
+        assert _rel_err(got, ref) <= tol, (first, a0, b0, _rel_err(got, ref))
+        wrong, *_ = _oracle(model, layers.specs[1], a0, b0)
+        assert _rel_err(wrong, ref) > 1e-2
 
 
 def test_dynamic_needs_the_forward_lengths() -> None:

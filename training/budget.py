@@ -43,7 +43,7 @@ import torch
 
 from coinrag.inference.encode import prefix_kv
 from coinrag.inference.prompt import RagPrompt
-from coinrag.inference.rope import RopeSpec
+from coinrag.inference.rope import ModelRope
 from coinrag.schemas.settings import CartridgeTrainSettings
 from coinrag.schemas.tables import CartridgeManifestRow
 from coinrag.storage.cartridges import CartridgeMeta, CartridgeStore
@@ -308,7 +308,7 @@ class CartridgeTrainer:
         self,
         model: Any,
         prompt: RagPrompt,
-        rope: RopeSpec,
+        rope: ModelRope,
         cstore: CartridgeStore,
         docs: dict[str, PoolDoc],
         examples: Sequence[Example],

@@ -63,7 +63,7 @@ import torch
 from coinrag.inference.assemble import KvSlice, assemble_cartridges, assemble_context, check_rope
 from coinrag.inference.encode import document_kv, to_dynamic_cache
 from coinrag.inference.prompt import RagPrompt
-from coinrag.inference.rope import RopeSpec
+from coinrag.inference.rope import ModelRope
 from coinrag.schemas.keys import fingerprint
 from coinrag.schemas.settings import CartridgeSettings, CartridgeTrainSettings, check_visibility
 from coinrag.storage.cartridges import CartridgeMeta
@@ -145,7 +145,7 @@ def cartridge_fingerprint(
 # ---------------------------------------------------------------------------- KV helpers
 
 
-def to_canonical(kv: torch.Tensor, start: int, rope: RopeSpec) -> torch.Tensor:
+def to_canonical(kv: torch.Tensor, start: int, rope: ModelRope) -> torch.Tensor:
     """Move a block's keys from positions ``start..start+n-1`` to ``0..n-1`` (values as is)."""
     n = int(kv.shape[-2])
     # An empty prefix: the slice lands at 0..n-1.
@@ -167,7 +167,7 @@ def random_text_ids(tokenizer: Any, n: int, generator: torch.Generator) -> list[
 def init_cartridge(
     model: Any,
     prompt: RagPrompt,
-    rope: RopeSpec,
+    rope: ModelRope,
     doc_ids: Sequence[int],
     p: int,
     init: str = "first_tokens",
@@ -288,7 +288,7 @@ class Example:
 def example_loss(
     model: Any,
     prefix: torch.Tensor,
-    rope: RopeSpec,
+    rope: ModelRope,
     visible: Sequence[torch.Tensor],
     example: Example,
 ) -> torch.Tensor:
@@ -343,7 +343,7 @@ class Visibility:
 def evaluate_kl(
     model: Any,
     prefix: torch.Tensor,
-    rope: RopeSpec,
+    rope: ModelRope,
     cartridges: dict[str, torch.Tensor],
     examples: Sequence[Example],
     order: Sequence[str] | None = None,

@@ -38,7 +38,7 @@ from coinrag.inference.generate import Generation, prefill_and_decode
 from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod, Retrieval
 from coinrag.inference.models import LoadedModel, default_dtype
 from coinrag.inference.prompt import RagPrompt, require_question
-from coinrag.inference.rope import RopeSpec
+from coinrag.inference.rope import model_rope
 from coinrag.schemas.tables import CartridgeManifestRow
 from coinrag.storage.cartridges import CartridgeStore, MissingCartridge, version_order
 from coinrag.storage.store import Store
@@ -79,7 +79,7 @@ class CartridgeRag:
     ) -> None:
         self.loaded = loaded
         self.prompt = prompt or RagPrompt.for_tokenizer(loaded.tokenizer)
-        self.rope = RopeSpec.from_config(loaded.model.config)
+        self.rope = model_rope(loaded.model.config)
         self.cstore = CartridgeStore.open(store, loaded.model_fp)
         latest = self.cstore.latest(cartridge_fp)
         if not latest:
