@@ -171,6 +171,7 @@ BUILD_SETTINGS = {
     "kv_codec": "none",
     "kv_keep": "chunks",
     "kv_batch_size": 4,
+    "retrieval": "hybrid",  # how queries rank (issue 21): never part of a build fingerprint
     "index": True,
     "prune": False,
     "embed_batch_size": 4096,
