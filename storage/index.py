@@ -440,14 +440,16 @@ class LanceIndex:
             return schema.empty_table().select(list(columns))
         return tbl.search().select(list(columns)).limit(None).to_arrow()
 
-    def rows_where(self, name: str, where: str, limit: int) -> list[dict[str, Any]]:
-        """At most ``limit`` rows of ``name`` (their :data:`HIT_COLUMNS`) matching ``where``
-        (``chunk_id IN (...)``), in no particular order."""
+    def rows_where(
+        self, name: str, where: str, limit: int, extra: Sequence[str] = ()
+    ) -> list[dict[str, Any]]:
+        """At most ``limit`` rows of ``name`` (their :data:`HIT_COLUMNS` and ``extra`` columns,
+        e.g. ``vector``) matching ``where`` (``chunk_id IN (...)``), in no particular order."""
         tbl = self.table(name)
         if tbl is None or limit <= 0:
             return []
-        rows = tbl.search().where(where).select(list(HIT_COLUMNS[name])).limit(limit)
-        return rows.to_arrow().to_pylist()
+        columns = [*HIT_COLUMNS[name], *extra]
+        return tbl.search().where(where).select(columns).limit(limit).to_arrow().to_pylist()
 
     def count(self, name: str) -> int:
         tbl = self.table(name)

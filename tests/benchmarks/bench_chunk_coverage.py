@@ -9,12 +9,14 @@ a gold document among the top ``kc``), the chunk scores:
 - ``first``: the chunk's vector (its text as the embedder truncates it: what the index holds);
 - ``nuggets``: the best cosine of the chunk's nuggets (they cover the chunk end to end; a chunk
   without nuggets keeps ``first``);
-- ``first+nuggets``: the larger of the two;
+- ``first+nuggets``: the larger of the two; ``avg``: their mean; ``rrf(first,nuggets)``: the
+  two rankings fused by reciprocal rank;
 - with ``--windows`` (costly: the embedder runs over every chunk again): ``mean`` / ``max`` of
   the chunk cut into windows of the embedder's length (``inference.embedders.text_windows``);
 - ``lexical``: BM25 over the whole chunk text (the index's full-text index);
 - ``hybrid-<dense>``: reciprocal rank fusion (``inference.retrieve.rrf_fuse``, depth
-  ``--depth``) of that dense score and lexical.
+  ``--depth``) of that dense score and lexical; ``hybrid-3way``: of ``first``, ``nuggets`` and
+  lexical (three rankings).
 
 Cosines are exact (numpy), as the chunk table's flat search; the nugget table's ANN index
 returns the exact top-10 (``bench_retrieval.py``). Runnable alone::
@@ -91,7 +93,7 @@ def main() -> None:
     nowner = np.array([row_of[c] for c in nuggets.column("chunk_id").to_pylist()], np.int64)
     n = len(ids)
     embedder = load_embedder(None)
-    variants = ["first", "nuggets", "first+nuggets"]
+    variants = ["first", "nuggets", "first+nuggets", "avg"]
     wvec = wowner = None
     if args.windows:
         wvec, wowner = window_vectors(embedder, chunks.column("text").to_pylist(), args.cache)
@@ -115,6 +117,7 @@ def main() -> None:
                 "first": chunk_cos,
                 "nuggets": np.where(best_nugget > -2.0, best_nugget, chunk_cos),
                 "first+nuggets": np.maximum(chunk_cos, best_nugget),
+                "avg": (chunk_cos + np.where(best_nugget > -2.0, best_nugget, chunk_cos)) / 2,
             }
             if wvec is not None:
                 best_window = np.full(n, -2.0, dtype=np.float32)
@@ -127,6 +130,9 @@ def main() -> None:
             ranks["lexical"] = [row_of[r["chunk_id"]] for r in lexical]
             for name in variants:
                 ranks[f"hybrid-{name}"] = rrf_fuse([ranks[name][: args.depth], ranks["lexical"]])
+            first_nuggets = [ranks["first"][: args.depth], ranks["nuggets"][: args.depth]]
+            ranks["rrf(first,nuggets)"] = rrf_fuse(first_nuggets)
+            ranks["hybrid-3way"] = rrf_fuse([*first_nuggets, ranks["lexical"]])
             for name, order in ranks.items():
                 for kc in args.kc:
                     hit = any(docs[i] in gold for i in order[:kc])
