@@ -49,6 +49,11 @@ KV_CODECS = ("none", "int8", "int4")
 # What the KV store keeps of each chunk (storage/kv/kept.py): the whole chunk's KV (every method
 # can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
 KV_KEEPS = ("chunks", "nuggets")
+# How the model runs query prefill and decoding (inference/forward.py): eager (a preallocated
+# KV buffer, the model's layers driven over it) | compiled (the same step under torch.compile,
+# bucketed shapes, warmed up before serving) | auto (compiled for coinrag api and eval, eager
+# for a one-shot coinrag query).
+FORWARDS = ("auto", "eager", "compiled")
 CHUNKERS = ("fixed", "sentence", "content")
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
@@ -106,6 +111,24 @@ def threads_setting() -> Any:
         cli=True,
         min=0,
     )
+
+
+def forward_setting() -> Any:
+    """The ``forward`` setting (one declaration, a field of each settings class that answers
+    questions): how the model runs query prefill and decoding (``inference/forward.py``)."""
+    return setting(
+        "auto",
+        "Model forward: eager | compiled (torch.compile, warmed up first) | auto (default: "
+        "compiled for api and eval, eager for query).",
+        cli=True,
+    )
+
+
+def check_forward(value: str) -> str:
+    """``value`` if it is one of :data:`FORWARDS`, else a :class:`SettingsError` naming them."""
+    if value not in FORWARDS:
+        raise SettingsError(f"forward must be one of {', '.join(FORWARDS)}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -336,6 +359,10 @@ class RuntimeSettings:
     from the ``cli=True`` fields."""
 
     threads: int = threads_setting()
+    forward: str = forward_setting()
+
+    def __post_init__(self) -> None:
+        check_forward(self.forward)
 
 
 @dataclass(frozen=True)
@@ -349,6 +376,7 @@ class ApiSettings:
     """
 
     threads: int = threads_setting()
+    forward: str = forward_setting()
     queue_limit: int = setting(
         16, "Requests waiting for the model at most; more get 503 (default {default}).", cli=True
     )
@@ -372,6 +400,7 @@ class ApiSettings:
             raise SettingsError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.threads < 0:
             raise SettingsError(f"threads must be >= 0 (0: auto), got {self.threads}")
+        check_forward(self.forward)
         return self
 
 
