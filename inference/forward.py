@@ -465,6 +465,7 @@ class CompiledForward(StaticForward):
 
 _FORWARDS: weakref.WeakKeyDictionary[Any, ModelForward] = weakref.WeakKeyDictionary()
 _KINDS: dict[str, type[StaticForward]] = {"eager": StaticForward, "compiled": CompiledForward}
+_MADE: weakref.WeakKeyDictionary[Any, dict[str, ModelForward]] = weakref.WeakKeyDictionary()
 _DEFAULT: dict[str, Any] = {"setting": "eager", "serving": False}  # set_default_forward
 
 
@@ -493,13 +494,17 @@ def forward_for(model: Any) -> ModelForward:
 
 
 def use_forward(model: Any, kind: str) -> ModelForward:
-    """Make ``model`` run with a forward of ``kind`` (``eager`` | ``compiled``) from now on
-    (kept when it is that kind already: compiled graphs survive)."""
+    """Make ``model`` run with a forward of ``kind`` (``eager`` | ``compiled``) from now on;
+    the one of that kind it ran with before, if any (its buffers and compiled graphs kept: a
+    benchmark switches back and forth)."""
+    made = _MADE.setdefault(model, {})
     current = _FORWARDS.get(model)
-    if current is not None and current.kind == kind:
-        return current
-    _FORWARDS[model] = make_forward(model, kind)
-    return _FORWARDS[model]
+    if current is not None:
+        made.setdefault(current.kind, current)
+    if kind not in made:
+        made[kind] = make_forward(model, kind)
+    _FORWARDS[model] = made[kind]
+    return made[kind]
 
 
 def set_default_forward(setting: str, *, serving: bool) -> None:

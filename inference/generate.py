@@ -74,6 +74,8 @@ def prefill_and_decode(
     t0 = time.perf_counter()
     run = forward_for(model).begin(cache, context_len, len(input_ids), max_new_tokens)
     logits = run.prefill(input_ids)
+    if logits.is_cuda:  # the logits exist when the kernels have run (TTFT on a GPU)
+        torch.cuda.synchronize(logits.device)
     prefill_ms = (time.perf_counter() - t0) * 1000
     return _decode(
         run,

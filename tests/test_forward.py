@@ -22,7 +22,7 @@ import torch
 from kv_oracle import cached_logits, greedy_after, max_abs, prefix_kv
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from coinrag.inference.encode import to_dynamic_cache
+from coinrag.inference.encode import from_cache, to_dynamic_cache
 from coinrag.inference.forward import (
     CompiledForward,
     StaticForward,
@@ -221,3 +221,31 @@ def test_compiled_forward_equals_eager_on_tiny_models(tiny) -> None:
     again = _generate(model, _NoEos(), ctx, query)  # the same shapes: no new graph
     assert _graphs() - before == 2 and again.token_ids == tokens
     use_forward(model, "eager")
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["eager", "compiled"])
+def test_forward_on_cuda_equals_transformers(kind: str) -> None:
+    """On a GPU (tests/benchmarks/gpu_check.sh): the static and compiled forwards of a tiny
+    float32 Qwen2 give the greedy tokens and first-token logits of transformers' own call on
+    the same device (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model("qwen2", seed=3).to("cuda")
+    context, query = random_ids(30, 1), random_ids(7, 2)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([context], device="cuda"), use_cache=True)
+        ctx = from_cache(out.past_key_values)
+        oracle = TransformersForward(model).begin(ctx, 30, 7, N_TOKENS)
+        first = oracle.prefill(query)
+        tokens, nxt = [], int(first.argmax())
+        for _ in range(N_TOKENS):
+            tokens.append(nxt)
+            nxt = int(oracle.step(nxt).argmax())
+    use_forward(model, kind)
+    gen = _generate(model, _NoEos(), ctx, query)
+    assert gen.first_logits.device.type == "cuda"
+    assert max_abs(gen.first_logits, first) <= LOGIT_ATOL_FP32
+    assert gen.token_ids == tokens
