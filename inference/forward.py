@@ -362,14 +362,15 @@ class StaticForward(ModelForward):
     def begin(
         self, context: Any | None, context_len: int, query_len: int, max_new_tokens: int
     ) -> ForwardRun:
-        buffer = self.buffer(self.capacity(context_len, query_len, max_new_tokens))
         if context is not None and context_len:
             if not isinstance(context, torch.Tensor):  # a transformers cache (batch 1)
                 context = cache_to_kv(context)[0]
-            if context.shape[-2] != context_len:
-                raise ValueError(
-                    f"the context holds {context.shape[-2]} positions, not {context_len}"
+            if context.shape[-2] != context_len:  # keys are not one per position 0..n-1:
+                return TransformersForward(self.model).begin(  # the buffer cannot hold them
+                    context, context_len, query_len, max_new_tokens
                 )
+        buffer = self.buffer(self.capacity(context_len, query_len, max_new_tokens))
+        if context is not None and context_len:
             buffer.write(context)
         owner = object()
         with self._lock:

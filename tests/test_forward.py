@@ -164,6 +164,13 @@ def test_one_sequence_at_a_time_per_buffer(tiny) -> None:
             first.step(4)
 
 
+def test_a_cache_of_other_positions_continues_with_transformers_own_call(tiny) -> None:
+    """Keys that are not one per position ``0..n-1`` (KVLink's gaps filled after the context)
+    cannot sit in the buffer at their positions: that run is transformers' call."""
+    run = StaticForward(tiny).begin(prefix_kv(tiny, random_ids(10, 9)), 12, 0, 2)
+    assert type(run).__name__ == "_TransformersRun" and run.position == 12
+
+
 def test_seq_len_dependent_rope_runs_transformers_own_call() -> None:
     model = tiny_model(
         "llama3", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
