@@ -10,12 +10,14 @@ The implementations (chosen by subclass; :func:`use_forward` sets a model's, fro
 ``forward`` setting of ``schemas.settings``):
 
 - :class:`StaticForward` ("eager", the default where supported): a preallocated KV buffer
-  ``(layers, 2, kv_heads, capacity, head_dim)`` (the layout of ``storage/kv/layout.py``), one
-  per capacity bucket, reused across queries. The assembled context is written into it once
-  (``ContextBuilder.build(into=...)`` assembles straight into it: no further copy), and the
-  model's own decoder layers (transformers' modules, weights and attention function) are driven
-  over it: each layer writes its new keys and values in place at their positions (no
-  concatenation per step) and attends to the positions written so far.
+  (:class:`KvBuffer`: per layer a keys and a values tensor ``(1, kv_heads, capacity,
+  head_dim)``), one per capacity bucket, reused across queries. The assembled context
+  ``(layers, 2, kv_heads, T, head_dim)`` (``storage/kv/layout.py``) is copied into it once (the
+  ``DynamicCache`` copied it at its first update too), and the model's own decoder layers
+  (transformers' modules, weights and attention interface) are driven over it: each layer
+  writes its new keys and values in place at their positions (no concatenation per step) and
+  attends to the positions written so far; a single query (a decode step) attends by two
+  float32 matmuls (:func:`static_attention`).
 - :class:`CompiledForward` ("compiled"): the same step under ``torch.compile`` (inductor,
   ``fullgraph=True``: a graph break is an error, never a silent fallback), with static shapes:
   the capacity is a bucket (:func:`capacity_bucket`) and the query is right-padded to a bucket
