@@ -510,6 +510,13 @@ def use_forward(model: Any, kind: str) -> ModelForward:
     return made[kind]
 
 
+def install_forward(model: Any, forward: ModelForward) -> ModelForward:
+    """Make ``model`` run with ``forward`` (any :class:`ModelForward`, e.g. a benchmark's
+    reference) until :func:`use_forward` says otherwise."""
+    _FORWARDS[model] = forward
+    return forward
+
+
 def set_default_forward(setting: str, *, serving: bool) -> None:
     """What every model of this process runs with unless :func:`use_forward` says otherwise:
     the ``forward`` setting (``auto`` | ``eager`` | ``compiled``) of a serving process
