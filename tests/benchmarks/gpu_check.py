@@ -187,6 +187,12 @@ def ttft(model: Any, args: argparse.Namespace, prefix_kv: torch.Tensor, mfu_peak
         timing["assembly"] = (time.perf_counter() - t1) * 1000
         return ctx, total, query, timing
 
+    print("\nTTFT (ms; mean over --reps after a warm-up; KV from pinned host memory)")
+    print(
+        "method    forward   context  TTFT mean    P99 | kv_load  assembly  prefill  prefill MFU"
+        " | decode ms/tok  warm-up s",
+        flush=True,
+    )
     rows = []
     for kind in args.forwards:
         if time.perf_counter() - started > args.budget_s:
@@ -232,20 +238,18 @@ def ttft(model: Any, args: argparse.Namespace, prefix_kv: torch.Tensor, mfu_peak
                     "warm": warm,
                 }
             )
-            print(f"  {method} {kind}: done (warm-up {warm:.1f} s)", flush=True)
-    print("\nTTFT (ms; mean over --reps after a warm-up; KV from pinned host memory)")
-    print(
-        "method    forward   context  TTFT mean    P99 | kv_load  assembly  prefill  prefill MFU"
-        " | decode ms/tok  warm-up s"
-    )
-    for r in rows:
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(
-            f"{r['method']:<9} {r['forward']:<8} {r['context']:>7} {r['ttft_mean']:>10.2f} "
-            f"{r['ttft_p99']:>6.2f} | {r['kv_load']:>7.2f} {r['assembly']:>9.2f} "
-            f"{r['prefill']:>8.2f} {mfu:>12} | {r['decode']:>13.2f} {r['warm']:>10.1f}"
-        )
+            print(row_line(rows[-1]), flush=True)  # as it comes: a cut-off run keeps it
     return rows
+
+
+def row_line(r: dict[str, Any]) -> str:
+    """One row of the TTFT table."""
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    return (
+        f"{r['method']:<9} {r['forward']:<8} {r['context']:>7} {r['ttft_mean']:>10.2f} "
+        f"{r['ttft_p99']:>6.2f} | {r['kv_load']:>7.2f} {r['assembly']:>9.2f} "
+        f"{r['prefill']:>8.2f} {mfu:>12} | {r['decode']:>13.2f} {r['warm']:>10.1f}"
+    )
 
 
 def main() -> None:
