@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 # inside its attention module, which the step calls as is).
 STATIC_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MIN_CAPACITY = 256  # the smallest KV buffer (tokens)
+KV_BLOCK = 512  # keys per block of torch's CPU flash attention (static_attention rounds alike)
 
 
 def capacity_bucket(tokens: int) -> int:
@@ -109,11 +110,6 @@ class ModelForward(ABC):
         head_dim)``, a transformers cache of ``context_len`` tokens, or None: no context when
         ``context_len`` is 0) for a prefill of ``query_len`` tokens and at most
         ``max_new_tokens`` decode steps."""
-
-    def warm_up(self, shapes: Sequence[tuple[int, int]] = ()) -> None:
-        """Prepare ``(context_len, query_len)`` shapes before serving (compiled: compile
-        them); nothing for an eager forward."""
-        return None
 
 
 # ---------------------------------------------------------------------------- transformers
@@ -225,7 +221,9 @@ def static_attention(
     queries as transformers' SDPA. ``query`` ``(1, heads, q, D)``, ``key``/``value`` ``(1,
     kv_heads, T, D)``, ``attention_mask`` bool ``(1, 1, q, T)`` or None (all ``T`` visible).
     Returns ``((1, q, heads, D), None)`` as transformers' functions do. Computed in float32
-    (small: the bf16 batched matmul of these shapes is the slower kernel on a CPU)."""
+    (the bf16 batched matmul of these shapes is the slower kernel on a CPU), rounding where
+    torch's flash kernel rounds (in bf16, greedy answers part from transformers' only where an
+    exponential's last bit differs: torch's kernel uses its own approximate exp)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.shape[2] != 1:
@@ -239,8 +237,26 @@ def static_attention(
     scores = torch.matmul(grouped.float(), key.float().transpose(2, 3)) * scale
     if attention_mask is not None:  # scores: (1, kv_heads, g, T)
         scores = scores.masked_fill(~attention_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, value.float()).to(value.dtype)  # (1, kv_heads, g, D)
+    # torch's flash kernel, rounding for rounding: blocks of KV_BLOCK keys, running max and
+    # sum in float32, the unnormalised exponentials rounded to the model's dtype before they
+    # weigh the values, the sum's reciprocal multiplied in at the end
+    top = total = acc = None
+    for start in range(0, scores.shape[-1], KV_BLOCK):
+        block = scores[..., start : start + KV_BLOCK]
+        new_top = block.amax(-1, keepdim=True)
+        if top is not None:
+            new_top = torch.maximum(top, new_top)
+        weights = torch.exp(block - new_top)
+        part = weights.sum(-1, keepdim=True)
+        values = value[:, :, start : start + KV_BLOCK].float()
+        weighted = torch.matmul(weights.to(value.dtype).float(), values)
+        if top is None:
+            total, acc = part, weighted
+        else:
+            rescale = torch.exp(top - new_top)
+            total, acc = total * rescale + part, acc * rescale + weighted
+        top = new_top
+    out = (acc * (1.0 / total)).to(value.dtype)  # (1, kv_heads, g, D)
     return out.reshape(batch, 1, heads, dim), None
 
 
@@ -417,7 +433,8 @@ class _StaticRun(ForwardRun):
 class CompiledForward(StaticForward):
     """:class:`StaticForward`'s step under ``torch.compile`` (inductor, ``fullgraph=True``,
     static shapes: capacity and query buckets). The first call of a new shape compiles it
-    (tens of seconds on one CPU thread): :meth:`warm_up` before serving."""
+    (minutes on one loaded CPU thread): ``coinrag api`` and ``eval`` answer once untimed per
+    method before serving."""
 
     kind = "compiled"
     max_compiled_query: ClassVar[int] = 256  # longer prefills run the step uncompiled
@@ -452,15 +469,6 @@ class CompiledForward(StaticForward):
         self.shapes.add((q, capacity))
         with _attention_of_static_step(self.lm):
             return self._compiled(self.lm, ids_t, positions, buffer.tensors, last, capacity, True)
-
-    def warm_up(self, shapes: Sequence[tuple[int, int]] = ()) -> None:
-        """Compile the prefill and decode graphs of each ``(context_len, query_len)`` (and
-        the decode steps of its capacity bucket), on a scratch sequence."""
-        with torch.inference_mode():
-            for context_len, query_len in shapes:
-                run = self.begin(None, context_len, query_len, 1)
-                run.prefill([0] * max(1, query_len))
-                run.step(0)
 
 
 # ---------------------------------------------------------------------------- choosing
