@@ -234,9 +234,9 @@ def query(
     if model is not None:
         _check(preflight.model, model)
 
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.threads import apply_runtime
 
-    set_process_threads(RuntimeSettings(**_given(overrides)).threads)
+    apply_runtime(_check(preflight.runtime_settings, _given(overrides)), serving=False)
     from coinrag.inference.methods import MissingAssets, RagEngine
 
     doc_ids = [oracle_doc] if oracle_doc else None
@@ -440,9 +440,9 @@ def eval_cmd(
     _check(preflight.output_folder, out, "--out")
     st = _check(preflight.built_store, store)
 
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.threads import apply_runtime
 
-    set_process_threads(RuntimeSettings(**_given(overrides)).threads)
+    apply_runtime(_check(preflight.runtime_settings, _given(overrides)), serving=True)
     from coinrag.inference.evaluate import evaluate
 
     if retrieval_only:

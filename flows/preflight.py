@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coinrag.schemas.settings import ApiSettings, BuildSettings
+from coinrag.schemas.settings import ApiSettings, BuildSettings, RuntimeSettings, SettingsError
 from coinrag.storage.store import Store, StoreLocked
 
 OPENAI_EXTRACTORS = ("openai", "openai-batch")
@@ -100,6 +100,15 @@ def source(path: str) -> None:
         raise Preflight(str(exc)) from None
     except OSError as exc:
         raise Preflight(f"source {path} is unreadable: {exc}") from None
+
+
+def runtime_settings(given: dict[str, Any]) -> RuntimeSettings:
+    """The runtime options given (``--threads``, ``--forward``) as settings; a bad value exits
+    with status 2."""
+    try:
+        return RuntimeSettings(**given)
+    except SettingsError as exc:
+        raise Preflight(str(exc), 2) from None
 
 
 def model(ref: str | None, exact: bool = True) -> None:

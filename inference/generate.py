@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from coinrag.inference.forward import ForwardRun, forward_for
 from coinrag.inference.rope import reset_rotary
 
 
@@ -51,33 +52,36 @@ def prefill_and_decode(
 ) -> Generation:
     """Prefill ``input_ids`` at positions ``context_len..`` after ``cache``; decode greedily.
 
-    The prefill starts from a fresh rotary state (``inference.rope.reset_rotary``), so it is
-    the forward a freshly loaded model computes, whatever this model object ran before; the
-    decode steps then continue as transformers' own ``generate`` does.
+    The model runs with its forward (``inference.forward.forward_for``: a preallocated KV
+    buffer the model's layers write into, compiled where ``use_forward`` set it; only the last
+    query position's logits are computed). The prefill starts from a fresh rotary state
+    (``inference.rope.reset_rotary``), so it is the forward a freshly loaded model computes,
+    whatever this model object ran before; the decode steps then continue as transformers' own
+    ``generate`` does.
 
     Args:
-        cache: a transformers cache holding ``context_len`` tokens (mutated), or None. For
-            dynamic / longrope RoPE its keys must carry the frequencies of a forward of length
-            ``context_len + len(input_ids)`` (``assemble_context(new_seq_len=...)``).
+        cache: the context: a KV tensor ``(layers, 2, kv_heads, context_len, head_dim)`` (as
+            assembled: copied once into the forward's buffer), a transformers cache holding
+            ``context_len`` tokens (may be mutated), or None. For dynamic / longrope RoPE its
+            keys must carry the frequencies of a forward of length ``context_len +
+            len(input_ids)`` (``assemble_context(new_seq_len=...)``).
         input_ids: the tokens to prefill (the query part; for standard RAG, everything).
         max_new_tokens: upper bound on generated tokens; stops early at an EOS token.
         on_token: called with each answer token id as soon as it is chosen (streaming; the
             EOS token is not an answer token). Its time counts in ``decode_ms``.
     """
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(input_ids)], device=device)
-    positions = torch.arange(context_len, context_len + ids.shape[1], device=device)[None]
     reset_rotary(model)  # a new sequence: no frequencies grown by an earlier query (dynamic NTK)
     t0 = time.perf_counter()
-    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
-    logits = out.logits[0, -1].float()
+    run = forward_for(model).begin(cache, context_len, len(input_ids), max_new_tokens)
+    logits = run.prefill(input_ids)
+    if logits.is_cuda:  # the logits exist when the kernels have run (TTFT on a GPU)
+        torch.cuda.synchronize(logits.device)
     prefill_ms = (time.perf_counter() - t0) * 1000
-    return decode_greedy(
+    return _decode(
+        run,
         model,
         tokenizer,
-        out.past_key_values,
         logits,
-        context_len + ids.shape[1],
         prefill_ms=prefill_ms,
         max_new_tokens=max_new_tokens,
         keep_first_logits=keep_first_logits,
@@ -99,16 +103,43 @@ def decode_greedy(
     on_token: Callable[[int], None] | None = None,
 ) -> Generation:
     """Greedy decoding after a prefill that gave ``first_logits`` ``(vocab,)`` and left
-    ``cache`` ready for position ``next_position`` (the methods that prefill their own way,
-    CacheBlend and KVLink, continue here as :func:`prefill_and_decode` does). ``prefill_ms``:
-    what the prefill took (recorded as is)."""
-    device = next(model.parameters()).device
+    ``cache`` (a transformers cache, or a KV tensor) ready for position ``next_position`` (the
+    methods that prefill their own way, CacheBlend and KVLink, continue here as
+    :func:`prefill_and_decode` does, with the model's forward). ``prefill_ms``: what the
+    prefill took (recorded as is)."""
+    t1 = time.perf_counter()
+    run = forward_for(model).begin(cache, next_position, 0, max_new_tokens)
+    gen = _decode(
+        run,
+        model,
+        tokenizer,
+        first_logits,
+        prefill_ms=prefill_ms,
+        max_new_tokens=max_new_tokens,
+        keep_first_logits=keep_first_logits,
+        on_token=on_token,
+    )
+    gen.decode_ms = (time.perf_counter() - t1) * 1000  # the context's copy into the buffer too
+    return gen
+
+
+def _decode(
+    run: ForwardRun,
+    model: Any,
+    tokenizer: Any,
+    first_logits: torch.Tensor,
+    *,
+    prefill_ms: float,
+    max_new_tokens: int,
+    keep_first_logits: bool,
+    on_token: Callable[[int], None] | None,
+) -> Generation:
+    """Greedy tokens from ``first_logits`` on, each step through ``run``."""
     t1 = time.perf_counter()
     next_id = int(torch.argmax(first_logits))
     first = first_logits.clone() if keep_first_logits else None
     eos = _eos_ids(model, tokenizer)
     generated: list[int] = []
-    pos = next_position
     while True:
         if next_id in eos:
             break
@@ -117,15 +148,7 @@ def decode_greedy(
             on_token(next_id)
         if len(generated) >= max_new_tokens:
             break
-        step = model(
-            input_ids=torch.tensor([[next_id]], device=device),
-            position_ids=torch.tensor([[pos]], device=device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        cache = step.past_key_values
-        pos += 1
-        next_id = int(torch.argmax(step.logits[0, -1]))
+        next_id = int(torch.argmax(run.step(next_id)))
     t2 = time.perf_counter()
     return Generation(
         token_ids=generated,

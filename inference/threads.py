@@ -16,6 +16,7 @@ a single query rarely keep more busy.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _APPLIED: dict[str, int] = {}
@@ -82,3 +83,15 @@ def set_process_threads(threads: int) -> int:
             pass
     _APPLIED["threads"] = n
     return n
+
+
+def apply_runtime(settings: Any, *, serving: bool) -> int:
+    """A reading process's runtime settings (``schemas.settings.RuntimeSettings``): its
+    threads (:func:`set_process_threads`, returned) and its model forward
+    (``inference.forward.set_default_forward``; ``serving``: ``eval``, not a one-shot
+    ``query``)."""
+    from coinrag.inference.forward import set_default_forward
+
+    threads = set_process_threads(settings.threads)
+    set_default_forward(settings.forward, serving=serving)
+    return threads

@@ -50,6 +50,11 @@ KV_CODECS = ("none", "int8", "int4")
 # What the KV store keeps of each chunk (storage/kv/kept.py): the whole chunk's KV (every method
 # can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
 KV_KEEPS = ("chunks", "nuggets")
+# How the model runs query prefill and decoding (inference/forward.py): eager (a preallocated
+# KV buffer, the model's layers driven over it) | compiled (the same step under torch.compile,
+# bucketed shapes, warmed up before serving) | auto (compiled for coinrag api and eval, eager
+# for a one-shot coinrag query).
+FORWARDS = ("auto", "eager", "compiled")
 CHUNKERS = ("fixed", "sentence", "content")
 # How retrieval ranks chunks, nuggets and documents (inference.retrieve.SEARCH_MODES; a test keeps
 # them equal): by embedding (dense), by BM25 over the words (lexical), or both fused (hybrid).
@@ -111,6 +116,24 @@ def threads_setting() -> Any:
         cli=True,
         min=0,
     )
+
+
+def forward_setting() -> Any:
+    """The ``forward`` setting (one declaration, a field of each settings class that answers
+    questions): how the model runs query prefill and decoding (``inference/forward.py``)."""
+    return setting(
+        "auto",
+        "Model forward: eager | compiled (torch.compile, warmed up first) | auto (default: "
+        "compiled for api and eval, eager for query).",
+        cli=True,
+    )
+
+
+def check_forward(value: str) -> str:
+    """``value`` if it is one of :data:`FORWARDS`, else a :class:`SettingsError` naming them."""
+    if value not in FORWARDS:
+        raise SettingsError(f"forward must be one of {', '.join(FORWARDS)}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -361,6 +384,10 @@ class RuntimeSettings:
     from the ``cli=True`` fields."""
 
     threads: int = threads_setting()
+    forward: str = forward_setting()
+
+    def __post_init__(self) -> None:
+        check_forward(self.forward)
 
 
 @dataclass(frozen=True)
@@ -382,6 +409,7 @@ class ApiSettings:
     """
 
     threads: int = threads_setting()
+    forward: str = forward_setting()
     queue_limit: int = setting(
         16, "Requests waiting for the model at most; more get 503 (default {default}).", cli=True
     )
@@ -437,6 +465,7 @@ class ApiSettings:
             )
         if self.threads < 0:
             raise SettingsError(f"threads must be >= 0 (0: auto), got {self.threads}")
+        check_forward(self.forward)
         return self
 
 

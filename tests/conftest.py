@@ -21,6 +21,20 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """``@pytest.mark.cuda`` tests need a CUDA device: skipped where torch sees none
+    (``tests/benchmarks/gpu_check.sh`` runs them on a GPU machine)."""
+    cuda = [item for item in items if "cuda" in item.keywords]
+    if not cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (tests/benchmarks/gpu_check.sh)")
+        for item in cuda:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A real Prefect API (temporary local server on SQLite) for the whole session."""

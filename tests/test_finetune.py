@@ -182,9 +182,11 @@ def test_training_context_equals_inference_context(built, parts, monkeypatch):
     loaded, prompt = parts["loaded"], parts["prompt"]
     engine = methods.RagEngine(parts["store"], loaded, parts["emb"], max_new_tokens=1)
     captured = []
-    real = kv_reuse.to_dynamic_cache
+    real = kv_reuse.prefill_and_decode
     monkeypatch.setattr(
-        kv_reuse, "to_dynamic_cache", lambda kv, c: captured.append(kv) or real(kv, c)
+        kv_reuse,
+        "prefill_and_decode",
+        lambda model, tok, kv, *a, **kw: captured.append(kv) or real(model, tok, kv, *a, **kw),
     )
     frozen = StoredKvContext(parts["store"], loaded.model, prompt, parts["kv"])
     live = LiveKvContext(parts["store"], loaded.model, prompt)

@@ -88,3 +88,17 @@ def test_query_errors(built_store: Path, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "magic" in bad.output
     missing = runner.invoke(app, ["query", "q", "--store", str(tmp_path / "none")])
     assert missing.exit_code == 1 and "not a coinrag" in " ".join(missing.output.split())
+    fast = runner.invoke(app, ["query", "q", "--store", str(built_store), "--forward", "fast"])
+    said = " ".join(fast.output.split())
+    assert fast.exit_code == 2 and "forward must be one of auto, eager, compiled" in said
+
+
+def test_the_forward_setting_keeps_the_answer(built_store: Path) -> None:
+    """``--forward eager`` (the static KV buffer) answers what ``auto`` does on a CPU; the
+    one-shot query never compiles unless asked."""
+    from coinrag.inference.forward import _DEFAULT
+
+    auto = _query(built_store, "coinrag")
+    assert _DEFAULT == {"setting": "auto", "serving": False}
+    eager = _query(built_store, "coinrag", "--forward", "eager")
+    assert eager["answer"] == auto["answer"] and eager["evidence"] == auto["evidence"]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from coinrag.inference.assemble import assemble_cartridges
-from coinrag.inference.encode import prefix_kv, to_dynamic_cache
+from coinrag.inference.encode import prefix_kv
 from coinrag.inference.generate import Generation, prefill_and_decode
 from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod, Retrieval
 from coinrag.inference.models import LoadedModel, default_dtype
@@ -172,13 +172,12 @@ class CartridgeRag:
         t2 = time.perf_counter()
         with torch.no_grad():
             ctx = assemble_cartridges(self.prefix, carts, self.rope)
-        cache = to_dynamic_cache(ctx, self.loaded.model.config)
         t3 = time.perf_counter()
         query = self.prompt.query_ids(question)
         gen = prefill_and_decode(
             self.loaded.model,
             self.loaded.tokenizer,
-            cache,
+            ctx,
             int(ctx.shape[-2]),
             query,
             max_new_tokens=max_new_tokens,

@@ -2,18 +2,16 @@
 
 ``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` is built from the retrieved evidence by the
 store's :class:`~inference.context.StoredKvContext` (the builder fine-tuning's ``frozen`` mode
-uses too), handed to the model as a cache, and only the query is prefilled after it
-(``inference.generate.prefill_and_decode``). Which spans (whole chunks or nugget slices) is the
-subclass's retrieval.
+uses too), written into the model forward's KV buffer (``inference/forward.py``), and only
+the query is prefilled after it (``inference.generate.prefill_and_decode``). Which spans
+(whole chunks or nugget slices) is the subclass's retrieval.
 """
 
 from __future__ import annotations
 
-import time
 from typing import ClassVar
 
 from coinrag.inference.context import ContextBuilder
-from coinrag.inference.encode import to_dynamic_cache
 from coinrag.inference.generate import prefill_and_decode
 from coinrag.inference.methods.assets import StoredKv, stored_context
 from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod
@@ -42,13 +40,10 @@ class KvReuseMethod(RagMethod):
         timings = retrieval_timings(retrieval)
         context = engine.asset(self.context)
         ctx, total = stored_context(context, retrieval.evidence, len(query_ids), timings)
-        t0 = time.perf_counter()
-        cache = to_dynamic_cache(ctx, self.loaded.model.config)
-        timings["assembly"] += (time.perf_counter() - t0) * 1000
-        gen = prefill_and_decode(
+        gen = prefill_and_decode(  # ctx goes into the forward's KV buffer (in the prefill time)
             self.loaded.model,
             self.loaded.tokenizer,
-            cache,
+            ctx,
             total,
             query_ids,
             max_new_tokens=engine.max_new_tokens,
