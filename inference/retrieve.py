@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -212,17 +213,26 @@ class DenseSearch(SearchMode, name="dense"):
     vector alone, its best nugget alone and the larger of the two on natural questions, and
     stays near the best nugget on questions that repeat a section title."""
 
+    nugget_weight: ClassVar[float] = 0.5  # of the best nugget's cosine in a chunk's score
+
     def _search(
-        self, index: LanceIndex, table: str, query: Query, k: int, where: str | None
+        self,
+        index: LanceIndex,
+        table: str,
+        query: Query,
+        k: int,
+        where: str | None,
+        coarse: bool = False,
     ) -> list[dict[str, Any]]:
-        return index.search_vector(
-            table, query.vector, k, embedder_fp=query.embedder.fingerprint, where=where
-        )
+        fp = query.embedder.fingerprint
+        vector = query.vector
+        return index.search_vector(table, vector, k, embedder_fp=fp, where=where, coarse=coarse)
 
     def _chunks(
         self, index: LanceIndex, query: Query, k: int, where: str | None
     ) -> list[dict[str, Any]]:
-        """Top-``k`` chunks by ``(chunk cosine + best nugget cosine) / 2``, over the candidates:
+        """Top-``k`` chunks by ``(1 - w) * chunk cosine + w * best nugget cosine`` (``w``:
+        :attr:`nugget_weight`), over the candidates:
         the top ``NUGGET_FANOUT * k`` chunks by their own vector, and the chunks of the top
         ``NUGGET_FANOUT * k`` nuggets (both under the same prefilter). A candidate's own cosine
         is exact (read by id for a chunk found through a nugget); its best nugget is its best
@@ -231,7 +241,7 @@ class DenseSearch(SearchMode, name="dense"):
         wide = NUGGET_FANOUT * k
         rows = {row["chunk_id"]: row for row in self._search(index, "chunks", query, wide, where)}
         best: dict[str, float] = {}
-        for row in self._search(index, "nuggets", query, wide, where):
+        for row in self._search(index, "nuggets", query, wide, where, coarse=True):
             best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), row["score"])
         missing = [cid for cid in best if cid not in rows]
         if missing:
@@ -241,9 +251,10 @@ class DenseSearch(SearchMode, name="dense"):
             for row in found:
                 own = float(np.dot(np.asarray(row.pop("vector"), np.float32), query.vector))
                 rows[row["chunk_id"]] = {**row, "score": own}
+        w = self.nugget_weight
         for cid, row in rows.items():
             own = float(row["score"])
-            row["score"] = (own + best.get(cid, own)) / 2.0
+            row["score"] = (1.0 - w) * own + w * best.get(cid, own)
         return sorted(rows.values(), key=lambda r: -r["score"])[:k]
 
     def rank(
@@ -278,12 +289,28 @@ class LexicalSearch(SearchMode, name="lexical"):
         return list(best.values())[:k]
 
 
+class NuggetVotes(DenseSearch):
+    """The dense half of hybrid search: a chunk scores its best nugget's cosine (nugget weight
+    1; else as :class:`DenseSearch`). Fused with BM25 it beat the mean of dense search on the
+    whole Python documentation: hit@1 89.8 vs 85.8 % on the 176 FAQ questions, the same within a
+    question at every kc on the 63 natural ones (``bench_chunk_coverage.py``: ``hybrid-nuggets``
+    vs ``hybrid-avg``), while alone it loses to the mean on natural questions."""
+
+    nugget_weight: ClassVar[float] = 1.0
+
+
 class HybridSearch(SearchMode, name="hybrid"):
     """Dense and lexical rankings fused by reciprocal rank (:func:`rrf_fuse`): each ranks its
     top ``max(k, HYBRID_DEPTH)`` rows, and the fused top ``k`` are kept; ``score`` is the RRF
-    score."""
+    score. The dense ranking of chunks is :class:`NuggetVotes` (a chunk by its best nugget).
 
-    parts: ClassVar[tuple[SearchMode, ...]] = (DenseSearch(), LexicalSearch())
+    The lexical search needs no query vector: it runs on a second thread while this one embeds
+    the question and searches by vector (LanceDB's searches and torch release the GIL), so its
+    time hides behind the embedding's. The two rankings are fused in a fixed order (dense,
+    lexical), so the result does not depend on which finished first."""
+
+    dense: ClassVar[SearchMode] = NuggetVotes()
+    lexical: ClassVar[SearchMode] = LexicalSearch()
 
     def _fuse(self, lists: list[list[dict[str, Any]]], key: str, k: int) -> list[dict[str, Any]]:
         rows: dict[str, dict[str, Any]] = {}
@@ -298,13 +325,25 @@ class HybridSearch(SearchMode, name="hybrid"):
         self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
     ) -> list[dict[str, Any]]:
         depth = max(k, HYBRID_DEPTH)
-        lists = [part.rank(index, table, query, depth, where) for part in self.parts]
+        words = _lexical_pool().submit(self.lexical.rank, index, table, query, depth, where)
+        lists = [self.dense.rank(index, table, query, depth, where), words.result()]
         return self._fuse(lists, ID_COLUMNS[table], k)
 
     def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]:
         depth = max(k, HYBRID_DEPTH)
-        lists = [part.documents(index, query, depth) for part in self.parts]
+        words = _lexical_pool().submit(self.lexical.documents, index, query, depth)
+        lists = [self.dense.documents(index, query, depth), words.result()]
         return self._fuse(lists, "doc_id", k)
+
+
+_LEXICAL_POOL: list[ThreadPoolExecutor] = []
+
+
+def _lexical_pool() -> ThreadPoolExecutor:
+    """The one thread hybrid searches run their lexical half on (made on first use)."""
+    if not _LEXICAL_POOL:
+        _LEXICAL_POOL.append(ThreadPoolExecutor(1, thread_name_prefix="coinrag-lexical"))
+    return _LEXICAL_POOL[0]
 
 
 class Retriever:

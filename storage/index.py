@@ -105,6 +105,11 @@ HNSW_EF_CONSTRUCTION = 300  # LanceDB's default
 SEARCH_NPROBES = 32  # IVF partitions probed per query
 SEARCH_REFINE_FACTOR = 5  # re-rank 5*k candidates with the exact float32 vectors
 SEARCH_EF = 100  # HNSW candidate list (IVF_HNSW_* indexes only)
+# A coarse ANN search (the nugget votes of dense chunk scoring: approximate by design): on 142,565
+# nuggets of the Python docs, top-100 recall 0.956 against exact in 11.5 ms, vs 1.000 in 18.6 ms
+# with the fine parameters above (one thread).
+COARSE_NPROBES = 16
+COARSE_REFINE_FACTOR = 2
 RETRAIN_GROWTH = 2.0  # retrain the ANN index when the table has grown this much since training
 # LanceDB's native full-text (BM25) index on the ``text`` column of chunks and nuggets: simple
 # word tokens, lower case, ASCII folding, English stemming and stop words, no positions (no
@@ -223,6 +228,7 @@ class LanceIndex:
             )
         self._tables: dict[str, Any] = {}
         self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
+        self._flat_tables: dict[str, FlatTable | None] = {}  # a reader's small tables in memory
 
     # ------------------------------------------------------------------ opening
 
@@ -504,6 +510,23 @@ class LanceIndex:
             self._write_meta()
         return made
 
+    def _flat(self, name: str) -> FlatTable | None:
+        """The in-memory copy of table ``name`` for a reader (pinned versions) when the table
+        has no ANN index and at most ``VECTOR_INDEX_MIN_ROWS`` rows; None otherwise (the
+        writer's view changes under it)."""
+        if self.versions is None or self.has_vector_index(name):
+            return None
+        if name not in self._flat_tables:
+            tbl = self.table(name)
+            flat = None
+            if tbl is not None and tbl.count_rows() <= VECTOR_INDEX_MIN_ROWS:
+                data = tbl.search().select([*HIT_COLUMNS[name], "vector"]).limit(None).to_arrow()
+                vec = data.column("vector").combine_chunks()
+                mat = vec.flatten().to_numpy().astype(np.float32).reshape(len(vec), self.dim)
+                flat = FlatTable(data.drop_columns(["vector"]), mat)
+            self._flat_tables[name] = flat
+        return self._flat_tables[name]
+
     def _has_fts(self, tbl: Any) -> bool:
         return any(
             idx.index_type == "FTS" and FTS_COLUMN in idx.columns for idx in tbl.list_indices()
@@ -616,12 +639,16 @@ class LanceIndex:
         columns: Sequence[str],
         where: str | None = None,
         exact: bool = False,
+        coarse: bool = False,
     ) -> list[dict[str, Any]]:
         self.check(embedder_fp, vector)
         tbl = self.table(name)
         if tbl is None or k <= 0:
             return []
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        in_memory = None if where is not None else self._flat(name)
+        if in_memory is not None:
+            return in_memory.search(q, k, columns)
         query = (
             tbl.search(q, vector_column_name="vector")
             .distance_type(METRIC)
@@ -633,7 +660,7 @@ class LanceIndex:
         if exact or not self.has_vector_index(name):
             query = query.bypass_vector_index()
         else:
-            query = tune_ann_query(query)
+            query = tune_ann_query(query, coarse)
         rows = query.to_arrow().to_pylist()
         for row in rows:
             row["score"] = 1.0 - float(row.pop("_distance"))
@@ -648,13 +675,22 @@ class LanceIndex:
         *,
         embedder_fp: str,
         where: str | None = None,
+        coarse: bool = False,
     ) -> list[dict[str, Any]]:
         """Top-``k`` rows of ``name`` (their :data:`HIT_COLUMNS`) by cosine similarity to
         ``vector`` (``(dim,)`` float32), best first, with ``score``. ``where``: a prefilter,
         under which the search is exact (it keeps a few hundred rows, and an IVF index probing
-        some partitions could miss some)."""
+        some partitions could miss some); ``coarse``: an ANN search with the coarse parameters
+        (:data:`COARSE_NPROBES`)."""
         return self._search(
-            name, vector, k, embedder_fp, HIT_COLUMNS[name], where=where, exact=where is not None
+            name,
+            vector,
+            k,
+            embedder_fp,
+            HIT_COLUMNS[name],
+            where=where,
+            exact=where is not None,
+            coarse=coarse,
         )
 
     def search_text(
@@ -755,7 +791,37 @@ def create_vector_index(tbl: Any, rows: int, dim: int, index_type: str = VECTOR_
     tbl.create_index("vector", config=config, replace=True)
 
 
-def tune_ann_query(query: Any) -> Any:
-    """Search parameters for the ANN index (chosen with the benchmark's recall@10)."""
+def tune_ann_query(query: Any, coarse: bool = False) -> Any:
+    """Search parameters for the ANN index (chosen with the benchmark's recall@10); ``coarse``:
+    fewer partitions and less refining (:data:`COARSE_NPROBES`)."""
+    if coarse:
+        return query.nprobes(COARSE_NPROBES).ef(SEARCH_EF).refine_factor(COARSE_REFINE_FACTOR)
     query = query.nprobes(SEARCH_NPROBES).ef(SEARCH_EF)
     return query.refine_factor(SEARCH_REFINE_FACTOR) if SEARCH_REFINE_FACTOR else query
+
+
+class FlatTable:
+    """A reader's in-memory copy of a small table (no ANN index: LanceDB would scan it whole
+    anyway): its rows' hit columns and their L2-normalised ``(n, dim)`` float32 vectors, read
+    once at the reader's pinned version. An exact cosine search over it is one matrix-vector
+    product (0.3 ms for the 5,860 chunks of the Python docs, where LanceDB's flat scan took
+    13 ms)."""
+
+    def __init__(self, rows: pa.Table, vectors: np.ndarray) -> None:
+        self.rows = rows
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        self.vectors = vectors / np.where(norms > 0, norms, 1.0)
+
+    def search(self, q: np.ndarray, k: int, columns: Sequence[str]) -> list[dict[str, Any]]:
+        """Top-``k`` rows by cosine similarity to ``q``, best first, with ``score``."""
+        n = len(self.vectors)
+        if n == 0:
+            return []
+        scores = self.vectors @ (q / (np.linalg.norm(q) or 1.0))
+        k = min(k, n)
+        top = np.argpartition(-scores, k - 1)[:k]
+        top = top[np.argsort(-scores[top], kind="stable")]
+        rows = self.rows.select(list(columns)).take(pa.array(top)).to_pylist()
+        for row, i in zip(rows, top, strict=True):
+            row["score"] = float(scores[i])
+        return rows

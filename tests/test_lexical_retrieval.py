@@ -13,6 +13,7 @@ from test_index_retrieval import HashEmbedder, cut
 
 from coinrag.inference.retrieve import (
     SEARCH_MODES,
+    HybridSearch,
     Query,
     Retriever,
     rrf_fuse,
@@ -20,7 +21,7 @@ from coinrag.inference.retrieve import (
     search_mode,
 )
 from coinrag.schemas.settings import RETRIEVAL_MODES, BuildSettings, SettingsError
-from coinrag.storage.index import FTS_TABLES, LanceIndex, LexicalIndexMissing
+from coinrag.storage.index import FTS_TABLES, ID_COLUMNS, LanceIndex, LexicalIndexMissing
 from coinrag.storage.store import Store
 from coinrag.tasks.embed import embed_stage
 from coinrag.tasks.ingest import SourceDocument
@@ -152,7 +153,8 @@ def test_retriever_modes(store_and_rows):
     hybrid = retriever.chunks_only(question, kc=4, mode="hybrid")
     # RRF by hand over the two rankings (each of depth HYBRID_DEPTH)
     index = retriever.index
-    dense_rows = search_mode("dense").rank(index, "chunks", Query(question, emb), 20)
+    # (hybrid's dense half: a chunk by its best nugget, NuggetVotes)
+    dense_rows = HybridSearch.dense.rank(index, "chunks", Query(question, emb), 20)
     d = [r["chunk_id"] for r in dense_rows]
     lex = [r["chunk_id"] for r in index.search_text("chunks", question, 20)]
     assert [h.chunk_id for h in hybrid.chunks] == rrf_fuse([d, lex])[:4]
@@ -171,3 +173,21 @@ def test_retriever_modes(store_and_rows):
     assert retriever.documents(question, 1, mode="lexical")[0]["doc_id"] == "birds"
     restricted = retriever.chunks_only(question, kc=3, doc_ids=["rivers"], mode="hybrid")
     assert {h.doc_id for h in restricted.chunks} == {"rivers"}
+
+
+def test_a_reader_searches_small_tables_in_memory_exactly(store_and_rows):
+    """A reader pinned to published versions keeps a small table (no ANN index) in memory: its
+    exact cosine search returns LanceDB's flat search's rows and scores."""
+    store, _ = store_and_rows
+    emb = HashEmbedder()
+    writer = LanceIndex.open_latest(store)
+    reader = LanceIndex(store, writer.meta, writer.published_state()["versions"])
+    for text in ("penguins of Antarctica", "a river on Earth", "collapsed core"):
+        q = emb.embed_queries([text])[0]
+        for table in ("chunks", "nuggets"):
+            want = writer.search_vector(table, q, 5, embedder_fp=emb.fingerprint)
+            got = reader.search_vector(table, q, 5, embedder_fp=emb.fingerprint)
+            assert reader._flat(table) is not None and writer._flat(table) is None
+            assert [r[ID_COLUMNS[table]] for r in got] == [r[ID_COLUMNS[table]] for r in want]
+            assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
+            assert set(got[0]) == set(want[0])  # the same columns
