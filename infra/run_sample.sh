@@ -10,5 +10,5 @@ STORE=${STORE:-store/sample}
 QUESTION=${QUESTION:-"Who directed 2001: A Space Odyssey?"}
 .venv/bin/coinrag build sample --store "$STORE" --extractor local
 for method in coinrag turborag standard; do
-  .venv/bin/coinrag query "$QUESTION" --store "$STORE" --method "$method"
+  .venv/bin/coinrag query "$QUESTION" --store "$STORE" --method "$method" --kc 1
 done

@@ -139,27 +139,28 @@ def test_retrieval_only_mrr_for_every_mode(sample_store: Path, tmp_path: Path) -
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     rows = {
-        (r["mode"], r["kc"], r["k"]): r
+        (r["retrieval"], r["evidence"], r["kc"], r["k"]): r
         for r in pq.read_table(out / "retrieval.parquet").to_pylist()
     }
-    assert {m for m, _, _ in rows} == {"chunks", "two_stage", "one_stage"}
+    assert {e for _, e, _, _ in rows} == {"chunks", "two_stage", "one_stage"}
+    assert {m for m, _, _, _ in rows} == {"dense", "lexical", "hybrid"}
     assert all(r["mrr"] is not None for r in rows.values())
-    # recomputed from the retriever: 1 / rank of the first gold nugget by score
+    # recomputed from the retriever: 1 / rank of the first gold nugget by score, in each mode
     retriever = Retriever(Store.at(sample_store), load_embedder("minilm"))
-    for (mode, kc, k), row in rows.items():
-        if mode == "chunks":
+    for (mode, kind, kc, k), row in rows.items():
+        if kind == "chunks":
             continue
         reciprocal = []
         for q in load_questions(questions):
             res = (
-                retriever.two_stage(q.question, kc=kc, k=k)
-                if mode == "two_stage"
-                else retriever.one_stage(q.question, k=k)
+                retriever.two_stage(q.question, kc=kc, k=k, mode=mode)
+                if kind == "two_stage"
+                else retriever.one_stage(q.question, k=k, mode=mode)
             )
             ranked = [e.doc_id for e in sorted(res.evidence, key=lambda e: -e.score)]
             hits = [i for i, d in enumerate(ranked, start=1) if d in q.doc_ids]
             reciprocal.append(1.0 / hits[0] if hits else 0.0)
-        assert row["mrr"] == pytest.approx(sum(reciprocal) / len(reciprocal)), (mode, kc, k)
+        assert row["mrr"] == pytest.approx(sum(reciprocal) / len(reciprocal)), (mode, kind, kc, k)
     assert "two_stage" in result.stdout
 
 
