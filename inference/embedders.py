@@ -226,27 +226,6 @@ class FlagEmbedder:
         return self._encode(texts, None)
 
 
-def text_windows(tokenizer: Any, text: str, max_length: int, min_tail: float = 0.5) -> list[str]:
-    """``text`` cut into consecutive windows of at most ``max_length - 2`` tokens of
-    ``tokenizer`` (the room an encoder has besides its two special tokens), as substrings of
-    ``text`` cut at token boundaries. A text that fits is one window (itself). A last window
-    shorter than ``min_tail`` of a window is moved back to end at the text's end (it then
-    overlaps the one before), so every window carries about a window of text.
-
-    >>> text_windows(tok, "a b c d e", 5)        # 3 tokens per window; tail moved back
-    ['a b c', 'c d e']
-    """
-    width = max(1, int(max_length) - 2)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = [o for o in enc["offset_mapping"] if o[1] > o[0]]
-    if len(offsets) <= width:
-        return [text]
-    starts = list(range(0, len(offsets), width))
-    if len(offsets) - starts[-1] < min_tail * width:
-        starts[-1] = len(offsets) - width
-    return [text[offsets[s][0] : offsets[min(s + width, len(offsets)) - 1][1]] for s in starts]
-
-
 def _is_bge_m3(path: Path, config: dict[str, Any]) -> bool:
     return config.get("model_type") == "xlm-roberta" or "bge-m3" in path.name.lower()
 

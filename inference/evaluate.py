@@ -209,19 +209,16 @@ def write_eval_run(out: Path, store: Store, questions: Sequence[str | Path], **f
     """``OUT/eval_run.json``: where an evaluation's numbers came from (the lineage of the run):
     the store and the index versions it read (its ``[published]`` record), each question file
     with its sha256, the code version, and ``fields`` (methods, sweep, search modes, ...)."""
-    import hashlib
     import json
     from datetime import UTC, datetime
 
+    from coinrag.inference.models import file_sha256
     from coinrag.schemas.keys import CODE_VERSION
 
     record = {
         "store": store.url,
         "published": store.published(),
-        "questions": [
-            {"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()}
-            for p in questions
-        ],
+        "questions": [{"path": str(p), "sha256": file_sha256(Path(p))} for p in questions],
         "code_version": CODE_VERSION,
         "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **fields,

@@ -209,7 +209,8 @@ def retrieval_text(results: pa.Table) -> str:
     lines: list[str] = []
     blocks = dict.fromkeys((r["dataset"], r["evidence"]) for r in rows)
     for dataset, kind in blocks:
-        lines.append(f"{dataset}: {kind} (n {rows[0]['n']}), hit % / MRR / search ms mean, p99")
+        n = next(r["n"] for r in rows if (r["dataset"], r["evidence"]) == (dataset, kind))
+        lines.append(f"{dataset}: {kind} (n {n}), hit % / MRR / search ms mean, p99")
         head = f"{'kc':>3} {'k':>3}" + "".join(f" {m:>26}" for m in modes)
         lines.append(head)
         configs = dict.fromkeys(

@@ -24,6 +24,7 @@ returned as selected, and the assembler decides whether to merge overlapping spa
 
 from __future__ import annotations
 
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
@@ -341,14 +342,10 @@ class HybridSearch(SearchMode, name="hybrid"):
         return self._fuse(lists, "doc_id", k)
 
 
-_LEXICAL_POOL: list[ThreadPoolExecutor] = []
-
-
+@functools.cache
 def _lexical_pool() -> ThreadPoolExecutor:
     """The one thread hybrid searches run their lexical half on (made on first use)."""
-    if not _LEXICAL_POOL:
-        _LEXICAL_POOL.append(ThreadPoolExecutor(1, thread_name_prefix="coinrag-lexical"))
-    return _LEXICAL_POOL[0]
+    return ThreadPoolExecutor(1, thread_name_prefix="coinrag-lexical")
 
 
 class Retriever:

@@ -86,7 +86,7 @@ _RETRIEVAL_KEYS = [
 ]
 RETRIEVAL_SCHEMA = pa.schema(
     [
-        ("dataset", pa.string()),
+        RESULTS_SCHEMA.field("dataset"),
         *_RETRIEVAL_KEYS,
         ("hit", pa.float64()),
         ("recall", pa.float64()),
@@ -99,7 +99,7 @@ RETRIEVAL_SCHEMA = pa.schema(
 RETRIEVAL_PER_QUESTION_SCHEMA = pa.schema(
     [
         ("qid", pa.int32()),
-        ("dataset", pa.string()),
+        RESULTS_SCHEMA.field("dataset"),
         *_RETRIEVAL_KEYS,
         ("question", pa.string()),
         ("gold_doc_ids", pa.list_(pa.string())),

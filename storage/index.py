@@ -229,6 +229,7 @@ class LanceIndex:
         self._tables: dict[str, Any] = {}
         self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
         self._flat_tables: dict[str, FlatTable | None] = {}  # a reader's small tables in memory
+        self._counts: dict[str, int] = {}  # a reader's row counts
 
     # ------------------------------------------------------------------ opening
 
@@ -458,8 +459,14 @@ class LanceIndex:
         return tbl.search().where(where).select(columns).limit(limit).to_arrow().to_pylist()
 
     def count(self, name: str) -> int:
+        """Rows of table ``name`` (asked once per table by a reader: its versions are fixed)."""
+        if self.versions is not None and name in self._counts:
+            return self._counts[name]
         tbl = self.table(name)
-        return 0 if tbl is None else tbl.count_rows()
+        n = 0 if tbl is None else tbl.count_rows()
+        if self.versions is not None:
+            self._counts[name] = n
+        return n
 
     # ------------------------------------------------------------------ indexes
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from store_fixtures import LLAMA3_ROPE
+
 WINDOW = 8
 _DIMS: dict[str, Any] = dict(
     hidden_size=64,
@@ -28,15 +30,7 @@ _DIMS: dict[str, Any] = dict(
 def _llama3(**kw: Any) -> Any:
     from transformers import LlamaConfig
 
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 512,
-    }
-    return LlamaConfig(**_DIMS, num_hidden_layers=2, rope_parameters=rope, **kw)
+    return LlamaConfig(**_DIMS, num_hidden_layers=2, rope_parameters=dict(LLAMA3_ROPE), **kw)
 
 
 def _qwen2(**kw: Any) -> Any:

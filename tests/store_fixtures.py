@@ -26,6 +26,16 @@ TINY_DIMS: dict[str, int] = dict(
 # The three verified architectures as tiny random-weight configs (vocabulary 500): Qwen2 with
 # default RoPE, Llama with llama3 RoPE, Qwen3 with default RoPE and q/k norms.
 TINY_ARCHITECTURES = ("qwen2", "llama3", "qwen3")
+# Llama 3.x's RoPE scaling as the tiny configs use it (original context 512, so the scaling
+# applies within the lengths the tests reach).
+LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 512,
+}
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
@@ -38,15 +48,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     if arch == "qwen2":
         return Qwen2Config(**{**base, "rope_parameters": default_rope, **overrides})
     if arch == "llama3":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 512,
-        }
-        return LlamaConfig(**{**base, "rope_parameters": rope, **overrides})
+        return LlamaConfig(**{**base, "rope_parameters": dict(LLAMA3_ROPE), **overrides})
     if arch == "qwen3":
         return Qwen3Config(**{**base, "head_dim": 16, "rope_parameters": default_rope, **overrides})
     raise ValueError(f"unknown tiny architecture {arch!r}")

@@ -12,7 +12,7 @@ a gold document among the top ``kc``), the chunk scores:
 - ``first+nuggets``: the larger of the two; ``avg``: their mean; ``rrf(first,nuggets)``: the
   two rankings fused by reciprocal rank;
 - with ``--windows`` (costly: the embedder runs over every chunk again): ``mean`` / ``max`` of
-  the chunk cut into windows of the embedder's length (``inference.embedders.text_windows``);
+  the chunk cut into windows of the embedder's length (:func:`text_windows`);
 - ``lexical``: BM25 over the whole chunk text (the index's full-text index);
 - ``hybrid-<dense>``: reciprocal rank fusion (``inference.retrieve.rrf_fuse``, depth
   ``--depth``) of that dense score and lexical; ``hybrid-3way``: of ``first``, ``nuggets`` and
@@ -31,13 +31,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from coinrag.inference.embedders import load_embedder, text_windows  # noqa: E402
+from coinrag.inference.embedders import load_embedder  # noqa: E402
 from coinrag.inference.retrieve import HYBRID_DEPTH, rrf_fuse  # noqa: E402
 from coinrag.schemas.qa import load_questions  # noqa: E402
 from coinrag.storage.index import LanceIndex  # noqa: E402
@@ -54,6 +55,27 @@ def top(scores: np.ndarray, depth: int) -> list[int]:
     depth = min(depth, len(scores))
     idx = np.argpartition(-scores, depth - 1)[:depth]
     return [int(i) for i in idx[np.argsort(-scores[idx])]]
+
+
+def text_windows(tokenizer: Any, text: str, max_length: int, min_tail: float = 0.5) -> list[str]:
+    """``text`` cut into consecutive windows of at most ``max_length - 2`` tokens of
+    ``tokenizer`` (the room an encoder has besides its two special tokens), as substrings of
+    ``text`` cut at token boundaries. A text that fits is one window (itself). A last window
+    shorter than ``min_tail`` of a window is moved back to end at the text's end (it then
+    overlaps the one before), so every window carries about a window of text.
+
+    E.g. with one token per word and ``max_length`` 5 (3 tokens a window), ``"a b c d e"``
+    gives ``["a b c", "c d e"]``: the tail ``"d e"`` is moved back.
+    """
+    width = max(1, int(max_length) - 2)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = [o for o in enc["offset_mapping"] if o[1] > o[0]]
+    if len(offsets) <= width:
+        return [text]
+    starts = list(range(0, len(offsets), width))
+    if len(offsets) - starts[-1] < min_tail * width:
+        starts[-1] = len(offsets) - width
+    return [text[offsets[s][0] : offsets[min(s + width, len(offsets)) - 1][1]] for s in starts]
 
 
 def window_vectors(embedder, texts: list[str], cache: Path | None):
