@@ -20,11 +20,15 @@ OPENAI_EXTRACTORS = ("openai", "openai-batch")
 
 
 class Preflight(Exception):
-    """A problem found before any work; ``code`` is the exit status."""
+    """A problem found before any work; ``exit_code`` (alias ``code``) is the exit status."""
 
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
-        self.code = code
+        self.exit_code = code
+
+    @property
+    def code(self) -> int:
+        return self.exit_code
 
 
 def store_at(path: str) -> Store:

@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 import typer
 
-from coinrag.schemas.settings import cli_settings
+from coinrag.schemas.settings import check_choices, cli_settings
 
 PANEL = "Build settings"
 
@@ -49,28 +49,71 @@ def _flag(field: dataclasses.Field, base: Any) -> str:
     return name
 
 
-def settings_parameters(cls: type, panel: str = PANEL) -> list[inspect.Parameter]:
-    """One keyword-only parameter (default None) per ``cli=True`` field of ``cls``."""
+def _option(field: dataclasses.Field, base: Any, panel: str | None, help: str | None) -> Any:
+    text = help if help is not None else str(field.metadata.get("help", ""))
+    return typer.Option(
+        _flag(field, base),
+        help=text.format(default=field.default),
+        rich_help_panel=panel,
+        min=field.metadata.get("min"),
+    )
+
+
+def settings_parameters(
+    cls: type, panel: str | None = PANEL, *, defaults: bool = False
+) -> list[inspect.Parameter]:
+    """One keyword-only parameter per ``cli=True`` field of ``cls``: default None ("not given")
+    and typed ``T | None``, or with ``defaults`` the field's own default and type."""
     hints = typing.get_type_hints(cls)
     out = []
     for field in cli_settings(cls):
         base = _option_type(hints[field.name])
-        help_text = str(field.metadata.get("help", "")).format(default=field.default)
-        option = typer.Option(
-            _flag(field, base),
-            help=help_text,
-            rich_help_panel=panel,
-            min=field.metadata.get("min"),
-        )
+        kind = hints[field.name] if defaults else base | None
         out.append(
             inspect.Parameter(
                 field.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=None,
-                annotation=Annotated[base | None, option],
+                default=field.default if defaults else None,
+                annotation=Annotated[kind, _option(field, base, panel, None)],
             )
         )
     return out
+
+
+def option_of(cls: type, name: str, help: str | None = None) -> Any:
+    """The option of the field ``name`` of ``cls`` alone, as an annotation (``help``: instead
+    of the declared one); its default is the field's (``DEFAULT_QUERY.max_new_tokens``)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    hint = typing.get_type_hints(cls)[name]
+    return Annotated[hint, _option(field, _option_type(hint), None, help)]
+
+
+def _decorate(
+    fn: Callable, into: str, generated: list[inspect.Parameter], build: Callable
+) -> Callable:
+    """``fn`` with its parameter ``into`` replaced by the ``generated`` options; it receives
+    ``build({name: value})`` in ``into``."""
+    own = inspect.signature(fn, eval_str=True)
+    if into not in own.parameters:
+        raise TypeError(f"{fn.__name__} needs a parameter named {into}")
+    names = [p.name for p in generated]
+    clash = set(names) & set(own.parameters)
+    if clash:
+        raise TypeError(f"{fn.__name__} declares settings options itself: {sorted(clash)}")
+    kept = [p for name, p in own.parameters.items() if name != into]
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        given = {name: kwargs.pop(name, None) for name in names}
+        return fn(*args, **{into: build(given)}, **kwargs)
+
+    del command.__wrapped__  # Typer must read the signature below, not fn's
+    params = [*kept, *generated]
+    command.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    if own.return_annotation is not inspect.Signature.empty:
+        command.__annotations__["return"] = own.return_annotation
+    return command
 
 
 def with_settings_options(cls: type, panel: str = PANEL) -> Callable[[Callable], Callable]:
@@ -79,27 +122,27 @@ def with_settings_options(cls: type, panel: str = PANEL) -> Callable[[Callable],
     ``overrides`` (None for an option not given)."""
 
     def decorate(fn: Callable) -> Callable:
-        own = inspect.signature(fn, eval_str=True)
-        if "overrides" not in own.parameters:
-            raise TypeError(f"{fn.__name__} needs a parameter named overrides")
-        generated = settings_parameters(cls, panel)
-        names = [p.name for p in generated]
-        clash = set(names) & set(own.parameters)
-        if clash:
-            raise TypeError(f"{fn.__name__} declares settings options itself: {sorted(clash)}")
-        kept = [p for name, p in own.parameters.items() if name != "overrides"]
-
-        @functools.wraps(fn)
-        def command(*args: Any, **kwargs: Any) -> Any:
-            overrides = {name: kwargs.pop(name, None) for name in names}
-            return fn(*args, overrides=overrides, **kwargs)
-
-        del command.__wrapped__  # Typer must read the signature below, not fn's
-        params = [*kept, *generated]
-        command.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        if own.return_annotation is not inspect.Signature.empty:
-            command.__annotations__["return"] = own.return_annotation
-        return command
+        return _decorate(fn, "overrides", settings_parameters(cls, panel), dict)
 
     return decorate
+
+
+def with_options(cls: type) -> Callable[[Callable], Callable]:
+    """Decorate a Typer command that has a parameter ``options`` (an instance of ``cls``, an
+    options class such as ``QueryOptions``): the command gets one option per field of ``cls``,
+    with the field's default and help, and receives ``cls(**values)`` in ``options``, its
+    ``choices`` checked (a :class:`SettingsError` naming the flag: exit 2)."""
+
+    def build(values: dict[str, Any]) -> Any:
+        options = cls(**values)
+        check_choices(options, lambda name: _flag(_fields(cls)[name], None))
+        return options
+
+    def decorate(fn: Callable) -> Callable:
+        return _decorate(fn, "options", settings_parameters(cls, None, defaults=True), build)
+
+    return decorate
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}

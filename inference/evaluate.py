@@ -58,8 +58,6 @@ from coinrag.inference.report import (
     aggregate,
     best_under_budget,
     budget_text,
-    p99,
-    percentile,
     plot_ablation,
     plot_budget_curve,
     plot_pareto,
@@ -69,30 +67,15 @@ from coinrag.inference.report import (
 from coinrag.inference.retrieve import search_mode
 from coinrag.schemas.evaluation import PER_QUESTION_SCHEMA
 from coinrag.schemas.qa import load_questions
-from coinrag.schemas.settings import DEFAULT_RAG_METHODS
+from coinrag.schemas.settings import DEFAULT_QUERY, DEFAULT_RAG_METHODS
 from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
     from coinrag.inference.methods import RagMethod
 
-DEFAULT_METHODS = DEFAULT_RAG_METHODS
-DEFAULT_SWEEP = ((4, 10),)
+DEFAULT_SWEEP = ((DEFAULT_QUERY.kc, DEFAULT_QUERY.k),)
 DEFAULT_BUDGETS_MS = (100.0, 200.0, 500.0, 1000.0, 2000.0, math.inf)
 
-# p99 / percentile / aggregate / best_under_budget live in inference/report.py; re-exported here
-# for the callers that import them from the evaluation module.
-__all__ = [
-    "EvalModel",
-    "aggregate",
-    "best_under_budget",
-    "doc_recall",
-    "evaluate",
-    "exact_match",
-    "normalize_answer",
-    "p99",
-    "percentile",
-    "token_f1",
-]
 
 # ---------------------------------------------------------------------------- answer metrics
 
@@ -234,7 +217,7 @@ def evaluate(
     out_dir: str | Path,
     methods: Sequence[str] | None = None,
     sweep: Sequence[tuple[int, int]] = DEFAULT_SWEEP,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
     budgets_ms: Sequence[float] = DEFAULT_BUDGETS_MS,
     *,
     model: str | None = None,
@@ -270,8 +253,8 @@ def evaluate(
     console = Console(stderr=True, quiet=quiet)
     if methods is None:
         store = engine.store if engine is not None else Store.at(store_path)
-        methods = methods_for(store, DEFAULT_METHODS)
-        for left_out, why in unavailable_methods(store, DEFAULT_METHODS).items():
+        methods = methods_for(store, DEFAULT_RAG_METHODS)
+        for left_out, why in unavailable_methods(store, DEFAULT_RAG_METHODS).items():
             console.log(f"note: {left_out} left out: {why}")
     models = list(models or [EvalModel(DEFAULT_MODEL_LABEL, model)])
     if len({m.label for m in models}) != len(models):

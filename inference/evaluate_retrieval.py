@@ -36,10 +36,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from coinrag.inference.evaluate import doc_recall, p99, write_eval_run
+from coinrag.inference.evaluate import doc_recall, write_eval_run
+from coinrag.inference.report import p99
 from coinrag.schemas.evaluation import RETRIEVAL_PER_QUESTION_SCHEMA, RETRIEVAL_SCHEMA
 from coinrag.schemas.qa import load_questions
-from coinrag.schemas.settings import RETRIEVAL_MODES
+from coinrag.schemas.settings import DEFAULT_QUERY, RETRIEVAL_MODES
 
 EVIDENCE_KINDS = ("chunks", "two_stage", "one_stage")
 
@@ -83,12 +84,15 @@ def aggregate_retrieval(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(out, schema=RETRIEVAL_SCHEMA)
 
 
+RETRIEVAL_KCS = (1, 2, 4, 8)  # the kc values `eval --retrieval-only` sweeps by default
+
+
 def evaluate_retrieval(
     store_path: str | Path,
     questions_path: str | Path | Sequence[str | Path],
     out_dir: str | Path,
-    kcs: Sequence[int] = (1, 2, 4, 8),
-    ks: Sequence[int] = (10,),
+    kcs: Sequence[int] = RETRIEVAL_KCS,
+    ks: Sequence[int] = (DEFAULT_QUERY.k,),
     evidence: Sequence[str] = EVIDENCE_KINDS,
     *,
     retrievals: Sequence[str] = RETRIEVAL_MODES,

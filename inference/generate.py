@@ -15,6 +15,7 @@ import torch
 
 from coinrag.inference.forward import ForwardRun, forward_for
 from coinrag.inference.rope import reset_rotary
+from coinrag.schemas.settings import DEFAULT_QUERY
 
 
 @dataclass
@@ -46,7 +47,7 @@ def prefill_and_decode(
     context_len: int,
     input_ids: Sequence[int],
     *,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
     keep_first_logits: bool = False,
     on_token: Callable[[int], None] | None = None,
 ) -> Generation:
@@ -98,7 +99,7 @@ def decode_greedy(
     next_position: int,
     *,
     prefill_ms: float,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
     keep_first_logits: bool = False,
     on_token: Callable[[int], None] | None = None,
 ) -> Generation:

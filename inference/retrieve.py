@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from coinrag.inference.embedders import Embedder
-from coinrag.schemas.settings import DEFAULT_RETRIEVAL
+from coinrag.schemas.settings import DEFAULT_QUERY, DEFAULT_RETRIEVAL
 from coinrag.storage.index import ID_COLUMNS, LanceIndex, in_filter
 from coinrag.storage.store import Store
 
@@ -403,8 +403,8 @@ class Retriever:
     def two_stage(
         self,
         question: str,
-        kc: int = 4,
-        k: int = 10,
+        kc: int = DEFAULT_QUERY.kc,
+        k: int = DEFAULT_QUERY.k,
         doc_ids: Sequence[str] | None = None,
         mode: str | SearchMode | None = None,
     ) -> RetrievalResult:
@@ -424,7 +424,7 @@ class Retriever:
         return self._timed("two_stage", search, query, t, evidence, hits)
 
     def one_stage(
-        self, question: str, k: int = 10, mode: str | SearchMode | None = None
+        self, question: str, k: int = DEFAULT_QUERY.k, mode: str | SearchMode | None = None
     ) -> RetrievalResult:
         """The ablation: top-``k`` nuggets over the whole nugget table (see module doc)."""
         search, query = self._start(question, mode)
@@ -435,7 +435,7 @@ class Retriever:
     def chunks_only(
         self,
         question: str,
-        kc: int = 4,
+        kc: int = DEFAULT_QUERY.kc,
         doc_ids: Sequence[str] | None = None,
         mode: str | SearchMode | None = None,
     ) -> RetrievalResult:

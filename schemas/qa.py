@@ -36,6 +36,8 @@ T = TypeVar("T")
 class QAFileError(ValueError):
     """A malformed QA file: the message names the file and the line."""
 
+    exit_code = 2  # a usage error: the file can never work as it is
+
 
 class QuestionsError(QAFileError):
     """A malformed questions file (``coinrag eval``)."""
@@ -47,6 +49,9 @@ class DataError(QAFileError):
 
 class BlankQuestion(ValueError):
     """A question with nothing to ask: empty, or only spaces and invisible characters."""
+
+    exit_code = 2
+    http_status = 422
 
 
 def require_question(question: str) -> str:

@@ -131,6 +131,8 @@ _WRITE_BATCH = 50_000  # rows per merge_insert
 class EmbedderMismatch(ValueError):
     """A query vector (or a write) made by another embedder than the index's."""
 
+    exit_code = 2
+
     def __init__(self, index_fp: str, query_fp: str, where: str = "") -> None:
         self.index_fp = index_fp
         self.query_fp = query_fp
@@ -147,6 +149,8 @@ class LexicalIndexMissing(FileNotFoundError):
 
 class IndexNotBuilt(FileNotFoundError):
     """No index under ``STORE/index/`` yet (run a build with the embed stage first)."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,13 @@ from coinrag.storage.location import object_filesystem, split_store_url
 class StoreLocked(RuntimeError):
     """Another process holds the store's write lock."""
 
+    exit_code = 1
+
 
 class LocalStoreRequired(ValueError):
     """An operation that needs a local store was asked of an object store."""
+
+    exit_code = 1
 
 
 _LOCKS: dict[str, Any] = {}  # url -> the ObjectLock this process holds on an object store

@@ -20,6 +20,8 @@ from coinrag.storage.store import Store
 class UnknownDocuments(KeyError):
     """Ids given to ``delete`` that are not live documents of the store."""
 
+    exit_code = 1
+
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0])
 

@@ -29,6 +29,8 @@ TEXT_SUFFIXES = (".txt", ".md")
 class SourceError(ValueError):
     """The source as a whole cannot be read."""
 
+    exit_code = 1
+
 
 @dataclass(frozen=True)
 class SourceDocument:

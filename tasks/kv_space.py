@@ -42,6 +42,8 @@ SHRINK_HINTS = (
 class KvSpaceError(RuntimeError):
     """The KV a build would add does not fit on the store's file system (nothing was built)."""
 
+    exit_code = 1
+
     def __init__(self, estimate: KvSpaceEstimate, where: str) -> None:
         self.estimate = estimate
         e = estimate

@@ -105,7 +105,7 @@ def test_train_nuggets_options_come_from_the_finetune_settings(
     assert bad.exit_code == 2 and "--mode 'thawed' is not one of live, frozen" in bad.output
 
     seen: dict = {}
-    monkeypatch.setattr(cli, "_prefect_run", lambda: None)
+    monkeypatch.setattr(cli.common, "prefect_run", lambda: None)
     monkeypatch.setattr(train, "train_nuggets", lambda *a, **kw: seen.update(kw) or {"ok": 1})
     ok = CliRunner().invoke(cli.app, [*base, "--mode", "frozen", "--lora", "--max-steps", "3"])
     assert ok.exit_code == 0, ok.output

@@ -11,15 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from coinrag.inference.evaluate import (
-    aggregate,
-    best_under_budget,
     doc_recall,
     evaluate,
     exact_match,
     normalize_answer,
-    p99,
     token_f1,
 )
+from coinrag.inference.report import aggregate, best_under_budget, p99
 from coinrag.schemas.qa import QuestionsError, load_questions
 
 # ---------------------------------------------------------------------------- metrics

@@ -52,6 +52,9 @@ OnToken = Callable[[int], None]  # called with each answer token id as it is dec
 class MissingAssets(RuntimeError):
     """The store lacks what a method needs (KV, index): the message says which build step."""
 
+    exit_code = 1
+    http_status = 500
+
 
 class CorruptAssets(MissingAssets):
     """A stored KV entry (or the prompt prefix's) failed its check: never served; the message

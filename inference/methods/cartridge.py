@@ -39,6 +39,7 @@ from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod, Re
 from coinrag.inference.models import LoadedModel, default_dtype
 from coinrag.inference.prompt import RagPrompt, require_question
 from coinrag.inference.rope import model_rope
+from coinrag.schemas.settings import DEFAULT_QUERY
 from coinrag.schemas.tables import CartridgeManifestRow
 from coinrag.storage.cartridges import CartridgeStore, MissingCartridge, version_order
 from coinrag.storage.store import Store
@@ -155,7 +156,7 @@ class CartridgeRag:
         doc_ids: Sequence[str] | None = None,
         *,
         k: int = 2,
-        max_new_tokens: int = 32,
+        max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
         on_token: OnToken | None = None,
     ) -> CartridgeAnswer:
         """Answer with the cartridges of ``doc_ids`` (in that order), or of the retriever's top
@@ -200,7 +201,9 @@ class CartridgeRag:
             },
         )
 
-    def oracle(self, question: str, doc_id: str, *, max_new_tokens: int = 32) -> CartridgeAnswer:
+    def oracle(
+        self, question: str, doc_id: str, *, max_new_tokens: int = DEFAULT_QUERY.max_new_tokens
+    ) -> CartridgeAnswer:
         """Answer with the right document's cartridge only."""
         return self.answer(question, [doc_id], max_new_tokens=max_new_tokens)
 
@@ -212,7 +215,7 @@ def text_rag_answer(
     question: str,
     *,
     doc_ids: Sequence[str] = (),
-    max_new_tokens: int = 32,
+    max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
 ) -> CartridgeAnswer:
     """Text RAG on the same prompt: prefill ``prefix + doc tokens (in order) + query`` at once."""
     ids = prompt.standard_ids(docs, question)

@@ -12,6 +12,7 @@ A warm server keeps one engine: methods not opened at first open on first use.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -31,11 +32,15 @@ from coinrag.inference.methods.base import (
 from coinrag.inference.models import LoadedModel
 from coinrag.inference.prompt import RagPrompt, require_question
 from coinrag.inference.retrieve import Retriever, search_mode
-from coinrag.schemas.settings import DEFAULT_RAG_METHODS, settings_from_toml
+from coinrag.schemas.settings import (
+    DEFAULT_QUERY,
+    DEFAULT_RAG_METHODS,
+    QueryOptions,
+    settings_from_toml,
+)
 from coinrag.storage.store import Store
 
 T = TypeVar("T")
-DEFAULT_METHODS = DEFAULT_RAG_METHODS
 
 
 def dtype_name(model: Any) -> str:
@@ -60,8 +65,8 @@ class RagEngine:
         embedder: Embedder | str,
         *,
         prompt: RagPrompt | None = None,
-        max_new_tokens: int = 32,
-        methods: Sequence[str] = DEFAULT_METHODS,
+        max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
+        methods: Sequence[str] = DEFAULT_RAG_METHODS,
         model_ref: str | None = None,
         kv_dtype: str | None = None,
         kv_codec: str | None = None,
@@ -108,7 +113,7 @@ class RagEngine:
         store_path: str,
         model: str | None = None,
         embedder: str | None = None,
-        max_new_tokens: int = 32,
+        max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
         methods: Sequence[str] | None = None,
     ) -> RagEngine:
         """Load everything ``methods`` need from ``store_path`` (default: the default methods
@@ -123,14 +128,14 @@ class RagEngine:
 
         store = Store.at(store_path)
         if methods is None:
-            _check_names(DEFAULT_METHODS)
+            _check_names(DEFAULT_RAG_METHODS)
         else:
             methods = list(dict.fromkeys(methods))
             _check_names(methods)
         if not store.exists():
             raise MissingAssets(f"{store} is not a coinrag store (run coinrag build first)")
         if methods is None:
-            methods = methods_for(store, DEFAULT_METHODS)
+            methods = methods_for(store, DEFAULT_RAG_METHODS)
         toml = store.read_toml()  # read once: the settings and the published version agree
         settings = settings_from_toml(toml, store.uri(store.settings_path))
         kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
@@ -179,8 +184,7 @@ class RagEngine:
                 f"published run {run_id} was embedded by {index['embedder_fp']}; the served "
                 f"embedder is {embedder_fp}: restart the server to serve it"
             )
-        engine = RagEngine.__new__(RagEngine)
-        engine.__dict__.update(self.__dict__)
+        engine = copy.copy(self)  # the same models, prompt and settings; its own assets
         engine.published = toml.get("published")
         engine.kv_codec = settings.kv_codec
         engine.kv_keep = settings.kv_keep
@@ -264,9 +268,9 @@ class RagEngine:
     def answer(
         self,
         question: str,
-        method: str = "coinrag",
-        kc: int = 4,
-        k: int = 10,
+        method: str = DEFAULT_QUERY.method,
+        kc: int = DEFAULT_QUERY.kc,
+        k: int = DEFAULT_QUERY.k,
         *,
         doc_ids: Sequence[str] | None = None,
         on_token: OnToken | None = None,
@@ -280,6 +284,20 @@ class RagEngine:
             search_mode(retrieval)  # an unknown mode is refused before any work
         return self.method(method).answer(
             question, kc, k, doc_ids=doc_ids, on_token=on_token, mode=retrieval
+        )
+
+    def ask(self, question: str, options: QueryOptions, on_token: OnToken | None = None) -> Answer:
+        """Answer ``question`` as ``options`` ask (``coinrag query``'s options, a server
+        request): its method, kc, k, oracle document, search mode and ``max_new_tokens``."""
+        self.max_new_tokens = options.max_new_tokens
+        return self.answer(
+            question,
+            options.method,
+            options.kc,
+            options.k,
+            doc_ids=options.doc_ids,
+            on_token=on_token,
+            retrieval=options.retrieval,
         )
 
     def run(

@@ -1,5 +1,5 @@
 """The query server: one warm :class:`~inference.methods.RagEngine` per published version of
-the store, behind FastAPI on uvicorn (``coinrag api``, ``flows/cli.py``).
+the store, behind FastAPI on uvicorn (``coinrag api``, ``flows/cli/api.py``).
 
 Endpoints:
 
@@ -44,16 +44,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from coinrag.inference.methods import MissingAssets, RagEngine
+from coinrag.inference.methods import RagEngine
 from coinrag.inference.methods.base import Answer
 from coinrag.inference.server.auth import ApiKeys
 from coinrag.inference.server.limits import ClientLimits, Limited
 from coinrag.inference.server.metrics import MULTIPROC_ENV, ServerMetrics
-from coinrag.inference.server.queue import Cancel, Cancelled, ModelQueue, QueueFull
+from coinrag.inference.server.queue import Cancel, ModelQueue, QueueFull
 from coinrag.inference.server.requests import BadRequest, QueryRequest, parse_query
 from coinrag.inference.server.versions import PublishWatcher, ServedVersion, VersionHolder
 from coinrag.schemas.secrets import API_KEY_ENV, scrub_logs
-from coinrag.schemas.settings import ApiSettings
+from coinrag.schemas.settings import DEFAULT_QUERY, DEFAULT_RAG_METHODS, ApiSettings
 from coinrag.storage.readers import ReaderLeaseHolder
 from coinrag.storage.store import Store
 
@@ -74,8 +74,8 @@ class ServerConfig:
 
     store: str
     model: str | None = None
-    methods: tuple[str, ...] = ("coinrag", "turborag", "standard")
-    max_new_tokens: int = 32
+    methods: tuple[str, ...] = DEFAULT_RAG_METHODS
+    max_new_tokens: int = DEFAULT_QUERY.max_new_tokens
     settings: dict[str, Any] | None = None
     api_key: str | None = field(default=None, repr=False)
 
@@ -209,8 +209,7 @@ class ApiServer:
         """Runs on the model thread: answer ``req`` on ``version`` (released at the end)."""
         try:
             cancel.check()  # the client left while the request waited
-            engine = version.engine
-            engine.max_new_tokens = req.max_new_tokens  # only the model thread calls engines
+            engine = version.engine  # only the model thread calls engines
             tokenizer = engine.tokenizer
             ids: list[int] = []
             said = [""]
@@ -223,15 +222,7 @@ class ApiServer:
                     delta, said[0] = text[len(said[0]) :], text
                     emit({"index": len(ids) - 1, "token_id": token_id, "text": delta})
 
-            return engine.answer(
-                req.question,
-                req.method,
-                kc=req.kc,
-                k=req.k,
-                doc_ids=req.doc_ids,
-                on_token=on_token,
-                retrieval=req.retrieval,
-            )
+            return engine.ask(req.question, req, on_token)
         finally:
             self.holder.release(version)
 
@@ -279,16 +270,31 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def _failure(exc: BaseException) -> tuple[int, str]:
-    """HTTP status and message of an answer that raised."""
-    if isinstance(exc, Cancelled):
-        return 499, str(exc)
-    if isinstance(exc, MissingAssets):
-        return 500, str(exc)
-    if isinstance(exc, (ValueError, LookupError)):  # e.g. an unknown oracle_doc
-        return 422, str(exc)
-    log.error("answer failed", exc_info=exc)
-    return 500, f"internal error: {type(exc).__name__}: {exc}"
+def http_status_of(exc: BaseException) -> int:
+    """The HTTP status of an error, the server's ONE mapping: the status it declares
+    (``http_status``: ``BadRequest``, ``Limited`` 429, ``QueueFull`` 503, ``Cancelled`` 499,
+    ``MissingAssets`` 500, ``BlankQuestion`` and ``SettingsError`` 422), else 422 for a value the
+    request named wrong (``ValueError``, ``LookupError``: e.g. an unknown ``oracle_doc``), else
+    500."""
+    status = getattr(exc, "http_status", None)
+    if isinstance(status, int):
+        return status
+    return 422 if isinstance(exc, ValueError | LookupError) else 500
+
+
+def refusal(exc: BaseException, retry_after_s: int) -> tuple[int, str, dict[str, str]]:
+    """Status, message and headers of the answer to a request that raised ``exc``: 429/503
+    say when to retry (``Retry-After``); an undeclared 500 is logged with its traceback."""
+    status = http_status_of(exc)
+    message, headers = str(exc), {}
+    if status in (429, 503):
+        headers["Retry-After"] = str(getattr(exc, "retry_after", retry_after_s))
+    if isinstance(exc, QueueFull):
+        message = f"server busy: {exc}; retry later"
+    if status == 500 and getattr(exc, "http_status", None) is None:
+        log.error("answer failed", exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    return status, message, headers
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -329,9 +335,17 @@ def create_app(server: ApiServer) -> FastAPI:
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unexpected error", exc_info=exc)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # the boundary
+        status, message, headers = refusal(exc, server.settings.retry_after_s)
+        return _error(status, message, headers)
+
+    def refused(endpoint: str, method: str, exc: BaseException) -> JSONResponse:
+        """A request refused before its answer started (counted, then answered)."""
+        status, message, headers = refusal(exc, server.settings.retry_after_s)
+        if isinstance(exc, Limited):
+            metrics.limited.labels(exc.reason).inc()
+        metrics.requests.labels(endpoint, method, str(status)).inc()
+        return _error(status, message, headers)
 
     def unauthorized(endpoint: str) -> JSONResponse:
         metrics.unauthorized.labels(endpoint).inc()
@@ -340,11 +354,6 @@ def create_app(server: ApiServer) -> FastAPI:
             "missing or wrong API key: send the header Authorization: Bearer KEY",
             BAD_KEY_HEADERS,
         )
-
-    def limited(endpoint: str, method: str, exc: Limited) -> JSONResponse:
-        metrics.limited.labels(exc.reason).inc()
-        metrics.requests.labels(endpoint, method, "429").inc()
-        return _error(429, str(exc), {"Retry-After": str(exc.retry_after)})
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -367,13 +376,12 @@ def create_app(server: ApiServer) -> FastAPI:
         try:
             server.limits.take(client)  # before the body is read
         except Limited as exc:
-            return limited(endpoint, "-", exc)
+            return refused(endpoint, "-", exc)
         try:
             body = await _read_body(request, server.settings.max_body_bytes)
             req = parse_query(body, server.settings, server.methods, server.config.max_new_tokens)
-        except BadRequest as exc:
-            metrics.requests.labels(endpoint, "-", str(exc.status)).inc()
-            return _error(exc.status, str(exc))
+        except ValueError as exc:  # BadRequest, BlankQuestion: the request's own fault
+            return refused(endpoint, "-", exc)
         stream = force_stream or req.stream
         endpoint = "stream" if stream else endpoint
         started = time.perf_counter()
@@ -386,12 +394,8 @@ def create_app(server: ApiServer) -> FastAPI:
 
         try:
             version, future = server.admit(req, cancel, emit if stream else None, client)
-        except Limited as exc:
-            return limited(endpoint, req.method, exc)
-        except QueueFull as exc:
-            metrics.requests.labels(endpoint, req.method, "503").inc()
-            retry = str(server.settings.retry_after_s)
-            return _error(503, f"server busy: {exc}; retry later", {"Retry-After": retry})
+        except (Limited, QueueFull) as exc:
+            return refused(endpoint, req.method, exc)
         headers = {RUN_HEADER: version.run_id}
         done = asyncio.wrap_future(future)
 
@@ -407,7 +411,7 @@ def create_app(server: ApiServer) -> FastAPI:
                     metrics.answered(req.method, answer.timings, time.perf_counter() - started)
                     outcome["result"] = (200, answer)
                 else:
-                    outcome["result"] = _failure(exc)
+                    outcome["result"] = refusal(exc, server.settings.retry_after_s)[:2]
                     if outcome["result"][0] == 499:
                         metrics.cancelled.inc()
                 status = str(outcome["result"][0])

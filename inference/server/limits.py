@@ -32,6 +32,8 @@ MAX_CLIENTS = 4096
 class Limited(RuntimeError):
     """A client over its share: ``reason`` (``queue`` | ``rate``), ``retry_after`` seconds."""
 
+    http_status = 429
+
     def __init__(self, reason: str, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.reason = reason

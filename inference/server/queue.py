@@ -23,9 +23,13 @@ T = TypeVar("T")
 class QueueFull(RuntimeError):
     """More requests than the model thread and its queue take."""
 
+    http_status = 503
+
 
 class Cancelled(RuntimeError):
     """The client went away: the generation stopped."""
+
+    http_status = 499  # nginx's "client closed request": only counted, nobody reads it
 
 
 class Cancel:

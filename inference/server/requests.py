@@ -1,53 +1,46 @@
-"""A query request as the server reads it: the options of ``coinrag query`` (question, method,
-kc, k, max_new_tokens, oracle_doc, retrieval) plus ``stream``, checked with one error message
-each."""
+"""A query request as the server reads it: the fields of ``schemas.settings.QueryOptions`` (the
+options of ``coinrag query``, the same defaults) plus ``question`` and ``stream``, checked with
+one error message each. Nothing here names a query option: a new one is declared once, in
+``QueryOptions``, and is a request field and a CLI option by construction."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from coinrag.schemas.qa import BlankQuestion, require_question
-from coinrag.schemas.settings import RETRIEVAL_MODES, ApiSettings
+from coinrag.schemas.qa import require_question
+from coinrag.schemas.settings import ApiSettings, QueryOptions, SettingsError, check_choices
 
 
 class BadRequest(ValueError):
-    """A request the server refuses: ``status`` (400, 413, 422) and the message."""
+    """A request the server refuses: ``http_status`` (400, 413, 422) and the message."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
-        self.status = status
+        self.http_status = status
 
 
-@dataclass(frozen=True)
-class QueryRequest:
+@dataclass(frozen=True, kw_only=True)
+class QueryRequest(QueryOptions):
+    """A request: the question, its :class:`QueryOptions`, and whether to stream tokens."""
+
     question: str
-    method: str = "coinrag"
-    kc: int = 4
-    k: int = 10
-    max_new_tokens: int = 32
-    oracle_doc: str | None = None
-    retrieval: str | None = None  # search mode (RETRIEVAL_MODES); None: the store's setting
     stream: bool = False
 
-    @property
-    def doc_ids(self) -> list[str] | None:
-        return [self.oracle_doc] if self.oracle_doc else None
+
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """Each request field: its JSON type and whether it may be null (``str | None``)."""
+    out = {}
+    for name, hint in typing.get_type_hints(QueryRequest).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        out[name] = (args[0], True) if args else (hint, False)
+    return out
 
 
-_TYPES: dict[str, type] = {
-    "question": str,
-    "method": str,
-    "kc": int,
-    "k": int,
-    "max_new_tokens": int,
-    "oracle_doc": str,
-    "retrieval": str,
-    "stream": bool,
-}
-
+FIELDS = _field_types()
 _KIND_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 
 
@@ -56,7 +49,8 @@ def parse_query(
 ) -> QueryRequest:
     """The request in ``body`` (a JSON object), or :class:`BadRequest`: 413 over
     ``max_body_bytes``, 400 not a JSON object, 422 a bad field (unknown, wrong type, blank or
-    over-long question, method not served, kc/k/max_new_tokens out of range)."""
+    over-long question, method not served, a value outside its choices or range).
+    ``max_new_tokens``: the default of a request that gives none (``coinrag api``'s)."""
     if len(body) > settings.max_body_bytes:
         raise BadRequest(413, f"request body over {settings.max_body_bytes} bytes")
     try:
@@ -65,41 +59,36 @@ def parse_query(
         raise BadRequest(400, f"request body is not JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BadRequest(400, "request body must be a JSON object")
-    unknown = sorted(set(data) - set(_TYPES))
+    unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise BadRequest(422, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(_TYPES)}")
+        raise BadRequest(422, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     if "question" not in data:
         raise BadRequest(422, "question is required")
     for name, value in data.items():
-        if name in ("oracle_doc", "retrieval") and value is None:
+        kind, nullable = FIELDS[name]
+        if value is None and nullable:
             continue
-        kind = _TYPES[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise BadRequest(422, f"{name} must be {_KIND_NAMES[kind]}, got {value!r}")
-    values: dict[str, Any] = {"max_new_tokens": max_new_tokens, **data}
-    req = QueryRequest(**values)
+    req = QueryRequest(**{"max_new_tokens": max_new_tokens, **data})
     _check(req, settings, methods)
     return req
 
 
 def _check(req: QueryRequest, settings: ApiSettings, methods: Sequence[str]) -> None:
-    try:
-        require_question(req.question)
-    except BlankQuestion as exc:
-        raise BadRequest(422, str(exc)) from exc
+    require_question(req.question)  # BlankQuestion declares 422
     if len(req.question) > settings.max_question_chars:
         raise BadRequest(422, f"question over {settings.max_question_chars} characters")
-    if req.retrieval is not None and req.retrieval not in RETRIEVAL_MODES:
-        raise BadRequest(
-            422, f"retrieval {req.retrieval!r} is not one of {', '.join(RETRIEVAL_MODES)}"
-        )
     if req.method not in methods:
         raise BadRequest(422, f"method {req.method!r} is not served; served: {', '.join(methods)}")
-    for name, top in (
-        ("kc", settings.max_kc),
-        ("k", settings.max_k),
-        ("max_new_tokens", settings.max_new_tokens),
-    ):
-        value = getattr(req, name)
-        if not 1 <= value <= top:
-            raise BadRequest(422, f"{name} must be in 1..{top}, got {value}")
+    try:
+        check_choices(req)
+    except SettingsError as exc:
+        raise BadRequest(422, str(exc)) from exc
+    for field in dataclasses.fields(QueryOptions):
+        cap = field.metadata.get("cap")
+        if cap is None:
+            continue
+        value, low, top = getattr(req, field.name), field.metadata["min"], getattr(settings, cap)
+        if not low <= value <= top:
+            raise BadRequest(422, f"{field.name} must be in {low}..{top}, got {value}")

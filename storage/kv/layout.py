@@ -134,6 +134,8 @@ _LOCATION_RE = re.compile(r"^(?P<kv_fp>[^/#]+)/(?P<shard>shard-\d{6,})#slot-(?P<
 class KvError(RuntimeError):
     """Base of the KV store's errors."""
 
+    exit_code = 1
+
 
 class CorruptKvEntry(KvError):
     """A stored entry failed a check (crc32c, sha256, size, slot identity): never served."""

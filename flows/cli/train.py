@@ -1,0 +1,160 @@
+"""``coinrag train``: cartridges, nugget-aware fine-tuning, KVLink links (local stores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from coinrag.flows.cli import common
+from coinrag.flows.cli.common import LocalStore, fail
+from coinrag.flows.cli_lists import ListOptionsCommand
+from coinrag.flows.settings_options import with_settings_options
+from coinrag.schemas.settings import FinetuneSettings
+
+train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
+TRAIN_ERRORS = (KeyError, ValueError, FileNotFoundError)  # a flow's refusal of its inputs: exit 1
+
+
+def _training_store(store: str, data: Path | None, out: Path | None, what: str) -> Any:
+    """The checks every training command makes: a local store, ``--data`` read (every line,
+    before any model loads), ``--out`` writable, the store built (or buildable, when the data
+    carries documents) and unlocked."""
+    from coinrag.flows import preflight
+    from coinrag.schemas.qa import load_examples
+
+    common.require_local(store, what)
+    examples = []
+    if data is not None:
+        if not data.is_file():
+            fail(f"--data {data} does not exist", 1)
+        examples = load_examples(data)
+    if out is not None:
+        preflight.output_folder(out, "--out")
+    if any(ex.documents for ex in examples):  # its documents are built into the store first
+        st = preflight.store_to_write(store)
+    else:
+        st = preflight.built_store(store)
+    preflight.unlocked(st)
+    return st
+
+
+@train_app.command("cartridges", cls=ListOptionsCommand)
+def train_cartridges_cmd(
+    store: LocalStore,
+    docs: Annotated[
+        list[str] | None, typer.Option("--docs", help="Document ids (default: all): --docs a b")
+    ] = None,
+    max_steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 200,
+    generator: Annotated[
+        str | None,
+        typer.Option(help="Question generator: openai | local (default: openai if a key is set)."),
+    ] = None,
+) -> None:
+    """Self-study data, then CAS cartridges (one trainable KV prefix per document)."""
+    from coinrag.flows import preflight
+    from coinrag.flows.cartridges import train_cartridges
+    from coinrag.schemas.settings import QUESTION_GENERATORS
+
+    if generator not in (None, *QUESTION_GENERATORS):
+        fail(f"--generator {generator!r} is not one of {', '.join(QUESTION_GENERATORS)}", 2)
+    common.require_local(store, "coinrag train cartridges")
+    st = preflight.built_store(store)
+    if generator == "openai":
+        preflight.openai_key("--generator", generator)
+    preflight.unlocked(st)
+    extra = {"generator": generator} if generator else {}
+    common.prefect_run()
+    with common.exit_on(1, *TRAIN_ERRORS):
+        summary = train_cartridges(str(store), docs or None, max_steps, **extra)
+    common.print_json(summary)
+
+
+DataOption = Annotated[
+    Path,
+    typer.Option(
+        "--data",
+        help="JSONL of QA examples: question, answer, and documents or doc_ids (the eval "
+        "format, answers + doc_ids, is read too).",
+    ),
+]
+
+
+@train_app.command("nuggets")
+@with_settings_options(FinetuneSettings, panel="Fine-tuning settings")
+def train_nuggets_cmd(
+    store: LocalStore,
+    data: DataOption,
+    out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned model.")],
+    rebuild_kv: Annotated[
+        bool, typer.Option("--rebuild-kv", help="Rebuild the store's KV for the new model.")
+    ] = False,
+    *,
+    overrides: dict[str, Any],
+) -> None:
+    """Nugget-aware fine-tuning on (C_ctx, question) -> answer, with the inference assembly."""
+    from coinrag.flows import train
+    from coinrag.schemas.settings import FINETUNE_MODES
+
+    given = common.given(overrides)
+    if given.get("mode", "live") not in FINETUNE_MODES:
+        fail(f"--mode {given['mode']!r} is not one of {', '.join(FINETUNE_MODES)}", 2)
+    _training_store(store, data, out, "coinrag train nuggets")
+    common.prefect_run()
+    with common.exit_on(1, *TRAIN_ERRORS):
+        summary = train.train_nuggets(
+            str(store), str(data), str(out), rebuild_kv=rebuild_kv, **given
+        )
+    common.print_json(summary)
+
+
+@train_app.command("kvlink")
+def train_kvlink_cmd(
+    store: LocalStore,
+    data: Annotated[
+        Path,
+        typer.Option("--data", help="JSONL of QA examples (as for `train nuggets`)."),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the link adapter.")],
+    n_link: Annotated[int, typer.Option(min=1, help="Link tokens after each chunk.")] = 5,
+    max_docs: Annotated[
+        int, typer.Option(min=1, help="Document slots with their own links (bounds --kc).")
+    ] = 16,
+    kc: Annotated[int, typer.Option(min=1, help="Chunks per example (as kvlink serves).")] = 5,
+    lr: Annotated[float, typer.Option(min=0.0, help="Learning rate of the link tokens.")] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1, help="Examples per optimizer step.")] = 16,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the data.")] = 1,
+    max_steps: Annotated[
+        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
+    ] = None,
+    checkpoint_every: Annotated[
+        int, typer.Option(min=1, help="Checkpoint every N steps (a killed run resumes).")
+    ] = 50,
+    model: Annotated[
+        str | None, typer.Option(help="Base model (default: the store's); stays frozen.")
+    ] = None,
+) -> None:
+    """KVLink: train link tokens after each retrieved chunk's stored KV (the base model frozen);
+    serve them with `coinrag query --method kvlink --model OUT`."""
+    from coinrag.flows.train import train_kvlink_flow
+
+    if kc > max_docs:
+        fail(f"--kc {kc} is more than --max-docs {max_docs}", 2)
+    if lr <= 0:
+        fail("--lr must be > 0", 2)
+    _training_store(store, data, out, "coinrag train kvlink")
+    settings = {
+        "kc": kc,
+        "lr": lr,
+        "batch_size": batch_size,
+        "epochs": epochs,
+        "max_steps": max_steps,
+        "checkpoint_every": checkpoint_every,
+    }
+    common.prefect_run()
+    with common.exit_on(1, *TRAIN_ERRORS):
+        summary = train_kvlink_flow(
+            str(store), str(data), str(out), n_link, max_docs, model=model, settings=settings
+        )
+    common.print_json(summary)
