@@ -1,7 +1,7 @@
 """The ``coinrag`` command line: one module per command group, each command thin (check its
 arguments, call one flow or function, print).
 
-- ``flows/cli/app.py``: the root command (``--debug``), the ONE mapping from an error to its
+- ``flows/cli/root.py``: the root command (``--debug``), the ONE mapping from an error to its
   exit status, ``main``;
 - ``flows/cli/common.py``: the error line, :class:`~flows.cli.common.CommandError`, shared
   options;
@@ -29,7 +29,7 @@ error is one ``error:`` line too, its traceback (and Prefect's) shown with ``--d
 from __future__ import annotations
 
 from coinrag.flows.cli import api, lineage, query, schedules, store, train
-from coinrag.flows.cli.app import app, main
+from coinrag.flows.cli.root import app, main
 from coinrag.flows.cli_lists import ListOptionsCommand
 
 # The command table, in the order `coinrag --help` lists it.

@@ -6,7 +6,7 @@ A command stays thin: it checks its own arguments (raising :class:`CommandError`
 checks of ``flows/preflight.py`` (their :class:`~flows.preflight.Preflight` carries the exit
 status), calls one flow or function and prints. Every error that declares an ``exit_code``
 (``Preflight``, ``SettingsError``, ``MissingAssets``, ``StoreLocked``, ...) becomes one
-``error:`` line and that exit status in ONE place, ``flows/cli/app.py``.
+``error:`` line and that exit status in ONE place, ``flows/cli/root.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import os
 import sys
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.markup import escape
 from typer.core import TyperGroup
@@ -23,14 +22,14 @@ from typer.core import TyperGroup
 from coinrag.flows.cli.common import DEBUG, console, error
 from coinrag.inference.quiet import quiet_libraries
 
-# Click's and Typer's own ways out (help, usage errors, typer.Exit): Click reports them.
-CLICK_EXITS = (click.ClickException, click.exceptions.Exit, click.Abort, typer.Exit, typer.Abort)
+# Typer's own ways out (help, usage errors, typer.Exit): Typer reports them.
+TYPER_EXITS = (typer.exceptions.TyperException, typer.Exit, typer.Abort)
 
 
 def exit_code_of(exc: BaseException) -> int | None:
-    """The exit status ``exc`` declares (None: an unexpected error). Click's own exits and
-    usage errors (and ``typer.Exit``) keep theirs: Click reports them."""
-    if isinstance(exc, CLICK_EXITS):
+    """The exit status ``exc`` declares (None: an unexpected error). Typer's own exits and
+    usage errors keep theirs: Typer reports them."""
+    if isinstance(exc, TYPER_EXITS):
         return None
     code = getattr(exc, "exit_code", None)
     return code if isinstance(code, int) and not isinstance(code, bool) else None
@@ -39,7 +38,7 @@ def exit_code_of(exc: BaseException) -> int | None:
 class CoinragGroup(TyperGroup):
     """The root command: runs the subcommand and maps a declared error to its exit status."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except Exception as exc:  # the CLI's boundary: a declared error is one line
