@@ -1,0 +1,154 @@
+"""The cartridge pipeline's settings (``coinrag train cartridges``; the module doc of
+``schemas/settings.py`` introduces them): :class:`CartridgeSettings`, and the two views of it the
+stages take, :class:`TeacherSettings` (``tasks/teacher.py``) and :class:`CartridgeTrainSettings`
+(``training/budget.py``). Importable from ``schemas.settings`` as well."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+QUESTION_GENERATORS = ("openai", "local")  # self-study question generators
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    """Self-study's teacher (``tasks/teacher.py``): greedy answers of at most
+    ``max_new_tokens`` tokens, ``top_k`` log-probs per position; documents longer than
+    ``max_doc_tokens`` are cut (the cartridge stands for the same cut)."""
+
+    max_new_tokens: int = 48
+    top_k: int = 20
+    batch_size: int = 8
+    max_doc_tokens: int = 2048
+
+    def value_dict(self) -> dict[str, Any]:
+        """What an answer depends on (part of the teacher fingerprint; not the batch size)."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "top_k": self.top_k,
+            "max_doc_tokens": self.max_doc_tokens,
+            "decoding": "greedy-v1",
+        }
+
+
+def check_visibility(p_iso: float, k_min: int, k_max: int) -> None:
+    """Raise ValueError unless ``0 <= p_iso <= 1`` and ``1 <= k_min <= k_max`` (CAS eq. 1:
+    ``training.cartridges.Visibility``)."""
+    if not 0.0 <= p_iso <= 1.0:
+        raise ValueError(f"p_iso must be in [0, 1], got {p_iso}")
+    if not 1 <= k_min <= k_max:
+        raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
+
+
+@dataclass(frozen=True)
+class CartridgeTrainSettings:
+    """One training run of a cartridge pool (``training/budget.py``).
+
+    Visibility (CAS eq. 1): with probability ``p_iso`` an example sees only its own cartridge,
+    otherwise its own plus ``k ~ U{k_min..k_max}`` distractors (``p_iso = 1``: isolated).
+    """
+
+    lr: float = 2e-2  # the Cartridges paper's value
+    p_iso: float = 1.0
+    k_min: int = 1
+    k_max: int = 3
+    budget: int = 8  # B: cartridges on the device at once
+    rotate_every: int = 16  # R: steps between rotations
+    batch_size: int = 1  # examples per optimizer step
+    train_distractors: bool = True
+    checkpoint_every: int = 0  # 0: only at the end
+    seed: int = 0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        check_visibility(self.p_iso, self.k_min, self.k_max)
+
+    def value_dict(self) -> dict[str, Any]:
+        """What the trained values depend on (part of the cartridge fingerprint)."""
+        return {
+            "lr": self.lr,
+            "visibility": {"p_iso": self.p_iso, "k_min": self.k_min, "k_max": self.k_max},
+            "budget": self.budget,
+            "rotate_every": self.rotate_every,
+            "batch_size": self.batch_size,
+            "train_distractors": self.train_distractors,
+            "seed": self.seed,
+            "betas": list(self.betas),
+            "eps": self.eps,
+        }
+
+
+@dataclass(frozen=True)
+class CartridgeSettings:
+    """Every knob of the cartridge pipeline, with its default (never secrets).
+
+    The cartridge's size and initialisation are ``training.cartridges.CartridgeSpec
+    .from_settings(s)``; the teacher's and the trainer's settings :meth:`teacher`, :meth:`train`.
+    """
+
+    model: str | None = None  # generation model reference (None: packaged SmolLM2)
+    device: str = "cpu"
+    # self-study
+    generator: str | None = None  # openai | local (default: openai if OPENAI_API_KEY is set)
+    llm_model: str = "gpt-4o-mini"
+    base_url: str | None = None
+    n_questions: int = 20
+    n_calls: int | None = None  # default: 1 per document + 1 per chars_per_call characters
+    chars_per_call: int = 2000
+    seed: int = 0
+    local_batch_size: int = 8
+    # teacher
+    max_new_tokens: int = 48
+    top_k: int = 20
+    max_doc_tokens: int = 2048
+    teacher_batch_size: int = 8
+    # cartridges
+    p: int | None = None
+    ratio: float | None = 4.0
+    init: str = "first_tokens"
+    freeze_first: bool = True
+    # training
+    lr: float = 2e-2
+    p_iso: float = 0.5
+    k_min: int = 1
+    k_max: int = 3
+    budget: int = 8
+    rotate_every: int = 16
+    batch_size: int = 1
+    train_distractors: bool = True
+    checkpoint_every: int = 50
+
+    def resolved_generator(self) -> str:
+        if self.generator is not None:
+            if self.generator not in QUESTION_GENERATORS:
+                raise ValueError(f"generator must be openai or local, got {self.generator!r}")
+            return self.generator
+        return "openai" if os.environ.get("OPENAI_API_KEY") else "local"
+
+    def teacher(self) -> TeacherSettings:
+        return TeacherSettings(
+            max_new_tokens=self.max_new_tokens,
+            top_k=self.top_k,
+            batch_size=self.teacher_batch_size,
+            max_doc_tokens=self.max_doc_tokens,
+        )
+
+    def train(self) -> CartridgeTrainSettings:
+        return CartridgeTrainSettings(
+            lr=self.lr,
+            p_iso=self.p_iso,
+            k_min=self.k_min,
+            k_max=self.k_max,
+            budget=self.budget,
+            rotate_every=self.rotate_every,
+            batch_size=self.batch_size,
+            train_distractors=self.train_distractors,
+            checkpoint_every=self.checkpoint_every,
+            seed=self.seed,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
