@@ -246,9 +246,8 @@ def evaluate(
     stderr.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from coinrag.inference.methods import METHODS, RagEngine, methods_for, unavailable_methods
+    from coinrag.inference.methods import methods_for, unavailable_methods
 
     console = Console(stderr=True, quiet=quiet)
     if methods is None:
@@ -257,37 +256,99 @@ def evaluate(
         for left_out, why in unavailable_methods(store, DEFAULT_RAG_METHODS).items():
             console.log(f"note: {left_out} left out: {why}")
     models = list(models or [EvalModel(DEFAULT_MODEL_LABEL, model)])
-    if len({m.label for m in models}) != len(models):
-        raise ValueError(f"two models share a label: {', '.join(m.label for m in models)}")
-    entries = list(dict.fromkeys(split_method(m, models) for m in methods))
-    bad = [m for m, _ in entries if m not in METHODS]
-    if bad or not entries:
-        raise ValueError(f"methods must be among {', '.join(METHODS)}; got {list(methods)}")
-    limits = {split_method(m, models): int(n) for m, n in (limit_for or {}).items()}
-    if any(n < 1 for n in limits.values()):
-        raise ValueError("a --limit-for count must be >= 1")
-    unknown = [f"{m}@{label}" for m, label in limits if (m, label) not in entries]
-    if unknown:
-        raise ValueError(f"--limit-for {', '.join(unknown)}: not among the methods run")
-    sweep = [(int(kc), int(k)) for kc, k in sweep]
-    if not sweep or any(kc < 1 or k < 1 for kc, k in sweep):
-        raise ValueError(f"sweep must be non-empty (kc, k) pairs with kc, k >= 1; got {sweep}")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    modes: list[str | None] = list(dict.fromkeys(retrievals)) if retrievals else [None]
-    for mode in modes:
-        if mode is not None:
-            search_mode(mode)  # an unknown mode is refused before any model loads
+    plan = _EvalPlan.check(methods, models, sweep, max_new_tokens, limit_for, retrievals)
     questions = load_questions(questions_path)
     if limit is not None:
         questions = questions[:limit]
-    dataset = Path(questions_path).stem
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    engines = _open_engines(plan, models, engine, str(store_path), max_new_tokens, console)
+    rows = _answer_all(plan, engines, questions, Path(questions_path).stem, console)
+    results = aggregate(rows)
+    table3 = best_under_budget(results, budgets_ms)
+    first = engines[plan.entries[0][1]]
+    write_eval_run(
+        out,
+        first.store,
+        [questions_path],
+        kind="eval",
+        methods=[f"{name}@{label}" for name, label in plan.entries],
+        models={label: e.loaded.model_fp for label, e in engines.items()},
+        sweep=plan.sweep,
+        retrievals=sorted({r["retrieval"] for r in rows}),
+        max_new_tokens=max_new_tokens,
+        n_questions=len(questions),
+    )
+    _write_report(out, rows, results, table3, console)
+    return results
+
+
+@dataclass
+class _EvalPlan:
+    """What an evaluation runs, checked before any model loads: ``entries`` (method, model
+    label), per-entry question ``limits``, the (kc, k) ``sweep``, the search ``modes``."""
+
+    entries: list[tuple[str, str]]
+    limits: dict[tuple[str, str], int]
+    sweep: list[tuple[int, int]]
+    modes: list[str | None]
+
+    @classmethod
+    def check(
+        cls,
+        methods: Sequence[str],
+        models: Sequence[EvalModel],
+        sweep: Sequence[tuple[int, int]],
+        max_new_tokens: int,
+        limit_for: dict[str, int] | None,
+        retrievals: Sequence[str] | None,
+    ) -> _EvalPlan:
+        """The plan, or a ValueError naming the bad value."""
+        from coinrag.inference.methods import METHODS
+
+        if len({m.label for m in models}) != len(models):
+            raise ValueError(f"two models share a label: {', '.join(m.label for m in models)}")
+        entries = list(dict.fromkeys(split_method(m, models) for m in methods))
+        bad = [m for m, _ in entries if m not in METHODS]
+        if bad or not entries:
+            raise ValueError(f"methods must be among {', '.join(METHODS)}; got {list(methods)}")
+        limits = {split_method(m, models): int(n) for m, n in (limit_for or {}).items()}
+        if any(n < 1 for n in limits.values()):
+            raise ValueError("a --limit-for count must be >= 1")
+        unknown = [f"{m}@{label}" for m, label in limits if (m, label) not in entries]
+        if unknown:
+            raise ValueError(f"--limit-for {', '.join(unknown)}: not among the methods run")
+        pairs = [(int(kc), int(k)) for kc, k in sweep]
+        if not pairs or any(kc < 1 or k < 1 for kc, k in pairs):
+            raise ValueError(f"sweep must be non-empty (kc, k) pairs with kc, k >= 1; got {pairs}")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        modes: list[str | None] = list(dict.fromkeys(retrievals)) if retrievals else [None]
+        for mode in modes:
+            if mode is not None:
+                search_mode(mode)  # an unknown mode is refused before any model loads
+        return cls(entries, limits, pairs, modes)
+
+    def runs(self, qi: int, label: str, method: str) -> bool:
+        """Whether question ``qi`` is asked of ``method`` on model ``label`` (--limit-for)."""
+        return qi < self.limits.get((method, label), qi + 1)
+
+
+def _open_engines(
+    plan: _EvalPlan,
+    models: Sequence[EvalModel],
+    engine: Any,
+    store_path: str,
+    max_new_tokens: int,
+    console: Any,
+) -> dict[str, Any]:
+    """One engine per model label that runs a method (``engine``: the first model's, already
+    open)."""
+    from coinrag.inference.methods import RagEngine
 
     engines: dict[str, Any] = {}
     for m in models:
-        wanted = [name for name, label in entries if label == m.label]
+        wanted = [name for name, label in plan.entries if label == m.label]
         if not wanted:
             continue
         if engine is not None and m is models[0]:
@@ -297,98 +358,96 @@ def evaluate(
             f"loading model {m.label} ({m.ref or 'the store' + chr(39) + 's'}) and {store_path}"
         )
         engines[m.label] = RagEngine.open(
-            str(store_path), model=m.ref, max_new_tokens=max_new_tokens, methods=wanted
+            store_path, model=m.ref, max_new_tokens=max_new_tokens, methods=wanted
         )
-    opened = [(label, engines[label].method(name)) for name, label in entries]
-    configs = _configs(opened, sweep)
+    return engines
 
-    # Warm-up: one untimed answer per method and model, on the first question.
-    kc0, k0 = sweep[0]
-    for name, label in entries:
-        for mode in modes:
+
+def _answer_all(
+    plan: _EvalPlan, engines: dict[str, Any], questions: Sequence[Any], dataset: str, console: Any
+) -> list[dict[str, Any]]:
+    """Every question x config x search mode: one per-question row each (after one untimed
+    warm-up answer per method and model, on the first question)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    opened = [(label, engines[label].method(name)) for name, label in plan.entries]
+    configs = _configs(opened, plan.sweep)
+    kc0, k0 = plan.sweep[0]
+    for name, label in plan.entries:
+        for mode in plan.modes:
             engines[label].answer(questions[0].question, method=name, kc=kc0, k=k0, retrieval=mode)
-
-    def runs(qi: int, label: str, method: str) -> bool:
-        return qi < limits.get((method, label), len(questions))
-
     rows: list[dict[str, Any]] = []
-    total = len(modes) * sum(runs(qi, c[0], c[1]) for qi in range(len(questions)) for c in configs)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=quiet,
-    ) as progress:
-        task = progress.add_task("evaluating", total=total)
+    n = len(questions)
+    total = len(plan.modes) * sum(plan.runs(qi, c[0], c[1]) for qi in range(n) for c in configs)
+    columns = (BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    description = "[progress.description]{task.description}"
+    with Progress(description, *columns, console=console, disable=console.quiet) as bar:
+        task = bar.add_task("evaluating", total=total)
         for qi, q in enumerate(questions):
             cache: dict[Any, Any] = {}  # retrieval key -> result, shared between methods
-            for (label, method, kc, k), mode in itertools.product(configs, modes):
-                if not runs(qi, label, method):
+            for (label, method, kc, k), mode in itertools.product(configs, plan.modes):
+                if not plan.runs(qi, label, method):
                     continue
                 rag = engines[label].method(method)
                 key = rag.retrieval_key(kc, k, mode)
                 if key not in cache:
                     cache[key] = rag.retrieve(q.question, kc, k, mode=mode)
                 ans = rag.run(q.question, cache[key], kc, k)
-                ev_docs = list(dict.fromkeys(e["doc_id"] for e in ans.evidence))
-                rows.append(
-                    {
-                        "qid": qi,
-                        "line": q.line,
-                        "dataset": dataset,
-                        "model": label,
-                        "method": method,
-                        "retrieval": ans.retrieval,
-                        "kc": kc,
-                        "k": k,
-                        "question": q.question,
-                        "answer": ans.answer,
-                        "gold": q.answers,
-                        "gold_doc_ids": q.doc_ids,
-                        "f1": token_f1(ans.answer, q.answers),
-                        "em": exact_match(ans.answer, q.answers),
-                        "recall": doc_recall(ev_docs, q.doc_ids),
-                        "ttft_ms": float(ans.timings["ttft"]),
-                        "timings": [(n, float(v)) for n, v in ans.timings.items()],
-                        "active_tokens": int(ans.active_tokens),
-                        "evidence_doc_ids": ev_docs,
-                    }
-                )
-                progress.advance(task)
-            if not console.is_terminal and ((qi + 1) % 5 == 0 or qi + 1 == len(questions)):
-                console.log(f"{qi + 1}/{len(questions)} questions done")  # log lines off a tty
+                rows.append(_row(qi, q, dataset, label, method, kc, k, ans))
+                bar.advance(task)
+            if not console.is_terminal and ((qi + 1) % 5 == 0 or qi + 1 == n):
+                console.log(f"{qi + 1}/{n} questions done")  # log lines off a tty
+    return rows
 
-    per_question = pa.Table.from_pylist(rows, schema=PER_QUESTION_SCHEMA)
-    results = aggregate(rows)
-    table3 = best_under_budget(results, budgets_ms)
-    pq.write_table(per_question, out / "per_question.parquet")
+
+def _row(
+    qi: int, q: Any, dataset: str, label: str, method: str, kc: int, k: int, ans: Any
+) -> dict[str, Any]:
+    """One per-question row (``schemas.evaluation.PER_QUESTION_SCHEMA``)."""
+    ev_docs = list(dict.fromkeys(e["doc_id"] for e in ans.evidence))
+    return {
+        "qid": qi,
+        "line": q.line,
+        "dataset": dataset,
+        "model": label,
+        "method": method,
+        "retrieval": ans.retrieval,
+        "kc": kc,
+        "k": k,
+        "question": q.question,
+        "answer": ans.answer,
+        "gold": q.answers,
+        "gold_doc_ids": q.doc_ids,
+        "f1": token_f1(ans.answer, q.answers),
+        "em": exact_match(ans.answer, q.answers),
+        "recall": doc_recall(ev_docs, q.doc_ids),
+        "ttft_ms": float(ans.timings["ttft"]),
+        "timings": [(n, float(v)) for n, v in ans.timings.items()],
+        "active_tokens": int(ans.active_tokens),
+        "evidence_doc_ids": ev_docs,
+    }
+
+
+def _write_report(
+    out: Path, rows: list[dict[str, Any]], results: pa.Table, table3: pa.Table, console: Any
+) -> None:
+    """The tables and plots under ``out``; the report on stdout, the file list on stderr."""
+    from rich.console import Console
+
+    pq.write_table(
+        pa.Table.from_pylist(rows, schema=PER_QUESTION_SCHEMA), out / "per_question.parquet"
+    )
     pq.write_table(results, out / "results.parquet")
     pq.write_table(table3, out / "table3.parquet")
     pq.write_table(table3, out / "best_under_budget.parquet")  # its former name, same rows
     (out / "table3.md").write_text(table3_markdown(table3), encoding="utf-8")
-    first = engines[entries[0][1]]
-    write_eval_run(
-        out,
-        first.store,
-        [questions_path],
-        kind="eval",
-        methods=[f"{name}@{label}" for name, label in entries],
-        models={label: e.loaded.model_fp for label, e in engines.items()},
-        sweep=sweep,
-        retrievals=sorted({r["retrieval"] for r in rows}),
-        max_new_tokens=max_new_tokens,
-        n_questions=len(questions),
-    )
     figures = [*plot_pareto(results, out), plot_budget_curve(results, out)]
     ablation = plot_ablation(table3, out)
     figures += [ablation] if ablation else []
-    report = Console(quiet=quiet)  # the report on stdout (as `coinrag query` prints answers)
+    report = Console(quiet=console.quiet)  # the report on stdout (as `coinrag query` prints)
     report.print(results_text(results), highlight=False, soft_wrap=True, markup=False)
     report.print(budget_text(table3), highlight=False, soft_wrap=True, markup=False)
     console.log(
         f"wrote {out}/results.parquet, per_question.parquet, table3.parquet, table3.md, "
         f"{EVAL_RUN_FILE}, " + ", ".join(p.name for p in figures)
     )
-    return results

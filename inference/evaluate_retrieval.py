@@ -28,7 +28,7 @@ per dataset, search mode, evidence kind and (kc, k)), ``retrieval_per_question.p
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,14 +122,7 @@ def evaluate_retrieval(
     if not kcs or not ks or min(kcs) < 1 or min(ks) < 1:
         raise ValueError("kc and k values must be >= 1")
     paths = [questions_path] if isinstance(questions_path, str | Path) else list(questions_path)
-    datasets: list[tuple[str, list[Any]]] = []
-    for path in paths:
-        questions = [q for q in load_questions(path) if q.doc_ids]
-        if limit is not None:
-            questions = questions[:limit]
-        if not questions:
-            raise ValueError(f"{path}: no question has gold doc_ids")
-        datasets.append((Path(path).stem, questions))
+    datasets = _datasets(paths, limit)
     store = Store.at(store_path)
     if not store.exists():
         raise FileNotFoundError(f"{store} is not a coinrag store (run coinrag build first)")
@@ -142,46 +135,12 @@ def evaluate_retrieval(
     first = datasets[0][1][0].question
     for mode in modes:  # warm-up: lazy loads and first-query costs, untimed
         retriever.two_stage(first, kc=1, k=1, mode=mode)
-
-    rows: list[dict[str, Any]] = []
-
-    def row(qi: int, dataset: str, q: Any, key: tuple[Any, ...], result: Any, rank: Any) -> None:
-        docs = list(dict.fromkeys(e.doc_id for e in result.evidence))
-        gold = q.doc_ids or []
-        rows.append(
-            {
-                "qid": qi,
-                "dataset": dataset,
-                **dict(zip(("retrieval", "evidence", "kc", "k"), key, strict=True)),
-                "question": q.question,
-                "gold_doc_ids": gold,
-                "evidence_doc_ids": docs,
-                "hit": float(any(d in set(gold) for d in docs)),
-                "recall": doc_recall(docs, gold),
-                "rank": rank,
-                "search_ms": result.embed_ms + result.search_ms,
-            }
-        )
-
-    for (dataset, questions), mode in itertools.product(datasets, modes):
-        for qi, q in enumerate(questions):
-            gold = q.doc_ids or []
-            if "chunks" in evidence:
-                for kc in sorted(set(kcs)):
-                    res = retriever.chunks_only(q.question, kc=kc, mode=mode)
-                    rank = first_gold_rank([h.doc_id for h in res.chunks], gold)
-                    row(qi, dataset, q, (mode.name, "chunks", kc, 0), res, rank)
-            for k in sorted(set(ks)):
-                if "two_stage" in evidence:
-                    for kc in sorted(set(kcs)):
-                        res = retriever.two_stage(q.question, kc=kc, k=k, mode=mode)
-                        key = (mode.name, "two_stage", kc, k)
-                        row(qi, dataset, q, key, res, nugget_rank(res, gold))
-                if "one_stage" in evidence:
-                    res = retriever.one_stage(q.question, k=k, mode=mode)
-                    key = (mode.name, "one_stage", 0, k)
-                    row(qi, dataset, q, key, res, nugget_rank(res, gold))
-
+    rows = [
+        _row(qi, dataset, q, key, result, rank)
+        for (dataset, questions), mode in itertools.product(datasets, modes)
+        for qi, q in enumerate(questions)
+        for key, result, rank in _searches(retriever, q, mode, evidence, kcs, ks)
+    ]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = aggregate_retrieval(rows)
@@ -202,6 +161,67 @@ def evaluate_retrieval(
         embedder_fp=retriever.embedder.fingerprint,
     )
     return results
+
+
+def _datasets(paths: Sequence[str | Path], limit: int | None) -> list[tuple[str, list[Any]]]:
+    """Each question file's stem and its questions with gold ``doc_ids`` (the first ``limit``);
+    a file without any is a ValueError."""
+    datasets = []
+    for path in paths:
+        questions = [q for q in load_questions(path) if q.doc_ids]
+        if limit is not None:
+            questions = questions[:limit]
+        if not questions:
+            raise ValueError(f"{path}: no question has gold doc_ids")
+        datasets.append((Path(path).stem, questions))
+    return datasets
+
+
+def _searches(
+    retriever: Any,
+    q: Any,
+    mode: Any,
+    evidence: Sequence[str],
+    kcs: Sequence[int],
+    ks: Sequence[int],
+) -> Iterator[tuple[tuple[Any, ...], Any, Any]]:
+    """Every search of question ``q`` in ``mode``: ((mode, kind, kc, k), result, first gold
+    rank), per evidence kind and (kc, k)."""
+    gold = q.doc_ids or []
+    if "chunks" in evidence:
+        for kc in sorted(set(kcs)):
+            res = retriever.chunks_only(q.question, kc=kc, mode=mode)
+            yield (
+                (mode.name, "chunks", kc, 0),
+                res,
+                first_gold_rank([h.doc_id for h in res.chunks], gold),
+            )
+    for k in sorted(set(ks)):
+        if "two_stage" in evidence:
+            for kc in sorted(set(kcs)):
+                res = retriever.two_stage(q.question, kc=kc, k=k, mode=mode)
+                yield (mode.name, "two_stage", kc, k), res, nugget_rank(res, gold)
+        if "one_stage" in evidence:
+            res = retriever.one_stage(q.question, k=k, mode=mode)
+            yield (mode.name, "one_stage", 0, k), res, nugget_rank(res, gold)
+
+
+def _row(qi: int, dataset: str, q: Any, key: tuple[Any, ...], result: Any, rank: Any) -> dict:
+    """One row of ``retrieval_per_question.parquet``."""
+    docs = list(dict.fromkeys(e.doc_id for e in result.evidence))
+    gold = q.doc_ids or []
+    return {
+        "qid": qi,
+        "dataset": dataset,
+        **dict(zip(("retrieval", "evidence", "kc", "k"), key, strict=True)),
+        "question": q.question,
+        "gold_doc_ids": gold,
+        "evidence_doc_ids": docs,
+        "hit": float(any(d in set(gold) for d in docs)),
+        "recall": doc_recall(docs, gold),
+        "rank": rank,
+        "search_ms": result.embed_ms + result.search_ms,
+    }
 
 
 def retrieval_text(results: pa.Table) -> str:

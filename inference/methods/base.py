@@ -81,7 +81,7 @@ def repair_command(store: Store) -> str:
         if runs:
             last = max(runs, key=lambda r: r.started_at)
             source = json.loads(last.parameters_json).get("source") or source
-    except Exception:  # unreadable runs: the generic form still says what to run
+    except (OSError, ValueError, KeyError):  # unreadable runs: the generic form still says it
         pass
     config = f" --config {store.uri(store.settings_path)}" if store.is_local else ""
     return f"`coinrag build {source} --store {store.url}{config}`"

@@ -254,6 +254,23 @@ class ApiServer:
         future.add_done_callback(lambda _: release())
         return version, future
 
+    def refused(self, endpoint: str, method: str, exc: BaseException) -> JSONResponse:
+        """A request refused before its answer started (counted, then answered)."""
+        status, message, headers = refusal(exc, self.settings.retry_after_s)
+        if isinstance(exc, Limited):
+            self.metrics.limited.labels(exc.reason).inc()
+        self.metrics.requests.labels(endpoint, method, str(status)).inc()
+        return _error(status, message, headers)
+
+    def unauthorized(self, endpoint: str) -> JSONResponse:
+        """401 for a request without a valid key (counted)."""
+        self.metrics.unauthorized.labels(endpoint).inc()
+        return _error(
+            401,
+            "missing or wrong API key: send the header Authorization: Bearer KEY",
+            BAD_KEY_HEADERS,
+        )
+
     def start(self) -> None:
         """Hold the reader lease (renewed in the background) and start following the store."""
         self.lease.hold()
@@ -315,6 +332,90 @@ def _sse(event: str, data: str) -> bytes:
     return f"event: {event}\ndata: {data}\n\n".encode()
 
 
+class InFlight:
+    """One admitted request: its answer job on the model thread, the tokens it streams, and
+    its outcome, counted in the metrics once when the job ends (whether or not a client is
+    still there to read it)."""
+
+    def __init__(self, server: ApiServer, req: QueryRequest, endpoint: str, stream: bool) -> None:
+        self.server, self.req, self.endpoint, self.stream = server, req, endpoint, stream
+        self.started = time.perf_counter()
+        self.cancel = Cancel()
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.outcome: tuple[int, Answer | str] | None = None
+        self.headers: dict[str, str] = {}
+
+    def emit(self, data: dict[str, Any]) -> None:
+        """A decoded token (called on the model thread)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", data))
+
+    def admit(self, client: str) -> None:
+        """Queue the answer (:class:`Limited` or :class:`QueueFull` when refused)."""
+        emit = self.emit if self.stream else None
+        version, future = self.server.admit(self.req, self.cancel, emit, client)
+        self.headers = {RUN_HEADER: version.run_id}
+        self.done = asyncio.wrap_future(future)
+        self.done.add_done_callback(self.finished)
+        if self.stream:
+            self.done.add_done_callback(lambda _: self.events.put_nowait(("done", None)))
+
+    def finished(self, _: Any = None) -> tuple[int, Answer | str]:
+        """The status and the answer (or the error message), counted once."""
+        if self.outcome is None:
+            metrics, exc = self.server.metrics, self.done.exception()
+            if exc is None:
+                answer = self.done.result()
+                elapsed = time.perf_counter() - self.started
+                metrics.answered(self.req.method, answer.timings, elapsed)
+                self.outcome = (200, answer)
+            else:
+                self.outcome = refusal(exc, self.server.settings.retry_after_s)[:2]
+                if self.outcome[0] == 499:
+                    metrics.cancelled.inc()
+            metrics.requests.labels(self.endpoint, self.req.method, str(self.outcome[0])).inc()
+        return self.outcome
+
+    async def response(self, request: Request) -> Response:
+        """The whole answer as JSON (a client that leaves stops the job at its next token)."""
+        while not self.done.done():
+            await asyncio.wait({self.done}, timeout=0.2)
+            if not self.done.done() and await request.is_disconnected():
+                self.cancel.set()
+        status, result = self.finished()
+        if isinstance(result, Answer):
+            return Response(
+                result.to_json_text(), media_type="application/json", headers=self.headers
+            )
+        return _error(status, result, self.headers)
+
+    def events_response(self) -> StreamingResponse:
+        """Server-sent events: ``token`` per decoded token, then ``answer`` (or ``error``)."""
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    kind, data = await self.events.get()
+                    if kind == "token":
+                        yield _sse("token", json.dumps(data, ensure_ascii=False))
+                        continue
+                    status, result = self.finished()
+                    if isinstance(result, Answer):
+                        yield _sse("answer", result.to_json_text())
+                    else:
+                        payload = {"error": result, "status": status}
+                        yield _sse("error", json.dumps(payload, ensure_ascii=False))
+                    return
+            finally:
+                self.cancel.set()  # a client gone mid-stream: stop at the next token
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={**self.headers, "Cache-Control": "no-cache"},
+        )
+
+
 def create_app(server: ApiServer) -> FastAPI:
     """The FastAPI app of ``server`` (its watcher runs while the app does)."""
 
@@ -339,22 +440,6 @@ def create_app(server: ApiServer) -> FastAPI:
         status, message, headers = refusal(exc, server.settings.retry_after_s)
         return _error(status, message, headers)
 
-    def refused(endpoint: str, method: str, exc: BaseException) -> JSONResponse:
-        """A request refused before its answer started (counted, then answered)."""
-        status, message, headers = refusal(exc, server.settings.retry_after_s)
-        if isinstance(exc, Limited):
-            metrics.limited.labels(exc.reason).inc()
-        metrics.requests.labels(endpoint, method, str(status)).inc()
-        return _error(status, message, headers)
-
-    def unauthorized(endpoint: str) -> JSONResponse:
-        metrics.unauthorized.labels(endpoint).inc()
-        return _error(
-            401,
-            "missing or wrong API key: send the header Authorization: Bearer KEY",
-            BAD_KEY_HEADERS,
-        )
-
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         if server.client(request) is None:
@@ -364,7 +449,7 @@ def create_app(server: ApiServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics_text(request: Request) -> Response:
         if not server.settings.metrics_open and server.client(request) is None:
-            return unauthorized("metrics")
+            return server.unauthorized("metrics")
         metrics.queue_depth.set(server.queue.admitted)
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -372,89 +457,23 @@ def create_app(server: ApiServer) -> FastAPI:
         client = server.client(request)
         if client is None:
             metrics.requests.labels(endpoint, "-", "401").inc()
-            return unauthorized(endpoint)
+            return server.unauthorized(endpoint)
         try:
             server.limits.take(client)  # before the body is read
         except Limited as exc:
-            return refused(endpoint, "-", exc)
+            return server.refused(endpoint, "-", exc)
         try:
             body = await _read_body(request, server.settings.max_body_bytes)
             req = parse_query(body, server.settings, server.methods, server.config.max_new_tokens)
         except ValueError as exc:  # BadRequest, BlankQuestion: the request's own fault
-            return refused(endpoint, "-", exc)
+            return server.refused(endpoint, "-", exc)
         stream = force_stream or req.stream
-        endpoint = "stream" if stream else endpoint
-        started = time.perf_counter()
-        cancel = Cancel()
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        def emit(data: dict[str, Any]) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, ("token", data))
-
+        flight = InFlight(server, req, "stream" if stream else endpoint, stream)
         try:
-            version, future = server.admit(req, cancel, emit if stream else None, client)
+            flight.admit(client)
         except (Limited, QueueFull) as exc:
-            return refused(endpoint, req.method, exc)
-        headers = {RUN_HEADER: version.run_id}
-        done = asyncio.wrap_future(future)
-
-        outcome: dict[str, Any] = {}
-
-        def finished(_: Any = None) -> tuple[int, Answer | str]:
-            """The status and answer (or message), counted in the metrics once: when the job
-            ends, whether or not a client is still there to read it."""
-            if not outcome:
-                exc = done.exception()
-                if exc is None:
-                    answer = done.result()
-                    metrics.answered(req.method, answer.timings, time.perf_counter() - started)
-                    outcome["result"] = (200, answer)
-                else:
-                    outcome["result"] = refusal(exc, server.settings.retry_after_s)[:2]
-                    if outcome["result"][0] == 499:
-                        metrics.cancelled.inc()
-                status = str(outcome["result"][0])
-                metrics.requests.labels(endpoint, req.method, status).inc()
-            return outcome["result"]
-
-        done.add_done_callback(finished)
-        if not stream:
-            while not done.done():
-                await asyncio.wait({done}, timeout=0.2)
-                if not done.done() and await request.is_disconnected():
-                    cancel.set()  # the job stops at its next token
-            status, result = finished()
-            if isinstance(result, Answer):
-                return Response(
-                    result.to_json_text(), media_type="application/json", headers=headers
-                )
-            return _error(status, result, headers)
-
-        done.add_done_callback(lambda _: events.put_nowait(("done", None)))
-
-        async def events_body() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    kind, data = await events.get()
-                    if kind == "token":
-                        yield _sse("token", json.dumps(data, ensure_ascii=False))
-                        continue
-                    status, result = finished()
-                    if isinstance(result, Answer):
-                        yield _sse("answer", result.to_json_text())
-                    else:
-                        payload = {"error": result, "status": status}
-                        yield _sse("error", json.dumps(payload, ensure_ascii=False))
-                    return
-            finally:
-                cancel.set()  # a client gone mid-stream: stop at the next token
-
-        return StreamingResponse(
-            events_body(),
-            media_type="text/event-stream",
-            headers={**headers, "Cache-Control": "no-cache"},
-        )
+            return server.refused(flight.endpoint, req.method, exc)
+        return flight.events_response() if stream else await flight.response(request)
 
     @app.post("/query")
     async def query(request: Request) -> Response:
