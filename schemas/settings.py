@@ -11,7 +11,7 @@ pipeline compute, with their defaults and checks.
 - :class:`CartridgeSettings`: the cartridge pipeline (``coinrag train cartridges``), and the
   two views of it the stages take: :class:`TeacherSettings` (``tasks/teacher.py``) and
   :class:`CartridgeTrainSettings` (``training/budget.py``); declared in
-  ``schemas/cartridge_settings.py``, importable from here.
+  ``schemas/training_settings.py``, importable from here.
 
 Build settings
 --------------
@@ -40,18 +40,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The cartridge pipeline's settings live beside these (schemas/cartridge_settings.py);
-# importable from here too, as every setting is.
-from coinrag.schemas.cartridge_settings import QUESTION_GENERATORS as QUESTION_GENERATORS
-from coinrag.schemas.cartridge_settings import CartridgeSettings as CartridgeSettings
-from coinrag.schemas.cartridge_settings import CartridgeTrainSettings as CartridgeTrainSettings
-from coinrag.schemas.cartridge_settings import TeacherSettings as TeacherSettings
-from coinrag.schemas.cartridge_settings import check_visibility as check_visibility
+# How a setting is declared (schemas/fields.py), and the training pipelines' settings
+# (schemas/training_settings.py): importable from here too, as every setting is.
+from coinrag.schemas.fields import SettingsError as SettingsError
+from coinrag.schemas.fields import check_choices as check_choices
+from coinrag.schemas.fields import setting as setting
+from coinrag.schemas.training_settings import QUESTION_GENERATORS as QUESTION_GENERATORS
+from coinrag.schemas.training_settings import CartridgeSettings as CartridgeSettings
+from coinrag.schemas.training_settings import CartridgeTrainSettings as CartridgeTrainSettings
+from coinrag.schemas.training_settings import TeacherSettings as TeacherSettings
+from coinrag.schemas.training_settings import check_visibility as check_visibility
 
 EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
@@ -93,52 +95,6 @@ DEFAULT_RAG_METHODS = ("coinrag", "turborag", "standard")  # eval's default (car
 LOCAL_STORE_METHODS = ("cartridge",)  # read assets only a local store holds (cartridges)
 # Fine-tuning: who encodes the context (inference.context.FINETUNE_CONTEXTS maps each to a class).
 FINETUNE_MODES = ("live", "frozen")
-
-
-class SettingsError(ValueError):
-    """A setting with an invalid value, or an unknown setting name: a usage error (the CLI
-    exits 2, the server answers 422)."""
-
-    exit_code = 2
-    http_status = 422
-
-
-def setting(
-    default: Any,
-    help: str = "",
-    *,
-    cli: bool = False,
-    flag: str | None = None,
-    min: int | None = None,
-    choices: tuple[str, ...] | None = None,
-    cap: str | None = None,
-) -> Any:
-    """A dataclass field with its documentation: ``help`` (``{default}`` in it becomes the
-    default) and, with ``cli=True``, a command-line option of the commands that take these
-    settings (``flows/settings_options.py``; ``flag``: its name when not ``--field-name``;
-    ``min``: the least value the option accepts; ``choices``: the values it accepts, checked by
-    :func:`check_choices`; ``cap``: the :class:`ApiSettings` field that bounds it in a server
-    request). Plain values only: ``schemas/`` knows no CLI library."""
-    meta = {"help": help, "cli": cli, "flag": flag, "min": min, "choices": choices, "cap": cap}
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def check_choices(options: Any, name_of: Callable[[str], str] = str) -> None:
-    """:class:`SettingsError` for a field of ``options`` (a dataclass) outside its declared
-    ``choices`` (a list field: every item); ``name_of(field name)`` names it in the message
-    (the CLI: its flag; the server: the request field)."""
-    for field in dataclasses.fields(options):
-        choices, value = field.metadata.get("choices"), getattr(options, field.name)
-        if not choices or value is None:
-            continue
-        if isinstance(value, list | tuple):
-            bad = [v for v in value if v not in choices]
-            if bad:
-                name = name_of(field.name)
-                raise SettingsError(f"{name} {' '.join(bad)}: not among {', '.join(choices)}")
-        elif value not in choices:
-            name = name_of(field.name)
-            raise SettingsError(f"{name} {value!r} is not one of {', '.join(choices)}")
 
 
 def threads_setting() -> Any:

@@ -25,9 +25,11 @@ from coinrag.schemas.settings import (
     RAG_METHODS,
     ApiSettings,
     EvalOptions,
+    FinetuneSettings,
     QueryOptions,
     SettingsError,
 )
+from coinrag.schemas.training_settings import KvLinkOptions
 from coinrag.storage.store import StoreLocked
 
 
@@ -63,6 +65,15 @@ def test_every_eval_option_is_a_cli_option_of_eval_with_its_default() -> None:
     assert EvalOptions().max_new_tokens == DEFAULT_QUERY.max_new_tokens
     assert EvalOptions().sweep == ((DEFAULT_QUERY.kc, DEFAULT_QUERY.k),)
     assert EvalOptions(kc=[1, 2], k=[5]).sweep == ((1, 5), (2, 5))
+
+
+def test_every_kvlink_option_is_a_cli_option_of_train_kvlink() -> None:
+    cli = _options("train", "kvlink")
+    for field in dataclasses.fields(KvLinkOptions):
+        assert cli[field.name].default == field.default, field.name
+        assert cli[field.name].min == field.metadata["min"], field.name
+    finetune = {f.name for f in dataclasses.fields(FinetuneSettings)}
+    assert set(KvLinkOptions().training()) <= finetune  # read as FinetuneSettings
 
 
 def test_the_declared_bounds_and_choices_refuse_alike_on_the_cli_and_the_server() -> None:

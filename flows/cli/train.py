@@ -10,8 +10,9 @@ import typer
 from coinrag.flows.cli import common
 from coinrag.flows.cli.common import LocalStore, fail
 from coinrag.flows.cli_lists import ListOptionsCommand
-from coinrag.flows.settings_options import with_settings_options
+from coinrag.flows.settings_options import with_options, with_settings_options
 from coinrag.schemas.settings import FinetuneSettings
+from coinrag.schemas.training_settings import KvLinkOptions
 
 train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
 TRAIN_ERRORS = (KeyError, ValueError, FileNotFoundError)  # a flow's refusal of its inputs: exit 1
@@ -110,6 +111,7 @@ def train_nuggets_cmd(
 
 
 @train_app.command("kvlink")
+@with_options(KvLinkOptions)
 def train_kvlink_cmd(
     store: LocalStore,
     data: Annotated[
@@ -117,44 +119,26 @@ def train_kvlink_cmd(
         typer.Option("--data", help="JSONL of QA examples (as for `train nuggets`)."),
     ],
     out: Annotated[Path, typer.Option("--out", help="Folder for the link adapter.")],
-    n_link: Annotated[int, typer.Option(min=1, help="Link tokens after each chunk.")] = 5,
-    max_docs: Annotated[
-        int, typer.Option(min=1, help="Document slots with their own links (bounds --kc).")
-    ] = 16,
-    kc: Annotated[int, typer.Option(min=1, help="Chunks per example (as kvlink serves).")] = 5,
-    lr: Annotated[float, typer.Option(min=0.0, help="Learning rate of the link tokens.")] = 1e-3,
-    batch_size: Annotated[int, typer.Option(min=1, help="Examples per optimizer step.")] = 16,
-    epochs: Annotated[int, typer.Option(min=1, help="Passes over the data.")] = 1,
-    max_steps: Annotated[
-        int | None, typer.Option(min=1, help="Stop after N optimizer steps.")
-    ] = None,
-    checkpoint_every: Annotated[
-        int, typer.Option(min=1, help="Checkpoint every N steps (a killed run resumes).")
-    ] = 50,
-    model: Annotated[
-        str | None, typer.Option(help="Base model (default: the store's); stays frozen.")
-    ] = None,
+    options: KvLinkOptions,
 ) -> None:
     """KVLink: train link tokens after each retrieved chunk's stored KV (the base model frozen);
     serve them with `coinrag query --method kvlink --model OUT`."""
     from coinrag.flows.train import train_kvlink_flow
 
-    if kc > max_docs:
-        fail(f"--kc {kc} is more than --max-docs {max_docs}", 2)
-    if lr <= 0:
+    if options.kc > options.max_docs:
+        fail(f"--kc {options.kc} is more than --max-docs {options.max_docs}", 2)
+    if options.lr <= 0:
         fail("--lr must be > 0", 2)
     _training_store(store, data, out, "coinrag train kvlink")
-    settings = {
-        "kc": kc,
-        "lr": lr,
-        "batch_size": batch_size,
-        "epochs": epochs,
-        "max_steps": max_steps,
-        "checkpoint_every": checkpoint_every,
-    }
     common.prefect_run()
     with common.exit_on(1, *TRAIN_ERRORS):
         summary = train_kvlink_flow(
-            str(store), str(data), str(out), n_link, max_docs, model=model, settings=settings
+            str(store),
+            str(data),
+            str(out),
+            options.n_link,
+            options.max_docs,
+            model=options.model,
+            settings=options.training(),
         )
     common.print_json(summary)
