@@ -33,8 +33,11 @@ class QueryRequest(QueryOptions):
 
 def _field_types() -> dict[str, tuple[type, bool]]:
     """Each request field: its JSON type and whether it may be null (``str | None``)."""
+    hints = typing.get_type_hints(QueryRequest)
     out = {}
-    for name, hint in typing.get_type_hints(QueryRequest).items():
+    names = [f.name for f in dataclasses.fields(QueryRequest)]
+    for name in sorted(names, key=lambda n: n != "question"):  # question first, then in order
+        hint = hints[name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         out[name] = (args[0], True) if args else (hint, False)
     return out
