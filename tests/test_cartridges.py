@@ -34,7 +34,7 @@ from coinrag.inference.models import LoadedModel
 from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, rerotate_keys
 from coinrag.schemas.keys import CODE_VERSION, doc_version
-from coinrag.schemas.settings import CartridgeTrainSettings, TeacherSettings
+from coinrag.schemas.settings import CartridgeSettings, CartridgeTrainSettings, TeacherSettings
 from coinrag.schemas.tables import (
     CartridgeManifestRow,
     DocumentRow,
@@ -388,7 +388,9 @@ def test_local_generator_yields_parseable_arrays_or_counted_drops(tok, tiny, tmp
     )
     store = Store.at(tmp_path).init()
     docs = _documents(store, 3)
-    questions, counts = selfstudy_stage(store, docs, gen, run_id="selfstudy-test", seed=1)
+    questions, counts = selfstudy_stage(
+        store, docs, gen, run_id="selfstudy-test", settings=CartridgeSettings(seed=1)
+    )
     assert counts.planned == 3 and counts.ok == 3 and counts.malformed == counts.failed == 0
     assert counts.raw_items == 9  # the skeleton always parses into n strings
     assert counts.questions + counts.dropped_items == 9
@@ -398,7 +400,9 @@ def test_local_generator_yields_parseable_arrays_or_counted_drops(tok, tiny, tmp
     calls = read_rows(store, SelfStudyCallRow)
     assert [c.status for c in calls] == ["ok"] * 3
     assert len(read_rows(store, ExtractionCallRow)) == 3
-    again, counts2 = selfstudy_stage(store, docs, gen, run_id="selfstudy-test2", seed=1)
+    again, counts2 = selfstudy_stage(
+        store, docs, gen, run_id="selfstudy-test2", settings=CartridgeSettings(seed=1)
+    )
     assert counts2.cached == 3 and counts2.ledger_rows == 0 and again == questions
 
 
@@ -421,10 +425,14 @@ def test_openai_generator_against_fake_server(tmp_path) -> None:
             concurrency=1,
             sleep=lambda s: None,
         )
-        questions, counts = selfstudy_stage(store, docs, gen, run_id="selfstudy-oa", seed=0)
+        questions, counts = selfstudy_stage(
+            store, docs, gen, run_id="selfstudy-oa", settings=CartridgeSettings(seed=0)
+        )
         n_requests = len(fake.chat_requests())
         body = fake.chat_requests()[0].json
-        again, counts2 = selfstudy_stage(store, docs, gen, run_id="selfstudy-oa2", seed=0)
+        again, counts2 = selfstudy_stage(
+            store, docs, gen, run_id="selfstudy-oa2", settings=CartridgeSettings(seed=0)
+        )
         assert len(fake.chat_requests()) == n_requests  # cached: no call
     assert n_requests == 4 and counts.ok == 2 and counts.malformed == 1
     assert counts.raw_items == 6 and counts.questions == 4
