@@ -31,6 +31,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import pyarrow.compute as pc
 
@@ -209,8 +210,9 @@ def selfstudy_stage(
             chars_per_call=settings.chars_per_call,
         )
     counts = SelfStudyCounts(planned=len(plan))
-    keys = [call_key(generator.fingerprint, p) for p in plan]
-    pending = _pending_calls(store, generator.fingerprint, keys, plan, counts)
+    fp = generator.fingerprint
+    keys = [call_key(fp, p) for p in plan]
+    pending = _pending_calls(store, fp, keys, plan, counts)
     writer = _CallWriter(store, generator, run_id, counts)
     on_questions = ProgressCounter(progress, len(pending) * generator.n_questions)
     for start in range(0, len(pending), batch):
@@ -260,18 +262,20 @@ def _add(into: dict[str, int], reason: str, n: int = 1) -> None:
     into[reason] = into.get(reason, 0) + n
 
 
+@dataclass
 class _CallWriter:
     """Counts and writes the results of a batch of generator calls: one ``SelfStudyCallRow``
     per call, its usable questions and its ledger rows."""
 
-    def __init__(
-        self, store: Store, generator: QuestionGenerator, run_id: str, counts: SelfStudyCounts
-    ) -> None:
-        self.store = store
-        self.generator = generator
-        self.fp = generator.fingerprint
-        self.run_id = run_id
-        self.counts = counts
+    store: Store
+    generator: QuestionGenerator
+    run_id: str
+    counts: SelfStudyCounts
+
+    @cached_property
+    def fp(self) -> str:
+        """The generator's fingerprint (computed once)."""
+        return self.generator.fingerprint
 
     def write(self, part: list[tuple[str, CallPlan]], results: Sequence[QuestionResult]) -> None:
         call_rows: list[SelfStudyCallRow] = []

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import pyarrow.compute as pc
@@ -231,27 +232,23 @@ def teacher_stage(
     return [run.rows[q.question_id] for q in questions], run.counts
 
 
+@dataclass
 class _TeacherRun:
     """One run of the teacher stage: its fingerprint, the rows it has (cached or new) by
     question id, and its counts."""
 
-    def __init__(
-        self,
-        store: Store,
-        loaded: LoadedModel,
-        prompt: RagPrompt,
-        cfg: TeacherSettings,
-        run_id: str,
-        counts: TeacherCounts,
-    ) -> None:
-        self.store = store
-        self.loaded = loaded
-        self.prompt = prompt
-        self.cfg = cfg
-        self.run_id = run_id
-        self.counts = counts
-        self.tfp = teacher_fingerprint(loaded.model_fp, prompt.prefix_sha, cfg)
-        self.rows: dict[str, TeacherAnswerRow] = {}
+    store: Store
+    loaded: LoadedModel
+    prompt: RagPrompt
+    cfg: TeacherSettings
+    run_id: str
+    counts: TeacherCounts
+    rows: dict[str, TeacherAnswerRow] = field(default_factory=dict)
+
+    @cached_property
+    def tfp(self) -> str:
+        """The teacher fingerprint (``teacher_fingerprint``)."""
+        return teacher_fingerprint(self.loaded.model_fp, self.prompt.prefix_sha, self.cfg)
 
     def plan(self, docs: dict[str, DocumentRow], questions: Sequence[Question]) -> list[_DocWork]:
         """Per document (by id), its context and the questions without a stored answer of
