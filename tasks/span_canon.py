@@ -80,44 +80,62 @@ HAS_ALNUM_RE = re.compile(r"[^\W_]")
 _SPACE = ord(" ")
 
 
-def canonicalize(text: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
-    """Canonical text (not stripped); per canonical character, its original index; and the
-    canonical start and end of every word (run of non-space characters)."""
-    n = len(text)
-    counts = None  # characters each original character becomes (None: all 1)
-    expansions: list[tuple[int, str]] = []
+def _may_group_digits(text: str) -> bool:
+    """Whether ``text`` holds a character that may separate digit groups (a quick test before
+    the regular expression)."""
+    return "," in text or "_" in text or "\u2009" in text or "\u202f" in text
+
+
+def _fold_each(text: str) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, str]]]:
+    """Per original character, its folded code point (``uint8`` for ASCII text, else
+    ``uint32``); how many characters it folds to (``None`` when all fold to one); and the
+    ``(index, folded)`` of those that fold to more than one."""
     if text.isascii():
-        out = _ASCII_LUT[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
-    else:
-        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        out = cps.copy()
-        small = cps < 128
-        out[small] = _ASCII_LUT[cps[small]]
-        for k in np.flatnonzero(~small).tolist():
-            f = _FOLD[int(cps[k])]
-            if len(f) == 1:
-                out[k] = ord(f)
-            else:
-                if counts is None:
-                    counts = np.ones(n, dtype=np.int64)
-                counts[k] = len(f)
-                if f:
-                    expansions.append((k, f))
-    if "," in text or "_" in text or "\u2009" in text or "\u202f" in text:
+        return _ASCII_LUT[np.frombuffer(text.encode("ascii"), dtype=np.uint8)], None, []
+    counts = None
+    expansions: list[tuple[int, str]] = []
+    cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    out = cps.copy()
+    small = cps < 128
+    out[small] = _ASCII_LUT[cps[small]]
+    for k in np.flatnonzero(~small).tolist():
+        f = _FOLD[int(cps[k])]
+        if len(f) == 1:
+            out[k] = ord(f)
+        else:
+            if counts is None:
+                counts = np.ones(len(text), dtype=np.int64)
+            counts[k] = len(f)
+            if f:
+                expansions.append((k, f))
+    return out, counts, expansions
+
+
+def _fold_codes(text: str) -> tuple[np.ndarray, np.ndarray]:
+    """Code points of the folded text (digit-group separators dropped, spaces not yet
+    collapsed) and, per code point, the index of the original character it comes from."""
+    n = len(text)
+    out, counts, expansions = _fold_each(text)
+    if _may_group_digits(text):
         for m in _SEP_RE.finditer(text):
             if counts is None:
                 counts = np.ones(n, dtype=np.int64)
             counts[m.end(1)] = 0
     if counts is None:
-        orig = np.arange(n)
-    else:
-        orig = np.repeat(np.arange(n), counts)
-        pos = np.cumsum(counts) - counts
-        out = np.repeat(out, counts)
-        for k, f in expansions:
-            out[pos[k] : pos[k] + len(f)] = [ord(u) for u in f]
+        return out, np.arange(n)
+    pos = np.cumsum(counts) - counts
+    out = np.repeat(out, counts)
+    for k, f in expansions:
+        out[pos[k] : pos[k] + len(f)] = [ord(u) for u in f]
+    return out, np.repeat(np.arange(n), counts)
+
+
+def canonicalize(text: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+    """Canonical text (not stripped); per canonical character, its original index; and the
+    canonical start and end of every word (run of non-space characters)."""
+    out, orig = _fold_codes(text)
     space = out == _SPACE
-    dup = space[1:] & space[:-1]
+    dup = space[1:] & space[:-1]  # a space after a space: runs collapse to one
     if dup.any():
         keep = np.ones(len(out), dtype=bool)
         keep[1:] = ~dup
@@ -142,7 +160,7 @@ def canonical_form(text: str) -> str:
     >>> canonical_form("Gráinne") == "gra\\u0301inne"
     True
     """
-    if "," in text or "_" in text or "\u2009" in text or "\u202f" in text:
+    if _may_group_digits(text):
         text = _SEP_RE.sub(r"\1", text)
     return " ".join(text.translate(_FOLD).split())
 
