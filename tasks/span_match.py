@@ -88,7 +88,6 @@ from typing import NamedTuple
 from coinrag.tasks.span_canon import (
     HAS_ALNUM_RE,
     canonical_form,
-    canonicalize,
     find_all_on_boundaries,
     fold_char,
     is_word_char,
@@ -109,8 +108,6 @@ __all__ = [
     "trim_edge_punctuation",
     "window_word_range",
 ]
-
-_canonicalize = canonicalize  # the name tests/test_recover.py checks the canonical map by
 
 EXACT = "exact"
 FUZZY = "fuzzy"
