@@ -54,7 +54,7 @@ from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_rows
 from coinrag.tasks.question_generators.local import LocalQuestionGenerator
 from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
-from coinrag.tasks.questions import plan_calls, selfstudy_stage
+from coinrag.tasks.questions import call_key, plan_calls, selfstudy_stage
 from coinrag.tasks.teacher import teacher_answers
 from coinrag.training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
 from coinrag.training.cartridges import (
@@ -404,6 +404,20 @@ def test_local_generator_yields_parseable_arrays_or_counted_drops(tok, tiny, tmp
         store, docs, gen, run_id="selfstudy-test2", settings=CartridgeSettings(seed=1)
     )
     assert counts2.cached == 3 and counts2.ledger_rows == 0 and again == questions
+
+
+def test_selfstudy_plans_with_the_cartridge_settings(tok, tiny, tmp_path) -> None:
+    """The stage's plan is ``plan_calls`` with the settings' seed, n_calls and chars_per_call."""
+    loaded = LoadedModel(tiny, tok, Path(tmp_path), "model-tiny", "tok-test")
+    gen = LocalQuestionGenerator(loaded, n_questions=2, max_question_tokens=6, batch_size=2)
+    store = Store.at(tmp_path).init()
+    docs = _documents(store, 2)
+    settings = CartridgeSettings(seed=2, n_calls=3, chars_per_call=10)
+    _, counts = selfstudy_stage(store, docs, gen, run_id="selfstudy-plan", settings=settings)
+    plan = plan_calls(docs, seed=2, n_calls=3, chars_per_call=10)
+    assert counts.planned == len(plan) == 3
+    made = {c.call_key for c in read_rows(store, SelfStudyCallRow)}
+    assert made == {call_key(gen.fingerprint, p) for p in plan}
 
 
 def test_openai_generator_against_fake_server(tmp_path) -> None:
