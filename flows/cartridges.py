@@ -121,9 +121,7 @@ def selfstudy_task(
         docs,
         generator,
         run_id=run_id,
-        seed=settings.seed,
-        n_calls=settings.n_calls,
-        chars_per_call=settings.chars_per_call,
+        settings=settings,
         progress=progress,
     )
     return questions, dataclasses.asdict(counts), generator.fingerprint
@@ -145,10 +143,8 @@ def teacher_task(
 
     rows, counts = teacher_stage(
         store,
-        loaded.model,
-        loaded.tokenizer,
+        loaded,
         prompt,
-        loaded.model_fp,
         {d.doc_id: d for d in docs},
         questions,
         settings.teacher(),

@@ -90,32 +90,37 @@ def prefill_and_decode(
     )
 
 
+@dataclass(frozen=True, eq=False)
+class Prefilled:
+    """What a prefill done outside :func:`prefill_and_decode` left for decoding (CacheBlend and
+    KVLink prefill their own way)."""
+
+    cache: Any  # a transformers cache or a KV tensor, ready for position ``next_position``
+    first_logits: torch.Tensor  # (vocab,) logits of the prefill's last position
+    next_position: int  # position of the first answer token
+    prefill_ms: float  # what the prefill took (recorded as is)
+
+
 @torch.inference_mode()
 def decode_greedy(
     model: Any,
     tokenizer: Any,
-    cache: Any,
-    first_logits: torch.Tensor,
-    next_position: int,
+    prefilled: Prefilled,
     *,
-    prefill_ms: float,
     max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
     keep_first_logits: bool = False,
     on_token: Callable[[int], None] | None = None,
 ) -> Generation:
-    """Greedy decoding after a prefill that gave ``first_logits`` ``(vocab,)`` and left
-    ``cache`` (a transformers cache, or a KV tensor) ready for position ``next_position`` (the
-    methods that prefill their own way, CacheBlend and KVLink, continue here as
-    :func:`prefill_and_decode` does, with the model's forward). ``prefill_ms``: what the
-    prefill took (recorded as is)."""
+    """Greedy decoding after a prefill of the caller's own (``prefilled``): it continues as
+    :func:`prefill_and_decode` does, with the model's forward; options as there."""
     t1 = time.perf_counter()
-    run = forward_for(model).begin(cache, next_position, 0, max_new_tokens)
+    run = forward_for(model).begin(prefilled.cache, prefilled.next_position, 0, max_new_tokens)
     gen = _decode(
         run,
         model,
         tokenizer,
-        first_logits,
-        prefill_ms=prefill_ms,
+        prefilled.first_logits,
+        prefill_ms=prefilled.prefill_ms,
         max_new_tokens=max_new_tokens,
         keep_first_logits=keep_first_logits,
         on_token=on_token,

@@ -31,12 +31,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import pyarrow.compute as pc
 
 from coinrag.schemas.keys import CODE_VERSION, sha256_hex, text_hash
+from coinrag.schemas.settings import CartridgeSettings
 from coinrag.schemas.tables import (
     DocumentRow,
+    ExtractionCallRow,
     SelfStudyCallRow,
     SelfStudyQuestionRow,
 )
@@ -44,7 +47,11 @@ from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_rows
 from coinrag.tasks.extract import ledger_row
 from coinrag.tasks.question_generators.accept import usable_questions
-from coinrag.tasks.question_generators.base import QuestionGenerator, QuestionRequest
+from coinrag.tasks.question_generators.base import (
+    QuestionGenerator,
+    QuestionRequest,
+    QuestionResult,
+)
 from coinrag.tasks.question_generators.prompt import SEED_TYPES
 
 # ---------------------------------------------------------------------------- the plan
@@ -168,6 +175,9 @@ class Question:
     text: str
 
 
+_DEFAULT_SETTINGS = CartridgeSettings()
+
+
 def question_id(key: str, ordinal: int) -> str:
     return "qq-" + sha256_hex("selfstudy-question", key, str(ordinal))[:24]
 
@@ -179,26 +189,60 @@ def selfstudy_stage(
     *,
     run_id: str,
     plan: Sequence[CallPlan] | None = None,
-    seed: int = 0,
-    n_calls: int | None = None,
-    chars_per_call: int = 2000,
+    settings: CartridgeSettings = _DEFAULT_SETTINGS,
     batch: int = 32,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Question], SelfStudyCounts]:
     """Make (or reuse) the questions of ``docs``; return every usable question of the plan.
 
-    Calls already answered by this generator (``ok`` or ``malformed``) are not made again.
-    Results are written ``batch`` calls at a time (a killed run loses at most one batch).
-    ``progress(questions written, questions to write)`` as the generator writes them (each
-    OpenAI call counts its ``n_questions`` when it returns; the local generator each question).
+    ``plan`` defaults to :func:`plan_calls` of ``docs`` with the ``seed``, ``n_calls`` and
+    ``chars_per_call`` of ``settings``. Calls already answered by this generator (``ok`` or
+    ``malformed``) are not made again. Results are written ``batch`` calls at a time (a killed
+    run loses at most one batch). ``progress(questions written, questions to write)`` as the
+    generator writes them (each OpenAI call counts its ``n_questions`` when it returns; the
+    local generator each question).
     """
-    fp = generator.fingerprint
     if plan is None:
-        plan = plan_calls(docs, seed=seed, n_calls=n_calls, chars_per_call=chars_per_call)
+        plan = plan_calls(
+            docs,
+            seed=settings.seed,
+            n_calls=settings.n_calls,
+            chars_per_call=settings.chars_per_call,
+        )
     counts = SelfStudyCounts(planned=len(plan))
+    fp = generator.fingerprint
     keys = [call_key(fp, p) for p in plan]
-    done = {
-        r.call_key: r
+    pending = _pending_calls(store, fp, keys, plan, counts)
+    writer = _CallWriter(store, generator, run_id, counts)
+    on_questions = ProgressCounter(progress, len(pending) * generator.n_questions)
+    for start in range(0, len(pending), batch):
+        part = pending[start : start + batch]
+        reqs = [QuestionRequest(k, p.text, p.seed_type, p.call_index) for k, p in part]
+        writer.write(part, generator.generate(reqs, on_questions))
+    return _plan_questions(store, keys, plan), counts
+
+
+class ProgressCounter:
+    """``progress(done, total)`` as work of ``n`` units at a time is reported done."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.done = 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _pending_calls(
+    store: Store, fp: str, keys: list[str], plan: Sequence[CallPlan], counts: SelfStudyCounts
+) -> list[tuple[str, CallPlan]]:
+    """The plan's calls not yet answered (``ok`` or ``malformed``) by generator ``fp``, one per
+    key, in plan order; the answered ones are counted as cached."""
+    answered = {
+        r.call_key
         for r in read_rows(
             store,
             SelfStudyCallRow,
@@ -207,91 +251,124 @@ def selfstudy_stage(
     }
     todo: dict[str, CallPlan] = {}
     for key, p in zip(keys, plan, strict=True):
-        if key in done:
+        if key in answered:
             counts.cached += 1
         else:
             todo.setdefault(key, p)
-    pending = list(todo.items())
-    written, to_write = 0, len(pending) * generator.n_questions
+    return list(todo.items())
 
-    def questions_done(n: int) -> None:
-        nonlocal written
-        written += n
-        if progress is not None:
-            progress(written, to_write)
 
-    for start in range(0, len(pending), batch):
-        part = pending[start : start + batch]
-        reqs = [QuestionRequest(k, p.text, p.seed_type, p.call_index) for k, p in part]
-        results = generator.generate(reqs, questions_done)
-        call_rows, q_rows, ledger = [], [], []
+def _add(into: dict[str, int], reason: str, n: int = 1) -> None:
+    into[reason] = into.get(reason, 0) + n
+
+
+@dataclass
+class _CallWriter:
+    """Counts and writes the results of a batch of generator calls: one ``SelfStudyCallRow``
+    per call, its usable questions and its ledger rows."""
+
+    store: Store
+    generator: QuestionGenerator
+    run_id: str
+    counts: SelfStudyCounts
+
+    @cached_property
+    def fp(self) -> str:
+        """The generator's fingerprint (computed once)."""
+        return self.generator.fingerprint
+
+    def write(self, part: list[tuple[str, CallPlan]], results: Sequence[QuestionResult]) -> None:
+        call_rows: list[SelfStudyCallRow] = []
+        q_rows: list[SelfStudyQuestionRow] = []
+        ledger: list[ExtractionCallRow] = []
         for (key, p), res in zip(part, results, strict=True):
-            kept, drops = usable_questions(res.items, p.text) if res.status == "ok" else ([], {})
-            counts.ok += res.status == "ok"
-            counts.malformed += res.status == "malformed"
-            if res.status == "malformed":
-                why = res.malformed_reason or "malformed"
-                counts.malformed_reasons[why] = counts.malformed_reasons.get(why, 0) + 1
-            counts.failed += res.status == "failed"
-            counts.raw_items += len(res.items)
-            counts.questions += len(kept)
-            counts.dropped_items += len(res.items) - len(kept)
-            for reason, n in drops.items():
-                counts.drop_reasons[reason] = counts.drop_reasons.get(reason, 0) + n
-            call_rows.append(
-                SelfStudyCallRow(
-                    call_key=key,
-                    generator_fp=fp,
-                    backend=generator.backend,
-                    doc_id=p.doc_id,
-                    doc_version=p.doc_version,
+            kept = self._count(res, p.text)
+            call_rows.append(self._call_row(key, p, res, len(kept)))
+            q_rows += self._question_rows(key, p, kept)
+            ledger += self._ledger_rows(key, p, res)
+        self.counts.ledger_rows += len(ledger)
+        append_rows(self.store, call_rows, self.run_id, "selfstudy-calls")
+        append_rows(self.store, q_rows, self.run_id, "selfstudy-questions")
+        append_rows(self.store, ledger, self.run_id, "selfstudy-ledger")
+
+    def _count(self, res: QuestionResult, text: str) -> list[str]:
+        """Count one call's result; return its usable questions."""
+        counts = self.counts
+        kept, drops = usable_questions(res.items, text) if res.status == "ok" else ([], {})
+        counts.ok += res.status == "ok"
+        counts.malformed += res.status == "malformed"
+        if res.status == "malformed":
+            _add(counts.malformed_reasons, res.malformed_reason or "malformed")
+        counts.failed += res.status == "failed"
+        counts.raw_items += len(res.items)
+        counts.questions += len(kept)
+        counts.dropped_items += len(res.items) - len(kept)
+        for reason, n in drops.items():
+            _add(counts.drop_reasons, reason, n)
+        return kept
+
+    def _call_row(
+        self, key: str, p: CallPlan, res: QuestionResult, n_questions: int
+    ) -> SelfStudyCallRow:
+        return SelfStudyCallRow(
+            call_key=key,
+            generator_fp=self.fp,
+            backend=self.generator.backend,
+            doc_id=p.doc_id,
+            doc_version=p.doc_version,
+            text_hash=p.text_hash,
+            char_start=p.char_start,
+            char_end=p.char_end,
+            seed_type=p.seed_type,
+            call_index=p.call_index,
+            status=res.status,
+            n_raw=len(res.items),
+            n_questions=n_questions,
+            error=res.error,
+            run_id=self.run_id,
+            code_version=CODE_VERSION,
+        )
+
+    def _question_rows(self, key: str, p: CallPlan, kept: list[str]) -> list[SelfStudyQuestionRow]:
+        return [
+            SelfStudyQuestionRow(
+                question_id=question_id(key, i),
+                call_key=key,
+                doc_id=p.doc_id,
+                doc_version=p.doc_version,
+                seed_type=p.seed_type,
+                ordinal=i,
+                question=q,
+                generator_fp=self.fp,
+                run_id=self.run_id,
+                code_version=CODE_VERSION,
+            )
+            for i, q in enumerate(kept)
+        ]
+
+    def _ledger_rows(self, key: str, p: CallPlan, res: QuestionResult) -> list[ExtractionCallRow]:
+        """One ledger row per HTTP attempt of the call; its tokens and cost are counted."""
+        rows = []
+        for c in res.calls:
+            self.counts.tokens_in += c.tokens_in
+            self.counts.tokens_out += c.tokens_out
+            self.counts.cost_usd += c.cost_usd
+            rows.append(
+                ledger_row(
+                    c,
+                    run_id=self.run_id,
+                    backend=f"selfstudy-{self.generator.backend}",
+                    llm_model=self.generator.llm_model,
                     text_hash=p.text_hash,
-                    char_start=p.char_start,
-                    char_end=p.char_end,
-                    seed_type=p.seed_type,
-                    call_index=p.call_index,
-                    status=res.status,
-                    n_raw=len(res.items),
-                    n_questions=len(kept),
-                    error=res.error,
-                    run_id=run_id,
-                    code_version=CODE_VERSION,
+                    custom_id=key,
                 )
             )
-            q_rows += [
-                SelfStudyQuestionRow(
-                    question_id=question_id(key, i),
-                    call_key=key,
-                    doc_id=p.doc_id,
-                    doc_version=p.doc_version,
-                    seed_type=p.seed_type,
-                    ordinal=i,
-                    question=q,
-                    generator_fp=fp,
-                    run_id=run_id,
-                    code_version=CODE_VERSION,
-                )
-                for i, q in enumerate(kept)
-            ]
-            for c in res.calls:
-                counts.tokens_in += c.tokens_in
-                counts.tokens_out += c.tokens_out
-                counts.cost_usd += c.cost_usd
-                ledger.append(
-                    ledger_row(
-                        c,
-                        run_id=run_id,
-                        backend=f"selfstudy-{generator.backend}",
-                        llm_model=generator.llm_model,
-                        text_hash=p.text_hash,
-                        custom_id=key,
-                    )
-                )
-        counts.ledger_rows += len(ledger)
-        append_rows(store, call_rows, run_id, "selfstudy-calls")
-        append_rows(store, q_rows, run_id, "selfstudy-questions")
-        append_rows(store, ledger, run_id, "selfstudy-ledger")
-    # every usable question of the plan (this run's and cached ones), attributed to the plan's doc
+        return rows
+
+
+def _plan_questions(store: Store, keys: list[str], plan: Sequence[CallPlan]) -> list[Question]:
+    """Every usable question of the plan (this run's and cached ones), attributed to the plan's
+    doc, in plan then ordinal order, each once."""
     by_key: dict[str, list[SelfStudyQuestionRow]] = {}
     for row in read_rows(store, SelfStudyQuestionRow, filter=pc.field("call_key").isin(keys)):
         by_key.setdefault(row.call_key, []).append(row)
@@ -305,4 +382,4 @@ def selfstudy_stage(
                 continue
             seen.add(qid)
             out.append(Question(qid, p.doc_id, p.doc_version, p.seed_type, rows[ordinal].question))
-    return out, counts
+    return out

@@ -46,6 +46,13 @@ def recover_chunk(
             continue
         by_span[(s.tok_start, s.tok_end)] = s
     ordered = sorted(by_span.values(), key=lambda s: (s.tok_start, s.tok_end))
+    # what made both kinds of row (the recovery key and the run)
+    made_by = {
+        "extractor_fp": extraction.extractor_fp,
+        "tau": tau,
+        "run_id": run_id,
+        "code_version": CODE_VERSION,
+    }
     nuggets = [
         NuggetRow(
             nugget_id=nugget_id(chunk.chunk_id, s.tok_start, s.tok_end),
@@ -63,10 +70,7 @@ def recover_chunk(
             tok_start=s.tok_start,
             tok_end=s.tok_end,
             occurrences=s.occurrences,
-            extractor_fp=extraction.extractor_fp,
-            tau=tau,
-            run_id=run_id,
-            code_version=CODE_VERSION,
+            **made_by,
         )
         for i, s in enumerate(ordered)
     ]
@@ -77,10 +81,7 @@ def recover_chunk(
             candidate=a.candidate,
             best_similarity=a.best_similarity,
             reason=a.reason,
-            extractor_fp=extraction.extractor_fp,
-            tau=tau,
-            run_id=run_id,
-            code_version=CODE_VERSION,
+            **made_by,
         )
         for a in abandoned
     ]

@@ -34,7 +34,7 @@ from coinrag.inference.models import LoadedModel
 from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, rerotate_keys
 from coinrag.schemas.keys import CODE_VERSION, doc_version
-from coinrag.schemas.settings import CartridgeTrainSettings, TeacherSettings
+from coinrag.schemas.settings import CartridgeSettings, CartridgeTrainSettings, TeacherSettings
 from coinrag.schemas.tables import (
     CartridgeManifestRow,
     DocumentRow,
@@ -54,7 +54,7 @@ from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_rows
 from coinrag.tasks.question_generators.local import LocalQuestionGenerator
 from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
-from coinrag.tasks.questions import plan_calls, selfstudy_stage
+from coinrag.tasks.questions import call_key, plan_calls, selfstudy_stage
 from coinrag.tasks.teacher import teacher_answers
 from coinrag.training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
 from coinrag.training.cartridges import (
@@ -388,7 +388,9 @@ def test_local_generator_yields_parseable_arrays_or_counted_drops(tok, tiny, tmp
     )
     store = Store.at(tmp_path).init()
     docs = _documents(store, 3)
-    questions, counts = selfstudy_stage(store, docs, gen, run_id="selfstudy-test", seed=1)
+    questions, counts = selfstudy_stage(
+        store, docs, gen, run_id="selfstudy-test", settings=CartridgeSettings(seed=1)
+    )
     assert counts.planned == 3 and counts.ok == 3 and counts.malformed == counts.failed == 0
     assert counts.raw_items == 9  # the skeleton always parses into n strings
     assert counts.questions + counts.dropped_items == 9
@@ -398,8 +400,24 @@ def test_local_generator_yields_parseable_arrays_or_counted_drops(tok, tiny, tmp
     calls = read_rows(store, SelfStudyCallRow)
     assert [c.status for c in calls] == ["ok"] * 3
     assert len(read_rows(store, ExtractionCallRow)) == 3
-    again, counts2 = selfstudy_stage(store, docs, gen, run_id="selfstudy-test2", seed=1)
+    again, counts2 = selfstudy_stage(
+        store, docs, gen, run_id="selfstudy-test2", settings=CartridgeSettings(seed=1)
+    )
     assert counts2.cached == 3 and counts2.ledger_rows == 0 and again == questions
+
+
+def test_selfstudy_plans_with_the_cartridge_settings(tok, tiny, tmp_path) -> None:
+    """The stage's plan is ``plan_calls`` with the settings' seed, n_calls and chars_per_call."""
+    loaded = LoadedModel(tiny, tok, Path(tmp_path), "model-tiny", "tok-test")
+    gen = LocalQuestionGenerator(loaded, n_questions=2, max_question_tokens=6, batch_size=2)
+    store = Store.at(tmp_path).init()
+    docs = _documents(store, 2)
+    settings = CartridgeSettings(seed=2, n_calls=3, chars_per_call=10)
+    _, counts = selfstudy_stage(store, docs, gen, run_id="selfstudy-plan", settings=settings)
+    plan = plan_calls(docs, seed=2, n_calls=3, chars_per_call=10)
+    assert counts.planned == len(plan) == 3
+    made = {c.call_key for c in read_rows(store, SelfStudyCallRow)}
+    assert made == {call_key(gen.fingerprint, p) for p in plan}
 
 
 def test_openai_generator_against_fake_server(tmp_path) -> None:
@@ -421,10 +439,14 @@ def test_openai_generator_against_fake_server(tmp_path) -> None:
             concurrency=1,
             sleep=lambda s: None,
         )
-        questions, counts = selfstudy_stage(store, docs, gen, run_id="selfstudy-oa", seed=0)
+        questions, counts = selfstudy_stage(
+            store, docs, gen, run_id="selfstudy-oa", settings=CartridgeSettings(seed=0)
+        )
         n_requests = len(fake.chat_requests())
         body = fake.chat_requests()[0].json
-        again, counts2 = selfstudy_stage(store, docs, gen, run_id="selfstudy-oa2", seed=0)
+        again, counts2 = selfstudy_stage(
+            store, docs, gen, run_id="selfstudy-oa2", settings=CartridgeSettings(seed=0)
+        )
         assert len(fake.chat_requests()) == n_requests  # cached: no call
     assert n_requests == 4 and counts.ok == 2 and counts.malformed == 1
     assert counts.raw_items == 6 and counts.questions == 4

@@ -25,10 +25,10 @@ from recover_reference import (
     reference_recover,
 )
 
+from coinrag.tasks.span_canon import canonicalize
 from coinrag.tasks.span_match import (
     AbandonedCandidate,
     RecoveredSpan,
-    _canonicalize,
     canonical_form,
     char_span_to_token_span,
     recover_candidates,
@@ -408,7 +408,7 @@ def test_offsets_and_text_invariants_and_parity(data, extra, tokenize, kind, rnd
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=60))
 def test_fast_canonicalisation_matches_reference(text):
-    canon, orig, ws, we = _canonicalize(text)
+    canon, orig, ws, we = canonicalize(text)
     ref, ref_orig = reference_canonical(text)
     assert canon == ref
     assert orig.tolist() == ref_orig

@@ -18,7 +18,7 @@ from coinrag.inference.blend import (
     check_blendable,
 )
 from coinrag.inference.encode import causal_lm
-from coinrag.inference.generate import decode_greedy
+from coinrag.inference.generate import Prefilled, decode_greedy
 from coinrag.inference.methods.assets import ChunkTokenIds, Index, StoredChunkKv, stored_context
 from coinrag.inference.methods.base import Answer, OnToken
 from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
@@ -74,10 +74,12 @@ class CacheBlend(TurboRag, name="cacheblend"):
         gen = decode_greedy(
             self.loaded.model,
             self.loaded.tokenizer,
-            blended.cache,
-            blended.first_logits,
-            blended.next_position,
-            prefill_ms=(time.perf_counter() - t1) * 1000,
+            Prefilled(
+                blended.cache,
+                blended.first_logits,
+                blended.next_position,
+                prefill_ms=(time.perf_counter() - t1) * 1000,
+            ),
             max_new_tokens=engine.max_new_tokens,
             on_token=on_token,
         )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coinrag.inference.generate import decode_greedy
+from coinrag.inference.generate import Prefilled, decode_greedy
 from coinrag.inference.link import LinkAdapterInfo, LinkEmbeddings, link_forward, load_link_adapter
 from coinrag.inference.methods.assets import Index, StoredChunkKv, StoredKv, kv_read_errors
 from coinrag.inference.methods.base import Answer, Asset, MissingAssets, OnToken
@@ -87,10 +87,12 @@ class KvLink(TurboRag, name="kvlink"):
         gen = decode_greedy(
             model,
             self.loaded.tokenizer,
-            out.cache,
-            out.logits[-1],
-            out.next_position,
-            prefill_ms=(time.perf_counter() - t2) * 1000,
+            Prefilled(
+                out.cache,
+                out.logits[-1],
+                out.next_position,
+                prefill_ms=(time.perf_counter() - t2) * 1000,
+            ),
             max_new_tokens=engine.max_new_tokens,
             on_token=on_token,
         )

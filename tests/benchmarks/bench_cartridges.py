@@ -190,7 +190,11 @@ def main() -> None:
     t0 = time.perf_counter()
     gen = LocalQuestionGenerator(loaded, n_questions=args.questions, batch_size=8)
     questions, qc = selfstudy_stage(
-        store, rows, gen, run_id="selfstudy-bench", seed=args.seed, n_calls=len(rows)
+        store,
+        rows,
+        gen,
+        run_id="selfstudy-bench",
+        settings=CartridgeSettings(seed=args.seed, n_calls=len(rows)),
     )
     lap("selfstudy", t0)
 
@@ -198,7 +202,7 @@ def main() -> None:
     t0 = time.perf_counter()
     tcfg = TeacherSettings(max_new_tokens=args.max_new_tokens, batch_size=args.questions)
     answers, tc = teacher_stage(
-        store, model, tok, prompt, loaded.model_fp, docs, questions, tcfg, run_id="teacher-bench"
+        store, loaded, prompt, docs, questions, tcfg, run_id="teacher-bench"
     )
     lap("teacher", t0)
 
