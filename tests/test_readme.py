@@ -65,18 +65,27 @@ def test_readme_keeps_the_two_commands() -> None:
 
 def test_readme_links_resolve() -> None:
     """Every relative link of README.md, docs/*.md and tests/benchmarks/RESULTS.md names a file
-    that exists (the reference moved out of the README; a link must not dangle)."""
+    that exists, and its #anchor a heading there (the reference moved out of the README; a link
+    must not dangle)."""
     root = README.parent
     pages = [README, *sorted((root / "docs").glob("*.md")), root / "tests/benchmarks/RESULTS.md"]
     missing = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
-            path = target.split("#", 1)[0]
+            path, _, anchor = target.partition("#")
             if not path or "://" in path:
                 continue
-            if not (page.parent / path).exists():
+            file = page.parent / path
+            if not file.exists() or (anchor and anchor not in _anchors(file)):
                 missing.append(f"{page.relative_to(root)} -> {target}")
     assert not missing, missing
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page: lower case, punctuation but
+    ``-`` and ``_`` dropped, spaces as ``-``."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
 def test_readme_code_paths_exist() -> None:
