@@ -137,9 +137,9 @@ def make_train_deployment(
     ``flow_parameters``: any other parameter of the flow (``model``, ``settings`` with
     ``mode``, ``lora``, ``max_steps``, ...; TypeError for one it does not take), fixed in the
     deployment with ``rebuild_kv=False`` (module docstring). Without ``cron``: triggered by the
-    build flow's completion; with ``cron``: scheduled. ``build_deployment`` narrows the trigger to completed
-    runs of that build deployment (its name): the training flow's own document build is a
-    ``coinrag-build`` subflow run without a deployment, so it cannot retrigger training.
+    build flow's completion; with ``cron``: scheduled. ``build_deployment`` narrows the trigger
+    to completed runs of that build deployment (its name): the training flow's own document
+    build is a ``coinrag-build`` subflow run without a deployment, so it cannot retrigger training.
     """
     from prefect.events import DeploymentEventTrigger
 
