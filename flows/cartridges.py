@@ -44,7 +44,7 @@ from coinrag.tasks.teacher import (
     teacher_stage,
     topk_tensors,
 )
-from coinrag.training.budget import CartridgeTrainer, PoolDoc
+from coinrag.training.budget import CartridgePool, CartridgeTrainer, PoolDoc, TrainRun
 from coinrag.training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
 
 # ---------------------------------------------------------------------------- pure helpers
@@ -180,14 +180,10 @@ def train_task(
         loaded.model,
         prompt,
         rope,
-        cstore,
-        pool,
+        CartridgePool(cstore, pool, CartridgeSpec.from_settings(settings)),
         examples,
-        CartridgeSpec.from_settings(settings),
         settings.train(),
-        run_id=run_id,
-        train_key=train_key(cfp, pool, examples),
-        device=settings.device,
+        TrainRun(run_id, train_key(cfp, pool, examples), settings.device),
     )
     # Cartridges trained by an earlier run with the same settings continue from their last
     # version (a run over a grown document set); a checkpoint of this exact run wins.
