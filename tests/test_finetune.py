@@ -266,7 +266,11 @@ def test_loss_goes_down(built, tmp_path):
     s = run_training(
         TrainJob(built["store"], built["data"], tmp_path / "m", model=str(built["model"])),
         _cfg(batch_size=4, epochs=10, lr=1e-2, raft_p=0.0, checkpoint_every=100),
+        RunControl(lineage={"run_id": "train-test"}),
     )
+    written = json.loads((tmp_path / "m" / "coinrag-training.json").read_text())
+    assert s["run_id"] == written["run_id"] == "train-test"  # the caller's lineage, recorded
+    assert s["counts"]["usable"] == 4 and s["counts"]["examples_seen"] == 40
     losses = s["losses"]
     assert len(losses) == 10
     assert losses[-1] < 0.6 * losses[0], losses
