@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -44,7 +44,13 @@ from coinrag.tasks.teacher import (
     teacher_stage,
     topk_tensors,
 )
-from coinrag.training.budget import CartridgeTrainer, PoolDoc
+from coinrag.training.budget import (
+    CartridgePool,
+    CartridgeTrainer,
+    PoolDoc,
+    TrainReport,
+    TrainRun,
+)
 from coinrag.training.cartridges import CartridgeSpec, Example, cartridge_fingerprint
 
 # ---------------------------------------------------------------------------- pure helpers
@@ -165,7 +171,6 @@ def train_task(
     max_steps: int,
     run_id: str,
 ) -> dict[str, Any]:
-    logger = get_run_logger()
     prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
     rope = model_rope(loaded.model.config)
     pool, examples, cfp = build_pool(loaded, prompt, docs, questions, answers, settings)
@@ -176,19 +181,21 @@ def train_task(
         loaded.model,
         prompt,
         rope,
-        cstore,
-        pool,
+        CartridgePool(cstore, pool, CartridgeSpec.from_settings(settings)),
         examples,
-        CartridgeSpec.from_settings(settings),
         settings.train(),
-        run_id=run_id,
-        train_key=train_key(cfp, pool, examples),
-        device=settings.device,
+        TrainRun(run_id, train_key(cfp, pool, examples), settings.device),
     )
     # Cartridges trained by an earlier run with the same settings continue from their last
     # version (a run over a grown document set); a checkpoint of this exact run wins.
     trainer.manager.rows.update(cstore.latest(cfp, [p.meta.doc_id for p in pool.values()]))
 
+    report = trainer.run(max_steps, on_step=_step_progress(get_run_logger(), max_steps))
+    return _training_summary(report, cfp, len(pool), len(examples))
+
+
+def _step_progress(logger: Any, max_steps: int) -> Callable[[int, float], None]:
+    """An ``on_step`` hook logging progress towards ``max_steps`` (of this run only)."""
     steps = ProgressLog(logger, "train", "steps", 0)
     first_step: list[int] = []
 
@@ -201,12 +208,18 @@ def train_task(
             what=f"step {step}/{max_steps}, loss {loss:.4f}",
         )
 
-    report = trainer.run(max_steps, on_step=on_step)
+    return on_step
+
+
+def _training_summary(
+    report: TrainReport, cfp: str, n_cartridges: int, n_examples: int
+) -> dict[str, Any]:
+    """The ``training`` entry of a run's summary (losses: first step, mean of the last 20)."""
     tail = report.losses[-20:]
     return {
         "cartridge_fp": cfp,
-        "cartridges": len(pool),
-        "examples": len(examples),
+        "cartridges": n_cartridges,
+        "examples": n_examples,
         "steps": report.steps,
         "resumed_from": report.resumed_from,
         "loss_first": report.losses[0] if report.losses else None,

@@ -134,12 +134,12 @@ def make_train_deployment(
 ) -> Any:
     """A ``RunnerDeployment`` of :func:`flows.train.train_nuggets_flow` (not registered yet).
 
-    ``flow_parameters``: any other parameter of the flow (``mode``, ``lora``, ``max_steps``,
-    ``settings``, ...; TypeError for one it does not take), fixed in the deployment with
-    ``rebuild_kv=False`` (module docstring). Without ``cron``: triggered by the build flow's
-    completion; with ``cron``: scheduled. ``build_deployment`` narrows the trigger to completed
-    runs of that build deployment (its name): the training flow's own document build is a
-    ``coinrag-build`` subflow run without a deployment, so it cannot retrigger training.
+    ``flow_parameters``: any other parameter of the flow (``model``, ``settings`` with
+    ``mode``, ``lora``, ``max_steps``, ...; TypeError for one it does not take), fixed in the
+    deployment with ``rebuild_kv=False`` (module docstring). Without ``cron``: triggered by the
+    build flow's completion; with ``cron``: scheduled. ``build_deployment`` narrows the trigger
+    to completed runs of that build deployment (its name): the training flow's own document
+    build is a ``coinrag-build`` subflow run without a deployment, so it cannot retrigger training.
     """
     from prefect.events import DeploymentEventTrigger
 
@@ -198,7 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     serve(
         make_train_deployment(
-            a.store, a.data, a.out, cron=a.cron, mode=a.mode, lora=a.lora, max_steps=a.max_steps
+            a.store,
+            a.data,
+            a.out,
+            cron=a.cron,
+            settings={"mode": a.mode, "lora": a.lora, "max_steps": a.max_steps},
         )
     )
 

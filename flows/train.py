@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,13 @@ from coinrag.schemas.qa import load_examples
 from coinrag.schemas.settings import FinetuneSettings, settings_from_toml
 from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
-from coinrag.training.finetune import file_sha256, run_training, write_documents
+from coinrag.training.data import file_sha256, write_documents
+from coinrag.training.finetune import run_training
+from coinrag.training.job import TrainJob
+from coinrag.training.loop import RunControl
 
 FLOW_NAME = "coinrag-train-nuggets"
+KVLINK_FLOW_NAME = "coinrag-train-kvlink"
 
 
 @task(name="load-qa-data", cache_policy=NONE)
@@ -48,18 +53,122 @@ def load_data_task(data: str) -> list:
 
 
 @task(name="train-nuggets", cache_policy=NONE)
-def train_task(
-    store: str, data: str, out: str, cfg: FinetuneSettings, model: str | None, examples: list
+def train_task(job: TrainJob, cfg: FinetuneSettings) -> dict[str, Any]:
+    return run_training(job, cfg, RunControl(logger=get_run_logger()))
+
+
+@task(name="train-kvlink", cache_policy=NONE)
+def train_kvlink_task(
+    job: TrainJob, cfg: FinetuneSettings, link: dict[str, int], lineage: dict[str, Any]
 ) -> dict[str, Any]:
-    return run_training(
-        store, data, out, cfg, model=model, logger=get_run_logger(), examples=examples
-    )
+    from coinrag.training.kvlink import run_kvlink_training
+
+    control = RunControl(logger=get_run_logger(), lineage=lineage)
+    return run_kvlink_training(job, cfg, control=control, **link)
 
 
-def _build_settings(st: Store, overrides: dict[str, Any] | None) -> dict[str, Any]:
-    """The store's recorded build settings (defaults if none), then ``overrides``."""
+@dataclasses.dataclass
+class _TrainingData:
+    """The QA data of a training flow, loaded, with its documents built into the store:
+    ``path`` (resolved), ``sha256``, ``examples``, ``build_settings`` (the store's, then the
+    flow's overrides), the documents' JSONL ``docs_source`` and how many it holds (``n_docs``,
+    0: none written), the build flow's summary."""
+
+    path: str
+    sha256: str
+    examples: list
+    build_settings: dict[str, Any]
+    docs_source: Path
+    n_docs: int
+    build_summary: dict[str, Any]
+
+    @classmethod
+    def load_and_build(
+        cls, st: Store, data: str, build_settings: dict[str, Any], logger: Any
+    ) -> _TrainingData:
+        """Load ``data`` and build its inline documents into ``st`` (incremental); with none,
+        the store must exist already."""
+        path = str(Path(data).expanduser().resolve())
+        sha = file_sha256(path)
+        examples = load_data_task(path)
+        docs_source = st.root / "train-data" / f"{sha[:16]}.jsonl"
+        n_docs = write_documents(examples, docs_source)
+        build_summary: dict[str, Any] = {}
+        if n_docs:
+            from coinrag.flows.build import build_flow
+
+            logger.info("building %d training documents into %s", n_docs, st.root)
+            build_summary = build_flow(str(docs_source), str(st.root), build_settings)
+        elif not st.exists():
+            raise FileNotFoundError(f"{st} is not a coinrag store and the data has no documents")
+        return cls(path, sha, examples, build_settings, docs_source, n_docs, build_summary)
+
+    def params(self, out: str, base_model: str, hyperparameters: dict[str, Any]) -> dict:
+        """The runs-table parameters every training run records."""
+        return {
+            "data": self.path,
+            "data_sha256": self.sha256,
+            "out": str(Path(out).expanduser().resolve()),
+            "base_model": str(base_model),
+            "hyperparameters": hyperparameters,
+        }
+
+
+def _build_settings(
+    st: Store, overrides: dict[str, Any] | None, model: str | None
+) -> dict[str, Any]:
+    """The store's recorded build settings (defaults if none), then ``overrides``, then
+    ``model`` (if given)."""
     base = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
-    return {**base.to_dict(), **(overrides or {})}
+    out = {**base.to_dict(), **(overrides or {})}
+    if model is not None:
+        out["model"] = model
+    return out
+
+
+def _recorded_run(
+    st: Store,
+    flow: str,
+    params: dict[str, Any],
+    train_fn: Callable[[str], dict[str, Any]],
+    fingerprint_keys: tuple[str, ...],
+    extra_counts: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run ``train_fn(run_id)`` as a ``flow`` row of the runs table (failed if it raises;
+    completed with the summary's counts, ``extra_counts`` and its ``fingerprint_keys``);
+    return the summary with ``run_id``."""
+    run_id = new_run_id("train")
+    with st.write_lock(run_id):
+        run = start_run(st, run_id, flow, params)
+    with failing_run(st, run, relock=True):
+        summary = train_fn(run_id)
+    counts = {
+        **summary["counts"],
+        "steps": summary["steps"],
+        "first_loss": summary["first_loss"],
+        "final_loss": summary["final_loss"],
+        "steps_per_s": summary["steps_per_s"],
+        "resumed_from": summary["resumed_from"],
+        **(extra_counts or {}),
+    }
+    fingerprints = {key: summary[key] for key in fingerprint_keys}
+    with st.write_lock(run_id):
+        finish_run(st, run, "completed", fingerprints=fingerprints, counts=counts)
+    summary["run_id"] = run_id
+    return summary
+
+
+def _log_done(logger: Any, flow: str, summary: dict[str, Any], fp_key: str) -> None:
+    logger.info(
+        "%s %s done: %d steps, loss %.4f -> %.4f, %s %s",
+        flow,
+        summary["run_id"],
+        summary["steps"],
+        summary["first_loss"] or 0.0,
+        summary["final_loss"] or 0.0,
+        fp_key,
+        summary[fp_key],
+    )
 
 
 @flow(name=FLOW_NAME)
@@ -67,9 +176,6 @@ def train_nuggets_flow(
     store: str,
     data: str,
     out: str,
-    mode: str = "live",
-    lora: bool = False,
-    max_steps: int | None = None,
     model: str | None = None,
     settings: dict[str, Any] | None = None,
     build: dict[str, Any] | None = None,
@@ -78,80 +184,44 @@ def train_nuggets_flow(
 ) -> dict[str, Any]:
     """Fine-tune ``model`` (default: the store's model) on the QA JSONL ``data``; write ``out``.
 
-    ``settings``: :class:`schemas.settings.FinetuneSettings` fields (lr, batch_size, raft_p, ...);
-    ``build``: build-settings overrides for building the data's documents and the KV rebuild
-    (e.g. ``{"extractor": "rules"}``); ``source``: what the KV rebuild builds (default: the
-    data's documents JSONL). Returns the summary (``model_fp``, losses, counts, ...).
+    ``settings``: :class:`schemas.settings.FinetuneSettings` fields (mode, lora, max_steps, lr,
+    batch_size, raft_p, ...); ``build``: build-settings overrides for building the data's
+    documents and the KV rebuild (e.g. ``{"extractor": "rules"}``); ``source``: what the KV
+    rebuild builds (default: the data's documents JSONL). Returns the summary (``model_fp``,
+    losses, counts, ...).
     """
     logger = get_run_logger()
-    cfg = FinetuneSettings(
-        **{**(settings or {}), "mode": mode, "lora": lora, "max_steps": max_steps}
-    ).validate()
+    cfg = FinetuneSettings(**(settings or {})).validate()
     st = Store.at(store)
     st.require_local("coinrag train")
-    data_path = str(Path(data).expanduser().resolve())
-    data_sha = file_sha256(data_path)
-    examples = load_data_task(data_path)
-    build_settings = _build_settings(st, build)
-    if model is not None:
-        build_settings["model"] = model
-    base_ref = build_settings["model"]
+    build_settings = _build_settings(st, build, model)
     if FINETUNE_CONTEXTS[cfg.mode].reads_stored_kv:
         build_settings["kv"] = True  # frozen mode reads the base model's stored KV
-    docs_source = st.root / "train-data" / f"{data_sha[:16]}.jsonl"
-    n_docs = write_documents(examples, docs_source)
-    build_summary: dict[str, Any] = {}
-    if n_docs:
-        from coinrag.flows.build import build_flow
-
-        logger.info("building %d training documents into %s", n_docs, st.root)
-        build_summary = build_flow(str(docs_source), str(st.root), build_settings)
-    elif not st.exists():
-        raise FileNotFoundError(f"{st} is not a coinrag store and the data has no documents")
-
-    run_id = new_run_id("train")
+    td = _TrainingData.load_and_build(st, data, build_settings, logger)
+    base_ref = build_settings["model"]
     params = {
-        "data": data_path,
-        "data_sha256": data_sha,
-        "out": str(Path(out).expanduser().resolve()),
-        "base_model": str(base_ref),
-        "hyperparameters": cfg.to_dict(),
-        "documents_source": str(docs_source) if n_docs else None,
+        **td.params(out, base_ref, cfg.to_dict()),
+        "documents_source": str(td.docs_source) if td.n_docs else None,
         "rebuild_kv": rebuild_kv,
     }
-    with st.write_lock(run_id):
-        run = start_run(st, run_id, "train-nuggets", params)
-    with failing_run(st, run, relock=True):
-        summary = train_task(str(st.root), data_path, out, cfg, base_ref, examples)
-    counts = {
-        **summary["counts"],
-        "steps": summary["steps"],
-        "first_loss": summary["first_loss"],
-        "final_loss": summary["final_loss"],
-        "steps_per_s": summary["steps_per_s"],
-        "resumed_from": summary["resumed_from"],
-        "documents_built": build_summary.get("documents", 0),
-    }
-    fingerprints = {"base_model_fp": summary["base_model_fp"], "model_fp": summary["model_fp"]}
-    with st.write_lock(run_id):
-        finish_run(st, run, "completed", fingerprints=fingerprints, counts=counts)
-    summary["run_id"] = run_id
+    job = TrainJob(str(st.root), td.path, out, model=base_ref, examples=td.examples)
+    summary = _recorded_run(
+        st,
+        "train-nuggets",
+        params,
+        lambda run_id: train_task(job, cfg),
+        ("base_model_fp", "model_fp"),
+        {"documents_built": td.build_summary.get("documents", 0)},
+    )
     if rebuild_kv:
         from coinrag.flows.build import build_flow
 
-        src = source or (str(docs_source) if n_docs else None)
+        src = source or (str(td.docs_source) if td.n_docs else None)
         if src is None:
             raise ValueError("rebuild_kv needs `source` when the data has no inline documents")
         rebuild = {**build_settings, "model": summary["model_dir"], "kv": True}
         summary["kv_rebuild"] = build_flow(src, str(st.root), rebuild)
-    logger.info(
-        "train-nuggets %s done: %d steps, loss %.4f -> %.4f, model_fp %s",
-        run_id,
-        summary["steps"],
-        summary["first_loss"] or 0.0,
-        summary["final_loss"] or 0.0,
-        summary["model_fp"],
-    )
+    _log_done(logger, "train-nuggets", summary, "model_fp")
     return summary
 
 
@@ -159,9 +229,6 @@ def train_nuggets(
     store: str | os.PathLike[str],
     data: str | os.PathLike[str],
     out: str | os.PathLike[str],
-    mode: str = "live",
-    lora: bool = False,
-    max_steps: int | None = None,
     *,
     model: str | None = None,
     build: dict[str, Any] | None = None,
@@ -172,54 +239,22 @@ def train_nuggets(
     """``coinrag train nuggets --store DIR --data qa.jsonl --out MODEL_DIR [--mode live|frozen]
     [--lora] [--max-steps N]``.
 
-    ``settings``: any :class:`schemas.settings.FinetuneSettings` field (``lr``, ``batch_size``,
-    ``epochs``, ``raft_p``, ``seed``, ``checkpoint_every``, ``device``, ...). Returns the summary.
+    ``settings``: any :class:`schemas.settings.FinetuneSettings` field (``mode``, ``lora``,
+    ``max_steps``, ``lr``, ``batch_size``, ``epochs``, ``raft_p``, ``seed``,
+    ``checkpoint_every``, ``device``, ...). Returns the summary.
     """
-    fields = {f.name for f in dataclasses.fields(FinetuneSettings)} - {"mode", "lora", "max_steps"}
-    unknown = set(settings) - fields
+    unknown = set(settings) - {f.name for f in dataclasses.fields(FinetuneSettings)}
     if unknown:
         raise TypeError(f"unknown training settings: {', '.join(sorted(unknown))}")
     return train_nuggets_flow(
         str(store),
         str(data),
         str(out),
-        mode=mode,
-        lora=lora,
-        max_steps=max_steps,
         model=model,
         settings=settings or None,
         build=build,
         rebuild_kv=rebuild_kv,
         source=source,
-    )
-
-
-KVLINK_FLOW_NAME = "coinrag-train-kvlink"
-
-
-@task(name="train-kvlink", cache_policy=NONE)
-def train_kvlink_task(
-    store: str,
-    data: str,
-    out: str,
-    cfg: FinetuneSettings,
-    model: str | None,
-    examples: list,
-    link: dict[str, int],
-    lineage: dict[str, Any],
-) -> dict[str, Any]:
-    from coinrag.training.kvlink import run_kvlink_training
-
-    return run_kvlink_training(
-        store,
-        data,
-        out,
-        cfg,
-        model=model,
-        logger=get_run_logger(),
-        examples=examples,
-        lineage=lineage,
-        **link,
     )
 
 
@@ -242,59 +277,18 @@ def train_kvlink_flow(
     cfg = FinetuneSettings(**{**(settings or {}), "mode": "frozen", "lora": False}).validate()
     st = Store.at(store)
     st.require_local("coinrag train kvlink")
-    data_path = str(Path(data).expanduser().resolve())
-    data_sha = file_sha256(data_path)
-    examples = load_data_task(data_path)
-    build_settings = {**_build_settings(st, build), "kv": True}
-    if model is not None:
-        build_settings["model"] = model
-    docs_source = st.root / "train-data" / f"{data_sha[:16]}.jsonl"
-    n_docs = write_documents(examples, docs_source)
-    if n_docs:
-        from coinrag.flows.build import build_flow
-
-        logger.info("building %d training documents into %s", n_docs, st.root)
-        build_flow(str(docs_source), str(st.root), build_settings)
-    elif not st.exists():
-        raise FileNotFoundError(f"{st} is not a coinrag store and the data has no documents")
-    run_id = new_run_id("train")
-    params = {
-        "data": data_path,
-        "data_sha256": data_sha,
-        "out": str(Path(out).expanduser().resolve()),
-        "base_model": str(build_settings["model"]),
-        "hyperparameters": {**cfg.to_dict(), "n_link": n_link, "max_docs": max_docs},
-    }
-    with st.write_lock(run_id):
-        run = start_run(st, run_id, "train-kvlink", params)
-    with failing_run(st, run, relock=True):
-        summary = train_kvlink_task(
-            str(st.root),
-            data_path,
-            out,
-            cfg,
-            build_settings["model"],
-            examples,
-            {"n_link": n_link, "max_docs": max_docs},
-            {"run_id": run_id},
-        )
-    counts = {
-        **summary["counts"],
-        "steps": summary["steps"],
-        "first_loss": summary["first_loss"],
-        "final_loss": summary["final_loss"],
-        "resumed_from": summary["resumed_from"],
-    }
-    fingerprints = {"base_model_fp": summary["base_model_fp"], "kvlink_fp": summary["kvlink_fp"]}
-    with st.write_lock(run_id):
-        finish_run(st, run, "completed", fingerprints=fingerprints, counts=counts)
-    summary["run_id"] = run_id
-    logger.info(
-        "train-kvlink %s done: %d steps, loss %.4f -> %.4f, kvlink_fp %s",
-        run_id,
-        summary["steps"],
-        summary["first_loss"] or 0.0,
-        summary["final_loss"] or 0.0,
-        summary["kvlink_fp"],
+    build_settings = {**_build_settings(st, build, model), "kv": True}
+    td = _TrainingData.load_and_build(st, data, build_settings, logger)
+    link = {"n_link": n_link, "max_docs": max_docs}
+    base_ref = build_settings["model"]
+    params = td.params(out, base_ref, {**cfg.to_dict(), **link})
+    job = TrainJob(str(st.root), td.path, out, model=base_ref, examples=td.examples)
+    summary = _recorded_run(
+        st,
+        "train-kvlink",
+        params,
+        lambda run_id: train_kvlink_task(job, cfg, link, {"run_id": run_id}),
+        ("base_model_fp", "kvlink_fp"),
     )
+    _log_done(logger, "train-kvlink", summary, "kvlink_fp")
     return summary

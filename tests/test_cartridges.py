@@ -56,7 +56,14 @@ from coinrag.tasks.question_generators.local import LocalQuestionGenerator
 from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
 from coinrag.tasks.questions import call_key, plan_calls, selfstudy_stage
 from coinrag.tasks.teacher import teacher_answers
-from coinrag.training.budget import LIVE, BudgetExceeded, CartridgeTrainer, PoolDoc
+from coinrag.training.budget import (
+    LIVE,
+    BudgetExceeded,
+    CartridgePool,
+    CartridgeTrainer,
+    PoolDoc,
+    TrainRun,
+)
 from coinrag.training.cartridges import (
     CartridgeSpec,
     Example,
@@ -150,13 +157,10 @@ def _trainer(store, model, prompt, docs, examples, spec, config, key="tk"):
         model,
         prompt,
         RopeSpec.from_config(model.config),
-        cstore,
-        docs,
+        CartridgePool(cstore, docs, spec),
         examples,
-        spec,
         config,
-        run_id="run-test",
-        train_key=key,
+        TrainRun("run-test", key),
     )
 
 

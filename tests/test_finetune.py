@@ -15,6 +15,8 @@ from coinrag.schemas.qa import DataError, load_examples
 from coinrag.schemas.settings import FinetuneSettings
 from coinrag.training.finetune import (
     Killed,
+    RunControl,
+    TrainJob,
     answer_loss_sum,
     attach_lora,
     make_plans,
@@ -262,12 +264,13 @@ def test_gradients_lora_only_adapters(parts):
 
 def test_loss_goes_down(built, tmp_path):
     s = run_training(
-        built["store"],
-        built["data"],
-        tmp_path / "m",
+        TrainJob(built["store"], built["data"], tmp_path / "m", model=str(built["model"])),
         _cfg(batch_size=4, epochs=10, lr=1e-2, raft_p=0.0, checkpoint_every=100),
-        model=str(built["model"]),
+        RunControl(lineage={"run_id": "train-test"}),
     )
+    written = json.loads((tmp_path / "m" / "coinrag-training.json").read_text())
+    assert s["run_id"] == written["run_id"] == "train-test"  # the caller's lineage, recorded
+    assert s["counts"]["usable"] == 4 and s["counts"]["examples_seen"] == 40
     losses = s["losses"]
     assert len(losses) == 10
     assert losses[-1] < 0.6 * losses[0], losses
@@ -278,7 +281,7 @@ def test_loss_goes_down(built, tmp_path):
 def test_resume_after_kill_same_next_loss(built, tmp_path):
     cfg = _cfg(epochs=2, raft_p=0.5)
     ref = run_training(
-        built["store"], built["data"], tmp_path / "a", cfg, model=str(built["model"])
+        TrainJob(built["store"], built["data"], tmp_path / "a", model=str(built["model"])), cfg
     )["losses"]
 
     def kill(step, loss):
@@ -287,15 +290,12 @@ def test_resume_after_kill_same_next_loss(built, tmp_path):
 
     with pytest.raises(Killed):
         run_training(
-            built["store"],
-            built["data"],
-            tmp_path / "b",
+            TrainJob(built["store"], built["data"], tmp_path / "b", model=str(built["model"])),
             cfg,
-            model=str(built["model"]),
-            on_step=kill,
+            RunControl(on_step=kill),
         )
     got = run_training(
-        built["store"], built["data"], tmp_path / "b", cfg, model=str(built["model"])
+        TrainJob(built["store"], built["data"], tmp_path / "b", model=str(built["model"])), cfg
     )
     assert got["resumed_from"] == 2  # the checkpoint before the kill
     assert got["losses"] == ref  # bit-equal, including the steps after the resume

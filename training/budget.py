@@ -108,7 +108,8 @@ class BudgetManager:
     """Keeps at most ``budget`` cartridges (parameter + gradient + Adam moments) on ``device``.
 
     ``metas``: every cartridge of the pool; ``init_fn(cartridge_id)`` makes the initial tensor of
-    a cartridge that has no stored version yet. ``peak_resident`` is the largest number ever
+    a cartridge that has no stored version yet; ``config`` gives the budget and Adam's ``lr``,
+    ``betas`` and ``eps``. ``peak_resident`` is the largest number ever
     resident (a load beyond the budget raises :class:`BudgetExceeded`).
     """
 
@@ -117,22 +118,19 @@ class BudgetManager:
         cstore: CartridgeStore,
         metas: dict[str, CartridgeMeta],
         init_fn: Callable[[str], torch.Tensor],
+        config: CartridgeTrainSettings,
         *,
-        budget: int,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
         freeze_first: bool = True,
         device: str = "cpu",
         run_id: str,
     ) -> None:
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
+        if config.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {config.budget}")
         self.cstore = cstore
         self.metas = metas
         self.init_fn = init_fn
-        self.budget = budget
-        self.lr, self.betas, self.eps = lr, betas, eps
+        self.budget = config.budget
+        self.lr, self.betas, self.eps = config.lr, config.betas, config.eps
         self.freeze_first = freeze_first
         self.device = device
         self.run_id = run_id
@@ -280,6 +278,26 @@ class PoolDoc:
     doc_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class CartridgePool:
+    """The cartridges trained together: where they are stored (``cstore``), one
+    :class:`PoolDoc` per cartridge id (``docs``) and their shape (``spec``)."""
+
+    cstore: CartridgeStore
+    docs: dict[str, PoolDoc]
+    spec: CartridgeSpec
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """One training run of a pool: its ``run_id`` (stored with every version), the
+    ``train_key`` naming its checkpoint, and the ``device`` the resident cartridges live on."""
+
+    run_id: str
+    train_key: str
+    device: str = "cpu"
+
+
 @dataclass
 class TrainReport:
     steps: int = 0
@@ -299,9 +317,9 @@ class TrainReport:
 class CartridgeTrainer:
     """Trains every cartridge of a pool under a device budget, resumable after a kill.
 
-    ``docs``: one :class:`PoolDoc` per cartridge id; ``examples``: the distillation set (each
-    names its cartridge). ``train_key`` names the run's checkpoint: a trainer constructed with a
-    key whose checkpoint exists continues from it.
+    ``pool``: the cartridges (:class:`CartridgePool`); ``examples``: the distillation set (each
+    names its cartridge). ``run.train_key`` names the run's checkpoint: a trainer constructed
+    with a key whose checkpoint exists continues from it.
     """
 
     def __init__(
@@ -309,49 +327,41 @@ class CartridgeTrainer:
         model: Any,
         prompt: RagPrompt,
         rope: ModelRope,
-        cstore: CartridgeStore,
-        docs: dict[str, PoolDoc],
+        pool: CartridgePool,
         examples: Sequence[Example],
-        spec: CartridgeSpec,
         config: CartridgeTrainSettings,
-        *,
-        run_id: str,
-        train_key: str,
-        device: str = "cpu",
+        run: TrainRun,
     ) -> None:
         self.model = model.eval()
         for param in model.parameters():
             param.requires_grad_(False)
         self.prompt = prompt
         self.rope = rope
-        self.cstore = cstore
-        self.docs = docs
+        self.cstore = pool.cstore
+        self.docs = pool.docs
         self.examples = list(examples)
-        self.spec = spec
+        self.spec = pool.spec
         self.config = config
         self.visibility = Visibility.from_settings(config)
-        self.train_key = train_key
-        self.device = device
-        self.prefix = prefix_kv(model, prompt).to(device)
-        self.by_cart: dict[str, list[int]] = {cid: [] for cid in docs}
+        self.train_key = run.train_key
+        self.device = run.device
+        self.prefix = prefix_kv(model, prompt).to(run.device)
+        self.by_cart: dict[str, list[int]] = {cid: [] for cid in pool.docs}
         for i, ex in enumerate(self.examples):
             if ex.cartridge_id not in self.by_cart:
                 raise KeyError(f"example {ex.example_id} names unknown cartridge {ex.cartridge_id}")
             self.by_cart[ex.cartridge_id].append(i)
         self.manager = BudgetManager(
-            cstore,
-            {cid: d.meta for cid, d in docs.items()},
+            pool.cstore,
+            {cid: d.meta for cid, d in pool.docs.items()},
             self.initial,
-            budget=config.budget,
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
-            freeze_first=spec.freeze_first,
-            device=device,
-            run_id=run_id,
+            config,
+            freeze_first=pool.spec.freeze_first,
+            device=run.device,
+            run_id=run.run_id,
         )
         self.rng = random.Random(config.seed)
-        self.pending: dict[str, list[int]] = {cid: [] for cid in docs}
+        self.pending: dict[str, list[int]] = {cid: [] for cid in pool.docs}
         self.last_resident: dict[str, int] = {}
         self.step = 0
         self.epoch = 0

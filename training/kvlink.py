@@ -1,6 +1,7 @@
 """KVLink's link tokens trained on a store (``coinrag train kvlink``), with the fine-tuning
-machinery of ``training/finetune.py`` (plans, RAFT noise, evidence fitting, checkpoints and
-resume, the step loop, the loss plot).
+machinery (``training/job.py``: store, data, model, plans; ``training/loop.py``: RAFT noise,
+evidence fitting, checkpoints and resume, the step loop, the loss plot); only the objective
+(:class:`KvLinkObjective`), what trains and what is saved are its own.
 
 For every QA example: the top-``kc`` chunks among its own documents (as ``kvlink`` retrieves
 at serving time), their **stored** KV (``StoredKvContext``, the base model's), ``n_link`` link
@@ -20,10 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,20 +36,12 @@ from coinrag.inference.link import (
     link_forward,
     save_link_adapter,
 )
-from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.retrieve import Evidence, Retriever
-from coinrag.schemas.qa import QAExample, load_examples
 from coinrag.schemas.settings import FinetuneSettings
-from coinrag.storage.store import Store
-from coinrag.training.finetune import (
-    Objective,
-    Plan,
-    _kv_identity,
-    file_sha256,
-    make_plans,
-    plot_losses,
-    train,
-)
+from coinrag.training.data import Plan
+from coinrag.training.job import Prepared, TrainJob
+from coinrag.training.loop import RunControl
+from coinrag.training.objective import Objective, answer_cross_entropy
 
 DEFAULT_LINK_LR = 1e-3  # prompt-tuning scale: only a few embeddings train
 
@@ -88,8 +78,7 @@ class KvLinkObjective(Objective):
             builder.spec,
             logits_to_keep=len(answer) + 1,
         )
-        labels = torch.tensor(answer, dtype=torch.long, device=out.logits.device)
-        loss = torch.nn.functional.cross_entropy(out.logits[:-1], labels, reduction="sum")
+        loss = answer_cross_entropy(out.logits, answer)
         return loss, sum(s.tokens for s in slices) + self.n_link * len(slices)
 
     def extra_tokens(self, cfg: FinetuneSettings) -> int:
@@ -101,107 +90,46 @@ class KvLinkObjective(Objective):
 
 
 def run_kvlink_training(
-    store_path: str | os.PathLike[str],
-    data: str | os.PathLike[str],
-    out: str | os.PathLike[str],
+    job: TrainJob,
     cfg: FinetuneSettings,
     *,
     n_link: int = DEFAULT_N_LINK,
     max_docs: int = DEFAULT_MAX_DOCS,
-    model: str | None = None,
-    embedder: str | None = None,
-    logger: Any = None,
-    on_step: Callable[[int, float], None] | None = None,
-    resume: bool = True,
-    examples: Sequence[QAExample] | None = None,
-    lineage: dict[str, Any] | None = None,
+    control: RunControl | None = None,
 ) -> dict[str, Any]:
-    """Train link tokens for the store's model (or ``model``) on the QA JSONL ``data``; write
-    the adapter folder ``out``. Returns a summary with ``kvlink_fp`` and ``base_model_fp``."""
-    from coinrag.inference.embedders import load_embedder
+    """Train link tokens for the store's model (or ``job.model``) on the QA JSONL
+    ``job.data``; write the adapter folder ``job.out``. Returns a summary with ``kvlink_fp``
+    and ``base_model_fp`` (plus ``control.lineage``)."""
     from coinrag.inference.encode import pad_id
-    from coinrag.inference.kv_dtype import resolve_kv_dtype
-    from coinrag.inference.models import load_model
-    from coinrag.schemas.settings import settings_from_toml
-    from coinrag.storage.index import LanceIndex
 
     cfg.validate()
     if cfg.kc > max_docs:
         raise ValueError(f"kc {cfg.kc} is more than the {max_docs} document slots (--max-docs)")
-    logger = logger or log
-    store = Store.at(store_path)
-    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-    base_ref = model or settings.model
-    examples = list(examples) if examples is not None else load_examples(data)
-    data_sha = file_sha256(data)
-    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype
-    loaded = load_model(base_ref, device=cfg.device, dtype=kv_dtype)
-    loaded.model.requires_grad_(False)
-    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-    retriever = Retriever(
-        store,
-        load_embedder(embedder or settings.embedder),
-        LanceIndex.open(store),
-        mode=settings.retrieval,
-    )
+    control = control or RunControl()
+    control = replace(control, logger=control.logger or log)
     objective = KvLinkObjective(n_link)
-    t0 = time.perf_counter()
-    plans, counts = make_plans(examples, retriever, prompt, loaded.tokenizer, cfg, objective)
-    prep_s = time.perf_counter() - t0
-    base_model_fp, layout = _kv_identity(loaded, prompt, kv_dtype, settings.kv_codec)
+    prep = Prepared.open(job, cfg, objective, at_kv_dtype=True)
+    base_model_fp, layout = prep.kv_identity()
+    model = prep.loaded.model
     builder = StoredKvContext.for_finetuning(
-        store, loaded.model, prompt, layout=layout, pad_id=pad_id(loaded.tokenizer)
+        prep.store, model, prep.prompt, layout=layout, pad_id=pad_id(prep.loaded.tokenizer)
     )
     torch.manual_seed(cfg.seed)
-    links = LinkEmbeddings.for_model(loaded.model, max_docs=max_docs, n_link=n_link)
-    trained = torch.nn.ModuleDict({"model": loaded.model, "links": links})
-    identity = {
-        "data_sha256": data_sha,
-        "base_model_fp": base_model_fp,
-        "objective": "kvlink",
-        "scope": "links",
-        "n_link": n_link,
-        "max_docs": max_docs,
-    }
-    result = train(
-        trained,
-        builder,
-        plans,
-        cfg,
-        out,
-        identity=identity,
-        counts=counts,
-        logger=logger,
-        on_step=on_step,
-        resume=resume,
-        objective=objective,
-    )
-    out_dir = Path(out)
-    plot_losses(result.log, out_dir / "loss.png")
+    links = LinkEmbeddings.for_model(model, max_docs=max_docs, n_link=n_link)
+    trained = torch.nn.ModuleDict({"model": model, "links": links})
+    link = {"n_link": n_link, "max_docs": max_docs}
+    identity = {"base_model_fp": base_model_fp, "objective": "kvlink", "scope": "links", **link}
+    result = prep.train(trained, builder, cfg, identity, objective, control)
+    out_dir = Path(job.out)
     summary: dict[str, Any] = {
         "adapter_dir": str(out_dir.resolve()),
-        "base_model": str(loaded.model_dir),
-        "base_model_fp": base_model_fp,
-        "data": str(Path(data).resolve()),
-        "data_sha256": data_sha,
-        "config": cfg.to_dict(),
-        "n_link": n_link,
-        "max_docs": max_docs,
+        **prep.summary(cfg, result, base_model_fp),
+        **link,
         "scope": "links",
-        "steps": result.steps,
-        "resumed_from": result.resumed_from,
-        "first_loss": result.losses[0] if result.losses else None,
-        "final_loss": result.losses[-1] if result.losses else None,
-        "steps_per_s": round(result.steps_per_s, 4),
-        "train_seconds": round(result.seconds, 3),
-        "prepare_seconds": round(prep_s, 3),
-        "trainable_params": result.trainable_params,
-        "counts": result.counts,
-        "log": str(out_dir / "train_log.jsonl"),
-        "plot": str(out_dir / "loss.png"),
-        **(lineage or {}),
+        **control.lineage,
     }
-    info = save_link_adapter(out_dir, links, str(loaded.model_dir), base_model_fp, summary)
+    base = str(prep.loaded.model_dir)
+    info = save_link_adapter(out_dir, links, base, base_model_fp, summary)
     summary["kvlink_fp"] = info.kvlink_fp
     shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
     (out_dir / "coinrag-training.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -62,7 +62,12 @@ from coinrag.storage.tables import append_rows  # noqa: E402
 from coinrag.tasks.question_generators.local import LocalQuestionGenerator  # noqa: E402
 from coinrag.tasks.questions import selfstudy_stage  # noqa: E402
 from coinrag.tasks.teacher import teacher_stage  # noqa: E402
-from coinrag.training.budget import CartridgeTrainer, train_bytes  # noqa: E402
+from coinrag.training.budget import (  # noqa: E402
+    CartridgePool,
+    CartridgeTrainer,
+    TrainRun,
+    train_bytes,
+)
 from coinrag.training.cartridges import (  # noqa: E402
     CartridgeSpec,
     Example,
@@ -243,8 +248,8 @@ def main() -> None:
         eval_ex = [e for e in examples if e.example_id in eval_ids]
         cstore = CartridgeStore.create(store, CartridgeLayout.for_model(model, loaded.model_fp))
         trainer = CartridgeTrainer(
-            model, prompt, rope, cstore, pool, train_ex, CartridgeSpec.from_settings(s), s.train(),
-            run_id=f"train-{name}", train_key=train_key(cfp, pool, train_ex),
+            model, prompt, rope, CartridgePool(cstore, pool, CartridgeSpec.from_settings(s)),
+            train_ex, s.train(), TrainRun(f"train-{name}", train_key(cfp, pool, train_ex)),
         )  # fmt: skip
         if not init_z:
             init_z = {pool[c].meta.doc_id: trainer.initial(c) for c in pool}

@@ -30,7 +30,7 @@ def run_one(args: argparse.Namespace, mode: str, lora: bool) -> dict:
     import torch
 
     from coinrag.schemas.settings import FinetuneSettings
-    from coinrag.training.finetune import run_training
+    from coinrag.training.finetune import RunControl, TrainJob, run_training
 
     torch.set_num_threads(args.threads)
     stamps: list[float] = []
@@ -45,12 +45,9 @@ def run_one(args: argparse.Namespace, mode: str, lora: bool) -> dict:
     )
     with tempfile.TemporaryDirectory() as out:
         summary = run_training(
-            args.store,
-            args.data,
-            out,
+            TrainJob(args.store, args.data, out, model=args.model),
             cfg,
-            model=args.model,
-            on_step=lambda step, loss: stamps.append(time.perf_counter()),
+            RunControl(on_step=lambda step, loss: stamps.append(time.perf_counter())),
         )
     steps = [b - a for a, b in zip([started, *stamps[:-1]], stamps, strict=True)]
     later = steps[1:] or steps
