@@ -50,7 +50,6 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,6 @@ import pyarrow as pa
 
 from coinrag.schemas.leases import published_index_versions
 from coinrag.schemas.tables import INDEX_TABLES, arrow_schema
-from coinrag.storage.location import lance_storage_options
 from coinrag.storage.readers import fresh_leases
 from coinrag.storage.store import Store
 
@@ -214,18 +212,10 @@ class LanceIndex:
     def __init__(
         self, store: Store, meta: IndexMeta, versions: Mapping[str, int] | None = None
     ) -> None:
-        import lancedb
-
         self.store = store
         self.meta = meta
         self.versions = dict(versions) if versions is not None else None
-        if store.is_local:
-            Path(store.index_dir).mkdir(parents=True, exist_ok=True)
-            self.db = lancedb.connect(str(store.index_dir))
-        else:
-            self.db = lancedb.connect(
-                store.uri(store.index_dir), storage_options=lance_storage_options(store.scheme)
-            )
+        self.db = store.connect_lance(store.index_dir)
         self._tables: dict[str, Any] = {}
         self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
         self._flat_tables: dict[str, FlatTable | None] = {}  # a reader's small tables in memory

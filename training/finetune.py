@@ -57,7 +57,6 @@ Output: ``OUT`` is a transformers model folder (safetensors + tokenizer; LoRA me
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -81,6 +80,7 @@ from coinrag.inference.rope import reset_rotary
 from coinrag.schemas.keys import canonical_json
 from coinrag.schemas.qa import DataError, QAExample, load_examples
 from coinrag.schemas.settings import FinetuneSettings
+from coinrag.storage.cache import file_sha256
 from coinrag.storage.kv import KvLayout
 from coinrag.storage.store import Store
 
@@ -96,14 +96,6 @@ class ResumeMismatch(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ data
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_documents(examples: Sequence[QAExample], path: str | os.PathLike[str]) -> int:
