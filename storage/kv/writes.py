@@ -208,9 +208,7 @@ class ShardStager:
         tmp_name = f".tmp-{uuid.uuid4().hex}"
         keys = [entry.content_key for entry, _ in group]
         kept = [None if e.kept is None else e.kept.flat() for e, _ in group]
-        attrs = shard_attributes(
-            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, lay.kv_codec, kept
-        )
+        attrs = shard_attributes(lay, self.encoder, run_id, keys, tokens, checksums, kept)
         write = SHARD_WRITERS[self.encoder]
         with self.transport.staging(self.root, tmp_name, self.fsync) as folder:
             files, t1 = write(folder, lay, views, shape, attrs, self.scratch, self.files)
