@@ -173,8 +173,8 @@ class Store(ABC):
 
     @abstractmethod
     def remove_empty_folder(self, folder: PurePath) -> None:
-        """Remove ``folder`` if nothing is left in it (``OSError`` if something is); object
-        stores have no folders, so nothing to do there."""
+        """Remove ``folder`` if nothing is left in it (a folder that holds something stays);
+        object stores have no folders, so nothing to do there."""
 
     @abstractmethod
     def tree_bytes(self, path: PurePath) -> int:
