@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
+from typing import Any
 
 import pyarrow.compute as pc
 
@@ -76,32 +77,29 @@ class GcReport:
         return kv + self.index_bytes_freed + self.temp_bytes_freed
 
 
-def last_build_fingerprints(store: Store) -> dict[str, str]:
-    """The fingerprints recorded by the last completed build (empty if none completed)."""
+def _last_build_json(store: Store, column: str) -> dict[str, Any] | None:
+    """The JSON column ``column`` of the last completed build's run row (None if none
+    completed)."""
     runs = read_table(
         store,
         RunRow,
-        columns=["flow", "status", "ended_at", "fingerprints_json"],
-        filter=(pc.field("flow") == "build") & (pc.field("status") == "completed"),
-    ).to_pylist()
-    if not runs:
-        return {}
-    last = max(runs, key=lambda r: r["ended_at"])
-    return json.loads(last["fingerprints_json"] or "{}")
-
-
-def last_build_tau(store: Store) -> float | None:
-    """The ``tau`` of the last completed build (None if none completed)."""
-    runs = read_table(
-        store,
-        RunRow,
-        columns=["flow", "status", "ended_at", "parameters_json"],
+        columns=["flow", "status", "ended_at", column],
         filter=(pc.field("flow") == "build") & (pc.field("status") == "completed"),
     ).to_pylist()
     if not runs:
         return None
     last = max(runs, key=lambda r: r["ended_at"])
-    tau = json.loads(last["parameters_json"] or "{}").get("tau")
+    return json.loads(last[column] or "{}")
+
+
+def last_build_fingerprints(store: Store) -> dict[str, str]:
+    """The fingerprints recorded by the last completed build (empty if none completed)."""
+    return _last_build_json(store, "fingerprints_json") or {}
+
+
+def last_build_tau(store: Store) -> float | None:
+    """The ``tau`` of the last completed build (None if none completed)."""
+    tau = (_last_build_json(store, "parameters_json") or {}).get("tau")
     return None if tau is None else float(tau)
 
 
