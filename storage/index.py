@@ -41,6 +41,12 @@ Schemas come from ``schemas/tables.py`` (``INDEX_TABLES``); the ``vector`` colum
   only some partitions could miss rows of those chunks and return fewer than ``k``.
 
 Scores are cosine similarities (``1 - cosine distance``); vectors are L2-normalised anyway.
+
+Split by job: this module opens, writes and reads the tables (:class:`LanceIndex`);
+``index_tables.py`` holds their columns, metadata and errors, ``index_ann.py`` the ANN and
+full-text parameters (measured) and the in-memory search of small tables, ``index_search.py``
+and ``index_upkeep.py`` the searching and the maintenance (indexes, compaction, pruning) halves
+of :class:`LanceIndex`. Every name stays importable from here.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ STORE/
 ```
 
 A store is a local folder (the default) or an object-storage URL, ``s3://bucket/prefix``
-(``storage/location.py``: credentials from the environment only). For both, ``Store.fs`` is
+(``storage/location.py``: credentials from the environment only): the subclasses
+:class:`LocalStore` and :class:`ObjectStore` of :class:`Store`, which ``Store.at`` picks from the
+path; code outside this module asks the store (``write_parquet``, ``download``,
+``connect_lance``, ...) instead of testing where it lives. For both, ``Store.fs`` is
 an fsspec file system and the ``*_dir`` paths are paths on it: a ``pathlib.Path`` for a local
 store, a ``PurePosixPath`` ``bucket/prefix/...`` for an object store (``Store.uri`` turns one
 into the URL that LanceDB and DuckDB take). Local stores keep their fast paths (rename,
