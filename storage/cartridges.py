@@ -226,72 +226,82 @@ class CartridgeStore:
         """
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        rows = []
-        for meta, kv in items:
-            expected = self.layout.shape(meta.p)
-            if tuple(kv.shape) != expected:
-                raise ValueError(
-                    f"cartridge {meta.cartridge_id}: shape {tuple(kv.shape)} != {expected}"
-                )
-            if str(kv.dtype).removeprefix("torch.") != self.layout.dtype:
-                raise ValueError(f"cartridge dtype {kv.dtype} != layout dtype {self.layout.dtype}")
-            data = to_storage(kv)
-            checksum = entry_checksum(data)
-            version = f"s{step:09d}-{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-            final = self.root / safe_component(meta.cartridge_id) / version
-            tmp = self.root / f".tmp-{uuid.uuid4().hex}"
-            try:
-                array = zarr.create_array(
-                    store=LocalStore(tmp),
-                    shape=data.shape,
-                    chunks=data.shape,
-                    dtype=data.dtype,
-                    compressors=None,
-                    fill_value=0,
-                    attributes={
-                        "cartridge_id": meta.cartridge_id,
-                        "doc_id": meta.doc_id,
-                        "doc_version": meta.doc_version,
-                        "cartridge_fp": meta.cartridge_fp,
-                        "step": step,
-                        "kind": kind,
-                        "dtype": self.layout.dtype,
-                        "sha256": checksum,
-                    },
-                )
-                array[...] = data
-                back = zarr.open_array(store=LocalStore(tmp, read_only=True), mode="r")[...]
-                if entry_checksum(back) != checksum:
-                    raise CorruptCartridge(
-                        f"{meta.cartridge_id}: read-back sha256 differs after write"
-                    )
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            self.bytes_written += data.nbytes
-            rows.append(
-                CartridgeManifestRow(
-                    cartridge_id=meta.cartridge_id,
-                    doc_id=meta.doc_id,
-                    doc_version=meta.doc_version,
-                    model_fp=self.layout.model_fp,
-                    cartridge_fp=meta.cartridge_fp,
-                    prefix_sha=meta.prefix_sha,
-                    p=meta.p,
-                    init=meta.init,
-                    step=step,
-                    kind=kind,
-                    location=f"{self.layout.model_fp}/{meta.cartridge_id}/{version}",
-                    dtype=self.layout.dtype,
-                    bytes=int(data.nbytes),
-                    checksum=checksum,
-                    run_id=run_id,
-                    code_version=CODE_VERSION,
-                )
-            )
+        rows = [self._write_one(meta, kv, step, kind, run_id) for meta, kv in items]
         append_rows(self.store, rows, run_id, f"cartridges-{kind}")
         return rows
+
+    def _write_one(
+        self, meta: CartridgeMeta, kv: torch.Tensor, step: int, kind: str, run_id: str
+    ) -> CartridgeManifestRow:
+        """Store one version of one cartridge (:meth:`write`); its manifest row, not yet
+        appended."""
+        expected = self.layout.shape(meta.p)
+        if tuple(kv.shape) != expected:
+            raise ValueError(
+                f"cartridge {meta.cartridge_id}: shape {tuple(kv.shape)} != {expected}"
+            )
+        if str(kv.dtype).removeprefix("torch.") != self.layout.dtype:
+            raise ValueError(f"cartridge dtype {kv.dtype} != layout dtype {self.layout.dtype}")
+        data = to_storage(kv)
+        checksum = entry_checksum(data)
+        version = f"s{step:09d}-{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+        attributes = {
+            "cartridge_id": meta.cartridge_id,
+            "doc_id": meta.doc_id,
+            "doc_version": meta.doc_version,
+            "cartridge_fp": meta.cartridge_fp,
+            "step": step,
+            "kind": kind,
+            "dtype": self.layout.dtype,
+            "sha256": checksum,
+        }
+        final = self.root / safe_component(meta.cartridge_id) / version
+        self._write_verified(final, data, attributes)
+        self.bytes_written += data.nbytes
+        return CartridgeManifestRow(
+            cartridge_id=meta.cartridge_id,
+            doc_id=meta.doc_id,
+            doc_version=meta.doc_version,
+            model_fp=self.layout.model_fp,
+            cartridge_fp=meta.cartridge_fp,
+            prefix_sha=meta.prefix_sha,
+            p=meta.p,
+            init=meta.init,
+            step=step,
+            kind=kind,
+            location=f"{self.layout.model_fp}/{meta.cartridge_id}/{version}",
+            dtype=self.layout.dtype,
+            bytes=int(data.nbytes),
+            checksum=checksum,
+            run_id=run_id,
+            code_version=CODE_VERSION,
+        )
+
+    def _write_verified(self, final: Path, data: np.ndarray, attributes: dict[str, Any]) -> None:
+        """Write ``data`` as a Zarr array into a ``.tmp-`` folder, read it back and check its
+        sha256 (``attributes["sha256"]``), then rename it to ``final``; :class:`CorruptCartridge`
+        if the read-back differs (the temporary folder never stays)."""
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        try:
+            array = zarr.create_array(
+                store=LocalStore(tmp),
+                shape=data.shape,
+                chunks=data.shape,
+                dtype=data.dtype,
+                compressors=None,
+                fill_value=0,
+                attributes=attributes,
+            )
+            array[...] = data
+            back = zarr.open_array(store=LocalStore(tmp, read_only=True), mode="r")[...]
+            if entry_checksum(back) != attributes["sha256"]:
+                raise CorruptCartridge(
+                    f"{attributes['cartridge_id']}: read-back sha256 differs after write"
+                )
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def read(self, row: CartridgeManifestRow, verify: bool = True) -> torch.Tensor:
         """The stored tensor of one version ``(layers, 2, kv_heads, p, head_dim)``, on CPU.

@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
+from typing import Any
 
 import pyarrow.compute as pc
 
@@ -78,32 +77,29 @@ class GcReport:
         return kv + self.index_bytes_freed + self.temp_bytes_freed
 
 
-def last_build_fingerprints(store: Store) -> dict[str, str]:
-    """The fingerprints recorded by the last completed build (empty if none completed)."""
+def _last_build_json(store: Store, column: str) -> dict[str, Any] | None:
+    """The JSON column ``column`` of the last completed build's run row (None if none
+    completed)."""
     runs = read_table(
         store,
         RunRow,
-        columns=["flow", "status", "ended_at", "fingerprints_json"],
-        filter=(pc.field("flow") == "build") & (pc.field("status") == "completed"),
-    ).to_pylist()
-    if not runs:
-        return {}
-    last = max(runs, key=lambda r: r["ended_at"])
-    return json.loads(last["fingerprints_json"] or "{}")
-
-
-def last_build_tau(store: Store) -> float | None:
-    """The ``tau`` of the last completed build (None if none completed)."""
-    runs = read_table(
-        store,
-        RunRow,
-        columns=["flow", "status", "ended_at", "parameters_json"],
+        columns=["flow", "status", "ended_at", column],
         filter=(pc.field("flow") == "build") & (pc.field("status") == "completed"),
     ).to_pylist()
     if not runs:
         return None
     last = max(runs, key=lambda r: r["ended_at"])
-    tau = json.loads(last["parameters_json"] or "{}").get("tau")
+    return json.loads(last[column] or "{}")
+
+
+def last_build_fingerprints(store: Store) -> dict[str, str]:
+    """The fingerprints recorded by the last completed build (empty if none completed)."""
+    return _last_build_json(store, "fingerprints_json") or {}
+
+
+def last_build_tau(store: Store) -> float | None:
+    """The ``tau`` of the last completed build (None if none completed)."""
+    tau = (_last_build_json(store, "parameters_json") or {}).get("tau")
     return None if tau is None else float(tau)
 
 
@@ -208,18 +204,18 @@ def kv_fps(store: Store) -> list[str]:
 def temp_leftovers(store: Store) -> list[PurePath]:
     """Temporary files and folders of killed writes (the KV stores' own are in ``reclaim``).
     An object store writes no temporary files outside the KV stores (each file is one PUT)."""
-    if not store.is_local:
-        return []
-    root = store.require_local("temporary files")
-    found = list(root.glob("coinrag.toml.tmp*"))
-    found += root.glob("tables/*/.*.tmp")
-    found += root.glob("staging/*/.*.tmp")
-    found += root.glob("kv/.tmp-*")
-    found += root.glob("cartridges/*/.tmp-*")
-    found += root.glob("index/*.json.tmp")
-    found += root.glob("index/*.json.tmp-*")
-    found += root.glob(f"{_SCRATCH}*")
-    return sorted(set(found))
+    return store.temp_files(
+        (
+            "coinrag.toml.tmp*",
+            "tables/*/.*.tmp",
+            "staging/*/.*.tmp",
+            "kv/.tmp-*",
+            "cartridges/*/.tmp-*",
+            "index/*.json.tmp",
+            "index/*.json.tmp-*",
+            f"{_SCRATCH}*",
+        )
+    )
 
 
 _SCRATCH = ".gc-dry-run-"  # scratch copies of the index made by dry runs
@@ -230,21 +226,7 @@ def _scratch_copy(store: Store, scratch: Path) -> Store:
     """A store at ``scratch`` holding a copy of ``store``'s index and ``coinrag.toml``. Local:
     Lance's immutable files (data, index and deletion files, written once under unique names)
     are hard links, the rest copies; object store: everything downloaded."""
-    index = scratch / "index"
-    if store.is_local:
-        src = Path(store.index_dir)
-        for path in src.rglob("*"):
-            if not path.is_file():
-                continue
-            rel = path.relative_to(src)
-            dst = index / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if any(part in _IMMUTABLE for part in rel.parts[:-1]):
-                os.link(path, dst)
-            else:
-                shutil.copy2(path, dst)
-    else:
-        store.fs.get(str(store.index_dir) + "/", str(index) + "/", recursive=True)
+    store.download(store.index_dir, scratch / "index", link_under=_IMMUTABLE)
     if store.is_file(store.settings_path):
         (scratch / "coinrag.toml").write_bytes(store.read_bytes(store.settings_path))
     leases = readers_dir(store)
@@ -261,8 +243,7 @@ def _scratch_copy(store: Store, scratch: Path) -> Store:
 def index_dry_run(store: Store) -> tuple[dict[str, int], int]:
     """``(versions removed per table, bytes freed)`` that pruning the index would give,
     measured by pruning a scratch copy (see the module doc); the store is not touched."""
-    base = store.root if store.is_local else Path(tempfile.gettempdir())
-    scratch = Path(base) / f"{_SCRATCH}{uuid.uuid4().hex}"
+    scratch = store.scratch_base / f"{_SCRATCH}{uuid.uuid4().hex}"
     try:
         copy = _scratch_copy(store, scratch)
         index = LanceIndex.open_latest(copy)

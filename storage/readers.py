@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Any
 
 from coinrag.schemas.leases import READER_LEASE_TTL_S, ReaderLease
@@ -134,8 +134,7 @@ class ReaderLeaseHolder:
             self._thread.join(timeout=5)
         try:
             self.store.remove(self.path)
-            if self.store.is_local and not self.store.list_names(readers_dir(self.store)):
-                Path(readers_dir(self.store)).rmdir()  # the last reader leaves no folder
+            self.store.remove_empty_folder(readers_dir(self.store))  # the last reader leaves none
         except OSError:
             pass  # another reader's lease appeared meanwhile: the folder stays
         except Exception:

@@ -15,7 +15,10 @@ STORE/
 ```
 
 A store is a local folder (the default) or an object-storage URL, ``s3://bucket/prefix``
-(``storage/location.py``: credentials from the environment only). For both, ``Store.fs`` is
+(``storage/location.py``: credentials from the environment only): the subclasses
+:class:`LocalStore` and :class:`ObjectStore` of :class:`Store`, which ``Store.at`` picks from the
+path; code outside this module asks the store (``write_parquet``, ``download``,
+``connect_lance``, ...) instead of testing where it lives. For both, ``Store.fs`` is
 an fsspec file system and the ``*_dir`` paths are paths on it: a ``pathlib.Path`` for a local
 store, a ``PurePosixPath`` ``bucket/prefix/...`` for an object store (``Store.uri`` turns one
 into the URL that LanceDB and DuckDB take). Local stores keep their fast paths (rename,
@@ -32,18 +35,28 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import os
 import re
+import shutil
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePath, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from coinrag.storage.location import object_filesystem, split_store_url
+from coinrag.storage.location import lance_storage_options, object_filesystem, split_store_url
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
+
+    from coinrag.schemas.settings import BuildSettings
 
 
 class StoreLocked(RuntimeError):
@@ -76,134 +89,129 @@ def safe_component(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Store:
+class Store(ABC):
     """Paths of one store. Creating the object touches nothing; :meth:`init` makes the folders.
 
     ``root``: the store's folder (an absolute ``Path``) or, for an object store, its
     ``bucket/prefix`` (a ``PurePosixPath``) on the file system of ``scheme`` (``"s3"``).
+
+    What differs between the two locations is chosen by subclass: :class:`LocalStore` (a
+    folder: renames, flock, hard links) and :class:`ObjectStore` (``s3://``: one PUT per file,
+    a lease object for the lock). :meth:`at` picks one from the path the user gives.
     """
 
     root: PurePath
     scheme: str = ""
+    is_local: ClassVar[bool]
 
-    @classmethod
-    def at(cls, path: str | os.PathLike[str]) -> Store:
+    @staticmethod
+    def at(path: str | os.PathLike[str]) -> Store:
         """The store at a local path or an object-storage URL (``s3://bucket/prefix``)."""
         scheme, rest = split_store_url(os.fspath(path))
         if scheme:
-            return cls(PurePosixPath(rest), scheme)
-        return cls(Path(rest).expanduser().resolve())
+            return ObjectStore(PurePosixPath(rest), scheme)
+        return LocalStore(Path(rest).expanduser().resolve())
 
     def __str__(self) -> str:
         return self.url
-
-    @property
-    def is_local(self) -> bool:
-        return not self.scheme
 
     @property
     def url(self) -> str:
         """The store as the user names it: a local path or ``s3://bucket/prefix``."""
         return self.uri(self.root)
 
+    @abstractmethod
     def uri(self, path: PurePath) -> str:
         """A path of this store as a URL (what LanceDB and DuckDB take)."""
-        return str(path) if self.is_local else f"{self.scheme}://{path}"
+
+    @abstractmethod
+    def absolute_uri(self, path: PurePath) -> str:
+        """The name DuckDB reads a store file by: an absolute local path, or an ``s3://`` URL."""
 
     @property
+    @abstractmethod
     def fs(self) -> Any:
         """The fsspec file system the store's paths live on."""
-        if self.is_local:
-            from fsspec.implementations.local import LocalFileSystem
 
-            return LocalFileSystem()
-        return object_filesystem(self.scheme)
+    @property
+    @abstractmethod
+    def arrow_filesystem(self) -> Any:
+        """What pyarrow reads the store's files with: None (its own local I/O) or ``fs``."""
 
+    @abstractmethod
     def require_local(self, what: str) -> Path:
         """The local folder, or :class:`LocalStoreRequired` naming ``what`` needs one."""
-        if not self.is_local:
-            raise LocalStoreRequired(
-                f"{what} needs a local store; {self.url} is in object storage (there, coinrag "
-                "supports build, delete, gc, lineage, query, eval, serve and watch)"
-            )
-        return Path(self.root)
 
+    @abstractmethod
     def init(self) -> Store:
-        if self.is_local:
-            for sub in ("tables", "kv", "index", "cartridges", "models", "reports"):
-                (Path(self.root) / sub).mkdir(parents=True, exist_ok=True)
-        # Object stores have no folders: a prefix exists once an object is written under it.
-        return self
+        """Make the store's folders (nothing to make in object storage); returns ``self``."""
 
+    @abstractmethod
     def exists(self) -> bool:
-        if self.is_local:
-            return (Path(self.root) / "tables").is_dir()
-        return bool(self.list_names(self.root / "tables")) or self.is_file(self.settings_path)
+        """Whether a store has been written here."""
 
-    # -------------------------------------------------------------- file operations (both)
+    # -------------------------------------------------------------- file operations
 
-    def is_file(self, path: PurePath) -> bool:
-        if self.is_local:
-            return Path(path).is_file()
-        return bool(self.fs.isfile(str(path)))
+    @abstractmethod
+    def is_file(self, path: PurePath) -> bool: ...
 
+    @abstractmethod
     def list_names(self, folder: PurePath) -> list[str]:
         """Names of the entries directly under ``folder`` (files and folders), sorted; empty if
         it does not exist."""
-        if self.is_local:
-            folder = Path(folder)
-            return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        try:
-            found = self.fs.ls(str(folder), detail=False)
-        except FileNotFoundError:
-            return []
-        return sorted(PurePosixPath(p).name for p in found if p.rstrip("/") != str(folder))
 
-    def read_bytes(self, path: PurePath) -> bytes:
-        return Path(path).read_bytes() if self.is_local else bytes(self.fs.cat_file(str(path)))
+    @abstractmethod
+    def read_bytes(self, path: PurePath) -> bytes: ...
 
+    @abstractmethod
     def write_bytes_atomic(self, path: PurePath, data: bytes) -> None:
         """Replace ``path`` with ``data`` in one step: a reader sees the old object or the new
         one. Local: a temporary file renamed into place; object store: one PUT (atomic per
         object)."""
-        if self.is_local:
-            path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        else:
-            self.fs.pipe_file(str(path), data)
 
+    @abstractmethod
+    def write_parquet(self, path: PurePath, table: pa.Table) -> None:
+        """Write ``table`` as the new Parquet file ``path`` (zstd) in one step. Local: written
+        to ``.<name>.tmp`` beside it, then renamed; object store: one PUT."""
+
+    @abstractmethod
     def remove(self, path: PurePath) -> None:
         """Remove a file or a folder with everything under it (nothing if it is missing)."""
-        if self.is_local:
-            import shutil
 
-            path = Path(path)
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            return
-        try:
-            self.fs.rm(str(path), recursive=True)
-        except FileNotFoundError:
-            pass
+    @abstractmethod
+    def remove_empty_folder(self, folder: PurePath) -> None:
+        """Remove ``folder`` if nothing is left in it (a folder that holds something stays);
+        object stores have no folders, so nothing to do there."""
 
+    @abstractmethod
     def tree_bytes(self, path: PurePath) -> int:
         """Bytes of the files under ``path`` (or of the file itself); 0 if missing."""
-        if self.is_local:
-            path = Path(path)
-            if not path.exists():
-                return 0
-            if path.is_file():
-                return path.stat().st_size
-            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        try:
-            return int(self.fs.du(str(path), total=True))
-        except FileNotFoundError:
-            return 0
+
+    @abstractmethod
+    def temp_files(self, patterns: Iterable[str]) -> list[PurePath]:
+        """Files and folders matching the glob ``patterns`` (relative to the root) that killed
+        local writes left. An object store writes no temporary files (each file is one PUT):
+        always empty there."""
+
+    @abstractmethod
+    def download(self, folder: PurePath, dest: Path, link_under: Iterable[str] = ()) -> None:
+        """Copy the files under ``folder`` into the local folder ``dest``. Local: files inside
+        a sub-folder named in ``link_under`` (files written once, never rewritten) are hard
+        links, the rest copies; object store: everything downloaded."""
+
+    @property
+    @abstractmethod
+    def scratch_base(self) -> Path:
+        """A local folder for scratch copies: the store's own folder (so hard links work), or
+        the system's temporary folder for an object store."""
+
+    @abstractmethod
+    def connect_lance(self, folder: PurePath) -> Any:
+        """A LanceDB connection to the database at ``folder`` (made if missing)."""
+
+    @abstractmethod
+    def register_with_duckdb(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Let ``con`` read this store's files (before its configuration is locked)."""
 
     # -------------------------------------------------------------- layout
 
@@ -234,13 +242,9 @@ class Store:
         return self.require_local("training models") / "models"
 
     @property
+    @abstractmethod
     def prefect_dir(self) -> Path:
         """Local working state of this store's builds (always a local folder, see above)."""
-        if self.is_local:
-            return Path(self.root) / ".prefect"
-        cache = Path(os.environ.get("COINRAG_CACHE", Path.home() / ".cache" / "coinrag"))
-        digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        return cache / "stores" / digest / ".prefect"
 
     @property
     def settings_path(self) -> PurePath:
@@ -287,6 +291,8 @@ class Store:
         published yet (a store written by stages alone, or by an older coinrag)."""
         return self.read_toml().get("published")
 
+    # -------------------------------------------------------------- the write lock
+
     def check_write_lock(self) -> None:
         """Before a commit point on an object store whose lease this process holds: renew the
         lease if half of it is gone, and raise ``storage.object_lock.LockLost`` if it was lost
@@ -296,18 +302,143 @@ class Store:
         if held is not None:
             held.check()
 
-    @contextmanager
-    def write_lock(self, run_id: str) -> Iterator[None]:
+    @abstractmethod
+    def write_lock(self, run_id: str) -> AbstractContextManager[None]:
         """Hold ``STORE/.lock`` for the duration; a second writer gets :class:`StoreLocked`.
 
         Local: an OS-level lock (flock), released when the holder dies, so a killed build never
         leaves the store locked. Object store: a lease object (``storage/object_lock.py``):
         created conditionally, kept by a heartbeat, taken over once its holder is silent.
         """
-        if not self.is_local:
-            with self._object_lock(run_id):
-                yield
-            return
+
+    @abstractmethod
+    def check_unlocked(self) -> None:
+        """Raise :class:`StoreLocked` now if another process holds the write lock of this
+        local store (a probe: the lock is taken and dropped at once; the writer takes it for
+        real later). What the CLI checks before any work; an object store's lease is checked
+        when it is taken."""
+
+    def _locked(self, holder: str) -> StoreLocked:
+        return StoreLocked(
+            f"store {self.url} is being written by another build ({holder or 'unknown'}); "
+            "wait for it to finish, or stop it"
+        )
+
+
+@dataclass(frozen=True)
+class LocalStore(Store):
+    """A store in a local folder (``root``: an absolute ``Path``)."""
+
+    is_local: ClassVar[bool] = True
+
+    def uri(self, path: PurePath) -> str:
+        return str(path)
+
+    def absolute_uri(self, path: PurePath) -> str:
+        return os.path.abspath(path)
+
+    @property
+    def fs(self) -> Any:
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem()
+
+    @property
+    def arrow_filesystem(self) -> Any:
+        return None
+
+    def require_local(self, what: str) -> Path:
+        return Path(self.root)
+
+    def init(self) -> Store:
+        for sub in ("tables", "kv", "index", "cartridges", "models", "reports"):
+            (Path(self.root) / sub).mkdir(parents=True, exist_ok=True)
+        return self
+
+    def exists(self) -> bool:
+        return (Path(self.root) / "tables").is_dir()
+
+    def is_file(self, path: PurePath) -> bool:
+        return Path(path).is_file()
+
+    def list_names(self, folder: PurePath) -> list[str]:
+        folder = Path(folder)
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    def read_bytes(self, path: PurePath) -> bytes:
+        return Path(path).read_bytes()
+
+    def write_bytes_atomic(self, path: PurePath, data: bytes) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def write_parquet(self, path: PurePath, table: pa.Table) -> None:
+        import pyarrow.parquet as pq
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+
+    def remove(self, path: PurePath) -> None:
+        path = Path(path)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def remove_empty_folder(self, folder: PurePath) -> None:
+        if not self.list_names(folder):
+            Path(folder).rmdir()
+
+    def tree_bytes(self, path: PurePath) -> int:
+        path = Path(path)
+        if not path.exists():
+            return 0
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+    def temp_files(self, patterns: Iterable[str]) -> list[PurePath]:
+        root = Path(self.root)
+        return sorted({found for pattern in patterns for found in root.glob(pattern)})
+
+    def download(self, folder: PurePath, dest: Path, link_under: Iterable[str] = ()) -> None:
+        src, links = Path(folder), set(link_under)
+        for path in src.rglob("*"):
+            if not path.is_file():
+                continue
+            rel = path.relative_to(src)
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if links.intersection(rel.parts[:-1]):
+                os.link(path, target)
+            else:
+                shutil.copy2(path, target)
+
+    @property
+    def scratch_base(self) -> Path:
+        return Path(self.root)
+
+    def connect_lance(self, folder: PurePath) -> Any:
+        import lancedb
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return lancedb.connect(str(folder))
+
+    def register_with_duckdb(self, con: duckdb.DuckDBPyConnection) -> None:
+        pass  # DuckDB reads local files itself
+
+    @property
+    def prefect_dir(self) -> Path:
+        return Path(self.root) / ".prefect"
+
+    @contextmanager
+    def write_lock(self, run_id: str) -> Iterator[None]:
         Path(self.root).mkdir(parents=True, exist_ok=True)
         path = Path(self.root) / ".lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -315,7 +446,7 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise self._locked(path) from None
+                raise self._locked_by(path) from None
             os.ftruncate(fd, 0)
             info = f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}, since "
             os.write(fd, (info + datetime.now(UTC).isoformat()).encode())
@@ -323,20 +454,10 @@ class Store:
         finally:
             os.close(fd)
 
-    def _locked(self, path: Path) -> StoreLocked:
-        holder = path.read_text(encoding="utf-8", errors="replace").strip()
-        return StoreLocked(
-            f"store {self.url} is being written by another build ({holder or 'unknown'}); "
-            "wait for it to finish, or stop it"
-        )
+    def _locked_by(self, path: Path) -> StoreLocked:
+        return self._locked(path.read_text(encoding="utf-8", errors="replace").strip())
 
     def check_unlocked(self) -> None:
-        """Raise :class:`StoreLocked` now if another process holds the write lock of this
-        local store (a probe: the lock is taken and dropped at once; the writer takes it for
-        real later). What the CLI checks before any work; an object store's lease is checked
-        when it is taken."""
-        if not self.is_local:
-            return
         path = Path(self.root) / ".lock"
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -346,29 +467,133 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise self._locked(path) from None
+                raise self._locked_by(path) from None
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
 
+
+@dataclass(frozen=True)
+class ObjectStore(Store):
+    """A store under an object-storage prefix (``root``: ``bucket/prefix``, a
+    ``PurePosixPath``, on the file system of ``scheme``)."""
+
+    is_local: ClassVar[bool] = False
+
+    def uri(self, path: PurePath) -> str:
+        return f"{self.scheme}://{path}"
+
+    def absolute_uri(self, path: PurePath) -> str:
+        return self.uri(path)
+
+    @property
+    def fs(self) -> Any:
+        return object_filesystem(self.scheme)
+
+    @property
+    def arrow_filesystem(self) -> Any:
+        return self.fs
+
+    def require_local(self, what: str) -> Path:
+        raise LocalStoreRequired(
+            f"{what} needs a local store; {self.url} is in object storage (there, coinrag "
+            "supports build, delete, gc, lineage, query, eval, serve and watch)"
+        )
+
+    def init(self) -> Store:
+        return self  # no folders: a prefix exists once an object is written under it
+
+    def exists(self) -> bool:
+        return bool(self.list_names(self.root / "tables")) or self.is_file(self.settings_path)
+
+    def is_file(self, path: PurePath) -> bool:
+        return bool(self.fs.isfile(str(path)))
+
+    def list_names(self, folder: PurePath) -> list[str]:
+        try:
+            found = self.fs.ls(str(folder), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(PurePosixPath(p).name for p in found if p.rstrip("/") != str(folder))
+
+    def read_bytes(self, path: PurePath) -> bytes:
+        return bytes(self.fs.cat_file(str(path)))
+
+    def write_bytes_atomic(self, path: PurePath, data: bytes) -> None:
+        self.fs.pipe_file(str(path), data)
+
+    def write_parquet(self, path: PurePath, table: pa.Table) -> None:
+        import pyarrow.parquet as pq
+
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer, compression="zstd")
+        self.fs.pipe_file(str(path), buffer.getvalue())
+
+    def remove(self, path: PurePath) -> None:
+        try:
+            self.fs.rm(str(path), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def remove_empty_folder(self, folder: PurePath) -> None:
+        pass  # no folders in object storage
+
+    def tree_bytes(self, path: PurePath) -> int:
+        try:
+            return int(self.fs.du(str(path), total=True))
+        except FileNotFoundError:
+            return 0
+
+    def temp_files(self, patterns: Iterable[str]) -> list[PurePath]:
+        return []
+
+    def download(self, folder: PurePath, dest: Path, link_under: Iterable[str] = ()) -> None:
+        self.fs.get(str(folder) + "/", str(dest) + "/", recursive=True)
+
+    @property
+    def scratch_base(self) -> Path:
+        return Path(tempfile.gettempdir())
+
+    def connect_lance(self, folder: PurePath) -> Any:
+        import lancedb
+
+        return lancedb.connect(self.uri(folder), storage_options=lance_storage_options(self.scheme))
+
+    def register_with_duckdb(self, con: duckdb.DuckDBPyConnection) -> None:
+        con.register_filesystem(self.fs)  # DuckDB reads s3:// paths through s3fs
+
+    @property
+    def prefect_dir(self) -> Path:
+        cache = Path(os.environ.get("COINRAG_CACHE", Path.home() / ".cache" / "coinrag"))
+        digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        return cache / "stores" / digest / ".prefect"
+
     @contextmanager
-    def _object_lock(self, run_id: str) -> Iterator[None]:
+    def write_lock(self, run_id: str) -> Iterator[None]:
         from coinrag.storage.object_lock import LockContention, ObjectLock, holder_info
 
         lock = ObjectLock(self.fs, str(self.root / ".lock"), holder_info(run_id))
         try:
             lock.acquire()
         except LockContention as exc:
-            raise StoreLocked(
-                f"store {self.url} is being written by another build ({exc.holder}); "
-                "wait for it to finish, or stop it"
-            ) from None
+            raise self._locked(exc.holder) from None
         _LOCKS[self.url] = lock
         try:
             yield
         finally:
             _LOCKS.pop(self.url, None)
             lock.release()
+
+    def check_unlocked(self) -> None:
+        pass  # the lease is checked when it is taken
+
+
+def store_settings(store: Store) -> BuildSettings:
+    """The settings ``store`` was built with (``STORE/coinrag.toml``; the defaults for what it
+    does not record, e.g. ``kv_keep = "chunks"`` for a store built before the setting)."""
+    from coinrag.schemas.settings import settings_from_toml
+
+    return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
 
 
 def _toml_table(name: str, table: dict[str, Any]) -> list[str]:

@@ -14,11 +14,9 @@ the table later by the one writer (:func:`stage_rows`), many staged files into o
 from __future__ import annotations
 
 import dataclasses
-import io
-import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
@@ -88,7 +86,7 @@ def read_files(store: Store, record: type[R], files: Sequence[PurePath]) -> list
         [str(f) for f in files],
         schema=arrow_schema(record),
         format="parquet",
-        filesystem=_arrow_fs(store),
+        filesystem=store.arrow_filesystem,
     )
     return [record(**row) for row in dataset.to_table().to_pylist()]
 
@@ -110,7 +108,9 @@ def rewrite_rows(
     """
     dropped = 0
     for path in table_files(store, record):
-        table = pq.read_table(str(path), schema=arrow_schema(record), filesystem=_arrow_fs(store))
+        table = pq.read_table(
+            str(path), schema=arrow_schema(record), filesystem=store.arrow_filesystem
+        )
         mask = [bool(keep(v)) for v in table.column(column).to_pylist()]
         if all(mask):
             continue
@@ -127,15 +127,7 @@ def _write_file(
 ) -> PurePath:
     name = f"{safe_component(run_id)}.{safe_component(stage)}.{uuid.uuid4().hex[:8]}.parquet"
     final = directory / name
-    if store.is_local:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        tmp = Path(directory) / f".{name}.tmp"
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, final)
-    else:
-        buffer = io.BytesIO()
-        pq.write_table(table, buffer, compression="zstd")
-        store.fs.pipe_file(str(final), buffer.getvalue())
+    store.write_parquet(final, table)
     return final
 
 
@@ -159,14 +151,9 @@ def read_table(
         [str(f) for f in files],
         schema=schema,
         format="parquet",
-        filesystem=_arrow_fs(store),
+        filesystem=store.arrow_filesystem,
     )
     return dataset.to_table(columns=list(columns) if columns else None, filter=filter)
-
-
-def _arrow_fs(store: Store) -> Any:
-    """What pyarrow reads the store's files with: its own local I/O, or the fsspec one."""
-    return None if store.is_local else store.fs
 
 
 def read_rows(store: Store, record: type[R], filter: Any = None) -> list[R]:
@@ -199,10 +186,9 @@ def connect_duckdb(store: Store, tables: Iterable[str] | None = None) -> duckdb.
     import duckdb
 
     con = duckdb.connect(":memory:")
-    if not store.is_local:
-        con.register_filesystem(store.fs)  # DuckDB reads s3:// paths through s3fs
+    store.register_with_duckdb(con)
     listings = {
-        name: [_duckdb_path(store, f) for f in table_files(store, TABLES[name])]
+        name: [store.absolute_uri(f) for f in table_files(store, TABLES[name])]
         for name in tables or TABLES
     }
     allowed = sorted({p for paths in listings.values() for p in paths})
@@ -220,8 +206,3 @@ def connect_duckdb(store: Store, tables: Iterable[str] | None = None) -> duckdb.
             con.register(f"_{name}_empty", arrow_schema(TABLES[name]).empty_table())
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")
     return con
-
-
-def _duckdb_path(store: Store, path: PurePath) -> str:
-    """The name DuckDB reads a store file by: an absolute local path, or an ``s3://`` URL."""
-    return os.path.abspath(store.uri(path)) if store.is_local else store.uri(path)

@@ -10,14 +10,9 @@ config; about a second for MiniLM).
 
 from __future__ import annotations
 
-from coinrag.schemas.settings import BuildSettings, settings_from_toml
+from coinrag.schemas.settings import BuildSettings
 from coinrag.schemas.views import PRODUCERS
-from coinrag.storage.store import Store
-
-
-def store_settings(store: Store) -> BuildSettings:
-    """The settings recorded in ``STORE/coinrag.toml`` (defaults where it has none)."""
-    return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
+from coinrag.storage.store import store_settings  # noqa: F401  (re-exported)
 
 
 def current_producers(settings: BuildSettings) -> dict[str, str]:

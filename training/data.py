@@ -9,7 +9,6 @@ identical after a resume.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -22,18 +21,10 @@ from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.retrieve import Evidence, Retriever
 from coinrag.schemas.qa import QAExample
 from coinrag.schemas.settings import FinetuneSettings
+from coinrag.storage.cache import file_sha256  # noqa: F401  (re-exported: one hash, cached by size and mtime)
 
 if TYPE_CHECKING:
     from coinrag.training.objective import Objective
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """SHA-256 (hex) of a file's bytes, read now (no cache: the data file may change)."""
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_documents(examples: Sequence[QAExample], path: str | os.PathLike[str]) -> int:

@@ -40,7 +40,7 @@ from coinrag.inference.generate import Generation
 from coinrag.inference.prompt import require_question
 from coinrag.schemas.settings import RAG_METHODS, BuildSettings
 from coinrag.storage.kv import CorruptKvEntry
-from coinrag.storage.store import Store
+from coinrag.storage.store import Store, store_settings
 
 if TYPE_CHECKING:
     from coinrag.inference.methods.engine import RagEngine
@@ -113,14 +113,6 @@ class Answer:
         import json
 
         return json.dumps(self.to_json(), ensure_ascii=False)
-
-
-def store_settings(store: Store) -> BuildSettings:
-    """The settings ``store`` was built with (``STORE/coinrag.toml``; the defaults for what it
-    does not record, e.g. ``kv_keep = "chunks"`` for a store built before the setting)."""
-    from coinrag.schemas.settings import settings_from_toml
-
-    return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
 
 
 class Asset(Generic[T]):

@@ -209,7 +209,6 @@ def gather_ranges(
     fetched once per reader (one range, crc32c-checked, kept on its :class:`ShardMeta`). Zarr's
     reader would read the index and then each block, one after the other, on every read. A
     shard whose ``zarr.json`` describes another format goes through :func:`gather_zarr`."""
-    codec = layout.codec
     out: list[np.ndarray | None] = [None] * len(plans)
     zarr_plans = [i for i, p in enumerate(plans) if not shards[p.shard].direct]
     if zarr_plans:
@@ -217,73 +216,112 @@ def gather_ranges(
         for i, array in zip(zarr_plans, got, strict=True):
             out[i] = array
     direct = [i for i in range(len(plans)) if out[i] is None]
+    files = _ShardFiles(root, fetch, fail)
+    files.load_indexes([plans[i] for i in direct], shards, layout)
+    by_plan = files.fetch_blocks({i: plans[i] for i in direct}, shards)
+    for i in direct:
+        out[i] = _decode_blocks(plans[i], shards[plans[i].shard], layout, by_plan[i], fail)
+    return [a for a in out if a is not None]
 
-    need_index = [shards[n] for n in sorted({plans[i].shard for i in direct})]
-    for shard in need_index:
-        if shard.index is None:
-            shard.index = shard.computed_index(layout)
-    need_index = [s for s in need_index if s.index is None]
-    if need_index:
+
+_Blocks = list[tuple[int, int, int]]  # (block, offset in the file, bytes), back to back
+
+
+@dataclass
+class _ShardFiles:
+    """The shard files under ``root``, read as byte ranges (``fetch(paths, starts, ends)``,
+    issued all at once); ``fail(plan, problem)``: the error a bad range raises."""
+
+    root: PurePath
+    fetch: Callable[[list[str], list[int], list[int]], list[Any]]
+    fail: Fail
+
+    def load_indexes(
+        self, plans: list[SlicePlan], shards: dict[str, ShardMeta], layout: KvLayout
+    ) -> None:
+        """Give every shard the ``plans`` read its index: computed from its token counts where
+        ``encode_shard`` wrote it, else fetched (one range per shard, all at once) and its crc32c
+        checked."""
+        need_index = [shards[n] for n in sorted({p.shard for p in plans})]
+        for shard in need_index:
+            if shard.index is None:
+                shard.index = shard.computed_index(layout)
+        need_index = [s for s in need_index if s.index is None]
+        if not need_index:
+            return
         paths, starts, ends = [], [], []
         for shard in need_index:
             start, end = shard.index_range()
-            paths.append(str(root / shard.name / shard.data_key))
+            paths.append(str(self.root / shard.name / shard.data_key))
             starts.append(start)
             ends.append(end)
-        for shard, raw in zip(need_index, fetch(paths, starts, ends), strict=True):
-            plan = next(plans[i] for i in direct if plans[i].shard == shard.name)
+        for shard, raw in zip(need_index, self.fetch(paths, starts, ends), strict=True):
+            plan = next(p for p in plans if p.shard == shard.name)
             if isinstance(raw, BaseException):
-                raise fail(plan, f"read failed: {raw}") from raw
+                raise self.fail(plan, f"read failed: {raw}") from raw
             shard.index = parse_index(raw, shard.shape[0], shard.width, shard.block_tokens)
             if shard.index is None:
-                raise fail(plan, "the shard index fails its crc32c")
-    ranges: list[tuple[int, list[tuple[int, int, int]]]] = []  # (plan, [(block, off, n)])
-    paths, starts, ends = [], [], []
-    for i in direct:
-        plan = plans[i]
-        shard = shards[plan.shard]
-        block = shard.block_tokens
-        b0, b1 = plan.t0 // block, min(plan.t1, shard.width) // block
-        stored = stored_blocks(shard.index[plan.slot, b0:b1], b0)  # type: ignore[index]
-        groups = [stored] if stored and back_to_back(stored) else [[item] for item in stored]
-        path = str(root / plan.shard / shard.data_key)
-        for group in groups:
-            ranges.append((i, group))
-            paths.append(path)
-            starts.append(group[0][1])
-            ends.append(group[-1][1] + group[-1][2])
-    fetched = fetch(paths, starts, ends) if paths else []
-    by_plan: dict[int, list[tuple[list[tuple[int, int, int]], Any]]] = {i: [] for i in direct}
-    for (i, group), raw in zip(ranges, fetched, strict=True):
-        if isinstance(raw, BaseException):
-            raise fail(plans[i], f"read failed: {raw}") from raw
-        by_plan[i].append((group, raw))
-    for i in direct:
-        plan = plans[i]
-        shard = shards[plan.shard]
-        g = shard_geometry(layout, shard)
-        size = g.block_bytes
-        first = plan.t0 // shard.block_tokens
-        blocks = (min(plan.t1, shard.width) - plan.t0) // shard.block_tokens
-        got = by_plan[i]
+                raise self.fail(plan, "the shard index fails its crc32c")
+
+    def fetch_blocks(
+        self, plans: dict[int, SlicePlan], shards: dict[str, ShardMeta]
+    ) -> dict[int, list[tuple[_Blocks, Any]]]:
+        """plan number -> its stored blocks' bytes, as ``(blocks, raw bytes)`` per range: one range
+        per plan where its blocks lie back to back, else one per block; every range fetched at
+        once."""
+        ranges: list[tuple[int, _Blocks]] = []  # (plan, its blocks)
+        paths, starts, ends = [], [], []
+        for i, plan in plans.items():
+            shard = shards[plan.shard]
+            block = shard.block_tokens
+            b0, b1 = plan.t0 // block, min(plan.t1, shard.width) // block
+            stored = stored_blocks(shard.index[plan.slot, b0:b1], b0)  # type: ignore[index]
+            groups = [stored] if stored and back_to_back(stored) else [[item] for item in stored]
+            path = str(self.root / plan.shard / shard.data_key)
+            for group in groups:
+                ranges.append((i, group))
+                paths.append(path)
+                starts.append(group[0][1])
+                ends.append(group[-1][1] + group[-1][2])
+        fetched = self.fetch(paths, starts, ends) if paths else []
+        by_plan: dict[int, list[tuple[_Blocks, Any]]] = {i: [] for i in plans}
+        for (i, group), raw in zip(ranges, fetched, strict=True):
+            if isinstance(raw, BaseException):
+                raise self.fail(plans[i], f"read failed: {raw}") from raw
+            by_plan[i].append((group, raw))
+        return by_plan
+
+
+def _decode_blocks(
+    plan: SlicePlan,
+    shard: ShardMeta,
+    layout: KvLayout,
+    got: list[tuple[_Blocks, Any]],
+    fail: Fail,
+) -> np.ndarray:
+    """The plan's stored values from its fetched blocks (each block's crc32c checked; a block
+    not stored reads as zeros)."""
+    g = shard_geometry(layout, shard)
+    size = g.block_bytes
+    first = plan.t0 // shard.block_tokens
+    blocks = (min(plan.t1, shard.width) - plan.t0) // shard.block_tokens
+    for group, raw in got:
+        at = 0
+        for b, _, n in group:
+            problem = block_problem(raw[at : at + n], b, size + 4)
+            if problem:
+                raise fail(plan, problem)
+            at += n
+    if len(got) == 1 and len(got[0][0]) == blocks:  # the usual case: one range, no copy
+        rows = np.frombuffer(got[0][1], dtype=np.uint8).reshape(blocks, size + 4)
+        payloads = rows[:, :size]
+    else:  # blocks in several ranges, or blocks not stored (read as zeros)
+        payloads = np.zeros((blocks, size), dtype=np.uint8)
         for group, raw in got:
-            at = 0
-            for b, _, n in group:
-                problem = block_problem(raw[at : at + n], b, size + 4)
-                if problem:
-                    raise fail(plan, problem)
-                at += n
-        if len(got) == 1 and len(got[0][0]) == blocks:  # the usual case: one range, no copy
-            rows = np.frombuffer(got[0][1], dtype=np.uint8).reshape(blocks, size + 4)
-            payloads = rows[:, :size]
-        else:  # blocks in several ranges, or blocks not stored (read as zeros)
-            payloads = np.zeros((blocks, size), dtype=np.uint8)
-            for group, raw in got:
-                data = np.frombuffer(raw, dtype=np.uint8).reshape(len(group), size + 4)
-                for j, (b, _, _) in enumerate(group):
-                    payloads[b - first] = data[j, :size]
-        out[i] = codec.from_payloads(payloads, g)
-    return [a for a in out if a is not None]
+            data = np.frombuffer(raw, dtype=np.uint8).reshape(len(group), size + 4)
+            for j, (b, _, _) in enumerate(group):
+                payloads[b - first] = data[j, :size]
+    return layout.codec.from_payloads(payloads, g)
 
 
 def slices_of(

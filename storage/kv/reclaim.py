@@ -82,11 +82,9 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
     rows (identical) or orphan folders, which the next ``gc`` removes. An entry that fails
     its check while being moved is dropped (the kv stage rebuilds it when it is needed).
     """
-    from coinrag.storage.tables import rewrite_rows
-
     out = KvReclaim(kv_fp=kv.kv_fp)
     manifest = kv.manifest(refresh=True)
-    by_shard: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    by_shard: dict[str, list[tuple[int, str]]] = defaultdict(list)  # shard -> (slot, key)
     for ck, row in manifest.items():
         _, name, slot = parse_location(row.location)
         by_shard[name].append((slot, ck))
@@ -101,19 +99,45 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
             out.shards_compacted += 1
             moving += [ck for _, ck in sorted(slots) if ck not in dead]
     out.entries_moved = len(moving)
+    if dry_run:
+        _plan(kv, manifest, by_shard, dead, moving, run_id, out)
+    else:
+        _move_live(kv, manifest, moving, run_id, out)
+        _drop_dead(kv, live, run_id, out)
+    return out
+
+
+def _plan(
+    kv: KvStore,
+    manifest: dict[str, KvManifestRow],
+    by_shard: dict[str, list[tuple[int, str]]],
+    dead: set[str],
+    moving: list[str],
+    run_id: str,
+    out: KvReclaim,
+) -> None:
+    """Fill ``out`` with what :func:`reclaim_dead` frees and writes, assuming every moved entry
+    verifies: the folders of shards holding dead entries and the unreferenced ones go, the
+    moved entries make new shards of :func:`planned_shard_bytes`."""
     step = kv.layout.slots_per_shard
-    if dry_run:  # what the run below frees and writes, assuming every moved entry verifies
-        dropped = {name for name, slots in by_shard.items() if any(ck in dead for _, ck in slots)}
-        unreferenced = [p for p in find_garbage(kv) if p.name not in by_shard]
-        out.bytes_freed = sum(kv.store.tree_bytes(kv.root / n) for n in dropped) + sum(
-            kv.store.tree_bytes(p) for p in unreferenced
-        )
-        out.folders_removed = len(dropped) + len(unreferenced)
-        out.bytes_written = sum(
-            planned_shard_bytes(kv, [manifest[ck] for ck in moving[i : i + step]], run_id)
-            for i in range(0, len(moving), step)
-        )
-        return out
+    dropped = {name for name, slots in by_shard.items() if any(ck in dead for _, ck in slots)}
+    unreferenced = [p for p in find_garbage(kv) if p.name not in by_shard]
+    out.bytes_freed = sum(kv.store.tree_bytes(kv.root / n) for n in dropped) + sum(
+        kv.store.tree_bytes(p) for p in unreferenced
+    )
+    out.folders_removed = len(dropped) + len(unreferenced)
+    out.bytes_written = sum(
+        planned_shard_bytes(kv, [manifest[ck] for ck in moving[i : i + step]], run_id)
+        for i in range(0, len(moving), step)
+    )
+
+
+def _move_live(
+    kv: KvStore, manifest: dict[str, KvManifestRow], moving: list[str], run_id: str, out: KvReclaim
+) -> None:
+    """Step 1 of :func:`reclaim_dead`: write the ``moving`` entries, as stored, to new shards
+    (a shard's worth at a time); one that fails its check is counted in ``out`` and dropped."""
+    step = kv.layout.slots_per_shard
     new_shards: set[str] = set()
     for start in range(0, len(moving), step):
         group = []
@@ -129,6 +153,13 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
             rows = kv.write_stored(group, run_id)
             new_shards.update(parse_location(r.location)[1] for r in rows)
     out.bytes_written = sum(kv.store.tree_bytes(kv.root / n) for n in new_shards)
+
+
+def _drop_dead(kv: KvStore, live: set[str], run_id: str, out: KvReclaim) -> None:
+    """Steps 2 and 3 of :func:`reclaim_dead`: rewrite the manifest without this kv_fp's rows
+    that are not current and live, then remove the folders no row points to."""
+    from coinrag.storage.tables import rewrite_rows
+
     current = kv.manifest()
     keep = {row.location for ck, row in current.items() if ck in live}
     prefix = kv.kv_fp + "/"
@@ -146,7 +177,6 @@ def reclaim_dead(kv: KvStore, live: set[str], run_id: str, dry_run: bool = False
         out.folders_removed += 1
         kv.forget_shard(path.name)
         kv.store.remove(path)
-    return out
 
 
 def planned_shard_bytes(kv: KvStore, rows: list[KvManifestRow], run_id: str) -> int:
@@ -163,9 +193,7 @@ def planned_shard_bytes(kv: KvStore, rows: list[KvManifestRow], run_id: str) -> 
     keys = [r.content_key for r in rows]
     checksums = [r.checksum for r in rows]
     kept = [r.kept for r in rows]
-    attrs = shard_attributes(
-        kv.kv_fp, keys, tokens, checksums, run_id, block, kv.encoder, lay.kv_codec, kept
-    )
+    attrs = shard_attributes(lay, kv.encoder, run_id, keys, tokens, checksums, kept)
     attrs["files"] = {data_key(len(shape)): data}
     with tempfile.TemporaryDirectory(prefix="coinrag-gc-plan-") as scratch:
         create_shard_array(Path(scratch), lay, shape, attrs)

@@ -287,29 +287,29 @@ def is_direct_format(meta: dict[str, Any], sharding: dict[str, Any]) -> bool:
 
 
 def shard_attributes(
-    kv_fp: str,
+    layout: KvLayout,
+    encoder: str,
+    run_id: str,
     content_keys: Sequence[str],
     tokens: Sequence[int],
     checksums: Sequence[str],
-    run_id: str,
-    block_tokens: int,
-    encoder: str,
-    kv_codec: str = "none",
-    kept: Sequence[list[int] | None] | None = None,
+    kept: Sequence[Sequence[int] | None] | None = None,
 ) -> dict[str, Any]:
-    """A shard's ``coinrag_kv`` attributes, per slot content_key, stored token count and sha256
-    (the writer adds ``files``: data file -> bytes); ``kept``: per slot the chunk's token ranges
-    the entry holds, flat (``storage/kv/kept.py``), recorded only when some slot holds ranges
+    """A shard's ``coinrag_kv`` attributes: the layout's ``kv_fp``, ``block_tokens`` and (a
+    lossy one only) ``kv_codec``, the ``encoder`` and ``run_id`` that wrote it, and per slot its
+    content_key, stored token count and sha256 (the writer adds ``files``: data file -> bytes);
+    ``kept``: per slot the chunk's token ranges the entry holds, flat
+    (``storage/kv/kept.py``), recorded only when some slot holds ranges
     (``kv_keep = "nuggets"``)."""
     attrs: dict[str, Any] = {
-        "kv_fp": kv_fp,
+        "kv_fp": layout.kv_fp,
         "content_keys": list(content_keys),
         "tokens": list(tokens),
         "sha256": list(checksums),
         "run_id": run_id,
-        "block_tokens": block_tokens,
+        "block_tokens": layout.block_tokens,
         "encoder": encoder,
-        **({} if kv_codec == "none" else {"kv_codec": kv_codec}),
+        **({} if layout.kv_codec == "none" else {"kv_codec": layout.kv_codec}),
     }
     if kept is not None and any(k is not None for k in kept):
         attrs["kept"] = [None if k is None else list(k) for k in kept]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ from coinrag.storage.kv.kept import KvEntry
 from coinrag.storage.kv.layout import KvLayout
 from coinrag.storage.kv.shard import shard_attributes, write_shard_direct, write_shard_zarr
 from coinrag.storage.kv.transport import KvTransport, LocalFiles, ScratchBuffers
+
+V = TypeVar("V")  # an entry's values: a KV tensor or its stored bytes
 
 SHARD_WRITERS = {"direct": write_shard_direct, "zarr": write_shard_zarr}
 
@@ -108,13 +110,8 @@ def distinct_entries(
     :class:`KvEntry`, whose ``kv`` is what it stores (``KvEntry.cut`` of the chunk's KV). A
     layout that keeps only nugget spans takes only entries with kept ranges, and one keeping
     chunks only whole ones."""
-    seen: set[str] = set()
-    unique: list[tuple[KvEntry, torch.Tensor]] = []
-    for ref, kv in entries:
-        entry = KvEntry.of(ref)
-        if entry.key in seen:
-            continue
-        seen.add(entry.key)
+
+    def check(entry: KvEntry, kv: torch.Tensor) -> None:
         if (entry.kept is None) != layout.keeps_chunks:
             held = "the whole chunk" if entry.kept is None else f"ranges {entry.kept}"
             raise ValueError(
@@ -130,8 +127,8 @@ def distinct_entries(
         lossy_input = not layout.codec.lossless and kv.dtype == torch.float32
         if kv.dtype != layout.torch_dtype and not lossy_input:  # a lossy codec quantizes float32
             raise ValueError(f"KV of {entry.chunk_id} is {kv.dtype}, the layout is {layout.dtype}")
-        unique.append((entry, kv))
-    return unique
+
+    return _distinct(entries, check)
 
 
 def distinct_stored(
@@ -139,20 +136,31 @@ def distinct_stored(
 ) -> list[tuple[KvEntry, np.ndarray]]:
     """Like :func:`distinct_entries`, for entries given as the codec's stored values (checked
     against what the codec stores for their stored token counts)."""
-    seen: set[str] = set()
-    unique: list[tuple[KvEntry, np.ndarray]] = []
-    for ref, stored in entries:
-        entry = KvEntry.of(ref)
-        if entry.key in seen:
-            continue
-        seen.add(entry.key)
+
+    def check(entry: KvEntry, stored: np.ndarray) -> None:
         expected = layout.entry_bytes(entry.stored_tokens)
         if stored.dtype != layout.storage_dtype or stored.nbytes != expected:
             raise ValueError(
                 f"stored values of {entry.chunk_id} are {stored.dtype} {tuple(stored.shape)}, "
                 f"expected {expected} bytes of {layout.storage_dtype}"
             )
-        unique.append((entry, stored))
+
+    return _distinct(entries, check)
+
+
+def _distinct(
+    entries: Iterable[tuple[ChunkRow | KvEntry, V]], check: Callable[[KvEntry, V], None]
+) -> list[tuple[KvEntry, V]]:
+    """The entries with a key not seen before (the first of each), each passing ``check``."""
+    seen: set[str] = set()
+    unique: list[tuple[KvEntry, V]] = []
+    for ref, value in entries:
+        entry = KvEntry.of(ref)
+        if entry.key in seen:
+            continue
+        seen.add(entry.key)
+        check(entry, value)
+        unique.append((entry, value))
     return unique
 
 
@@ -208,9 +216,7 @@ class ShardStager:
         tmp_name = f".tmp-{uuid.uuid4().hex}"
         keys = [entry.content_key for entry, _ in group]
         kept = [None if e.kept is None else e.kept.flat() for e, _ in group]
-        attrs = shard_attributes(
-            lay.kv_fp, keys, tokens, checksums, run_id, block, self.encoder, lay.kv_codec, kept
-        )
+        attrs = shard_attributes(lay, self.encoder, run_id, keys, tokens, checksums, kept)
         write = SHARD_WRITERS[self.encoder]
         with self.transport.staging(self.root, tmp_name, self.fsync) as folder:
             files, t1 = write(folder, lay, views, shape, attrs, self.scratch, self.files)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import coinrag.storage.index as si  # noqa: E402
+import coinrag.storage.index_ann as si  # noqa: E402
 from coinrag.storage.index import LanceIndex  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
 

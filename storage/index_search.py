@@ -1,0 +1,190 @@
+"""Searching the index: by vector (ANN, exact under a prefilter, or a reader's in-memory copy
+of a small table) and by words (BM25). A part of :class:`storage.index.LanceIndex`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from coinrag.storage.index_ann import (
+    FTS_COLUMN,
+    VECTOR_INDEX_MIN_ROWS,
+    FlatTable,
+    tune_ann_query,
+)
+from coinrag.storage.index_tables import (
+    CHUNK_HIT_COLUMNS,
+    DOCUMENT_HIT_COLUMNS,
+    HIT_COLUMNS,
+    METRIC,
+    NUGGET_HIT_COLUMNS,
+    LexicalIndexMissing,
+    in_filter,
+)
+
+
+class IndexSearch:
+    """The searching half of :class:`storage.index.LanceIndex` (which gives it ``table``,
+    ``check``, ``dim``, ``has_vector_index`` and ``has_text_index``)."""
+
+    store: Any
+    versions: dict[str, int] | None
+    _flat_tables: dict[str, FlatTable | None]
+
+    def _flat(self, name: str) -> FlatTable | None:
+        """The in-memory copy of table ``name`` for a reader (pinned versions) when the table
+        has no ANN index and at most ``VECTOR_INDEX_MIN_ROWS`` rows; None otherwise (the
+        writer's view changes under it)."""
+        if self.versions is None or self.has_vector_index(name):
+            return None
+        if name not in self._flat_tables:
+            tbl = self.table(name)
+            flat = None
+            if tbl is not None and tbl.count_rows() <= VECTOR_INDEX_MIN_ROWS:
+                data = tbl.search().select([*HIT_COLUMNS[name], "vector"]).limit(None).to_arrow()
+                vec = data.column("vector").combine_chunks()
+                mat = vec.flatten().to_numpy().astype(np.float32).reshape(len(vec), self.dim)
+                flat = FlatTable(data.drop_columns(["vector"]), mat)
+            self._flat_tables[name] = flat
+        return self._flat_tables[name]
+
+    def _search(
+        self,
+        name: str,
+        vector: np.ndarray,
+        k: int,
+        embedder_fp: str,
+        columns: Sequence[str],
+        where: str | None = None,
+        exact: bool = False,
+        coarse: bool = False,
+    ) -> list[dict[str, Any]]:
+        self.check(embedder_fp, vector)
+        tbl = self.table(name)
+        if tbl is None or k <= 0:
+            return []
+        q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        in_memory = None if where is not None else self._flat(name)
+        if in_memory is not None:
+            return in_memory.search(q, k, columns)
+        query = (
+            tbl.search(q, vector_column_name="vector")
+            .distance_type(METRIC)
+            .select([*columns, "_distance"])  # asked explicitly: no deprecation warning
+            .limit(k)
+        )
+        if where is not None:
+            query = query.where(where, prefilter=True)
+        if exact or not self.has_vector_index(name):
+            query = query.bypass_vector_index()
+        else:
+            query = tune_ann_query(query, coarse)
+        rows = query.to_arrow().to_pylist()
+        for row in rows:
+            row["score"] = 1.0 - float(row.pop("_distance"))
+        rows.sort(key=lambda r: -r["score"])
+        return rows
+
+    def search_vector(
+        self,
+        name: str,
+        vector: np.ndarray,
+        k: int,
+        *,
+        embedder_fp: str,
+        where: str | None = None,
+        coarse: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Top-``k`` rows of ``name`` (their :data:`HIT_COLUMNS`) by cosine similarity to
+        ``vector`` (``(dim,)`` float32), best first, with ``score``. ``where``: a prefilter,
+        under which the search is exact (it keeps a few hundred rows, and an IVF index probing
+        some partitions could miss some); ``coarse``: an ANN search with the coarse parameters
+        (:data:`COARSE_NPROBES`)."""
+        return self._search(
+            name,
+            vector,
+            k,
+            embedder_fp,
+            HIT_COLUMNS[name],
+            where=where,
+            exact=where is not None,
+            coarse=coarse,
+        )
+
+    def search_text(
+        self, name: str, text: str, k: int, *, where: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Top-``k`` rows of ``name`` (their :data:`HIT_COLUMNS`) by BM25 of ``text`` against
+        their ``text`` column, best first (dicts with ``score``, the BM25 score); ``where``: a
+        prefilter. A query with no indexed word (only stop words, say) finds nothing.
+        :class:`LexicalIndexMissing` if the table has no full-text index."""
+        columns = HIT_COLUMNS[name]
+        from lancedb.query import MatchQuery
+
+        tbl = self.table(name)
+        if tbl is None or k <= 0 or not text.strip():
+            return []
+        if not self.has_text_index(name):
+            raise LexicalIndexMissing(
+                f"the {name} index in {self.store.uri(self.store.index_dir)} has no full-text "
+                "index (built before lexical search existed): run `coinrag build` on the store "
+                "once (an unchanged rebuild only adds it), or search with --retrieval dense"
+            )
+        query = tbl.search(MatchQuery(text, FTS_COLUMN), query_type="fts").select(
+            [*columns, "_score"]
+        )
+        if where is not None:
+            query = query.where(where, prefilter=True)
+        rows = query.limit(k).to_arrow().to_pylist()
+        for row in rows:
+            row["score"] = float(row.pop("_score"))
+        rows.sort(key=lambda r: -r["score"])
+        return rows
+
+    def search_chunks(
+        self,
+        vector: np.ndarray,
+        k: int,
+        *,
+        embedder_fp: str,
+        doc_ids: Sequence[str] | None = None,
+    ) -> list[dict]:
+        """Top-``k`` chunks by cosine similarity, best first (dicts with ``score``).
+
+        ``doc_ids``: only these documents' chunks (a prefiltered exact search, so it returns
+        ``min(k, their chunks)``)."""
+        if doc_ids is None:
+            return self._search("chunks", vector, k, embedder_fp, CHUNK_HIT_COLUMNS)
+        where = in_filter("doc_id", doc_ids)
+        return self._search(
+            "chunks", vector, k, embedder_fp, CHUNK_HIT_COLUMNS, where=where, exact=True
+        )
+
+    def search_nuggets(
+        self,
+        vector: np.ndarray,
+        k: int,
+        chunk_ids: Sequence[str] | None = None,
+        *,
+        embedder_fp: str,
+    ) -> list[dict]:
+        """Top-``k`` nuggets, best first; with ``chunk_ids``, only nuggets of those chunks.
+
+        The restricted search prefilters ``chunk_id IN (...)`` (BTREE index) and then ranks the
+        remaining rows exactly, so it returns ``min(k, nuggets of those chunks)`` rows.
+        """
+        cols = NUGGET_HIT_COLUMNS
+        if chunk_ids is None:
+            return self._search("nuggets", vector, k, embedder_fp, cols)
+        ids = list(dict.fromkeys(chunk_ids))
+        if not ids:
+            self.check(embedder_fp, vector)
+            return []
+        where = in_filter("chunk_id", ids)
+        return self._search("nuggets", vector, k, embedder_fp, cols, where=where, exact=True)
+
+    def search_documents(self, vector: np.ndarray, k: int, *, embedder_fp: str) -> list[dict]:
+        """Top-``k`` documents (one vector each), best first."""
+        return self._search("documents", vector, k, embedder_fp, DOCUMENT_HIT_COLUMNS)
