@@ -34,9 +34,11 @@ from coinrag.inference.constrained import (
 )
 from coinrag.inference.llm_client import CallRecord
 from coinrag.schemas.keys import fingerprint, sha256_hex
+from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
+    Extractor,
     ResultFn,
     ResultReporter,
 )
@@ -104,7 +106,7 @@ def _single_token(tokenizer: Any, text: str) -> int:
     return int(ids[0])
 
 
-class LocalConstrainedExtractor:
+class LocalConstrainedExtractor(Extractor, name="local"):
     """Verbatim nugget spans chosen by a local causal LM under constrained decoding.
 
     Options: ``model`` (a reference for ``inference.models.load_model``; None = packaged
@@ -121,7 +123,6 @@ class LocalConstrainedExtractor:
     it divided by the passages in that call.
     """
 
-    backend = "local"
     stage_answers = True
     prompt_version = LOCAL_PROMPT_VERSION
 
@@ -167,6 +168,15 @@ class LocalConstrainedExtractor:
         self._loaded: Any = None if model is None or isinstance(model, str | os.PathLike) else model
         self._prefix: PromptPrefix | None = None
         self._model_fp: str | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: BuildSettings, state_dir: str | None = None
+    ) -> LocalConstrainedExtractor:
+        """``model``, ``local_max_nuggets``, ``device``."""
+        return cls(
+            model=settings.model, max_nuggets=settings.local_max_nuggets, device=settings.device
+        )
 
     @property
     def loaded(self) -> Any:

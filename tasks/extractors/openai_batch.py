@@ -59,9 +59,11 @@ from coinrag.inference.llm_client import (
 )
 from coinrag.inference.llm_pricing import call_cost
 from coinrag.schemas.keys import sha256_hex
+from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
+    Extractor,
     ResultFn,
     ResultReporter,
 )
@@ -153,10 +155,9 @@ class _Outcome:
     parse_error: str | None = None  # why it did not parse
 
 
-class OpenAIBatchExtractor:
+class OpenAIBatchExtractor(Extractor, name="openai-batch"):
     """Extract nuggets with the Batch API; resubmits what fails; resumable via ``state_path``."""
 
-    backend = "openai-batch"
     stage_answers = True
     prompt_version = PROMPT_VERSION
 
@@ -201,6 +202,21 @@ class OpenAIBatchExtractor:
         self._state_jobs: list[_Job] = []
         self._repairs: dict[str, tuple[str | None, str]] = {}
         self._last_malformed: dict[str, bool] = {}
+
+    @classmethod
+    def from_settings(
+        cls, settings: BuildSettings, state_dir: str | None = None
+    ) -> OpenAIBatchExtractor:
+        """``llm_model``, ``batch_poll_interval`` (seconds), ``batch_max_rounds``,
+        ``max_attempts``; the submitted batch ids kept in ``state_dir`` (a killed build polls
+        its batches again instead of paying twice)."""
+        return cls(
+            model=settings.llm_model,
+            poll_interval_s=settings.batch_poll_interval,
+            max_rounds=settings.batch_max_rounds,
+            max_attempts=settings.max_attempts,
+            state_path=f"{state_dir}/openai-batch-state.json" if state_dir else None,
+        )
 
     @property
     def fingerprint(self) -> str:

@@ -52,9 +52,11 @@ from coinrag.inference.llm_client import (
     usage_of,
 )
 from coinrag.schemas.keys import fingerprint as _fingerprint
+from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
+    Extractor,
     ResultFn,
     ResultReporter,
 )
@@ -145,10 +147,9 @@ def spread_results(
 # --------------------------------------------------------------------------- the extractor
 
 
-class OpenAIChatExtractor:
+class OpenAIChatExtractor(Extractor, name="openai"):
     """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
 
-    backend = "openai"
     stage_answers = True
     prompt_version = PROMPT_VERSION
 
@@ -184,6 +185,18 @@ class OpenAIChatExtractor:
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._fatal: str | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: BuildSettings, state_dir: str | None = None
+    ) -> OpenAIChatExtractor:
+        """``llm_model``, ``concurrency``, ``max_attempts``, ``request_timeout`` (seconds)."""
+        return cls(
+            model=settings.llm_model,
+            concurrency=settings.concurrency,
+            max_attempts=settings.max_attempts,
+            timeout_s=settings.request_timeout,
+        )
 
     @property
     def fingerprint(self) -> str:

@@ -19,6 +19,7 @@ from coinrag.inference.llm_client import CallRecord, new_call_id
 from coinrag.schemas.settings import CartridgeSettings
 from coinrag.tasks.question_generators.accept import MalformedQuestions, parse_questions
 from coinrag.tasks.question_generators.base import (
+    QuestionGenerator,
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
@@ -46,15 +47,13 @@ def _question_progress(
     return advanced
 
 
-class LocalQuestionGenerator:
+class LocalQuestionGenerator(QuestionGenerator, name="local"):
     """Questions from a local causal LM under the JSON-array skeleton constraint (module doc).
 
     ``model``: a reference for ``inference.models.load_model`` (None: packaged SmolLM2) or a
     loaded ``LoadedModel``. Calls are run ``batch_size`` at a time; each samples with a
     generator seeded from its call key, so a call's questions do not depend on the batch.
     """
-
-    backend = "local"
 
     def __init__(
         self,
@@ -83,7 +82,9 @@ class LocalQuestionGenerator:
         self._loaded = None if model is None or isinstance(model, str) else model
 
     @classmethod
-    def from_settings(cls, settings: CartridgeSettings, loaded: Any) -> LocalQuestionGenerator:
+    def from_settings(
+        cls, settings: CartridgeSettings, loaded: Any = None
+    ) -> LocalQuestionGenerator:
         """The generator ``settings`` describe, on the already loaded target model."""
         return cls(loaded, n_questions=settings.n_questions, batch_size=settings.local_batch_size)
 

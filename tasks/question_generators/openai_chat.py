@@ -31,6 +31,7 @@ from coinrag.tasks.question_generators.accept import (
     parse_questions,
 )
 from coinrag.tasks.question_generators.base import (
+    QuestionGenerator,
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
@@ -41,10 +42,8 @@ from coinrag.tasks.question_generators.prompt import build_question_messages
 log = logging.getLogger(__name__)
 
 
-class OpenAIQuestionGenerator:
+class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
     """Questions from chat completions (GPT-4o-mini or any OpenAI-compatible endpoint)."""
-
-    backend = "openai"
 
     def __init__(
         self,
