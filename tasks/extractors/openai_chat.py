@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -155,33 +155,22 @@ class OpenAIChatExtractor(Extractor, name="openai"):
 
     def __init__(
         self,
-        model: str = "gpt-4o-mini",
+        endpoint: LlmEndpoint | None = None,
         *,
-        client: openai.OpenAI | None = None,
-        base_url: str | None = None,
-        api_key: str | None = None,
         concurrency: int = 8,
-        max_attempts: int = 5,
-        backoff_base_s: float = 1.0,
-        backoff_max_s: float = 60.0,
-        retry_after_max_s: float = 300.0,
-        timeout_s: float = 60.0,
         temperature: float = 0.0,
         structured: bool | None = None,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """``client`` (tests) or a new ``openai.OpenAI`` (env key, optional ``base_url``)."""
+        """``endpoint``: the model, its client (``timeout_s`` per request) and retry policy
+        (default: gpt-4o-mini through a new ``openai.OpenAI`` reading the environment's key and
+        URL, 60 s, :class:`RetryPolicy` defaults); ``concurrency`` requests at a time."""
         if concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        self.llm_model = model
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.endpoint = endpoint or LlmEndpoint("gpt-4o-mini", timeout_s=60.0)
+        self.llm_model = self.endpoint.model
         self.concurrency = concurrency
-        self.timeout_s = timeout_s
         self.temperature = temperature
         self.structured = structured
-        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
-        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._fatal: str | None = None
@@ -191,12 +180,9 @@ class OpenAIChatExtractor(Extractor, name="openai"):
         cls, settings: BuildSettings, state_dir: str | None = None
     ) -> OpenAIChatExtractor:
         """``llm_model``, ``concurrency``, ``max_attempts``, ``request_timeout`` (seconds)."""
-        return cls(
-            model=settings.llm_model,
-            concurrency=settings.concurrency,
-            max_attempts=settings.max_attempts,
-            timeout_s=settings.request_timeout,
-        )
+        retry = RetryPolicy(max_attempts=settings.max_attempts)
+        endpoint = LlmEndpoint(settings.llm_model, timeout_s=settings.request_timeout, retry=retry)
+        return cls(endpoint, concurrency=settings.concurrency)
 
     @property
     def fingerprint(self) -> str:
