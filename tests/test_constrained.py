@@ -136,9 +136,8 @@ def _skeleton_run(loaded, seed: int):
 @pytest.mark.parametrize("seed", range(5))
 def test_sampled_makes_the_old_choices(loaded, seed: int) -> None:
     gen, prompts, machines, gens, sv = _skeleton_run(loaded, seed)
-    choice = SampledChoice(
-        gen.temperature, gen.top_k, gens, gen.repetition_penalty, bonus=gen.close_boost
-    )
+    s = gen.sampling
+    choice = SampledChoice(s.temperature, s.top_k, gens, s.repetition_penalty, bonus=s.close_boost)
     advanced: list[int] = []
     decode_constrained(
         loaded.model, prompts, machines, choice, sv.eos, jump_forward=False,
