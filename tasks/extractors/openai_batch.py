@@ -61,7 +61,6 @@ from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
-    Extractor,
     ResultFn,
     ResultReporter,
 )
@@ -70,14 +69,12 @@ from coinrag.tasks.extractors.batch_state import load_jobs, save_jobs
 from coinrag.tasks.extractors.openai_chat import (
     MODE_JSON_SCHEMA,
     MODE_PROMPT,
-    extractor_fingerprint,
+    OpenAIExtractor,
     group_requests,
-    requested_format,
     response_format_param,
     spread_results,
 )
 from coinrag.tasks.extractors.prompt import (
-    PROMPT_VERSION,
     build_messages,
     parse_nuggets,
     repair_messages,
@@ -116,11 +113,8 @@ class _Outcome:
     parse_error: str | None = None  # why it did not parse
 
 
-class OpenAIBatchExtractor(Extractor, name="openai-batch"):
+class OpenAIBatchExtractor(OpenAIExtractor, name="openai-batch"):
     """Extract nuggets with the Batch API; resubmits what fails; resumable via ``state_path``."""
-
-    stage_answers = True
-    prompt_version = PROMPT_VERSION
 
     def __init__(
         self,
@@ -168,13 +162,6 @@ class OpenAIBatchExtractor(Extractor, name="openai-batch"):
             poll_interval_s=settings.batch_poll_interval,
             max_rounds=settings.batch_max_rounds,
             state_path=f"{state_dir}/openai-batch-state.json" if state_dir else None,
-        )
-
-    @property
-    def fingerprint(self) -> str:
-        """keys.fingerprint("extractor", backend, model, prompt version, temperature, format)."""
-        return extractor_fingerprint(
-            self.backend, self.llm_model, self.temperature, requested_format(self.structured)
         )
 
     @property

@@ -147,11 +147,26 @@ def spread_results(
 # --------------------------------------------------------------------------- the extractor
 
 
-class OpenAIChatExtractor(Extractor, name="openai"):
-    """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
+class OpenAIExtractor(Extractor):
+    """What the two OpenAI backends share: the prompt, answers staged as they arrive, and the
+    fingerprint (no key, no URL)."""
 
     stage_answers = True
     prompt_version = PROMPT_VERSION
+    endpoint: LlmEndpoint
+    temperature: float
+    structured: bool | None  # None: json_schema, falling back as the endpoint requires
+
+    @property
+    def fingerprint(self) -> str:
+        """keys.fingerprint("extractor", backend, model, prompt version, temperature, format)."""
+        return extractor_fingerprint(
+            self.backend, self.llm_model, self.temperature, requested_format(self.structured)
+        )
+
+
+class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
+    """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
 
     def __init__(
         self,
@@ -183,13 +198,6 @@ class OpenAIChatExtractor(Extractor, name="openai"):
         retry = RetryPolicy(max_attempts=settings.max_attempts)
         endpoint = LlmEndpoint(settings.llm_model, timeout_s=settings.request_timeout, retry=retry)
         return cls(endpoint, concurrency=settings.concurrency)
-
-    @property
-    def fingerprint(self) -> str:
-        """keys.fingerprint("extractor", backend, model, prompt version, temperature, format)."""
-        return extractor_fingerprint(
-            self.backend, self.llm_model, self.temperature, requested_format(self.structured)
-        )
 
     @property
     def response_mode(self) -> str:
