@@ -92,3 +92,29 @@ def test_a_plugin_module_is_imported_on_first_look_up_only() -> None:
         "assert mod in sys.modules and cls.__module__ == mod\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_each_plugin_is_built_from_its_settings(monkeypatch, tmp_path) -> None:
+    from coinrag.schemas.settings import BuildSettings, CartridgeSettings
+    from coinrag.tasks.extractors.factory import make_extractor
+    from coinrag.tasks.question_generators.factory import make_generator
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-plugin")
+    settings = BuildSettings(
+        extractor="openai-batch", llm_model="gpt-4o", max_attempts=2, batch_max_rounds=4
+    )
+    batch = make_extractor(settings, str(tmp_path))
+    assert (batch.backend, batch.llm_model, batch.max_rounds) == ("openai-batch", "gpt-4o", 4)
+    assert batch.endpoint.retry.max_attempts == 2
+    assert batch.state_path == tmp_path / "openai-batch-state.json"
+    chat = Extractor.registry["openai"].from_settings(
+        BuildSettings(extractor="openai", concurrency=3, request_timeout=7.0)
+    )
+    assert (chat.concurrency, chat.endpoint.client.timeout) == (3, 7.0)
+    assert Extractor.registry["rules"].from_settings(settings).backend == "rules"
+
+    chunker = Chunker.from_settings(BuildSettings(chunker="sentence", chunk_size=64))
+    assert type(chunker) is SentenceChunker and chunker.chunk_size == 64
+
+    gen = make_generator(CartridgeSettings(generator="openai", n_questions=3), None)
+    assert (gen.backend, gen.n_questions) == ("openai", 3)
