@@ -42,6 +42,8 @@ def test_registry_refuses_an_unknown_name_listing_the_known(base, names, kind) -
 
 
 def test_known_classes() -> None:
+    # the build hands the Batch API every pending text at once (one submission)
+    assert [n for n in EXTRACTORS if Extractor.registry[n].takes_all_at_once] == ["openai-batch"]
     assert (KvCodec.registry["int8"], KvCodec.registry["int4"]) == (Int8Codec, Int4Codec)
     chunkers = FixedChunker.registry
     assert [chunkers[n] for n in ("fixed", "sentence", "content")] == [

@@ -99,6 +99,9 @@ class Extractor(Registered):
     # An answer costs money or model time: the build stages each one as it arrives, so that a
     # kill loses none (False: answers are recomputed in milliseconds, staging would cost more).
     stage_answers: bool
+    # The backend takes every pending text in one call (the Batch API: one submission, half the
+    # price), instead of the build's ``extract_batch_size`` at a time.
+    takes_all_at_once: ClassVar[bool] = False
 
     @classmethod
     def from_settings(cls, settings: BuildSettings, state_dir: str | None = None) -> Any:

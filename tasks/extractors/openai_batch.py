@@ -116,6 +116,8 @@ class _Outcome:
 class OpenAIBatchExtractor(OpenAIExtractor, name="openai-batch"):
     """Extract nuggets with the Batch API; resubmits what fails; resumable via ``state_path``."""
 
+    takes_all_at_once = True
+
     def __init__(
         self,
         endpoint: LlmEndpoint | None = None,
