@@ -89,9 +89,9 @@ def test_left_pad() -> None:
 
 
 def _extractor_run(loaded, batch: list[str]) -> tuple[Any, list[list[int]], list[Recording], int]:
-    from coinrag.tasks.extractors.local import LocalConstrainedExtractor
+    from coinrag.tasks.extractors.local import LocalConstrainedExtractor, SpanRules
 
-    ex = LocalConstrainedExtractor(loaded, min_words=2, max_words=8, max_nuggets=3)
+    ex = LocalConstrainedExtractor(loaded, max_nuggets=3, spans=SpanRules(min_words=2, max_words=8))
     machines = [Recording(ex.machine(t)) for t in batch]
     prompts = [ex.prompt_ids(t) for t in batch]
     tok = loaded.tokenizer
