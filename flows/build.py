@@ -235,7 +235,7 @@ def _extract_all(
             extractor.llm_model,
             total.cached,
         )
-    size = len(pending) if extractor.backend == "openai-batch" else settings.extract_batch_size
+    size = len(pending) if extractor.takes_all_at_once else settings.extract_batch_size
     progress = ProgressLog(logger, "extract", "chunk texts", len(pending), artifact="extraction")
     batches = [pending[i : i + size] for i in range(0, len(pending), max(size, 1))]
     futures = [

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from coinrag.schemas.keys import CODE_VERSION, chunk_id, content_key, fingerprint, text_hash
+from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.settings import CHUNKERS, BuildSettings
 from coinrag.schemas.tables import ChunkRow
 from coinrag.tasks.chunk_content import SENTENCE_END, ContentParams, content_plan, token_text
 
@@ -40,19 +42,7 @@ def chunker_fingerprint(method: str, chunk_size: int, content: ContentParams | N
 
     ``content``: the content chunker's sizes (default ``ContentParams.for_chunk_size``).
     """
-    fields: dict[str, Any] = {"method": method, "chunk_size": chunk_size, "v": 1}
-    if method == "content":
-        fields["content"] = _content_params(chunk_size, content).fingerprint_fields()
-    return fingerprint("chunker", fields)
-
-
-def _content_params(chunk_size: int, content: ContentParams | None) -> ContentParams:
-    params = (content or ContentParams.for_chunk_size(chunk_size)).validate()
-    if params.max_tokens != chunk_size:
-        raise ValueError(
-            f"content chunker max_tokens {params.max_tokens} differs from chunk_size {chunk_size}"
-        )
-    return params
+    return Chunker.registry[method](chunk_size, content).fingerprint
 
 
 @dataclass(frozen=True)
@@ -108,23 +98,85 @@ def boundaries(
     method: str = "fixed",
     content: ContentParams | None = None,
 ) -> list[tuple[int, int]]:
-    """Token ranges ``[a, b)`` of the chunks of a document."""
-    if method == "content":
-        plan = content_plan(doc.text, doc.ends, _content_params(chunk_size, content))
-        return _ranges_from_cuts(tokenizer, doc, plan.cuts, chunk_size)
-    if method not in ("fixed", "sentence"):
-        raise ValueError(f"unknown chunker {method!r}")
-    n = len(doc.ids)
-    out: list[tuple[int, int]] = []
-    a = 0
-    while a < n:
-        b = min(a + chunk_size, n)
-        if method == "sentence" and b < n:
-            b = _sentence_boundary(doc, a, b, chunk_size)
-        b = _back_off(tokenizer, doc, a, b)
-        out.append((a, b))
-        a = b
-    return out
+    """Token ranges ``[a, b)`` of the chunks of a document (``method``: a registered
+    :class:`Chunker`; an unknown one raises ``UnknownPlugin`` listing them)."""
+    return Chunker.registry[method](chunk_size, content).ranges(tokenizer, doc)
+
+
+class Chunker(Registered):
+    """Where a document's chunks end: one subclass per ``chunker`` setting, registered by name
+    (``class FixedChunker(Chunker, name="fixed")``). ``chunk_size``: the most tokens of a chunk;
+    ``content``: the content chunker's sizes (default ``ContentParams.for_chunk_size``)."""
+
+    registry: ClassVar[Registry[Chunker]] = Registry("chunker", CHUNKERS)
+
+    def __init__(self, chunk_size: int, content: ContentParams | None = None) -> None:
+        self.chunk_size = chunk_size
+
+    @classmethod
+    def from_settings(cls, settings: BuildSettings) -> Chunker:
+        """The chunker ``settings.chunker`` names, at ``settings.chunk_size``."""
+        return cls.registry[settings.chunker](settings.chunk_size)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {"method": self.name, "chunk_size": self.chunk_size, "v": 1}
+
+    @property
+    def fingerprint(self) -> str:
+        """``keys.fingerprint("chunker", ...)`` of the method and its sizes."""
+        return fingerprint("chunker", self.fingerprint_fields())
+
+    def ranges(self, tokenizer: Any, doc: TokenizedText) -> list[tuple[int, int]]:
+        """Token ranges ``[a, b)`` of the chunks of ``doc``: windows of ``chunk_size`` tokens,
+        each ending where :meth:`cut` says, moved back off a split character."""
+        n = len(doc.ids)
+        out: list[tuple[int, int]] = []
+        a = 0
+        while a < n:
+            b = min(a + self.chunk_size, n)
+            if b < n:
+                b = self.cut(doc, a, b)
+            b = _back_off(tokenizer, doc, a, b)
+            out.append((a, b))
+            a = b
+        return out
+
+    def cut(self, doc: TokenizedText, a: int, b: int) -> int:
+        """The end of the chunk starting at token ``a`` whose window ends at ``b`` (< the end)."""
+        return b
+
+
+class FixedChunker(Chunker, name="fixed"):
+    """The paper's: a cut every ``chunk_size`` tokens."""
+
+
+class SentenceChunker(Chunker, name="sentence"):
+    """The last sentence end (else paragraph, else word boundary) in the second half of the
+    window."""
+
+    def cut(self, doc: TokenizedText, a: int, b: int) -> int:
+        return _sentence_boundary(doc, a, b, self.chunk_size)
+
+
+class ContentChunker(Chunker, name="content"):
+    """Content-defined cuts (``tasks/chunk_content.py``): an edit re-chunks only the chunks
+    near it."""
+
+    def __init__(self, chunk_size: int, content: ContentParams | None = None) -> None:
+        super().__init__(chunk_size)
+        self.params = (content or ContentParams.for_chunk_size(chunk_size)).validate()
+        if self.params.max_tokens != chunk_size:
+            raise ValueError(
+                f"content chunker max_tokens {self.params.max_tokens} differs from chunk_size "
+                f"{chunk_size}: pass ContentParams with max_tokens={chunk_size}"
+            )
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {**super().fingerprint_fields(), "content": self.params.fingerprint_fields()}
+
+    def ranges(self, tokenizer: Any, doc: TokenizedText) -> list[tuple[int, int]]:
+        plan = content_plan(doc.text, doc.ends, self.params)
+        return _ranges_from_cuts(tokenizer, doc, plan.cuts, self.chunk_size)
 
 
 def _back_off(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> int:
@@ -169,10 +221,11 @@ def chunk_document(
     run_id: str,
 ) -> list[ChunkRow]:
     """Cut one document version into chunk rows (``content``: see ``chunker_fingerprint``)."""
-    chunker_fp = chunker_fingerprint(method, chunk_size, content)
+    chunker = Chunker.registry[method](chunk_size, content)
+    chunker_fp = chunker.fingerprint
     doc = tokenize(tokenizer, text)
     rows = []
-    for ordinal, (a, b) in enumerate(boundaries(tokenizer, doc, chunk_size, method, content)):
+    for ordinal, (a, b) in enumerate(chunker.ranges(tokenizer, doc)):
         cs = doc.ends[a - 1] if a > 0 else 0
         ce = doc.ends[b - 1]
         ids = doc.ids[a:b]

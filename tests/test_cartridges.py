@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from coinrag.inference.assemble import assemble_cartridges
 from coinrag.inference.encode import from_cache, prefix_kv
+from coinrag.inference.llm_client import LlmEndpoint, RetryPolicy
 from coinrag.inference.methods.cartridge import CartridgeRag, text_rag_answer
 from coinrag.inference.models import LoadedModel
 from coinrag.inference.prompt import RagPrompt
@@ -436,13 +437,14 @@ def test_openai_generator_against_fake_server(tmp_path) -> None:
             Action.raw_content('["Where is Mount Everest?", "How high is Everest?"]'),
             Action.raw_content('["cut off'),
         )
-        gen = OpenAIQuestionGenerator(
+        endpoint = LlmEndpoint(
+            "gpt-4o-mini",
             base_url=fake.base_url,
             api_key=API_KEY,
-            n_questions=4,
-            concurrency=1,
-            sleep=lambda s: None,
+            timeout_s=120.0,
+            retry=RetryPolicy(sleep=lambda s: None),
         )
+        gen = OpenAIQuestionGenerator(endpoint, n_questions=4, concurrency=1)
         questions, counts = selfstudy_stage(
             store, docs, gen, run_id="selfstudy-oa", settings=CartridgeSettings(seed=0)
         )

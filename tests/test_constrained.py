@@ -89,9 +89,9 @@ def test_left_pad() -> None:
 
 
 def _extractor_run(loaded, batch: list[str]) -> tuple[Any, list[list[int]], list[Recording], int]:
-    from coinrag.tasks.extractors.local import LocalConstrainedExtractor
+    from coinrag.tasks.extractors.local import LocalConstrainedExtractor, SpanRules
 
-    ex = LocalConstrainedExtractor(loaded, min_words=2, max_words=8, max_nuggets=3)
+    ex = LocalConstrainedExtractor(loaded, max_nuggets=3, spans=SpanRules(min_words=2, max_words=8))
     machines = [Recording(ex.machine(t)) for t in batch]
     prompts = [ex.prompt_ids(t) for t in batch]
     tok = loaded.tokenizer
@@ -136,9 +136,8 @@ def _skeleton_run(loaded, seed: int):
 @pytest.mark.parametrize("seed", range(5))
 def test_sampled_makes_the_old_choices(loaded, seed: int) -> None:
     gen, prompts, machines, gens, sv = _skeleton_run(loaded, seed)
-    choice = SampledChoice(
-        gen.temperature, gen.top_k, gens, gen.repetition_penalty, bonus=gen.close_boost
-    )
+    s = gen.sampling
+    choice = SampledChoice(s.temperature, s.top_k, gens, s.repetition_penalty, bonus=s.close_boost)
     advanced: list[int] = []
     decode_constrained(
         loaded.model, prompts, machines, choice, sv.eos, jump_forward=False,

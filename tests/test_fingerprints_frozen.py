@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from coinrag.inference.llm_client import LlmEndpoint
 from coinrag.schemas.settings import (
     BuildSettings,
     CartridgeSettings,
@@ -44,17 +45,19 @@ def test_prompt_and_decoding_versions() -> None:
 
 
 def test_extractor_fingerprints() -> None:
-    assert OpenAIChatExtractor(api_key=KEY).fingerprint == "extractor-a5561ee6f2a11392"
-    chat = OpenAIChatExtractor(api_key=KEY, structured=True, model="gpt-4o")
+    mini = LlmEndpoint("gpt-4o-mini", api_key=KEY)
+    assert OpenAIChatExtractor(mini).fingerprint == "extractor-a5561ee6f2a11392"
+    chat = OpenAIChatExtractor(LlmEndpoint("gpt-4o", api_key=KEY), structured=True)
     assert chat.fingerprint == "extractor-4114a0e57b25e2a1"
-    assert OpenAIBatchExtractor(api_key=KEY).fingerprint == "extractor-72eac671c3597234"
+    assert OpenAIBatchExtractor(mini).fingerprint == "extractor-72eac671c3597234"
     assert LocalConstrainedExtractor(LOADED).fingerprint == "extractor-21d508d94930afb2"
     assert RulesExtractor().fingerprint == "extractor-a626735d28c67d36"
     assert NoExtractor().fingerprint == "extractor-1e390ed27f6b2020"
 
 
 def test_question_generator_fingerprints() -> None:
-    assert OpenAIQuestionGenerator(api_key=KEY).fingerprint == "qgen-a91fe0d407af4a2e"
+    mini = LlmEndpoint("gpt-4o-mini", api_key=KEY)
+    assert OpenAIQuestionGenerator(mini).fingerprint == "qgen-a91fe0d407af4a2e"
     assert LocalQuestionGenerator(LOADED).fingerprint == "qgen-53a499605207f07a"
 
 

@@ -14,7 +14,7 @@ import pytest
 from store_fixtures import TINY_DIMS
 
 from coinrag.tasks.extractors.base import ExtractionRequest, ExtractionResult
-from coinrag.tasks.extractors.local import LocalConstrainedExtractor
+from coinrag.tasks.extractors.local import LocalConstrainedExtractor, SpanRules
 from coinrag.tasks.extractors.span_copy import (
     BOUNDARIES,
     SpanCopyMachine,
@@ -279,12 +279,10 @@ def test_random_model_verbatim_and_drivers_agree(random_llama, tokenizer, bounds
     for driver, batch_size in (("jump", 1), ("jump", 3), ("generate", 3)):
         ex = LocalConstrainedExtractor(
             random_llama,
-            min_words=min_w,
-            max_words=max_w,
             max_nuggets=max_n,
+            spans=SpanRules(min_words=min_w, max_words=max_w, boundaries=boundaries),
             batch_size=batch_size,
             driver=driver,
-            boundaries=boundaries,
         )
         results = ex.extract(reqs)
         assert [r.key for r in results] == [r.key for r in reqs]
@@ -304,8 +302,14 @@ def test_fingerprint_and_identity(random_llama) -> None:
     ex = LocalConstrainedExtractor(random_llama)
     assert ex.backend == "local" and ex.fingerprint.startswith("extractor-")
     assert "model-random" in ex.llm_model
-    assert ex.fingerprint != LocalConstrainedExtractor(random_llama, max_words=20).fingerprint
-    assert ex.fingerprint != LocalConstrainedExtractor(random_llama, boundaries="word").fingerprint
+    assert (
+        ex.fingerprint
+        != LocalConstrainedExtractor(random_llama, spans=SpanRules(max_words=20)).fingerprint
+    )
+    assert (
+        ex.fingerprint
+        != LocalConstrainedExtractor(random_llama, spans=SpanRules(boundaries="word")).fingerprint
+    )
     same = LocalConstrainedExtractor(random_llama, batch_size=1, driver="generate")
     assert ex.fingerprint == same.fingerprint
 
@@ -364,7 +368,7 @@ def test_smollm2_nuggets(smollm2) -> None:
 def test_smollm2_short_cap_ends_at_word_edges(smollm2, boundaries: str) -> None:
     """A 6-word cap on accented names and digit-by-digit numbers: never 'García M', '19'."""
     ex = LocalConstrainedExtractor(
-        smollm2.loaded, max_nuggets=6, max_words=6, boundaries=boundaries
+        smollm2.loaded, max_nuggets=6, spans=SpanRules(max_words=6, boundaries=boundaries)
     )
     (res,) = ex.extract([ExtractionRequest("g", PASSAGES[0])])
     assert res.status == "ok" and res.candidates

@@ -10,7 +10,7 @@ import threading
 import openai
 import pytest
 
-from coinrag.inference.llm_client import scrub
+from coinrag.inference.llm_client import LlmEndpoint, RetryPolicy, scrub
 from coinrag.inference.llm_pricing import call_cost, is_priced
 from coinrag.schemas.keys import text_hash
 from coinrag.tasks.extractors.base import ExtractionRequest, ExtractionResult
@@ -56,16 +56,27 @@ def client(fake: FakeOpenAI) -> openai.OpenAI:
     return openai.OpenAI(base_url=fake.base_url, api_key=API_KEY)
 
 
+RETRY_OPTIONS = ("max_attempts", "backoff_base_s", "backoff_max_s", "retry_after_max_s", "sleep")
+
+
+def _endpoint(client: openai.OpenAI, opts: dict) -> LlmEndpoint:
+    """The endpoint of ``client`` from the test's options (``model``, ``timeout_s``, the
+    retry policy's), which it pops."""
+    retry = RetryPolicy(**{k: opts.pop(k) for k in RETRY_OPTIONS if k in opts})
+    model = opts.pop("model", "gpt-4o-mini")
+    return LlmEndpoint(model, client, timeout_s=opts.pop("timeout_s", 60.0), retry=retry)
+
+
 def _chat(client: openai.OpenAI, **kwargs) -> OpenAIChatExtractor:
     opts = {"backoff_base_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 5.0}
     opts.update(kwargs)
-    return OpenAIChatExtractor(client=client, **opts)
+    return OpenAIChatExtractor(_endpoint(client, opts), **opts)
 
 
 def _batch(client: openai.OpenAI, **kwargs) -> OpenAIBatchExtractor:
     opts = {"poll_interval_s": 0.01, "backoff_base_s": 0.01, "backoff_max_s": 0.05}
     opts.update(kwargs)
-    return OpenAIBatchExtractor(client=client, **opts)
+    return OpenAIBatchExtractor(_endpoint(client, opts), **opts)
 
 
 def _statuses(result: ExtractionResult) -> list[str]:

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import KV_CODECS  # the setting's values: the names registered below
 
 # model dtype -> the numpy dtype its values are stored as (identity codec)
@@ -69,21 +70,14 @@ class KvGeometry(Protocol):
     block_tokens: int
 
 
-class KvCodec:
+class KvCodec(Registered):
     """How KV tensors ``(layers, 2, kv_heads, tokens, head_dim)`` are stored; one subclass per
-    codec, registered by its ``name``."""
+    codec, registered by its ``name`` in ``KvCodec.registry``."""
 
-    name: ClassVar[str]
+    registry: ClassVar[Registry[KvCodec]] = Registry("KV codec", KV_CODECS)
     keys_at_zero: ClassVar[bool] = False  # stored keys rotated back to position 0 (before RoPE)
     default_block_tokens: ClassVar[int] = 4  # tokens per stored block of new shards
     lossless: ClassVar[bool] = True
-    _registry: ClassVar[dict[str, type[KvCodec]]] = {}
-
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            KvCodec._registry[name] = cls
 
     # ------------------------------------------------------------------ the shard array
 
@@ -492,16 +486,12 @@ class Int4Codec(QuantizedCodec, name="int4"):
     bits = 4
 
 
-assert set(KV_CODECS) == set(KvCodec._registry), "schemas.settings.KV_CODECS names every codec"
+assert set(KV_CODECS) == set(KvCodec.registry), "schemas.settings.KV_CODECS names every codec"
 
 
 def codec_named(name: str) -> KvCodec:
     """The codec registered as ``name`` (ValueError naming the known ones otherwise)."""
-    cls = KvCodec._registry.get(name)
-    if cls is None:
-        known = ", ".join(sorted(KvCodec._registry))
-        raise ValueError(f"unknown KV codec {name!r} ({known})")
-    return cls()
+    return KvCodec.registry[name]()
 
 
 _IDENTITY = IdentityCodec()

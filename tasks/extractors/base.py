@@ -13,9 +13,11 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, ClassVar
 
 from coinrag.inference.llm_client import CallRecord
+from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.settings import EXTRACTORS, BuildSettings
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +76,43 @@ class ResultReporter:
                 )
 
 
-class Extractor(Protocol):
-    """What the build flow needs from a backend."""
+class Extractor(Registered):
+    """What the build flow needs from a backend; a backend is a subclass registered by name
+    (``class RulesExtractor(Extractor, name="rules")``), its module imported on first look-up
+    of ``Extractor.registry[name]`` (``tasks/extractors/factory.py``)."""
 
-    backend: str  # openai | openai-batch | local | rules | none
+    registry: ClassVar[Registry[Extractor]] = Registry(
+        "extractor",
+        EXTRACTORS,
+        modules={
+            "openai": f"{__package__}.openai_chat",
+            "openai-batch": f"{__package__}.openai_batch",
+            "local": f"{__package__}.local",
+            "rules": f"{__package__}.rules",
+            "none": f"{__package__}.none",
+        },
+    )
+    name_attr: ClassVar[str] = "backend"
+    backend: ClassVar[str]  # openai | openai-batch | local | rules | none
     llm_model: str
     prompt_version: str  # version of the prompt (or rules) in the fingerprint; "" for none
     # An answer costs money or model time: the build stages each one as it arrives, so that a
     # kill loses none (False: answers are recomputed in milliseconds, staging would cost more).
     stage_answers: bool
+    # The backend takes every pending text in one call (the Batch API: one submission, half the
+    # price), instead of the build's ``extract_batch_size`` at a time.
+    takes_all_at_once: ClassVar[bool] = False
+
+    @classmethod
+    def from_settings(cls, settings: BuildSettings, state_dir: str | None = None) -> Any:
+        """The backend as the build ``settings`` configure it (``state_dir``: the store's
+        folder for state a killed build resumes from, e.g. the Batch API's batch ids)."""
+        return cls()
 
     @property
     def fingerprint(self) -> str:
         """keys.fingerprint("extractor", ...) of everything the output depends on; no secrets."""
-        ...
+        raise NotImplementedError
 
     def extract(
         self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
@@ -96,4 +121,4 @@ class Extractor(Protocol):
 
         ``on_result(result)``: once per distinct key, as soon as its result is final (its
         ledger complete), from any thread (wrap it in :class:`ResultReporter`)."""
-        ...
+        raise NotImplementedError

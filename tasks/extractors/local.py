@@ -23,6 +23,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,9 +35,11 @@ from coinrag.inference.constrained import (
 )
 from coinrag.inference.llm_client import CallRecord
 from coinrag.schemas.keys import fingerprint, sha256_hex
+from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
+    Extractor,
     ResultFn,
     ResultReporter,
 )
@@ -104,24 +107,48 @@ def _single_token(tokenizer: Any, text: str) -> int:
     return int(ids[0])
 
 
-class LocalConstrainedExtractor:
+@dataclass(frozen=True)
+class SpanRules:
+    """What a nugget span may be: ``min_words..max_words`` words; a span from a clause head at
+    least ``min_head_words`` words (unless the clause is shorter); at most ``max(max_nuggets,
+    ceil(spans_per_head * heads))`` per passage; ``boundaries`` (``"clause"`` or ``"word"``:
+    where spans may start and stop by choice, see :func:`tokenize_passage`)."""
+
+    min_words: int = 3
+    max_words: int = 25
+    min_head_words: int = 8
+    spans_per_head: float = 1.5
+    boundaries: str = "clause"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_words <= self.max_words:
+            raise ValueError(
+                f"need 1 <= min_words <= max_words, got {self.min_words}, {self.max_words}"
+            )
+        if self.min_head_words < 1 or self.spans_per_head < 1.0:
+            raise ValueError(
+                f"need min_head_words >= 1 and spans_per_head >= 1, got {self.min_head_words}, "
+                f"{self.spans_per_head}"
+            )
+        if self.boundaries not in BOUNDARIES:
+            raise ValueError(f"boundaries={self.boundaries!r}: expected one of {BOUNDARIES}")
+
+
+class LocalConstrainedExtractor(Extractor, name="local"):
     """Verbatim nugget spans chosen by a local causal LM under constrained decoding.
 
     Options: ``model`` (a reference for ``inference.models.load_model``; None = packaged
-    SmolLM2-135M-Instruct; or an already loaded ``LoadedModel``), spans of
-    ``min_words..max_words`` words, at most ``max(max_nuggets, ceil(spans_per_head * heads))``
-    per passage (``heads``: its clauses with a place to start, each of which gets a span of at
-    least ``min_head_words`` words unless the clause is shorter), ``device``, ``batch_size``
-    (passages decoded together), ``driver`` (``"jump"`` or ``"generate"``; same output),
-    ``boundaries`` (``"clause"`` or ``"word"``: where spans may start and stop by choice, see
-    :func:`tokenize_passage`). The model is loaded on first use.
+    SmolLM2-135M-Instruct; or an already loaded ``LoadedModel``), ``max_nuggets`` and
+    ``spans`` (:class:`SpanRules`: at most ``max(max_nuggets, ceil(spans_per_head * heads))``
+    spans per passage, ``heads`` its clauses with a place to start), ``device``, ``batch_size``
+    (passages decoded together), ``driver`` (``"jump"`` or ``"generate"``; same output). The
+    model is loaded on first use.
 
     One ``CallRecord`` per passage: ``tokens_in`` = prompt tokens, ``tokens_out`` = generated
     tokens (through end-of-turn), cost 0, ``latency_ms`` = the wall time of the call that served
     it divided by the passages in that call.
     """
 
-    backend = "local"
     stage_answers = True
     prompt_version = LOCAL_PROMPT_VERSION
 
@@ -130,43 +157,40 @@ class LocalConstrainedExtractor:
         model: Any = None,
         *,
         max_nuggets: int = 8,
-        min_words: int = 3,
-        max_words: int = 25,
-        min_head_words: int = 8,
-        spans_per_head: float = 1.5,
+        spans: SpanRules = SpanRules(),
         device: str = "cpu",
         batch_size: int = 4,
         driver: str = "jump",
-        boundaries: str = "clause",
     ) -> None:
-        if not 1 <= min_words <= max_words:
-            raise ValueError(f"need 1 <= min_words <= max_words, got {min_words}, {max_words}")
         if max_nuggets < 1 or batch_size < 1:
             raise ValueError(
                 f"max_nuggets ({max_nuggets}) and batch_size ({batch_size}) must be >= 1"
             )
-        if min_head_words < 1 or spans_per_head < 1.0:
-            raise ValueError(
-                f"need min_head_words >= 1 and spans_per_head >= 1, got {min_head_words}, "
-                f"{spans_per_head}"
-            )
-        self.model_ref = model
-        self.max_nuggets = max_nuggets
-        self.min_words = min_words
-        self.max_words = max_words
-        self.min_head_words = min_head_words
-        self.spans_per_head = spans_per_head
-        self.device = device
-        self.batch_size = batch_size
         if driver not in _DRIVERS:
             raise ValueError(f"driver={driver!r}: expected one of {sorted(_DRIVERS)}")
+        self.model_ref = model
+        self.max_nuggets = max_nuggets
+        self.span_rules = spans
+        self.min_words = spans.min_words
+        self.max_words = spans.max_words
+        self.min_head_words = spans.min_head_words
+        self.spans_per_head = spans.spans_per_head
+        self.boundaries = spans.boundaries
+        self.device = device
+        self.batch_size = batch_size
         self.driver = driver
-        if boundaries not in BOUNDARIES:
-            raise ValueError(f"boundaries={boundaries!r}: expected one of {BOUNDARIES}")
-        self.boundaries = boundaries
         self._loaded: Any = None if model is None or isinstance(model, str | os.PathLike) else model
         self._prefix: PromptPrefix | None = None
         self._model_fp: str | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: BuildSettings, state_dir: str | None = None
+    ) -> LocalConstrainedExtractor:
+        """``model``, ``local_max_nuggets``, ``device``."""
+        return cls(
+            model=settings.model, max_nuggets=settings.local_max_nuggets, device=settings.device
+        )
 
     @property
     def loaded(self) -> Any:

@@ -12,15 +12,15 @@ from coinrag.schemas.keys import fingerprint
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
+    Extractor,
     ResultFn,
     ResultReporter,
 )
 
 
-class NoExtractor:
+class NoExtractor(Extractor, name="none"):
     """Returns ``ok`` with an empty candidate list for every request."""
 
-    backend = "none"
     stage_answers = False
     llm_model = "none"
     prompt_version = ""

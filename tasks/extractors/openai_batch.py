@@ -24,12 +24,13 @@ Ledger: one :class:`~inference.llm_client.CallRecord` per request per round (``a
 round), with ``custom_id``, ``batch_id``, tokens from the answer's ``usage`` and the cost at batch
 prices; status ``ok``, ``salvaged``, ``malformed``, ``expired`` or ``error``.
 
-Resuming (``state_path``): the uploaded files and submitted batches are recorded in a JSON file
-as soon as they exist (written atomically). A build that is killed and restarted with the same
-``state_path`` and the same extractor fingerprint polls those batches again instead of
-uploading and paying a second time: a recorded batch of round *r* serves, in round *r*, every
-still-pending request it contains; only the requests no recorded batch covers are submitted. A
-state written by an extractor with another fingerprint is ignored (and replaced).
+Resuming (``state_path``, ``batch_state.py``): the uploaded files and submitted batches are
+recorded in a JSON file as soon as they exist (written atomically). A build that is killed and
+restarted with the same ``state_path`` and the same extractor fingerprint polls those batches
+again instead of uploading and paying a second time: a recorded batch of round *r* serves, in
+round *r*, every still-pending request it contains; only the requests no recorded batch covers
+are submitted. A state written by an extractor with another fingerprint is ignored (and
+replaced).
 """
 
 from __future__ import annotations
@@ -38,16 +39,13 @@ import json
 import logging
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
-
-import openai
 
 from coinrag.inference.llm_client import (
     CallRecord,
@@ -59,23 +57,24 @@ from coinrag.inference.llm_client import (
 )
 from coinrag.inference.llm_pricing import call_cost
 from coinrag.schemas.keys import sha256_hex
+from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
     ResultFn,
     ResultReporter,
 )
+from coinrag.tasks.extractors.batch_state import BatchJob as _Job
+from coinrag.tasks.extractors.batch_state import load_jobs, save_jobs
 from coinrag.tasks.extractors.openai_chat import (
     MODE_JSON_SCHEMA,
     MODE_PROMPT,
-    extractor_fingerprint,
+    OpenAIExtractor,
     group_requests,
-    requested_format,
     response_format_param,
     spread_results,
 )
 from coinrag.tasks.extractors.prompt import (
-    PROMPT_VERSION,
     build_messages,
     parse_nuggets,
     repair_messages,
@@ -86,7 +85,6 @@ log = logging.getLogger(__name__)
 
 ENDPOINT = "/v1/chat/completions"
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
-STATE_VERSION = 1
 
 _NEXT_MODE = {MODE_JSON_SCHEMA: "json_object", "json_object": MODE_PROMPT}
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,48}$")
@@ -99,44 +97,6 @@ def custom_id_for(key: str, round_: int) -> str:
     key stands in for a long or unusual key)."""
     base = key if _SAFE_ID.match(key) else "k-" + sha256_hex("custom-id", key)[:24]
     return f"{base}-r{round_}"
-
-
-@dataclass
-class _Job:
-    """One batch of one round: what was uploaded, what was submitted, what came back."""
-
-    round: int
-    custom_ids: dict[str, str]  # custom_id -> request key (everything in the input file)
-    mode: str
-    input_file_id: str | None = None
-    batch_id: str | None = None
-    submitted_at: float = field(default_factory=time.time)
-    status: str = "unknown"
-    error: str | None = None  # why the job could not be uploaded / created / polled
-    batch: Any = None  # last openai.types.Batch seen
-    poll_failures: int = 0
-    serves: dict[str, str] = field(default_factory=dict)  # the custom_ids this run uses
-
-    def to_state(self) -> dict[str, Any]:
-        return {
-            "round": self.round,
-            "input_file_id": self.input_file_id,
-            "batch_id": self.batch_id,
-            "mode": self.mode,
-            "submitted_at": self.submitted_at,
-            "custom_ids": self.custom_ids,
-        }
-
-    @classmethod
-    def from_state(cls, row: dict[str, Any]) -> _Job:
-        return cls(
-            round=int(row["round"]),
-            custom_ids={str(k): str(v) for k, v in dict(row["custom_ids"]).items()},
-            mode=str(row.get("mode") or MODE_JSON_SCHEMA),
-            input_file_id=row.get("input_file_id"),
-            batch_id=row.get("batch_id"),
-            submitted_at=float(row.get("submitted_at") or time.time()),
-        )
 
 
 _ANSWERED = frozenset({"ok", "salvaged"})  # outcomes whose candidates are the answer
@@ -153,40 +113,31 @@ class _Outcome:
     parse_error: str | None = None  # why it did not parse
 
 
-class OpenAIBatchExtractor:
+class OpenAIBatchExtractor(OpenAIExtractor, name="openai-batch"):
     """Extract nuggets with the Batch API; resubmits what fails; resumable via ``state_path``."""
 
-    backend = "openai-batch"
-    stage_answers = True
-    prompt_version = PROMPT_VERSION
+    takes_all_at_once = True
 
     def __init__(
         self,
-        model: str = "gpt-4o-mini",
+        endpoint: LlmEndpoint | None = None,
         *,
-        client: openai.OpenAI | None = None,
-        base_url: str | None = None,
-        api_key: str | None = None,
         temperature: float = 0.0,
         structured: bool | None = None,
         poll_interval_s: float = 30.0,
         max_rounds: int = 3,
         max_requests_per_batch: int = 50_000,
         max_bytes_per_batch: int = 190_000_000,
-        max_attempts: int = 5,
-        backoff_base_s: float = 1.0,
-        backoff_max_s: float = 60.0,
-        retry_after_max_s: float = 300.0,
-        timeout_s: float = 120.0,
         state_path: str | os.PathLike[str] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """``max_attempts``/backoff apply to each API call (upload, create, poll, download)."""
+        """``endpoint``: the model, its client (``timeout_s`` per request) and the retry policy
+        of each API call (upload, create, poll, download); default: gpt-4o-mini through a new
+        ``openai.OpenAI`` reading the environment's key and URL, 120 s. ``state_path`` keeps
+        the submitted batch ids (a killed build polls them again)."""
         if max_rounds < 1 or max_requests_per_batch < 1 or max_bytes_per_batch < 1:
             raise ValueError("max_rounds, max_requests_per_batch, max_bytes_per_batch must be >= 1")
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        self.llm_model = model
+        self.endpoint = endpoint or LlmEndpoint("gpt-4o-mini", timeout_s=120.0)
+        self.llm_model = self.endpoint.model
         self.temperature = temperature
         self.structured = structured
         self.poll_interval_s = poll_interval_s
@@ -194,19 +145,25 @@ class OpenAIBatchExtractor:
         self.max_requests_per_batch = max_requests_per_batch
         self.max_bytes_per_batch = max_bytes_per_batch
         self.state_path = Path(state_path) if state_path is not None else None
-        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
-        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
         self._state_jobs: list[_Job] = []
         self._repairs: dict[str, tuple[str | None, str]] = {}
         self._last_malformed: dict[str, bool] = {}
 
-    @property
-    def fingerprint(self) -> str:
-        """keys.fingerprint("extractor", backend, model, prompt version, temperature, format)."""
-        return extractor_fingerprint(
-            self.backend, self.llm_model, self.temperature, requested_format(self.structured)
+    @classmethod
+    def from_settings(
+        cls, settings: BuildSettings, state_dir: str | None = None
+    ) -> OpenAIBatchExtractor:
+        """``llm_model``, ``batch_poll_interval`` (seconds), ``batch_max_rounds``,
+        ``max_attempts``; the submitted batch ids kept in ``state_dir`` (a killed build polls
+        its batches again instead of paying twice)."""
+        retry = RetryPolicy(max_attempts=settings.max_attempts)
+        return cls(
+            LlmEndpoint(settings.llm_model, timeout_s=120.0, retry=retry),
+            poll_interval_s=settings.batch_poll_interval,
+            max_rounds=settings.batch_max_rounds,
+            state_path=f"{state_dir}/openai-batch-state.json" if state_dir else None,
         )
 
     @property
@@ -670,42 +627,7 @@ class OpenAIBatchExtractor:
                 self.endpoint.retry.sleep(delay)
 
     def _load_state(self) -> list[_Job]:
-        path = self.state_path
-        if path is None or not path.exists():
-            return []
-        try:
-            state = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            log.warning("batch state %s unreadable, ignored: %s", path, exc)
-            return []
-        if state.get("version") != STATE_VERSION or state.get("extractor") != self.fingerprint:
-            log.warning("batch state %s is for another extractor; ignored", path)
-            return []
-        jobs = []
-        for row in state.get("batches", []):
-            try:
-                jobs.append(_Job.from_state(row))
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("batch state %s: bad entry ignored: %s", path, exc)
-        log.info("batch state %s: %d recorded batch(es)", path, len(jobs))
-        return jobs
+        return load_jobs(self.state_path, self.fingerprint)
 
     def _save_state(self) -> None:
-        path = self.state_path
-        if path is None:
-            return
-        state = {
-            "version": STATE_VERSION,
-            "extractor": self.fingerprint,
-            "model": self.llm_model,
-            "batches": [job.to_state() for job in self._state_jobs if job.input_file_id],
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(state, fh)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        save_jobs(self.state_path, self.fingerprint, self.llm_model, self._state_jobs)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -52,9 +52,11 @@ from coinrag.inference.llm_client import (
     usage_of,
 )
 from coinrag.schemas.keys import fingerprint as _fingerprint
+from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
+    Extractor,
     ResultFn,
     ResultReporter,
 )
@@ -145,45 +147,15 @@ def spread_results(
 # --------------------------------------------------------------------------- the extractor
 
 
-class OpenAIChatExtractor:
-    """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
+class OpenAIExtractor(Extractor):
+    """What the two OpenAI backends share: the prompt, answers staged as they arrive, and the
+    fingerprint (no key, no URL)."""
 
-    backend = "openai"
     stage_answers = True
     prompt_version = PROMPT_VERSION
-
-    def __init__(
-        self,
-        model: str = "gpt-4o-mini",
-        *,
-        client: openai.OpenAI | None = None,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        concurrency: int = 8,
-        max_attempts: int = 5,
-        backoff_base_s: float = 1.0,
-        backoff_max_s: float = 60.0,
-        retry_after_max_s: float = 300.0,
-        timeout_s: float = 60.0,
-        temperature: float = 0.0,
-        structured: bool | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        """``client`` (tests) or a new ``openai.OpenAI`` (env key, optional ``base_url``)."""
-        if concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        self.llm_model = model
-        self.concurrency = concurrency
-        self.timeout_s = timeout_s
-        self.temperature = temperature
-        self.structured = structured
-        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
-        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
-        self._lock = threading.Lock()
-        self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
-        self._fatal: str | None = None
+    endpoint: LlmEndpoint
+    temperature: float
+    structured: bool | None  # None: json_schema, falling back as the endpoint requires
 
     @property
     def fingerprint(self) -> str:
@@ -191,6 +163,41 @@ class OpenAIChatExtractor:
         return extractor_fingerprint(
             self.backend, self.llm_model, self.temperature, requested_format(self.structured)
         )
+
+
+class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
+    """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
+
+    def __init__(
+        self,
+        endpoint: LlmEndpoint | None = None,
+        *,
+        concurrency: int = 8,
+        temperature: float = 0.0,
+        structured: bool | None = None,
+    ) -> None:
+        """``endpoint``: the model, its client (``timeout_s`` per request) and retry policy
+        (default: gpt-4o-mini through a new ``openai.OpenAI`` reading the environment's key and
+        URL, 60 s, :class:`RetryPolicy` defaults); ``concurrency`` requests at a time."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.endpoint = endpoint or LlmEndpoint("gpt-4o-mini", timeout_s=60.0)
+        self.llm_model = self.endpoint.model
+        self.concurrency = concurrency
+        self.temperature = temperature
+        self.structured = structured
+        self._lock = threading.Lock()
+        self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
+        self._fatal: str | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: BuildSettings, state_dir: str | None = None
+    ) -> OpenAIChatExtractor:
+        """``llm_model``, ``concurrency``, ``max_attempts``, ``request_timeout`` (seconds)."""
+        retry = RetryPolicy(max_attempts=settings.max_attempts)
+        endpoint = LlmEndpoint(settings.llm_model, timeout_s=settings.request_timeout, retry=retry)
+        return cls(endpoint, concurrency=settings.concurrency)
 
     @property
     def response_mode(self) -> str:

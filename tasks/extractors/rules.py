@@ -34,6 +34,7 @@ from coinrag.schemas.keys import fingerprint
 from coinrag.tasks.extractors.base import (
     ExtractionRequest,
     ExtractionResult,
+    Extractor,
     ResultFn,
     ResultReporter,
 )
@@ -190,14 +191,13 @@ def runs_after(flags: Sequence[bool], lo: int, hi: int) -> list[tuple[int, int]]
     return out
 
 
-class RulesExtractor:
+class RulesExtractor(Extractor, name="rules"):
     """Clause segmentation without a model (backend ``"rules"``).
 
     Options: ``min_words`` / ``max_words`` bound a kept span; a clause longer than
     ``split_words`` is cut at a comma before a conjunction or relative word.
     """
 
-    backend = "rules"
     stage_answers = False
     llm_model = "none"
     prompt_version = RULES_VERSION  # the segmentation rules stand where a prompt would

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 from coinrag.inference.llm_client import CallRecord
 from coinrag.schemas.keys import fingerprint
+from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.settings import QUESTION_GENERATORS, CartridgeSettings
 from coinrag.tasks.question_generators.prompt import PROMPT_VERSION
 
 
@@ -51,20 +53,37 @@ def generator_fingerprint(backend: str, fields: dict[str, Any]) -> str:
     return fingerprint("qgen", {"backend": backend, "prompt_version": PROMPT_VERSION, **fields})
 
 
-class QuestionGenerator(Protocol):
-    """What the self-study stage needs from a backend."""
+class QuestionGenerator(Registered):
+    """What the self-study stage needs from a backend; a backend is a subclass registered by
+    name (``class LocalQuestionGenerator(QuestionGenerator, name="local")``), its module
+    imported on first look-up of ``QuestionGenerator.registry[name]``."""
 
-    backend: str  # openai | local
+    registry: ClassVar[Registry[QuestionGenerator]] = Registry(
+        "question generator",
+        QUESTION_GENERATORS,
+        modules={
+            "openai": f"{__package__}.openai_chat",
+            "local": f"{__package__}.local",
+        },
+    )
+    name_attr: ClassVar[str] = "backend"
+    backend: ClassVar[str]  # openai | local
     llm_model: str
     n_questions: int
+
+    @classmethod
+    def from_settings(cls, settings: CartridgeSettings, loaded: Any = None) -> Any:
+        """The generator ``settings`` describe (``loaded``: the target model, which a local
+        generator uses)."""
+        raise NotImplementedError
 
     @property
     def fingerprint(self) -> str:
         """:func:`generator_fingerprint` of everything the questions depend on; no secrets."""
-        ...
+        raise NotImplementedError
 
     def generate(
         self, requests: Sequence[QuestionRequest], progress: QuestionsDone | None = None
     ) -> list[QuestionResult]:
         """One result per request, in order; never raises for one bad call."""
-        ...
+        raise NotImplementedError

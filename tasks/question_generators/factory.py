@@ -6,17 +6,13 @@ from typing import Any
 
 from coinrag.schemas.settings import CartridgeSettings
 from coinrag.tasks.question_generators.base import QuestionGenerator
-from coinrag.tasks.question_generators.local import LocalQuestionGenerator
-from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
 
 # backend name -> generator class (each has ``from_settings(settings, loaded)``)
-GENERATORS: dict[str, Any] = {
-    OpenAIQuestionGenerator.backend: OpenAIQuestionGenerator,
-    LocalQuestionGenerator.backend: LocalQuestionGenerator,
-}
+GENERATORS = QuestionGenerator.registry
 
 
 def make_generator(settings: CartridgeSettings, loaded: Any) -> QuestionGenerator:
     """The question generator the settings name (default: openai when ``OPENAI_API_KEY`` is
-    set, else local); ``loaded``: the target model, which the local generator uses."""
+    set, else local); ``loaded``: the target model, which the local generator uses. An unknown
+    name raises ``UnknownPlugin`` (a ValueError) listing the registered ones."""
     return GENERATORS[settings.resolved_generator()].from_settings(settings, loaded)

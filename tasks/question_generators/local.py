@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +20,7 @@ from coinrag.inference.llm_client import CallRecord, new_call_id
 from coinrag.schemas.settings import CartridgeSettings
 from coinrag.tasks.question_generators.accept import MalformedQuestions, parse_questions
 from coinrag.tasks.question_generators.base import (
+    QuestionGenerator,
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
@@ -46,15 +48,25 @@ def _question_progress(
     return advanced
 
 
-class LocalQuestionGenerator:
+@dataclass(frozen=True)
+class QuestionSampling:
+    """How a question's tokens are sampled (``SampledChoice``): ``temperature``, ``top_k``,
+    ``repetition_penalty``, and ``close_boost``: the logit bonus of the closing tokens per
+    question token beyond ``min_question_tokens`` (``SkeletonMachine.close_boost``)."""
+
+    temperature: float = 0.7
+    top_k: int = 50
+    repetition_penalty: float = 1.3
+    close_boost: float = 0.4
+
+
+class LocalQuestionGenerator(QuestionGenerator, name="local"):
     """Questions from a local causal LM under the JSON-array skeleton constraint (module doc).
 
     ``model``: a reference for ``inference.models.load_model`` (None: packaged SmolLM2) or a
     loaded ``LoadedModel``. Calls are run ``batch_size`` at a time; each samples with a
     generator seeded from its call key, so a call's questions do not depend on the batch.
     """
-
-    backend = "local"
 
     def __init__(
         self,
@@ -63,10 +75,7 @@ class LocalQuestionGenerator:
         n_questions: int = 20,
         min_question_tokens: int = 4,
         max_question_tokens: int = 24,
-        temperature: float = 0.7,
-        top_k: int = 50,
-        repetition_penalty: float = 1.3,
-        close_boost: float = 0.4,
+        sampling: QuestionSampling = QuestionSampling(),
         batch_size: int = 8,
         device: str = "cpu",
     ) -> None:
@@ -74,16 +83,15 @@ class LocalQuestionGenerator:
         self.n_questions = n_questions
         self.min_question_tokens = min_question_tokens
         self.max_question_tokens = max_question_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.repetition_penalty = repetition_penalty
-        self.close_boost = close_boost
+        self.sampling = sampling
         self.batch_size = batch_size
         self.device = device
         self._loaded = None if model is None or isinstance(model, str) else model
 
     @classmethod
-    def from_settings(cls, settings: CartridgeSettings, loaded: Any) -> LocalQuestionGenerator:
+    def from_settings(
+        cls, settings: CartridgeSettings, loaded: Any = None
+    ) -> LocalQuestionGenerator:
         """The generator ``settings`` describe, on the already loaded target model."""
         return cls(loaded, n_questions=settings.n_questions, batch_size=settings.local_batch_size)
 
@@ -108,10 +116,7 @@ class LocalQuestionGenerator:
                 "n": self.n_questions,
                 "min_question_tokens": self.min_question_tokens,
                 "max_question_tokens": self.max_question_tokens,
-                "temperature": self.temperature,
-                "top_k": self.top_k,
-                "repetition_penalty": self.repetition_penalty,
-                "close_boost": self.close_boost,
+                **asdict(self.sampling),  # temperature, top_k, repetition_penalty, close_boost
                 "decoding": "json-skeleton-v2",
             },
         )
@@ -148,8 +153,9 @@ class LocalQuestionGenerator:
             gens = [
                 torch.Generator().manual_seed(int(requests[i].key[-12:], 16) % 2**62) for i in idx
             ]
+            s = self.sampling
             choice = SampledChoice(
-                self.temperature, self.top_k, gens, self.repetition_penalty, self.close_boost
+                s.temperature, s.top_k, gens, s.repetition_penalty, s.close_boost
             )
             started, t0 = datetime.now(UTC), time.perf_counter()
             try:

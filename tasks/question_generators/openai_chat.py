@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
@@ -19,7 +19,6 @@ from coinrag.inference.llm_client import (
     CallRecord,
     LlmEndpoint,
     MalformedResponse,
-    RetryPolicy,
     classify_error,
     content_of,
     usage_of,
@@ -31,6 +30,7 @@ from coinrag.tasks.question_generators.accept import (
     parse_questions,
 )
 from coinrag.tasks.question_generators.base import (
+    QuestionGenerator,
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
@@ -41,36 +41,27 @@ from coinrag.tasks.question_generators.prompt import build_question_messages
 log = logging.getLogger(__name__)
 
 
-class OpenAIQuestionGenerator:
+class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
     """Questions from chat completions (GPT-4o-mini or any OpenAI-compatible endpoint)."""
-
-    backend = "openai"
 
     def __init__(
         self,
-        model: str = "gpt-4o-mini",
+        endpoint: LlmEndpoint | None = None,
         *,
-        client: Any = None,
-        base_url: str | None = None,
-        api_key: str | None = None,
         n_questions: int = 20,
         temperature: float = 1.0,
         concurrency: int = 8,
-        max_attempts: int = 5,
-        backoff_base_s: float = 1.0,
-        backoff_max_s: float = 60.0,
-        retry_after_max_s: float = 300.0,
-        timeout_s: float = 120.0,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if max_attempts < 1 or concurrency < 1:
-            raise ValueError("max_attempts and concurrency must be >= 1")
-        self.llm_model = model
+        """``endpoint``: the model, its client (``timeout_s`` per request) and retry policy
+        (default: gpt-4o-mini through a new ``openai.OpenAI`` reading the environment's key and
+        URL, 120 s); ``concurrency`` requests at a time."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.endpoint = endpoint or LlmEndpoint("gpt-4o-mini", timeout_s=120.0)
+        self.llm_model = self.endpoint.model
         self.n_questions = n_questions
         self.temperature = temperature
         self.concurrency = concurrency
-        retry = RetryPolicy(max_attempts, backoff_base_s, backoff_max_s, retry_after_max_s, sleep)
-        self.endpoint = LlmEndpoint(model, client, base_url, api_key, timeout_s, retry)
         self._fatal: str | None = None
         self._lock = threading.Lock()
 
@@ -79,7 +70,8 @@ class OpenAIQuestionGenerator:
         cls, settings: CartridgeSettings, loaded: Any = None
     ) -> OpenAIQuestionGenerator:
         """The generator ``settings`` describe (the key and URL default to the environment)."""
-        return cls(settings.llm_model, base_url=settings.base_url, n_questions=settings.n_questions)
+        endpoint = LlmEndpoint(settings.llm_model, base_url=settings.base_url, timeout_s=120.0)
+        return cls(endpoint, n_questions=settings.n_questions)
 
     @property
     def fingerprint(self) -> str:

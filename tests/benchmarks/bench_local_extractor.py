@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from coinrag.tasks.extractors.base import ExtractionRequest  # noqa: E402
-from coinrag.tasks.extractors.local import LocalConstrainedExtractor  # noqa: E402
+from coinrag.tasks.extractors.local import LocalConstrainedExtractor, SpanRules  # noqa: E402
 from coinrag.tasks.extractors.rules import RulesExtractor  # noqa: E402
 
 
@@ -98,7 +98,7 @@ def main() -> None:
             max_nuggets=args.max_nuggets,
             batch_size=bs,
             driver=driver,
-            boundaries=args.boundaries,
+            spans=SpanRules(boundaries=args.boundaries),
         )
         ex.extract(reqs[:1])  # warm-up
         t0, c0, calls[0] = time.perf_counter(), time.process_time(), 0
