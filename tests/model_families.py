@@ -1,4 +1,4 @@
-"""The model families of the coverage matrix (README, "Model families") as tiny random-weight
+"""The model families of the coverage matrix (docs/model-families.md) as tiny random-weight
 configs: hidden 64, 2-3 layers, head dim 16, vocabulary 500 (or a tokenizer's), small sliding
 windows (8) so that chunks of a few dozen tokens are longer than the window.
 

@@ -1,4 +1,4 @@
-"""The coverage matrix of model families (README, "Model families"), each family a tiny random
+"""The coverage matrix of model families (docs/model-families.md), each family a tiny random
 config (``tests/model_families.py``), in SDPA and eager attention, against transformers itself:
 
 1. the stored KV (the KV stage's encoding: ``compute_prefix_kv`` then a right-padded batch of
@@ -370,7 +370,7 @@ def test_kvlink_on_sliding_layers_equals_one_forward(family: str, attn: str) -> 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_a_chunk_longer_than_the_window(attn: str) -> None:
-    """What a stored chunk is for a sliding layer (README): token ``t``'s K/V in layer ``l``
+    """What a stored chunk is for a sliding layer (docs/model-families.md): token ``t``'s K/V in layer ``l``
     are those of one forward over ``prefix + chunk`` and depend only on positions
     ``>= t - l (W - 1)`` of it (Mistral: every layer slides, window 8); and once assembled,
     a sliding layer of the query sees only the last ``W - 1`` context positions, so what lies
