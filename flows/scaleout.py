@@ -98,8 +98,10 @@ class Runner(ABC):
         """The runner ``settings.runner`` names (SettingsError listing the names if none)."""
         kind = Runner._registry.get(settings.runner)
         if kind is None:
-            known = ", ".join(sorted(Runner._registry))
-            raise SettingsError(f"runner {settings.runner!r} is not one of {known}")
+            known = ", ".join(Runner._registry)
+            raise SettingsError(
+                f"runner {settings.runner!r} is not one of {known}: set --runner to one of them"
+            )
         return kind(settings)
 
     def __init__(self, settings: BuildSettings) -> None:
@@ -298,15 +300,12 @@ def _apply_worker_threads(settings: BuildSettings) -> int:
 def kv_prepare_task(store: Store, settings: BuildSettings, options: KvOptions, keep: str) -> KvPrep:
     """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
     KV decides), and the layout carries the result to the other workers."""
-    from coinrag.inference.encode import kv_layout
     from coinrag.inference.prompt import RagPrompt
 
     threads = _apply_worker_threads(settings)
     get_run_logger().info("kv: %d thread(s) per worker", threads)
     loaded = _kv_model(settings)
-    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-    layout = kv_layout(loaded, prompt, **options.layout_options(keep))
-    return prepare_kv(store, loaded, prompt, layout)
+    return prepare_kv(store, loaded, RagPrompt.for_tokenizer(loaded.tokenizer), options, keep)
 
 
 @task(name="kv-group", cache_policy=NO_CACHE)
@@ -316,12 +315,14 @@ def kv_group_task(
     layout: KvLayout,
     group: list[ChunkRow],
     run_id: str,
+    batch_size: int,
     kept: dict[str, KeptRanges] | None = None,
 ) -> StagedGroup:
+    """Runs on a KV worker: one group computed and staged (``tasks.kv.stage_group_kv``)."""
     _apply_worker_threads(settings)
     loaded = _kv_model(settings, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
-    return stage_group_kv(kv, loaded, group, run_id, settings.kv_batch_size, kept)
+    return stage_group_kv(kv, loaded, group, run_id, batch_size, kept)
 
 
 class TaskKv(KvWorkers):
@@ -341,12 +342,18 @@ class TaskKv(KvWorkers):
 
     def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
         kv = job.kv
-        params = {"store": kv.store, "settings": self.runner.settings, "layout": kv.layout}
+        params = {
+            "store": kv.store,
+            "settings": self.runner.settings,
+            "layout": kv.layout,
+            "run_id": job.run_id,
+            "batch_size": job.options.batch_size,
+        }
         with self.runner.placement():
             futures = [
                 self.runner.submit(
                     kv_group_task,
-                    params | {"group": group, "run_id": job.run_id, "kept": job.kept_of(group)},
+                    params | {"group": group, "kept": job.kept_of(group)},
                 )
                 for group in groups
             ]

@@ -227,10 +227,14 @@ class KvPrep:
     frequencies: ForwardFrequencies  # how the chunks are batched (KvBatching)
 
 
-def prepare_kv(store: Store, loaded: Any, prompt: RagPrompt, layout: KvLayout) -> KvPrep:
-    """:class:`KvPrep` of a loaded model (``inference.models.LoadedModel``) for ``layout``:
-    ``C_p`` computed only when ``store`` lacks one that passes its check (read only: the
-    driver creates the store and writes or repairs ``C_p``)."""
+def prepare_kv(
+    store: Store, loaded: Any, prompt: RagPrompt, options: KvOptions, keep: str
+) -> KvPrep:
+    """:class:`KvPrep` of a loaded model (``inference.models.LoadedModel``) and ``prompt``,
+    the layout of ``options`` and ``keep`` (``chunks`` | ``nuggets``): ``C_p`` computed only
+    when ``store`` lacks one that passes its check (read only: the driver creates the store
+    and writes or repairs ``C_p``)."""
+    layout = kv_layout(loaded, prompt, **options.layout_options(keep))
     kv = KvStore(store, layout)
     usable = kv.has_prefix() and kv.corrupt_prefix() is None
     return KvPrep(
@@ -337,8 +341,7 @@ class LocalKv(KvWorkers):
         self.loaded, self.prompt = loaded, prompt
 
     def prepare(self, store: Store, options: KvOptions, keep: str) -> KvPrep:
-        layout = kv_layout(self.loaded, self.prompt, **options.layout_options(keep))
-        return prepare_kv(store, self.loaded, self.prompt, layout)
+        return prepare_kv(store, self.loaded, self.prompt, options, keep)
 
     def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
         layout, batch_size = job.kv.layout, job.options.batch_size
