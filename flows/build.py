@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,16 +21,16 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import TaskRunner
 from prefect.utilities.annotations import quote
 
 from coinrag.flows.progress import ProgressLog, result_with_ticks
-from coinrag.flows.scaleout import embed_on_workers, kv_on_workers, task_runner
+from coinrag.flows.scaleout import Runner, task_runner
 from coinrag.inference.kv_dtype import resolve_kv_dtype
 from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.settings import BuildSettings
-from coinrag.schemas.tables import EXTRACTION_ABANDONED
+from coinrag.schemas.tables import EXTRACTION_ABANDONED, ChunkRow
+from coinrag.storage.kv import KeptRanges
 from coinrag.storage.publish import begin, publish
 from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
@@ -50,8 +50,9 @@ from coinrag.tasks.extract import (
 )
 from coinrag.tasks.extractors.base import ExtractionRequest
 from coinrag.tasks.extractors.factory import make_extractor
-from coinrag.tasks.ingest import ingest_stage
-from coinrag.tasks.recover import current_nuggets, recover_stage
+from coinrag.tasks.ingest import IngestResult, ingest_stage
+from coinrag.tasks.kv import KvOptions, KvWorkers, build_kept_ranges, run_kv_stage
+from coinrag.tasks.recover import RecoverCounts, current_nuggets, recover_stage
 
 
 @task(name="ingest", cache_policy=NO_CACHE)
@@ -116,41 +117,17 @@ def kv_space_task(store: Store, chunks: list, settings: BuildSettings) -> None:
 
 @task(name="kv", cache_policy=NO_CACHE)
 def kv_task(
-    store: Store, chunks: list, settings: BuildSettings, run_id: str, extractor_fp: str
+    store: Store,
+    chunks: list,
+    settings: BuildSettings,
+    run_id: str,
+    kept: dict[str, KeptRanges] | None,
+    workers: KvWorkers,
 ) -> dict[str, Any]:
-    from coinrag.inference.models import load_shared_model
-    from coinrag.inference.prompt import RagPrompt
-    from coinrag.tasks.kv import build_kept_ranges, kv_stage
-
-    logger = get_run_logger()
-    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
-    logger.info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
-    loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
-    started = time.monotonic()
-
-    def progress(done: int, total: int) -> None:
-        rate = (time.monotonic() - started) / max(done, 1)
-        logger.info(
-            "kv: %d/%d chunks, %.2f s each, about %.0f s left",
-            done,
-            total,
-            rate,
-            rate * (total - done),
-        )
-
-    counts = kv_stage(
-        store,
-        chunks,
-        loaded,
-        RagPrompt.for_tokenizer(loaded.tokenizer),
-        run_id,
-        batch_size=settings.kv_batch_size,
-        progress=progress,
-        check=settings.kv_verify,
-        kept=build_kept_ranges(store, chunks, settings.kv_keep, extractor_fp, settings.tau),
-        kv_codec=settings.kv_codec,
-    )
-    return {"model_fp": loaded.model_fp, "kv_dtype": kv_dtype.dtype, **counts.as_dict()}
+    """The KV stage (``tasks.kv.run_kv_stage``), its model work done by ``workers``."""
+    progress = ProgressLog(get_run_logger(), "kv", "chunks", 0)
+    options = KvOptions.from_settings(settings)
+    return run_kv_stage(store, chunks, workers, run_id, options, progress, kept=kept).as_dict()
 
 
 @task(name="embed-index", cache_policy=NO_CACHE)
@@ -161,44 +138,23 @@ def embed_task(
     settings: BuildSettings,
     extractor_fp: str,
     run_id: str,
+    parts: EmbedParts | None = None,
 ) -> dict[str, Any]:
-    return _embed_index(store, chunks, documents, settings, extractor_fp, run_id)
-
-
-def _embed_index(
-    store: Store,
-    chunks: list,
-    documents: list,
-    settings: BuildSettings,
-    extractor_fp: str,
-    run_id: str,
-    embed_parts: EmbedParts | None = None,
-) -> dict[str, Any]:
-    """Embed and index (``embed_parts``: where the vectors are computed, default here)."""
+    """Embed and index (``tasks.embed.embed_stage``; ``parts``: where the vectors are computed,
+    None: here)."""
     from coinrag.inference.embedders import load_embedder
-    from coinrag.tasks.embed import embed_stage
+    from coinrag.tasks.embed import EmbedOptions, embed_stage
 
-    logger = get_run_logger()
     embedder = load_embedder(settings.embedder)
     nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, settings.tau)
-
-    progress = ProgressLog(logger, "embed", "texts", 0)
-    counts = embed_stage(
-        store,
-        chunks,
-        nuggets,
-        documents,
-        embedder,
-        run_id,
-        progress.update,
-        part_size=settings.embed_batch_size,
-        embed_parts=embed_parts,
-    )
+    progress = ProgressLog(get_run_logger(), "embed", "texts", 0)
+    options = EmbedOptions.from_settings(settings, parts)
+    counts = embed_stage(store, chunks, nuggets, documents, embedder, run_id, options, progress)
     return {"embedder_fp": embedder.fingerprint, **asdict(counts)}
 
 
 def _extract_all(
-    runner: TaskRunner, store: Store, settings: BuildSettings, chunks: list, run_id: str
+    runner: Runner, store: Store, settings: BuildSettings, chunks: list, run_id: str
 ) -> tuple[ExtractCounts, str, str]:
     """Send every unanswered chunk text to the extractor, one task per batch on ``runner``.
 
@@ -254,22 +210,28 @@ def _extract_all(
     return total, fp, extractor.prompt_version
 
 
-def _kv_all(
-    runner: TaskRunner,
+def run_kv(
+    runner: Runner,
     store: Store,
     chunks: list,
     settings: BuildSettings,
     run_id: str,
     extractor_fp: str,
 ) -> dict[str, Any]:
-    """The KV stage: in the flow process (default runner), else one task per group of chunks
-    on the runner's workers (flows/scaleout.py); the same entries either way. With ``kv_keep
-    = "nuggets"`` only the token ranges of the chunks' nuggets (by ``extractor_fp``) are
-    stored."""
-    if settings.runner == "default":
-        kv = kv_task(store, quote(chunks), settings, run_id, extractor_fp)
-    else:
-        kv = kv_on_workers(runner, store, chunks, settings, run_id, extractor_fp)
+    """The KV stage on ``runner`` (:meth:`~flows.scaleout.Runner.stage`, its model work on
+    :meth:`~flows.scaleout.Runner.kv_workers`); the same entries whatever the runner. With
+    ``kv_keep = "nuggets"`` only the token ranges of the chunks' nuggets (by ``extractor_fp``)
+    are stored. Returns ``tasks.kv.KvCounts`` as a dict."""
+    kept = build_kept_ranges(store, chunks, settings.kv_keep, extractor_fp, settings.tau)
+    kv = runner.stage(
+        kv_task,
+        store=store,
+        chunks=chunks,
+        settings=settings,
+        run_id=run_id,
+        kept=kept,
+        workers=runner.kv_workers(),
+    )
     problems = kv.get("problems", {})  # stored entries (or C_p) that failed their check
     logger = get_run_logger()
     for key, problem in list(problems.items())[:20]:
@@ -277,23 +239,6 @@ def _kv_all(
     if len(problems) > 20:
         logger.warning("kv: ... and %d more entries rebuilt", len(problems) - 20)
     return kv
-
-
-def _embed_all(
-    runner: TaskRunner,
-    store: Store,
-    chunks: list,
-    documents: list,
-    settings: BuildSettings,
-    extractor_fp: str,
-    run_id: str,
-) -> dict[str, Any]:
-    """Embed + index: one task in the flow process (default runner), else the flow writes the
-    cache and index while one task per part of the texts computes vectors on the workers."""
-    if settings.runner == "default":
-        return embed_task(store, quote(chunks), quote(documents), settings, extractor_fp, run_id)
-    parts = partial(embed_on_workers, runner, settings)
-    return _embed_index(store, chunks, documents, settings, extractor_fp, run_id, parts)
 
 
 class StageClock:
@@ -312,60 +257,54 @@ class StageClock:
             self.seconds[stage] = round(self.seconds.get(stage, 0.0) + elapsed, 3)
 
 
-@flow(name="coinrag-build")
-def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Build (or update) STORE from SOURCE; return the summary counts, with ``rejected`` (the
-    rejected records), ``failures`` (one line per kind of work that failed and that the next
-    build retries, e.g. chunk texts the extractor could not answer; empty when all was built)
-    and ``warnings`` (work settled as not worth asking again: chunk texts abandoned after
-    malformed replies in ``abandon_after`` builds)."""
-    s = BuildSettings(**(settings or {})).validate()
-    from coinrag.inference.threads import set_process_threads
+@dataclass
+class BuildOutputs:
+    """What the stages of one build did (:func:`run_stages`)."""
 
-    set_process_threads(s.threads)  # this process's torch/BLAS pools (a served build's too)
-    st = Store.at(store).init()
-    run_id = new_run_id("build")
-    logger = get_run_logger()
-    params = {"source": str(Path(source).expanduser().resolve()), **s.to_dict()}
-    params["extractor"] = s.resolved_extractor()
-    with st.write_lock(run_id), task_runner(s) as runner:
-        begin(st)
-        run = start_run(st, run_id, "build", params)
-        clock = StageClock()
-        with failing_run(st, run):
-            with clock("ingest"):
-                ingested, n_new_docs = ingest_task(st, source, run_id)
-            with clock("prune"):
-                pruned = prune_task(st, quote(ingested), run_id) if s.prune else {}
-            with clock("chunk"):
-                chunks, n_new_chunks = chunk_task(st, quote(ingested.documents), s, run_id)
-                if s.kv and s.kv_space_check:  # before any LLM call or forward pass
-                    kv_space_task(st, quote(chunks), s)
-            with clock("extract"):
-                extracted, extractor_fp, prompt_version = _extract_all(
-                    runner, st, s, chunks, run_id
-                )
-            with clock("recover"):
-                recovered = recover_task(st, quote(chunks), extractor_fp, s.tau, run_id)
-            with clock("kv"):
-                kv = _kv_all(runner, st, chunks, s, run_id, extractor_fp) if s.kv else {}
-            with clock("embed_index"):
-                index = (
-                    _embed_all(runner, st, chunks, ingested.documents, s, extractor_fp, run_id)
-                    if s.index
-                    else {}
-                )
-        # kv_dtype "auto" is resolved where the KV is computed (here when no KV was); record
-        # what it became, so readers load the model in the dtype of the stored KV.
-        params["kv_dtype"] = kv.get("kv_dtype") or resolve_kv_dtype(s.kv_dtype, s.device).dtype
-        summary = {
+    ingested: IngestResult
+    documents_new: int
+    pruned: dict[str, str]
+    chunks: list[ChunkRow]
+    chunks_new: int
+    extracted: ExtractCounts
+    extractor_fp: str
+    prompt_version: str
+    recovered: RecoverCounts
+    kv: dict[str, Any]  # tasks.kv.KvCounts as a dict ({} without KV)
+    index: dict[str, Any]  # tasks.embed.EmbedCounts as a dict ({} without an index)
+
+    def failures(self, s: BuildSettings) -> list[str]:
+        """Work that failed but may succeed when asked again (the next build retries it)."""
+        lines = (self.extracted.failure_line(), self.extracted.malformed_line(s.abandon_after))
+        return [line for line in lines if line]
+
+    def warnings(self, s: BuildSettings) -> list[str]:
+        """Work settled as abandoned: the build did all it will do."""
+        return [line for line in (self.extracted.abandoned_line(s.abandon_after),) if line]
+
+    def fingerprints(self, s: BuildSettings) -> dict[str, str]:
+        """The identities of what was built (the ``runs`` row's ``fingerprints``)."""
+        return {
+            "tokenizer_fp": self.chunks[0].tokenizer_fp if self.chunks else "",
+            "chunker_fp": chunker_fingerprint(s.chunker, s.chunk_size),
+            "extractor_fp": self.extractor_fp,
+            "prompt_version": self.prompt_version,
+            "model_fp": self.kv.get("model_fp", ""),
+            "kv_fp": self.kv.get("kv_fp", ""),
+            "embedder_fp": self.index.get("embedder_fp", ""),
+        }
+
+    def summary(self, run_id: str, s: BuildSettings, kv_dtype: str) -> dict[str, Any]:
+        """The build's summary counts (without ``stage_seconds``, ``rejected``, ...)."""
+        extracted, recovered, kv, index = self.extracted, self.recovered, self.kv, self.index
+        return {
             "run_id": run_id,
-            "documents": len(ingested.documents),
-            "documents_new": n_new_docs,
-            "documents_pruned": len(pruned),
-            "rejects": len(ingested.rejects),
-            "chunks": len(chunks),
-            "chunks_new": n_new_chunks,
+            "documents": len(self.ingested.documents),
+            "documents_new": self.documents_new,
+            "documents_pruned": len(self.pruned),
+            "rejects": len(self.ingested.rejects),
+            "chunks": len(self.chunks),
+            "chunks_new": self.chunks_new,
             "extract_requested": extracted.requested,
             "extract_cached": extracted.cached,
             "extract_ok": extracted.ok,
@@ -386,21 +325,87 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             "kv_rebuilt": kv.get("rebuilt", 0),
             "kv_disk_bytes": kv.get("disk_bytes", 0),
             "kv_nothing_kept": kv.get("nothing_kept", 0),
-            "kv_dtype": params["kv_dtype"],
+            "kv_dtype": kv_dtype,
             "kv_keep": s.kv_keep,
             "embedded": index.get("embedded", 0),
             "embeddings_cached": index.get("cached", 0),
-            "stage_seconds": clock.seconds,
         }
-        fingerprints = {
-            "tokenizer_fp": chunks[0].tokenizer_fp if chunks else "",
-            "chunker_fp": chunker_fingerprint(s.chunker, s.chunk_size),
-            "extractor_fp": extractor_fp,
-            "prompt_version": prompt_version,
-            "model_fp": kv.get("model_fp", ""),
-            "kv_fp": kv.get("kv_fp", ""),
-            "embedder_fp": index.get("embedder_fp", ""),
-        }
+
+
+def run_stages(
+    runner: Runner, st: Store, source: str, s: BuildSettings, run_id: str, clock: StageClock
+) -> BuildOutputs:
+    """ingest -> prune -> chunk -> extract -> recover -> kv -> embed+index, each timed by
+    ``clock``."""
+    with clock("ingest"):
+        ingested, documents_new = ingest_task(st, source, run_id)
+    with clock("prune"):
+        pruned = prune_task(st, quote(ingested), run_id) if s.prune else {}
+    with clock("chunk"):
+        chunks, chunks_new = chunk_task(st, quote(ingested.documents), s, run_id)
+        if s.kv and s.kv_space_check:  # before any LLM call or forward pass
+            kv_space_task(st, quote(chunks), s)
+    with clock("extract"):
+        extracted, extractor_fp, prompt_version = _extract_all(runner, st, s, chunks, run_id)
+    with clock("recover"):
+        recovered = recover_task(st, quote(chunks), extractor_fp, s.tau, run_id)
+    with clock("kv"):
+        kv = run_kv(runner, st, chunks, s, run_id, extractor_fp) if s.kv else {}
+    with clock("embed_index"):
+        index = (
+            runner.stage(
+                embed_task,
+                store=st,
+                chunks=chunks,
+                documents=ingested.documents,
+                settings=s,
+                extractor_fp=extractor_fp,
+                run_id=run_id,
+                parts=runner.embed_parts(),
+            )
+            if s.index
+            else {}
+        )
+    return BuildOutputs(
+        ingested,
+        documents_new,
+        pruned,
+        chunks,
+        chunks_new,
+        extracted,
+        extractor_fp,
+        prompt_version,
+        recovered,
+        kv,
+        index,
+    )
+
+
+@flow(name="coinrag-build")
+def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build (or update) STORE from SOURCE; return the summary counts, with ``rejected`` (the
+    rejected records), ``failures`` (one line per kind of work that failed and that the next
+    build retries, e.g. chunk texts the extractor could not answer; empty when all was built)
+    and ``warnings`` (work settled as not worth asking again: chunk texts abandoned after
+    malformed replies in ``abandon_after`` builds)."""
+    s = BuildSettings(**(settings or {})).validate()
+    from coinrag.inference.threads import set_process_threads
+
+    set_process_threads(s.threads)  # this process's torch/BLAS pools (a served build's too)
+    st = Store.at(store).init()
+    run_id = new_run_id("build")
+    params = {"source": str(Path(source).expanduser().resolve()), **s.to_dict()}
+    params["extractor"] = s.resolved_extractor()
+    with st.write_lock(run_id), task_runner(s) as runner:
+        begin(st)
+        run = start_run(st, run_id, "build", params)
+        clock = StageClock()
+        with failing_run(st, run):
+            out = run_stages(runner, st, source, s, run_id, clock)
+        # kv_dtype "auto" is resolved where the KV is computed (here when no KV was); record
+        # what it became, so readers load the model in the dtype of the stored KV.
+        params["kv_dtype"] = out.kv.get("kv_dtype") or resolve_kv_dtype(s.kv_dtype, s.device).dtype
+        summary = out.summary(run_id, s, params["kv_dtype"]) | {"stage_seconds": clock.seconds}
         # The commit point: one atomic write publishes the index versions, the settings and
         # this run's rows (storage/publish.py); a build killed before it changed nothing.
         publish(
@@ -408,41 +413,38 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
             run_id,
             "build",
             s.to_dict() | {"extractor": params["extractor"], "kv_dtype": params["kv_dtype"]},
-            index=s.index or bool(pruned),
+            index=s.index or bool(out.pruned),
         )
-        # Work that failed but may succeed when asked again (the next build retries it): the
-        # run is committed, and its row says what is missing. Work settled as abandoned is
-        # a warning (the build did all it will do).
-        failures = [
-            line
-            for line in (
-                extracted.failure_line(),
-                extracted.malformed_line(s.abandon_after),
-            )
-            if line
-        ]
-        warnings = [line for line in (extracted.abandoned_line(s.abandon_after),) if line]
+        # Work that failed but may succeed when asked again: the run is committed, and its row
+        # says what is missing.
+        failures = out.failures(s)
         finish_run(
             st,
             run,
             "completed",
-            fingerprints=fingerprints,
+            fingerprints=out.fingerprints(s),
             counts=summary,
-            cost_usd=extracted.cost_usd,
+            cost_usd=out.extracted.cost_usd,
             error="; ".join(failures) or None,
             parameters=params,
         )
-        create_table_artifact(
-            table=[{"measure": k, "value": str(v)} for k, v in summary.items()],
-            key="build-summary",
-            description=f"coinrag build {run_id}",
-        )
-        logger.info("build %s done: %s", run_id, summary)
-        for line in failures:
-            logger.warning("%s; the next build retries them", line)
-        if warnings:  # the CLI prints the warning line itself
-            logger.info("extract: %d chunk text(s) abandoned", extracted.abandoned)
-        summary["rejected"] = [asdict(r) for r in ingested.rejects]
+        _report(run_id, summary, failures, out.extracted.abandoned)
+        summary["rejected"] = [asdict(r) for r in out.ingested.rejects]
         summary["failures"] = failures
-        summary["warnings"] = warnings
+        summary["warnings"] = out.warnings(s)
         return summary
+
+
+def _report(run_id: str, summary: dict[str, Any], failures: list[str], abandoned: int) -> None:
+    """The build's summary artifact and closing log lines."""
+    create_table_artifact(
+        table=[{"measure": k, "value": str(v)} for k, v in summary.items()],
+        key="build-summary",
+        description=f"coinrag build {run_id}",
+    )
+    logger = get_run_logger()
+    logger.info("build %s done: %s", run_id, summary)
+    for line in failures:
+        logger.warning("%s; the next build retries them", line)
+    if abandoned:  # the CLI prints the warning line itself
+        logger.info("extract: %d chunk text(s) abandoned", abandoned)

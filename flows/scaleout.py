@@ -3,17 +3,21 @@ embedding stages as many tasks on a distributed task runner.
 
 Runners
 -------
-The one module that knows Dask and Ray (through ``prefect-dask`` and ``prefect-ray``). The
-build submits its heavy tasks to :func:`task_runner` and publishes what they return; it never
-asks which runner it has, except that the ``default`` runner keeps the KV stage in the flow
-process (``flows/build.py``).
+The one module that knows Dask and Ray (through ``prefect-dask`` and ``prefect-ray``). A
+:class:`Runner` subclass per value of the ``runner`` setting, registered by name
+(:meth:`Runner.from_settings`). The build submits its heavy tasks to the started runner
+(:func:`task_runner`) and publishes what they return; it never asks which runner it has: what
+differs is the runner's methods (where a stage runs, :meth:`Runner.stage`; where its model
+work runs, :meth:`Runner.kv_workers` and :meth:`Runner.embed_parts`).
 
-- ``default``: Prefect's thread pool in the flow process, one task at a time (what a build did
-  before scale-out).
-- ``dask``: ``runner_address`` is a scheduler (``tcp://host:8786``); empty starts a
-  ``distributed.LocalCluster`` of ``workers`` processes with one thread each.
-- ``ray``: ``runner_address`` is a Ray address (``ray://host:10001``, or ``auto`` for the
-  cluster this machine belongs to); empty starts a local Ray with ``workers`` CPUs.
+- ``default`` (:class:`LocalRunner`): Prefect's thread pool in the flow process, one task at
+  a time (what a build did before scale-out); the KV and embedding stages are one task each,
+  their model work in this process.
+- ``dask`` (:class:`DaskRunner`): ``runner_address`` is a scheduler (``tcp://host:8786``);
+  empty starts a ``distributed.LocalCluster`` of ``workers`` processes with one thread each.
+- ``ray`` (:class:`RayRunner`): ``runner_address`` is a Ray address (``ray://host:10001``, or
+  ``auto`` for the cluster this machine belongs to); empty starts a local Ray with ``workers``
+  CPUs.
 
 ``kv_resources`` (e.g. ``"GPU=1"``) is what each KV task asks for: Dask worker resources
 (``dask-worker --resources GPU=1``), Ray ``num_gpus``/``num_cpus``/custom resources; only
@@ -25,12 +29,13 @@ Stages on workers
 -----------------
 Workers compute; the flow process, which holds the store's write lock, publishes:
 
-- KV: a ``kv-prepare`` task loads the model on a worker and returns the layout (and ``C_p`` if
-  the store lacks it: the flow writes it); the flow plans the chunks to compute and cuts them
+- KV: the one driver, ``tasks.kv.run_kv_stage``, runs in the flow over :class:`TaskKv`: a
+  ``kv-prepare`` task loads the model on a worker and returns the layout (and ``C_p`` if the
+  store lacks it: the driver writes it); the driver plans the chunks to compute and cuts them
   into groups of whole shards (``tasks.kv.kv_groups``); each ``kv-group`` task computes one
   group on a worker and writes its shards under ``.tmp-`` names (verified, never valid on their
-  own); the flow renames them into place and appends their manifest rows, in group order. The
-  batches, shard numbers and bytes are those of the default runner's ``kv_stage``.
+  own); the driver renames them into place and appends their manifest rows, in group order.
+  The batches, shard numbers and bytes are those of the default runner (``tasks.kv.LocalKv``).
 - Embedding: ``tasks.embed.embed_stage`` runs in the flow and hands the texts to embed, in parts
   of ``embed_batch_size``, to ``embed-part`` tasks; it appends each part's vectors to the cache
   and upserts the index itself.
@@ -41,84 +46,213 @@ see the store folder at the same path (a shared file system).
 
 from __future__ import annotations
 
-import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import lru_cache, partial
+from typing import Any, ClassVar
 
 import numpy as np
-import torch
-from prefect import get_run_logger, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
 
-from coinrag.inference.rope import ForwardFrequencies
-from coinrag.schemas.settings import BuildSettings, parse_resources
+from coinrag.schemas.settings import RUNNERS, BuildSettings, SettingsError, parse_resources
 from coinrag.schemas.tables import ChunkRow
-from coinrag.storage.kv import KeptRanges, KvLayout, KvStore, StagedShard
+from coinrag.storage.kv import KeptRanges, KvLayout, KvStore
 from coinrag.storage.store import Store
+from coinrag.tasks.embed import EmbedParts
+from coinrag.tasks.kv import (
+    GroupKv,
+    KvJob,
+    KvOptions,
+    KvPrep,
+    KvWorkers,
+    LocalKv,
+    StagedGroup,
+    prepare_kv,
+    stage_group_kv,
+)
 
 # ---------------------------------------------------------------------------- runners
 
 
-def make_task_runner(settings: BuildSettings) -> TaskRunner:
-    """The (not yet started) Prefect task runner of ``settings.runner``."""
-    resources = parse_resources(settings.kv_resources)
-    if settings.runner == "dask":
+class Runner(ABC):
+    """Where a build's tasks run, for one build's ``settings`` (one subclass per value of the
+    ``runner`` setting, registered by its ``name``: :meth:`from_settings`). Use it started
+    (:meth:`started`: a local cluster lives as long as the block)."""
+
+    _registry: ClassVar[dict[str, type[Runner]]] = {}
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            Runner._registry[name] = cls
+
+    @classmethod
+    def from_settings(cls, settings: BuildSettings) -> Runner:
+        """The runner ``settings.runner`` names (SettingsError listing the names if none)."""
+        kind = Runner._registry.get(settings.runner)
+        if kind is None:
+            known = ", ".join(Runner._registry)
+            raise SettingsError(
+                f"runner {settings.runner!r} is not one of {known}: set --runner to one of them"
+            )
+        return kind(settings)
+
+    def __init__(self, settings: BuildSettings) -> None:
+        self.settings = settings
+        self.resources = parse_resources(settings.kv_resources)
+        self._tasks: TaskRunner | None = None
+
+    @abstractmethod
+    def task_runner(self) -> TaskRunner:
+        """The (not yet started) Prefect task runner."""
+
+    def placement(self) -> AbstractContextManager[Any]:
+        """A context in which submitted tasks ask for ``kv_resources`` (a no-op without them,
+        or on the default runner)."""
+        return nullcontext()
+
+    @contextmanager
+    def started(self) -> Iterator[Runner]:
+        with self.task_runner() as tasks:
+            self._tasks = tasks
+            try:
+                yield self
+            finally:
+                self._tasks = None
+
+    def submit(self, task: Task[..., Any], parameters: dict[str, Any]) -> PrefectFuture[Any]:
+        """``task`` with ``parameters``, submitted to the started task runner."""
+        if self._tasks is None:
+            raise RuntimeError(f"the {self.name} runner is not started: use it in `started()`")
+        return self._tasks.submit(task, parameters)
+
+    def worker_threads(self) -> int:
+        """The ``threads`` of each worker process (``inference.threads.worker_threads``): a
+        local cluster's ``workers`` share this machine's CPUs; a remote cluster's resolve their
+        own."""
+        from coinrag.inference.threads import worker_threads
+
+        s = self.settings
+        return worker_threads(s.threads, None if s.runner_address else s.workers)
+
+    @abstractmethod
+    def stage(self, stage: Task[..., Any], **parameters: Any) -> Any:
+        """Run a stage the flow drives (``flows/build.py``'s ``kv`` and ``embed-index``)."""
+
+    @abstractmethod
+    def kv_workers(self) -> KvWorkers:
+        """Where the KV stage's model work runs (``tasks.kv.run_kv_stage``'s workers)."""
+
+    @abstractmethod
+    def embed_parts(self) -> EmbedParts | None:
+        """Where vectors are computed (``tasks.embed.embed_texts``; None: in the stage)."""
+
+
+class LocalRunner(Runner, name="default"):
+    """The flow process: Prefect's thread pool, one task at a time; each stage is one task,
+    its model work in this process."""
+
+    def task_runner(self) -> TaskRunner:
+        return ThreadPoolTaskRunner(max_workers=1)
+
+    def stage(self, stage: Task[..., Any], **parameters: Any) -> Any:
+        return stage(**{k: quote(v) for k, v in parameters.items()})  # passed as they are
+
+    def kv_workers(self) -> KvWorkers:
+        from coinrag.inference.prompt import RagPrompt
+
+        loaded = _kv_model(self.settings)
+        return LocalKv(loaded, RagPrompt.for_tokenizer(loaded.tokenizer))
+
+    def embed_parts(self) -> EmbedParts | None:
+        return None
+
+
+class ClusterRunner(Runner):
+    """A Dask or Ray cluster: a stage runs in the flow, which submits its model work to the
+    workers (:class:`TaskKv`, :func:`embed_on_workers`) and writes what they return."""
+
+    def stage(self, stage: Task[..., Any], **parameters: Any) -> Any:
+        return stage.fn(**parameters)
+
+    def kv_workers(self) -> KvWorkers:
+        return TaskKv(self)
+
+    def embed_parts(self) -> EmbedParts | None:
+        return partial(embed_on_workers, self)
+
+
+class DaskRunner(ClusterRunner, name="dask"):
+    """``runner_address`` a scheduler, else a ``distributed.LocalCluster`` of ``workers``
+    processes with one thread each (each offering ``kv_resources``)."""
+
+    def task_runner(self) -> TaskRunner:
         from prefect_dask import DaskTaskRunner
 
-        if settings.runner_address:
-            return DaskTaskRunner(address=settings.runner_address)
+        s = self.settings
+        if s.runner_address:
+            return DaskTaskRunner(address=s.runner_address)
         return DaskTaskRunner(
             cluster_kwargs={
-                "n_workers": settings.workers,
+                "n_workers": s.workers,
                 "threads_per_worker": 1,
                 "processes": True,
                 "dashboard_address": None,
-                "resources": resources or None,
+                "resources": self.resources or None,
             }
         )
-    if settings.runner == "ray":
+
+    def placement(self) -> AbstractContextManager[Any]:
+        if not self.resources:
+            return nullcontext()
+        import dask
+
+        return dask.annotate(resources=self.resources)
+
+
+class RayRunner(ClusterRunner, name="ray"):
+    """``runner_address`` a Ray address, else a local Ray with ``workers`` CPUs (its own GPUs,
+    ``workers`` times the custom resources of ``kv_resources``)."""
+
+    def task_runner(self) -> TaskRunner:
         from prefect_ray import RayTaskRunner
 
-        if settings.runner_address:
-            return RayTaskRunner(address=settings.runner_address)
-        ray_kwargs = _ray_options(resources)
+        s = self.settings
+        if s.runner_address:
+            return RayTaskRunner(address=s.runner_address)
+        ray_kwargs = _ray_options(self.resources)
         init: dict[str, Any] = {
-            "num_cpus": settings.workers,
+            "num_cpus": s.workers,
             "include_dashboard": False,
             "log_to_driver": False,
         }
         if "resources" in ray_kwargs:  # GPUs: Ray finds this machine's own
-            init["resources"] = {
-                k: v * settings.workers for k, v in ray_kwargs["resources"].items()
-            }
+            init["resources"] = {k: v * s.workers for k, v in ray_kwargs["resources"].items()}
         return RayTaskRunner(init_kwargs=init)
-    return ThreadPoolTaskRunner(max_workers=1)
+
+    def placement(self) -> AbstractContextManager[Any]:
+        if not self.resources:
+            return nullcontext()
+        from prefect_ray.context import remote_options
+
+        return remote_options(**_ray_options(self.resources))
+
+
+assert set(RUNNERS) == set(Runner._registry), "schemas.settings.RUNNERS names every runner"
 
 
 @contextmanager
-def task_runner(settings: BuildSettings) -> Iterator[TaskRunner]:
-    """A started task runner for one build (a local cluster lives as long as the block)."""
-    with make_task_runner(settings) as runner:
+def task_runner(settings: BuildSettings) -> Iterator[Runner]:
+    """The started runner of ``settings`` for one build."""
+    with Runner.from_settings(settings).started() as runner:
         yield runner
-
-
-def kv_placement(settings: BuildSettings) -> Any:
-    """A context in which submitted tasks ask for ``settings.kv_resources`` (a no-op without
-    them, or on the default runner)."""
-    resources = parse_resources(settings.kv_resources)
-    if not resources or settings.runner == "default":
-        return nullcontext()
-    if settings.runner == "dask":
-        import dask
-
-        return dask.annotate(resources=resources)
-    from prefect_ray.context import remote_options
-
-    return remote_options(**_ray_options(resources))
 
 
 def _ray_options(resources: dict[str, float]) -> dict[str, Any]:
@@ -138,12 +272,21 @@ def _ray_options(resources: dict[str, float]) -> dict[str, Any]:
 
 
 def _worker_threads(settings: BuildSettings) -> int:
-    """The ``threads`` of each worker process (``inference.threads.worker_threads``): a local
-    cluster's ``workers`` share this machine's CPUs; a remote cluster's resolve their own."""
-    from coinrag.inference.threads import worker_threads
+    """:meth:`Runner.worker_threads` of ``settings``' runner."""
+    return Runner.from_settings(settings).worker_threads()
 
-    local = None if settings.runner_address else settings.workers
-    return worker_threads(settings.threads, local)
+
+def _kv_model(settings: BuildSettings, dtype: str | None = None) -> Any:
+    """The KV model of ``settings`` in this process (memoised): ``dtype`` as given (a worker
+    computing for a layout), else ``kv_dtype`` resolved here (logged)."""
+    from coinrag.inference.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.models import load_shared_model
+
+    if dtype is None:
+        kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
+        get_run_logger().info("kv: %s (%s)", kv_dtype.dtype, kv_dtype.reason)
+        dtype = kv_dtype.dtype
+    return load_shared_model(settings.model, settings.device, dtype)
 
 
 def _apply_worker_threads(settings: BuildSettings) -> int:
@@ -153,43 +296,16 @@ def _apply_worker_threads(settings: BuildSettings) -> int:
     return set_process_threads(_worker_threads(settings))
 
 
-@dataclass(frozen=True)
-class KvPrep:
-    """What the flow needs from the model to plan the KV stage (computed on a worker)."""
-
-    layout: KvLayout
-    tokenizer_fp: str
-    prefix_ids: tuple[int, ...]
-    prefix_kv: torch.Tensor | None  # C_p, when the store does not hold it yet
-    frequencies: ForwardFrequencies  # how the workers batch (inference.encode.KvBatching)
-
-
 @task(name="kv-prepare", cache_policy=NO_CACHE)
-def kv_prepare_task(store: Store, settings: BuildSettings) -> KvPrep:
+def kv_prepare_task(store: Store, settings: BuildSettings, options: KvOptions, keep: str) -> KvPrep:
     """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
     KV decides), and the layout carries the result to the other workers."""
-    from coinrag.inference.encode import compute_prefix_kv, kv_layout
-    from coinrag.inference.kv_dtype import resolve_kv_dtype
-    from coinrag.inference.models import load_shared_model
     from coinrag.inference.prompt import RagPrompt
 
     threads = _apply_worker_threads(settings)
-    kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
-    get_run_logger().info(
-        "kv: %s (%s), %d thread(s) per worker", kv_dtype.dtype, kv_dtype.reason, threads
-    )
-    loaded = load_shared_model(settings.model, settings.device, kv_dtype.dtype)
-    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-    layout = kv_layout(loaded, prompt, kv_codec=settings.kv_codec, keep=settings.kv_keep)
-    kv = KvStore(store, layout)  # reads only: the flow creates the store
-    usable = kv.has_prefix() and kv.corrupt_prefix() is None
-    return KvPrep(
-        layout=layout,
-        tokenizer_fp=loaded.tokenizer_fp,
-        prefix_ids=tuple(prompt.prefix_ids),
-        prefix_kv=None if usable else compute_prefix_kv(loaded.model, prompt.prefix_ids),
-        frequencies=ForwardFrequencies.from_config(loaded.model.config),
-    )
+    get_run_logger().info("kv: %d thread(s) per worker", threads)
+    loaded = _kv_model(settings)
+    return prepare_kv(store, loaded, RagPrompt.for_tokenizer(loaded.tokenizer), options, keep)
 
 
 @task(name="kv-group", cache_policy=NO_CACHE)
@@ -199,92 +315,50 @@ def kv_group_task(
     layout: KvLayout,
     group: list[ChunkRow],
     run_id: str,
+    batch_size: int,
     kept: dict[str, KeptRanges] | None = None,
-) -> tuple[list[StagedShard], dict[str, float]]:
-    from coinrag.inference.models import load_shared_model
-    from coinrag.tasks.kv import stage_group_kv
-
+) -> StagedGroup:
+    """Runs on a KV worker: one group computed and staged (``tasks.kv.stage_group_kv``)."""
     _apply_worker_threads(settings)
-    loaded = load_shared_model(settings.model, settings.device, layout.dtype)
+    loaded = _kv_model(settings, layout.dtype)
     kv = KvStore.open(store, layout.kv_fp, layout)
-    prefix_kv, _ = kv.read_prefix()
-    return stage_group_kv(kv, loaded, prefix_kv, group, run_id, settings.kv_batch_size, kept)
+    return stage_group_kv(kv, loaded, group, run_id, batch_size, kept)
 
 
-def kv_on_workers(
-    runner: TaskRunner,
-    store: Store,
-    chunks: list[ChunkRow],
-    settings: BuildSettings,
-    run_id: str,
-    extractor_fp: str,
-) -> dict[str, Any]:
-    """The KV stage on ``runner``'s workers; the same counts as ``tasks.kv.kv_stage`` (and,
-    with ``kv_keep = "nuggets"``, the same kept ranges of the chunks' nuggets)."""
-    from coinrag.inference.encode import KvBatching
-    from coinrag.tasks.kv import (
-        KvCounts,
-        build_kept_ranges,
-        count_batches,
-        kv_groups,
-        plan_kv,
-        repair_prefix_kv,
-        stored_prefix_kv,
-    )
+class TaskKv(KvWorkers):
+    """The KV stage's model work on a cluster runner's workers: one ``kv-prepare`` task, then
+    one ``kv-group`` task per group, all submitted at once (asking for ``kv_resources``)."""
 
-    logger = get_run_logger()
-    started = time.perf_counter()
-    with kv_placement(settings):
-        prep = runner.submit(kv_prepare_task, {"store": store, "settings": settings}).result()
-    kv = KvStore.create(store, prep.layout)
-    if prep.prefix_kv is not None and not kv.has_prefix():
-        kv.write_prefix(prep.prefix_kv, prep.prefix_ids)
-    counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
-    rebuild: set[str] = set()
-    fresh_prefix = prep.prefix_kv
-    if fresh_prefix is not None and repair_prefix_kv(
-        kv, counts, lambda: fresh_prefix, prep.prefix_ids
-    ):
-        rebuild = set(kv.manifest(refresh=True))
-    kept = build_kept_ranges(store, chunks, settings.kv_keep, extractor_fp, settings.tau)
-    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, settings.kv_verify, rebuild, kept)
-    stored_prefix_kv(kv, prep.prefix_ids)  # the stored C_p is this prompt's
-    groups = kv_groups(todo, settings.kv_batch_size, prep.layout.slots_per_shard)
-    batching = KvBatching(settings.kv_batch_size, len(prep.prefix_ids), prep.frequencies)
-    with kv_placement(settings):
-        futures = [
-            runner.submit(
-                kv_group_task,
-                {
-                    "store": store,
-                    "settings": settings,
-                    "layout": prep.layout,
-                    "group": group,
-                    "run_id": run_id,
-                    "kept": None if kept is None else {c.chunk_id: kept[c.chunk_id] for c in group},
-                },
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def prepare(self, store: Store, options: KvOptions, keep: str) -> KvPrep:
+        params = {"store": store, "settings": self.runner.settings}
+        with self.runner.placement():
+            future = self.runner.submit(
+                kv_prepare_task, params | {"options": options, "keep": keep}
             )
-            for group in groups
-        ]
-    secs = counts.seconds
-    secs.update(forward=0.0, extract=0.0)
-    for group, future in zip(groups, futures, strict=True):
-        staged, worker_secs = future.result()
-        for shard in staged:
-            counts.computed += len(kv.publish_shard(shard, run_id))
-        count_batches(counts, group, batching)
-        for name, value in worker_secs.items():
-            secs[name] = secs.get(name, 0.0) + value
-        logger.info("kv: %d/%d chunks stored", counts.computed, len(todo))
-    ws = kv.write_stats
-    counts.shards, counts.disk_bytes, counts.logical_bytes = (
-        ws.shards,
-        ws.disk_bytes,
-        ws.logical_bytes,
-    )
-    secs.update(write=ws.encode_write_s, verify=ws.verify_s, manifest=ws.manifest_s)
-    secs["total"] = time.perf_counter() - started
-    return {"model_fp": prep.layout.model_fp, "kv_dtype": prep.layout.dtype, **counts.as_dict()}
+        return future.result()
+
+    def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
+        kv = job.kv
+        params = {
+            "store": kv.store,
+            "settings": self.runner.settings,
+            "layout": kv.layout,
+            "run_id": job.run_id,
+            "batch_size": job.options.batch_size,
+        }
+        with self.runner.placement():
+            futures = [
+                self.runner.submit(
+                    kv_group_task,
+                    params | {"group": group, "kept": job.kept_of(group)},
+                )
+                for group in groups
+            ]
+        for future in futures:
+            yield future.result()
 
 
 @lru_cache(maxsize=1)
@@ -297,25 +371,17 @@ def _worker_embedder(ref: str) -> Any:
 @task(name="embed-part", cache_policy=NO_CACHE)
 def embed_part_task(embedder_ref: str, texts: list[str], threads: int = 0) -> np.ndarray:
     """``(len(texts), dim)`` float32 vectors of one part of the texts to embed, computed with
-    ``threads`` threads (:func:`worker_threads`' answer; 0: auto on the worker)."""
+    ``threads`` threads (:meth:`Runner.worker_threads`' answer; 0: auto on the worker)."""
     from coinrag.inference.threads import set_process_threads
 
     set_process_threads(threads)
     return _worker_embedder(embedder_ref).embed_documents(texts)
 
 
-def embed_on_workers(
-    runner: TaskRunner, settings: BuildSettings, parts: list[list[str]]
-) -> Iterator[np.ndarray]:
+def embed_on_workers(runner: Runner, parts: list[list[str]]) -> Iterator[np.ndarray]:
     """``tasks.embed.EmbedParts`` on ``runner``: every part submitted at once, vectors yielded
     in order as they come back."""
-    threads = _worker_threads(settings)
-    futures = [
-        runner.submit(
-            embed_part_task,
-            {"embedder_ref": settings.embedder, "texts": part, "threads": threads},
-        )
-        for part in parts
-    ]
+    params = {"embedder_ref": runner.settings.embedder, "threads": runner.worker_threads()}
+    futures = [runner.submit(embed_part_task, params | {"texts": part}) for part in parts]
     for future in futures:
         yield future.result()

@@ -86,10 +86,32 @@ def pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def kv_layout(loaded: Any, prompt: RagPrompt, **kwargs: Any) -> KvLayout:
-    """The KV layout of a loaded model (``inference.models.LoadedModel``) and prompt
-    (``kwargs``: ``kv_codec``, ``block_tokens``, ``slots_per_shard``)."""
-    return KvLayout.for_model(loaded.model, loaded.model_fp, prompt.prefix_sha, **kwargs)
+@dataclass(frozen=True)
+class KvModel:
+    """What a KV layout needs of a model: its config (dims), fingerprint and dtype; no weights
+    (``tasks/kv_space.py`` projects a build's KV from these alone)."""
+
+    config: Any  # a transformers config
+    model_fp: str
+    dtype: str  # "float32", "bfloat16", ...
+
+    @classmethod
+    def of(cls, loaded: Any) -> KvModel:
+        """The model of ``loaded`` (``inference.models.LoadedModel``; dtype from its weights)."""
+        if isinstance(loaded, KvModel):
+            return loaded
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        return cls(loaded.model.config, loaded.model_fp, dtype)
+
+
+def kv_layout(model: Any, prompt: RagPrompt, **options: Any) -> KvLayout:
+    """The KV layout of a model and prompt: the one function every writer and reader of a
+    build's KV gets it from (the KV stage, its workers, the disk-space check, the query
+    engine, training). ``model``: a loaded model (``inference.models.LoadedModel``) or a
+    :class:`KvModel`; ``options``: ``kv_codec``, ``keep``, ``block_tokens``,
+    ``slots_per_shard`` (``tasks.kv.KvOptions.layout_options``)."""
+    m = KvModel.of(model)
+    return KvLayout.for_config(m.config, m.model_fp, prompt.prefix_sha, m.dtype, **options)
 
 
 # ---------------------------------------------------------------------------- cache <-> tensor

@@ -45,12 +45,12 @@ import pyarrow.compute as pc
 
 from coinrag.inference.embedders import Embedder
 from coinrag.schemas.keys import CODE_VERSION, text_hash
+from coinrag.schemas.settings import BuildSettings
 from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow
 from coinrag.storage.index import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_table
 
-CACHE_FLUSH_ROWS = 4096  # embedded vectors per Parquet file: a killed run loses at most these
 DOC_CHARS_PER_TOKEN = 8  # document text is cut at max_length * this many characters
 
 StageProgress = Callable[[int, int], None]  # (texts embedded so far, texts to embed)
@@ -147,43 +147,69 @@ def cached_vectors(
     return out
 
 
+@dataclass(frozen=True)
+class EmbedOptions:
+    """How the stage embeds: texts per part (``part_size``: one embeddings-cache file each, the
+    build's ``embed_batch_size``), where each part's vectors are computed (``parts``: e.g. one
+    task per part on a runner's workers, ``flows/scaleout.py``; None: by the stage's embedder,
+    here, one part after another), and ``vector_index_min_rows`` (rows from which LanceDB
+    builds vector indexes: ``storage.index.LanceIndex.ensure_indexes``; None: its default)."""
+
+    part_size: int = BuildSettings.embed_batch_size
+    parts: EmbedParts | None = None
+    vector_index_min_rows: int | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: BuildSettings, parts: EmbedParts | None = None
+    ) -> EmbedOptions:
+        return cls(part_size=settings.embed_batch_size, parts=parts)
+
+
+def embed_here(embedder: Embedder, total: int, progress: StageProgress | None) -> EmbedParts:
+    """:data:`EmbedParts` by ``embedder`` in this process, one part after another, reporting
+    ``progress(done, total)`` within each part."""
+
+    def parts(batches: list[list[str]]) -> Iterator[np.ndarray]:
+        done = 0
+        for batch in batches:
+
+            def report(n: int, _total: int, base: int = done) -> None:
+                if progress is not None:
+                    progress(base + n, total)
+
+            yield embedder.embed_documents(batch, progress=report)
+            done += len(batch)
+
+    return parts
+
+
 def embed_texts(
     store: Store,
     embedder: Embedder,
     texts: dict[str, str],
     run_id: str,
     counts: EmbedCounts,
+    options: EmbedOptions | None = None,
     progress: StageProgress | None = None,
-    part_size: int = CACHE_FLUSH_ROWS,
-    embed_parts: EmbedParts | None = None,
 ) -> dict[str, np.ndarray]:
     """Vectors for ``{text_hash: text}``: from the cache, else embedded now and cached.
 
-    The texts to embed are cut into parts of ``part_size`` (in ``texts`` order); each part's
-    vectors are appended to the cache as one file as soon as they arrive. ``embed_parts`` maps
-    the list of parts to their ``(len(part), dim)`` float32 matrices, in order (e.g. one task
-    per part on a distributed runner); by default ``embedder`` embeds them here, one by one.
+    The texts to embed are cut into parts of ``options.part_size`` (in ``texts`` order); each
+    part's vectors are appended to the cache as one file as soon as they arrive (computed by
+    ``options.parts``, in order, else by :func:`embed_here`).
     """
+    options = options or EmbedOptions()
     hashes = list(texts)
     vectors = cached_vectors(store, embedder.fingerprint, hashes, embedder.dim)
     missing = [h for h in hashes if h not in vectors]
     counts.texts += len(hashes)
     counts.cached += len(hashes) - len(missing)
     started = time.perf_counter()
-    parts = [missing[i : i + part_size] for i in range(0, len(missing), part_size)]
-
-    def embed_here(batches: list[list[str]]) -> Iterator[np.ndarray]:
-        done = 0
-        for batch in batches:
-
-            def report(n: int, _total: int, base: int = done) -> None:
-                if progress is not None:
-                    progress(base + n, len(missing))
-
-            yield embedder.embed_documents(batch, progress=report)
-            done += len(batch)
-
-    matrices = (embed_parts or embed_here)([[texts[h] for h in part] for part in parts])
+    size = options.part_size
+    parts = [missing[i : i + size] for i in range(0, len(missing), size)]
+    embed_parts = options.parts or embed_here(embedder, len(missing), progress)
+    matrices = embed_parts([[texts[h] for h in part] for part in parts])
     for part, mat in zip(parts, matrices, strict=True):
         rows = [
             EmbeddingRow(
@@ -205,6 +231,116 @@ def embed_texts(
     return vectors
 
 
+@dataclass
+class IndexPlan:
+    """What the index lacks of the given rows (new, or a new version of a document); the stale
+    rows of the given documents are deleted while planning (:func:`plan_index`)."""
+
+    chunks: list[ChunkRow]
+    nuggets: list[NuggetRow]
+    documents: list[Any]
+
+    def texts(self, max_length: int) -> dict[str, list[str]]:
+        """table -> the strings embedded for its new rows, in row order."""
+        return {
+            "chunks": [c.text for c in self.chunks],
+            "nuggets": [nugget_text(n) for n in self.nuggets],
+            "documents": [document_text(d, max_length) for d in self.documents],
+        }
+
+
+def plan_index(
+    index: LanceIndex,
+    chunks: Sequence[ChunkRow],
+    nuggets: Sequence[NuggetRow],
+    documents: Sequence[Any],
+    counts: EmbedCounts,
+) -> IndexPlan:
+    """Delete the rows of the given documents that are not in the inputs (an old version's
+    chunks, nuggets no longer recovered), count the unchanged ones; return the new ones. The
+    inputs are deduplicated by row identity (first wins)."""
+    chunks = list({c.chunk_id: c for c in chunks}.values())
+    nuggets = list({n.nugget_id: n for n in nuggets}.values())
+    documents = list({d.doc_id: d for d in documents}.values())
+    scope = {d.doc_id for d in documents} | {c.doc_id for c in chunks} | {n.doc_id for n in nuggets}
+    have_chunks = index.columns("chunks", ["chunk_id", "doc_id"]).to_pydict()
+    have_nuggets = index.columns("nuggets", ["nugget_id", "doc_id"]).to_pydict()
+    have_docs = index.columns("documents", ["doc_id", "doc_version"]).to_pydict()
+    counts.chunks_deleted = _delete_stale(index, "chunks", "chunk_id", have_chunks, chunks, scope)
+    counts.nuggets_deleted = _delete_stale(
+        index, "nuggets", "nugget_id", have_nuggets, nuggets, scope
+    )
+    existing_chunks = set(have_chunks["chunk_id"])
+    existing_nuggets = set(have_nuggets["nugget_id"])
+    existing_docs = dict(zip(have_docs["doc_id"], have_docs["doc_version"], strict=True))
+    plan = IndexPlan(
+        chunks=[c for c in chunks if c.chunk_id not in existing_chunks],
+        nuggets=[n for n in nuggets if n.nugget_id not in existing_nuggets],
+        documents=[d for d in documents if existing_docs.get(d.doc_id) != _doc_version(d)],
+    )
+    counts.chunks_unchanged = len(chunks) - len(plan.chunks)
+    counts.nuggets_unchanged = len(nuggets) - len(plan.nuggets)
+    counts.documents_unchanged = len(documents) - len(plan.documents)
+    return plan
+
+
+def _delete_stale(
+    index: LanceIndex,
+    table: str,
+    key: str,
+    have: dict[str, list[Any]],
+    rows: Sequence[Any],
+    scope: set[str],
+) -> int:
+    """Delete the rows of ``table`` (``have``: its ``key`` and ``doc_id`` columns) whose
+    document is in ``scope`` but which are not among ``rows``; return how many."""
+    keep = {getattr(r, key) for r in rows}
+    stale = [
+        k
+        for k, did in zip(have[key], have["doc_id"], strict=True)
+        if did in scope and k not in keep
+    ]
+    return index.delete_where(table, key, stale)
+
+
+def write_index(
+    index: LanceIndex,
+    embedder: Embedder,
+    plan: IndexPlan,
+    vectors: dict[str, np.ndarray],
+    hashes: dict[str, list[str]],
+    run_id: str,
+    counts: EmbedCounts,
+) -> None:
+    """Upsert the planned rows with ``embedder``'s vectors (``hashes``: table -> each new row's
+    text hash, keys of ``vectors``); counts the rows written."""
+    fp, dim = embedder.fingerprint, embedder.dim
+
+    def matrix(table: str) -> np.ndarray:
+        if not hashes[table]:
+            return np.zeros((0, dim), dtype=np.float32)
+        return np.stack([vectors[h] for h in hashes[table]]).astype(np.float32, copy=False)
+
+    docs = plan.documents
+    computed: dict[str, dict[str, list[Any]]] = {
+        "chunks": {},
+        "nuggets": {},
+        "documents": {
+            "doc_version": [_doc_version(d) for d in docs],
+            "title": [document_title(d) for d in docs],
+        },
+    }
+    written = {}
+    for table, rows in (("chunks", plan.chunks), ("nuggets", plan.nuggets), ("documents", docs)):
+        written[table] = 0
+        if rows:
+            columns = index_columns(table, rows, fp, run_id, **computed[table])
+            written[table] = index.upsert(table, index.build_table(table, columns, matrix(table)))
+    counts.chunks_written = written["chunks"]
+    counts.nuggets_written = written["nuggets"]
+    counts.documents_written = written["documents"]
+
+
 def embed_stage(
     store: Store,
     chunks: Sequence[ChunkRow],
@@ -212,103 +348,34 @@ def embed_stage(
     documents: Sequence[Any],
     embedder: Embedder,
     run_id: str,
+    options: EmbedOptions | None = None,
     progress: StageProgress | None = None,
-    vector_index_min_rows: int | None = None,
-    part_size: int = CACHE_FLUSH_ROWS,
-    embed_parts: EmbedParts | None = None,
 ) -> EmbedCounts:
     """Bring the index up to date for these documents, chunks and nuggets; return counts.
 
-    ``documents`` are ``tasks.ingest.SourceDocument`` (or ``DocumentRow``) objects.
-    ``part_size`` and ``embed_parts``: see :func:`embed_texts`.
+    ``documents`` are ``tasks.ingest.SourceDocument`` (or ``DocumentRow``) objects; the
+    vectors are computed as ``options`` says (:class:`EmbedOptions`: in this process, or by a
+    runner's workers), ``progress(done, total)`` counting the texts embedded.
     """
     counts = EmbedCounts()
     index, counts.index_reset = LanceIndex.open_for_write(
         store, embedder.fingerprint, embedder.dim, getattr(embedder, "name", "")
     )
     t0 = time.perf_counter()
-    chunks = list({c.chunk_id: c for c in chunks}.values())
-    nuggets = list({n.nugget_id: n for n in nuggets}.values())
-    documents = list({d.doc_id: d for d in documents}.values())
-    scope = {d.doc_id for d in documents} | {c.doc_id for c in chunks} | {n.doc_id for n in nuggets}
-
-    # What the index already holds, and what of it is stale.
-    have_chunks = index.columns("chunks", ["chunk_id", "doc_id"]).to_pydict()
-    have_nuggets = index.columns("nuggets", ["nugget_id", "doc_id"]).to_pydict()
-    have_docs = index.columns("documents", ["doc_id", "doc_version"]).to_pydict()
-    chunk_ids = {c.chunk_id for c in chunks}
-    nugget_ids = {n.nugget_id for n in nuggets}
-    stale_chunks = [
-        cid
-        for cid, did in zip(have_chunks["chunk_id"], have_chunks["doc_id"], strict=True)
-        if did in scope and cid not in chunk_ids
-    ]
-    stale_nuggets = [
-        nid
-        for nid, did in zip(have_nuggets["nugget_id"], have_nuggets["doc_id"], strict=True)
-        if did in scope and nid not in nugget_ids
-    ]
-    counts.chunks_deleted = index.delete_where("chunks", "chunk_id", stale_chunks)
-    counts.nuggets_deleted = index.delete_where("nuggets", "nugget_id", stale_nuggets)
-
-    existing_chunks = set(have_chunks["chunk_id"])
-    existing_nuggets = set(have_nuggets["nugget_id"])
-    existing_docs = dict(zip(have_docs["doc_id"], have_docs["doc_version"], strict=True))
-    new_chunks = [c for c in chunks if c.chunk_id not in existing_chunks]
-    new_nuggets = [n for n in nuggets if n.nugget_id not in existing_nuggets]
-    new_docs = [d for d in documents if existing_docs.get(d.doc_id) != _doc_version(d)]
-    counts.chunks_unchanged = len(chunks) - len(new_chunks)
-    counts.nuggets_unchanged = len(nuggets) - len(new_nuggets)
-    counts.documents_unchanged = len(documents) - len(new_docs)
+    plan = plan_index(index, chunks, nuggets, documents, counts)
     counts.index_seconds += time.perf_counter() - t0
 
     # Vectors: the cache first, then the embedder for what it lacks.
-    chunk_texts = [c.text for c in new_chunks]
-    nugget_texts = [nugget_text(n) for n in new_nuggets]
-    doc_texts = [document_text(d, embedder.max_length) for d in new_docs]
     wanted: dict[str, str] = {}
-    keys: dict[str, list[str]] = {}
-    for kind, texts in (("chunks", chunk_texts), ("nuggets", nugget_texts), ("docs", doc_texts)):
-        keys[kind] = [text_hash(t) for t in texts]
-        for h, t in zip(keys[kind], texts, strict=True):
+    hashes: dict[str, list[str]] = {}
+    for table, texts in plan.texts(embedder.max_length).items():
+        hashes[table] = [text_hash(t) for t in texts]
+        for h, t in zip(hashes[table], texts, strict=True):
             wanted.setdefault(h, t)
-    vectors = embed_texts(store, embedder, wanted, run_id, counts, progress, part_size, embed_parts)
-
-    def matrix(hashes: list[str]) -> np.ndarray:
-        if not hashes:
-            return np.zeros((0, embedder.dim), dtype=np.float32)
-        return np.stack([vectors[h] for h in hashes]).astype(np.float32, copy=False)
+    vectors = embed_texts(store, embedder, wanted, run_id, counts, options, progress)
 
     t1 = time.perf_counter()
-    fp = embedder.fingerprint
-    if new_chunks:
-        data = index.build_table(
-            "chunks",
-            index_columns("chunks", new_chunks, fp, run_id),
-            matrix(keys["chunks"]),
-        )
-        counts.chunks_written = index.upsert("chunks", data)
-    if new_nuggets:
-        data = index.build_table(
-            "nuggets",
-            index_columns("nuggets", new_nuggets, fp, run_id),
-            matrix(keys["nuggets"]),
-        )
-        counts.nuggets_written = index.upsert("nuggets", data)
-    if new_docs:
-        data = index.build_table(
-            "documents",
-            index_columns(
-                "documents",
-                new_docs,
-                fp,
-                run_id,
-                doc_version=[_doc_version(d) for d in new_docs],
-                title=[document_title(d) for d in new_docs],
-            ),
-            matrix(keys["docs"]),
-        )
-        counts.documents_written = index.upsert("documents", data)
+    write_index(index, embedder, plan, vectors, hashes, run_id, counts)
     changed = (
         counts.chunks_written
         + counts.nuggets_written
@@ -317,6 +384,7 @@ def embed_stage(
         + counts.nuggets_deleted
     )
     if changed or counts.index_reset or index.lacks_text_index():
-        counts.indexes_built = index.ensure_indexes(min_rows=vector_index_min_rows)
+        min_rows = (options or EmbedOptions()).vector_index_min_rows
+        counts.indexes_built = index.ensure_indexes(min_rows=min_rows)
     counts.index_seconds += time.perf_counter() - t1
     return counts

@@ -13,16 +13,18 @@ written how, and what it did.
   exactly ``chunk_size`` tokens) and batched by ``inference.encode.KvBatching``.
 - Units of work (:func:`kv_groups`): the sorted chunks are cut into groups of whole shards
   holding at least one whole batch; a group is computed batch by batch and stored as its
-  shards. :func:`kv_stage` runs the groups one after the other in this process; a distributed
-  build (``flows/build.py``) computes each group on a worker (:func:`stage_group_kv`: shards
-  written under temporary names) and the holder of the store's lock publishes them in group
-  order, so both give the same batches, the same shard numbers and bit-identical entries.
+  shards. One driver, :func:`run_kv_stage`, plans, stores and counts; where the groups are
+  computed is its :class:`KvWorkers`: :class:`LocalKv` computes them one after the other in
+  this process (:func:`kv_stage`), a runner's workers (``flows/scaleout.py``) compute each on
+  a worker (:func:`stage_group_kv`: shards written under temporary names) and the driver, the
+  holder of the store's lock, publishes them in group order. Both give the same batches, the
+  same shard numbers and bit-identical entries.
 - Entries are written ``slots_per_shard`` at a time (one Zarr shard each, written whole); after a
   shard is verified its manifest rows are appended, then ``progress`` is called. With
-  ``overlap`` (default) a background thread writes shard ``i`` while the model computes the next
-  batches (at most one shard in flight). A run killed mid-way loses at most the shard being
-  written; the next run recomputes only the chunks without a valid manifest row. An unchanged
-  rerun computes nothing.
+  ``overlap`` (default) a background thread writes (or publishes) shard ``i`` while the next
+  batches are computed (at most one shard in flight). A run killed mid-way loses at most the
+  shard being written; the next run recomputes only the chunks without a valid manifest row.
+  An unchanged rerun computes nothing.
 - What is stored of each chunk (``kept``, the setting ``kv_keep``): its whole KV (``None``,
   ``kv_keep = "chunks"``), or only the token ranges its nuggets cover (a mapping chunk_id ->
   ``storage.kv.KeptRanges``, from :func:`kept_ranges`; ``kv_keep = "nuggets"``). The chunk is
@@ -35,18 +37,20 @@ written how, and what it did.
   index read and crc32c-checked: finds deleted and truncated shards and flipped bytes), ``stat``
   (folders and sizes only, one stat per shard), ``sha256`` (every entry read and checked against
   the manifest's sha256) or ``none``. Entries that fail are rebuilt; the new manifest row
-  supersedes the old one. Pass ``rebuild=`` the content_keys a reader found corrupt
-  (:class:`storage.kv.CorruptKvEntry`) to rebuild just those. A stored ``C_p`` that fails its
-  check is recomputed first (:func:`repair_prefix_kv`); if the recomputed one is not bit for bit
-  the damaged one, every entry is rebuilt against it.
+  supersedes the old one. Pass :func:`run_kv_stage` ``rebuild=`` the content_keys a reader
+  found corrupt (:class:`storage.kv.CorruptKvEntry`) to rebuild just those. A stored ``C_p``
+  that fails its check is recomputed first (:func:`settle_prefix_kv`); if the recomputed one is
+  not bit for bit the damaged one, every entry is rebuilt against it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,8 +63,17 @@ from coinrag.inference.encode import (
     pad_id,
 )
 from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.rope import ForwardFrequencies
+from coinrag.schemas.settings import BuildSettings
 from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow
-from coinrag.storage.kv import KeptRanges, KvEntry, KvFingerprintMismatch, KvStore, StagedShard
+from coinrag.storage.kv import (
+    KeptRanges,
+    KvEntry,
+    KvFingerprintMismatch,
+    KvLayout,
+    KvStore,
+    StagedShard,
+)
 from coinrag.storage.store import Store
 
 ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
@@ -72,6 +85,8 @@ class KvCounts:
 
     kv_fp: str
     chunks: int = 0  # chunks asked for
+    model_fp: str = ""  # the model that computed the entries
+    kv_dtype: str = ""  # the dtype they were computed in (kv_dtype "auto" resolved)
     nothing_kept: int = 0  # kv_keep = "nuggets": chunks without a nugget span (no KV needed)
     unique: int = 0  # distinct entries among them (content_keys, with the kept ranges)
     reused: int = 0  # already stored and valid
@@ -160,85 +175,282 @@ def kv_groups(
     return _batches(chunks, size)
 
 
+# ---------------------------------------------------------------------------- the driver
+
+
+@dataclass(frozen=True)
+class KvOptions:
+    """How the stage computes and stores: the build's settings (:meth:`from_settings`; the
+    defaults are :class:`schemas.settings.BuildSettings`'s) and the store's physical choices.
+
+    ``batch_size``: chunks per forward pass; ``check``: how reused entries are checked
+    (``crc32c`` | ``stat`` | ``sha256`` | ``none``); ``kv_codec``: how entries are stored
+    (``none`` | ``int8`` | ``int4``, ``storage/kv/codecs.py``); ``slots_per_shard`` (0: derived
+    from the entry size, shards of about 64 MiB) and ``block_tokens`` (0: the codec's block
+    size); ``overlap``: write each shard in a background thread while the next is computed."""
+
+    batch_size: int = BuildSettings.kv_batch_size
+    check: str = BuildSettings.kv_verify
+    kv_codec: str = BuildSettings.kv_codec
+    slots_per_shard: int = 0
+    block_tokens: int = 0
+    overlap: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: BuildSettings) -> KvOptions:
+        return cls(
+            batch_size=settings.kv_batch_size,
+            check=settings.kv_verify,
+            kv_codec=settings.kv_codec,
+        )
+
+    def layout_options(self, keep: str) -> dict[str, Any]:
+        """The keyword arguments of ``inference.encode.kv_layout`` (``keep``: ``chunks`` |
+        ``nuggets``, what is stored of each chunk)."""
+        return {
+            "kv_codec": self.kv_codec,
+            "block_tokens": self.block_tokens,
+            "slots_per_shard": self.slots_per_shard,
+            "keep": keep,
+        }
+
+
+@dataclass(frozen=True)
+class KvPrep:
+    """What the driver needs from the model before it plans (:func:`prepare_kv`; picklable: a
+    distributed build computes it on a worker, where ``kv_dtype = auto`` is resolved)."""
+
+    layout: KvLayout
+    tokenizer_fp: str | None  # None: not checked (a model without one, in tests)
+    prefix_ids: tuple[int, ...]
+    prefix_kv: torch.Tensor | None  # C_p, when the store holds no usable one
+    frequencies: ForwardFrequencies  # how the chunks are batched (KvBatching)
+
+
+def prepare_kv(
+    store: Store, loaded: Any, prompt: RagPrompt, options: KvOptions, keep: str
+) -> KvPrep:
+    """:class:`KvPrep` of a loaded model (``inference.models.LoadedModel``) and ``prompt``,
+    the layout of ``options`` and ``keep`` (``chunks`` | ``nuggets``): ``C_p`` computed only
+    when ``store`` lacks one that passes its check (read only: the driver creates the store
+    and writes or repairs ``C_p``)."""
+    layout = kv_layout(loaded, prompt, **options.layout_options(keep))
+    kv = KvStore(store, layout)
+    usable = kv.has_prefix() and kv.corrupt_prefix() is None
+    return KvPrep(
+        layout=layout,
+        tokenizer_fp=getattr(loaded, "tokenizer_fp", None),
+        prefix_ids=tuple(prompt.prefix_ids),
+        prefix_kv=None if usable else compute_prefix_kv(loaded.model, prompt.prefix_ids),
+        frequencies=ForwardFrequencies.from_config(loaded.model.config),
+    )
+
+
+class GroupKv(ABC):
+    """One group of :func:`kv_groups`, computed: what storing it takes, shard by shard, and
+    the seconds its computation took (``forward``, ``extract``)."""
+
+    seconds: dict[str, float]
+
+    @abstractmethod
+    def shard_writes(self, kv: KvStore, run_id: str) -> list[Callable[[], list[KvManifestRow]]]:
+        """One call per shard, in order: each makes its shard valid and returns its rows."""
+
+
+@dataclass
+class ComputedGroup(GroupKv):
+    """Entries computed in this process: each shard is written, verified and published here."""
+
+    entries: list[tuple[KvEntry, torch.Tensor]]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def shard_writes(self, kv: KvStore, run_id: str) -> list[Callable[[], list[KvManifestRow]]]:
+        step = kv.layout.slots_per_shard
+        parts = [self.entries[i : i + step] for i in range(0, len(self.entries), step)]
+        return [partial(kv.write_entries, part, run_id) for part in parts]
+
+
+@dataclass
+class StagedGroup(GroupKv):
+    """Shards a worker wrote under ``.tmp-`` names: each is published here (renamed into place,
+    its manifest rows appended) by the holder of the store's write lock."""
+
+    shards: list[StagedShard]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def shard_writes(self, kv: KvStore, run_id: str) -> list[Callable[[], list[KvManifestRow]]]:
+        return [partial(kv.publish_shard, shard, run_id) for shard in self.shards]
+
+
+class KvWorkers(ABC):
+    """Where the stage's model work runs: this process (:class:`LocalKv`) or a runner's
+    workers (``flows/scaleout.py``). The driver, :func:`run_kv_stage`, is the same for all."""
+
+    @abstractmethod
+    def prepare(self, store: Store, options: KvOptions, keep: str) -> KvPrep:
+        """The layout (``options.layout_options(keep)``), ``C_p`` if needed: :func:`prepare_kv`."""
+
+    @abstractmethod
+    def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
+        """Each group computed for ``job``, in the order of ``groups``."""
+
+
+@dataclass(frozen=True)
+class KvJob:
+    """What every group of one run is computed with: the store (``kv``), its stored ``C_p``
+    (``prefix_kv``), the run, what is kept of each chunk (``kept``: as
+    :func:`run_kv_stage`'s) and the options."""
+
+    kv: KvStore
+    prefix_kv: torch.Tensor
+    run_id: str
+    kept: Mapping[str, KeptRanges] | None
+    options: KvOptions
+
+    def kept_of(self, group: Sequence[ChunkRow]) -> dict[str, KeptRanges] | None:
+        """``kept`` of the chunks of ``group`` only (what a worker is sent)."""
+        return None if self.kept is None else {c.chunk_id: self.kept[c.chunk_id] for c in group}
+
+
+def group_entries(
+    loaded: Any,
+    prefix_kv: torch.Tensor,
+    group: Sequence[ChunkRow],
+    layout: KvLayout,
+    batch_size: int,
+    kept: Mapping[str, KeptRanges] | None,
+) -> tuple[list[tuple[KvEntry, torch.Tensor]], dict[str, float]]:
+    """What the store writes of one group (:func:`stored_parts`), computed in batches of
+    ``batch_size``, and the seconds it took (``forward``, ``extract``)."""
+    if loaded.model_fp != layout.model_fp:
+        raise KvFingerprintMismatch(
+            loaded.model_fp, layout.model_fp, "this worker's model is not the build's"
+        )
+    secs: dict[str, float] = {}
+    pad = pad_id(loaded.tokenizer)
+    computed = compute_group_kv(loaded.model, prefix_kv, group, batch_size, pad, secs, layout)
+    return stored_parts(computed, kept), secs
+
+
+class LocalKv(KvWorkers):
+    """The stage's model work in this process, on ``loaded`` (``inference.models.
+    LoadedModel``), each chunk encoded after ``prompt``'s prefix. Groups are computed lazily,
+    so the driver's writer stores one shard while the next group is computed."""
+
+    def __init__(self, loaded: Any, prompt: RagPrompt) -> None:
+        self.loaded, self.prompt = loaded, prompt
+
+    def prepare(self, store: Store, options: KvOptions, keep: str) -> KvPrep:
+        return prepare_kv(store, self.loaded, self.prompt, options, keep)
+
+    def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
+        layout, batch_size = job.kv.layout, job.options.batch_size
+        for group in groups:
+            entries, secs = group_entries(
+                self.loaded, job.prefix_kv, group, layout, batch_size, job.kept
+            )
+            yield ComputedGroup(entries, secs)
+
+
+def stage_group_kv(
+    kv: KvStore,
+    loaded: Any,
+    group: Sequence[ChunkRow],
+    run_id: str,
+    batch_size: int,
+    kept: Mapping[str, KeptRanges] | None = None,
+) -> StagedGroup:
+    """A worker's share of the stage: compute one group of :func:`kv_groups` against the
+    stored ``C_p`` and write it as staged shards (``slots_per_shard`` each, under ``.tmp-``
+    names, verified) of what is kept (``kept``: as :func:`run_kv_stage`'s); the write-lock
+    holder publishes them in group order (:meth:`storage.kv.KvStore.publish_shard`)."""
+    prefix_kv, _ = kv.read_prefix()
+    entries, secs = group_entries(loaded, prefix_kv, group, kv.layout, batch_size, kept)
+    step = kv.layout.slots_per_shard
+    try:
+        staged = [
+            kv.stage_shard(entries[i : i + step], run_id) for i in range(0, len(entries), step)
+        ]
+    finally:
+        kv.release_buffers()
+    return StagedGroup(staged, secs)
+
+
 def kv_stage(
     store: Store,
     chunks: Sequence[ChunkRow],
     loaded: Any,
     prompt: RagPrompt,
     run_id: str,
-    batch_size: int = 4,
+    options: KvOptions | None = None,
     progress: ProgressFn | None = None,
     *,
-    check: str = "crc32c",
-    rebuild: Iterable[str] = (),
-    slots_per_shard: int = 0,
-    block_tokens: int = 0,
-    overlap: bool = True,
-    kv_codec: str = "none",
     kept: Mapping[str, KeptRanges] | None = None,
 ) -> KvCounts:
-    """Compute and store the KV of every chunk that has no valid entry yet.
+    """:func:`run_kv_stage` in this process (:class:`LocalKv`): ``loaded`` is an
+    ``inference.models.LoadedModel`` (``.model``, ``.tokenizer``, ``.model_fp``), ``prompt``
+    the RAG prompt whose prefix the chunks are encoded after."""
+    return run_kv_stage(
+        store, chunks, LocalKv(loaded, prompt), run_id, options, progress, kept=kept
+    )
 
-    ``loaded`` is an ``inference.models.LoadedModel`` (``.model``, ``.tokenizer``,
-    ``.model_fp``); ``prompt`` the RAG prompt whose prefix the chunks are encoded after.
-    ``slots_per_shard=0`` derives it from the entry size (shards of about 64 MiB);
-    ``block_tokens=0`` takes the codec's block size; ``kv_codec`` (``none`` | ``int8`` |
-    ``int4``) says how entries are stored (``storage/kv/codecs.py``).
+
+def run_kv_stage(
+    store: Store,
+    chunks: Sequence[ChunkRow],
+    workers: KvWorkers,
+    run_id: str,
+    options: KvOptions | None = None,
+    progress: ProgressFn | None = None,
+    *,
+    kept: Mapping[str, KeptRanges] | None = None,
+    rebuild: Iterable[str] = (),
+) -> KvCounts:
+    """The KV stage: compute and store the KV of every chunk that has no valid entry yet, the
+    model work done by ``workers`` (this process or a runner's workers), everything else here.
+
     ``kept``: None to store whole chunks (``kv_keep = "chunks"``), else chunk_id -> the ranges
     to keep (``kv_keep = "nuggets"``, :func:`kept_ranges`; a chunk absent or without ranges
     keeps nothing and is not computed); the ranges are cut from the chunk's KV in the stored
-    frame (keys at position 0 for a quantized codec), then encoded by the codec.
-    ``overlap`` writes each shard in a background thread while the next batch is computed.
-    Returns counts and timings (``seconds``: check, prefix, forward, extract, write, verify,
-    manifest (the last three in the writer), wait_write (the stage waiting for the writer),
-    total).
+    frame (keys at position 0 for a quantized codec), then encoded by the codec. ``rebuild``:
+    entry keys or content_keys to recompute whatever their check says. ``progress(done,
+    total)`` is called after each stored shard. Returns counts and timings (``seconds``:
+    prefix, check, forward, extract (the last two summed over the groups), write, verify,
+    manifest, wait_write (the stage waiting for the writer), total).
     """
     t_start = time.perf_counter()
-    model = loaded.model
-    keep = "chunks" if kept is None else "nuggets"
-    layout = kv_layout(
-        loaded,
-        prompt,
-        block_tokens=block_tokens,
-        slots_per_shard=slots_per_shard,
-        kv_codec=kv_codec,
-        keep=keep,
+    options = options or KvOptions()
+    prep = workers.prepare(store, options, "chunks" if kept is None else "nuggets")
+    kv = KvStore.create(store, prep.layout)
+    counts = KvCounts(
+        kv_fp=kv.kv_fp, chunks=len(chunks), model_fp=prep.layout.model_fp, kv_dtype=kv.layout.dtype
     )
-    kv = KvStore.create(store, layout)
-    counts = KvCounts(kv_fp=kv.kv_fp, chunks=len(chunks))
     secs = counts.seconds
-
-    ids = prompt.prefix_ids
-    if repair_prefix_kv(kv, counts, lambda: compute_prefix_kv(model, ids), ids):
-        rebuild = set(rebuild) | set(kv.manifest(refresh=True))
-    tokenizer_fp = getattr(loaded, "tokenizer_fp", None)
-    todo = plan_kv(kv, chunks, tokenizer_fp, counts, check, rebuild, kept)
-
     t0 = time.perf_counter()
-    prefix_kv = prefix_kv_of(kv, model, prompt)
+    if settle_prefix_kv(kv, prep, counts):
+        rebuild = set(rebuild) | set(kv.manifest(refresh=True))
+    prefix_kv = stored_prefix_kv(kv, prep.prefix_ids)
     secs["prefix"] = time.perf_counter() - t0
-
-    pad = pad_id(loaded.tokenizer)
-    batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
-    secs.update(forward=0.0, extract=0.0, wait_write=0.0)
-    writer = _Writer(kv, run_id, counts, progress, len(todo), overlap)
+    todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, options.check, rebuild, kept)
+    groups = kv_groups(todo, options.batch_size, prep.layout.slots_per_shard)
+    batching = KvBatching(options.batch_size, len(prep.prefix_ids), prep.frequencies)
+    secs.update(forward=0.0, extract=0.0)
+    writer = _Writer(kv, counts, progress, len(todo), options.overlap)
     try:
-        for group in kv_groups(todo, batch_size, layout.slots_per_shard):
-            entries = stored_parts(
-                compute_group_kv(model, prefix_kv, group, batch_size, pad, secs, layout), kept
-            )
+        done = workers.compute(KvJob(kv, prefix_kv, run_id, kept, options), groups)
+        for group, computed in zip(groups, done, strict=True):
+            for write in computed.shard_writes(kv, run_id):
+                writer.submit(write)
             count_batches(counts, group, batching)
-            for start in range(0, len(entries), layout.slots_per_shard):
-                writer.submit(entries[start : start + layout.slots_per_shard])
+            for name, value in computed.seconds.items():
+                secs[name] = secs.get(name, 0.0) + value
         writer.wait()
     finally:
         writer.close()
         kv.release_buffers()
     ws = kv.write_stats
+    secs.update(write=ws.encode_write_s, verify=ws.verify_s, manifest=ws.manifest_s)
     secs["wait_write"] = writer.waited
-    secs["write"] = ws.encode_write_s
-    secs["verify"] = ws.verify_s
-    secs["manifest"] = ws.manifest_s
     secs["total"] = time.perf_counter() - t_start
     return counts
 
@@ -296,44 +508,10 @@ def count_batches(counts: KvCounts, group: Sequence[ChunkRow], batching: KvBatch
         counts.padded_tokens += len(batch) * max(c.n_tokens for c in batch) - n_real
 
 
-def stage_group_kv(
-    kv: KvStore,
-    loaded: Any,
-    prefix_kv: torch.Tensor,
-    group: Sequence[ChunkRow],
-    run_id: str,
-    batch_size: int,
-    kept: Mapping[str, KeptRanges] | None = None,
-) -> tuple[list[StagedShard], dict[str, float]]:
-    """A worker's share of the stage: compute one group of :func:`kv_groups` and write it as
-    staged shards (``slots_per_shard`` each, under ``.tmp-`` names, verified) of what is kept
-    (``kept``: as :func:`kv_stage`'s); the write-lock holder publishes them in group order
-    (:meth:`storage.kv.KvStore.publish_shard`). Returns the staged shards and the seconds spent
-    (forward, extract)."""
-    if loaded.model_fp != kv.layout.model_fp:
-        raise KvFingerprintMismatch(
-            loaded.model_fp, kv.layout.model_fp, "this worker's model is not the build's"
-        )
-    secs: dict[str, float] = {}
-    entries = stored_parts(
-        compute_group_kv(
-            loaded.model, prefix_kv, group, batch_size, pad_id(loaded.tokenizer), secs, kv.layout
-        ),
-        kept,
-    )
-    step = kv.layout.slots_per_shard
-    try:
-        staged = [
-            kv.stage_shard(entries[i : i + step], run_id) for i in range(0, len(entries), step)
-        ]
-    finally:
-        kv.release_buffers()
-    return staged, secs
-
-
 class _Writer:
-    """Writes shards, in a background thread when ``overlap`` (at most one shard in flight, so
-    the next batch's forward runs while the previous shard is written and verified).
+    """Stores shards (each a call of :meth:`GroupKv.shard_writes`), in a background thread
+    when ``overlap`` (at most one shard in flight, so the next group is computed, or awaited
+    from the workers, while the previous shard is written and verified or published).
 
     Counts and ``progress`` are updated in the caller's thread once a shard's manifest rows
     exist. If the caller fails, the shard in flight is finished (it is complete and verified
@@ -343,25 +521,24 @@ class _Writer:
     def __init__(
         self,
         kv: KvStore,
-        run_id: str,
         counts: KvCounts,
         progress: ProgressFn | None,
         total: int,
         overlap: bool,
     ) -> None:
-        self.kv, self.run_id, self.counts = kv, run_id, counts
+        self.kv, self.counts = kv, counts
         self.progress, self.total = progress, total
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-writer") if overlap else None
         self.in_flight: Future[list[KvManifestRow]] | None = None
         self.before = (kv.write_stats.disk_bytes, kv.write_stats.shards)
         self.waited = 0.0
 
-    def submit(self, entries: list[tuple[KvEntry, torch.Tensor]]) -> None:
+    def submit(self, write: Callable[[], list[KvManifestRow]]) -> None:
         self.wait()
         if self.pool is None:
-            self._done(self.kv.write_entries(entries, self.run_id))
+            self._done(write())
         else:
-            self.in_flight = self.pool.submit(self.kv.write_entries, entries, self.run_id)
+            self.in_flight = self.pool.submit(write)
 
     def wait(self) -> None:
         if self.in_flight is not None:
@@ -393,6 +570,23 @@ def stored_prefix_kv(kv: KvStore, prefix_ids: Sequence[int]) -> torch.Tensor:
     return prefix_kv
 
 
+def settle_prefix_kv(kv: KvStore, prep: KvPrep, counts: KvCounts) -> bool:
+    """Store ``C_p`` where ``kv`` lacks it, replace a stored one that fails its check
+    (:func:`repair_prefix_kv`), both from ``prep.prefix_kv``. True when every stored entry
+    must be rebuilt (the replaced ``C_p`` was not bit for bit the new one)."""
+    fresh = prep.prefix_kv
+    if fresh is None:
+        return False
+    if not kv.has_prefix():
+        expected = kv.layout.entry_shape(len(prep.prefix_ids))
+        if tuple(fresh.shape) != expected:
+            raise ValueError(
+                f"the model's cache has shape {tuple(fresh.shape)}, the layout expects {expected}"
+            )
+        kv.write_prefix(fresh, prep.prefix_ids)
+    return repair_prefix_kv(kv, counts, lambda: fresh, prep.prefix_ids)
+
+
 def repair_prefix_kv(
     kv: KvStore, counts: KvCounts, compute: Callable[[], torch.Tensor], prefix_ids: Sequence[int]
 ) -> bool:
@@ -405,17 +599,3 @@ def repair_prefix_kv(
     counts.prefix_repaired = True
     counts.problems["prefix"] = f"{problem} ({kv.kv_fp}/prefix)"
     return not kv.repair_prefix(compute(), prefix_ids)
-
-
-def prefix_kv_of(kv: KvStore, model: Any, prompt: RagPrompt) -> torch.Tensor:
-    """The stored ``C_p`` (computed and stored first if missing)."""
-    if kv.has_prefix():
-        return stored_prefix_kv(kv, prompt.prefix_ids)
-    prefix_kv = compute_prefix_kv(model, prompt.prefix_ids)
-    expected = kv.layout.entry_shape(len(prompt.prefix_ids))
-    if tuple(prefix_kv.shape) != expected:
-        raise ValueError(
-            f"the model's cache has shape {tuple(prefix_kv.shape)}, the layout expects {expected}"
-        )
-    kv.write_prefix(prefix_kv, prompt.prefix_ids)
-    return prefix_kv

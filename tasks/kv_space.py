@@ -113,24 +113,24 @@ def estimate_kv_space(
 
 
 def build_layout(settings: BuildSettings, tokenizer: Any) -> KvLayout:
-    """The KV layout the build's KV stage will use, from the model's config and cached weights
-    hash (no weights loaded): the same kv_fp as ``tasks.kv.kv_layout`` of the loaded model."""
+    """The KV layout the build's KV stage will use (``inference.encode.kv_layout``, as the
+    stage calls it), from the model's config and cached weights hash: no weights loaded."""
     from transformers import AutoConfig
 
+    from coinrag.inference.encode import KvModel, kv_layout
     from coinrag.inference.kv_dtype import resolve_kv_dtype
     from coinrag.inference.models import reference_model_fingerprint, resolve_model_dir
     from coinrag.inference.prompt import RagPrompt
+    from coinrag.tasks.kv import KvOptions
 
-    dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype  # as kv_task loads it
-    config = AutoConfig.from_pretrained(resolve_model_dir(settings.model))
-    return KvLayout.for_config(
-        config,
+    dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype  # as the stage loads it
+    model = KvModel(
+        AutoConfig.from_pretrained(resolve_model_dir(settings.model)),
         reference_model_fingerprint(settings.model, settings.device, dtype),
-        RagPrompt.for_tokenizer(tokenizer).prefix_sha,
         dtype,
-        kv_codec=settings.kv_codec,
-        keep=settings.kv_keep,
     )
+    options = KvOptions.from_settings(settings).layout_options(settings.kv_keep)
+    return kv_layout(model, RagPrompt.for_tokenizer(tokenizer), **options)
 
 
 def check_kv_space(

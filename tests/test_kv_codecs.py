@@ -57,7 +57,7 @@ from coinrag.storage.kv.transport import LocalTransport
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
 from coinrag.tasks.chunk import chunk_document
-from coinrag.tasks.kv import kv_stage
+from coinrag.tasks.kv import KvOptions, kv_stage
 
 # unit roundoff (half an ulp, relative): 2**-p for p significand bits
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -348,7 +348,9 @@ def stores(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("codecs")
     for codec in KV_CODECS:
         store = Store.at(root / codec).init()
-        counts = kv_stage(store, chunks, model, prompt, "run-c", batch_size=1, kv_codec=codec)
+        counts = kv_stage(
+            store, chunks, model, prompt, "run-c", KvOptions(batch_size=1, kv_codec=codec)
+        )
         assert counts.computed == 3
         out[codec] = (KvStore.open(store, counts.kv_fp), chunks)
     return out

@@ -46,7 +46,7 @@ from coinrag.storage.kv import KeptRanges, KvStore, UnstoredKvSlice, codec_named
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
 from coinrag.tasks.chunk import chunk_document
-from coinrag.tasks.kv import kv_stage
+from coinrag.tasks.kv import KvOptions, kv_stage
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources/faq/general.rst.txt")
 QUESTION = "Who directed 2001: A Space Odyssey?"
@@ -105,10 +105,16 @@ def stores(model, tmp_path_factory):
         ("nuggets", "int4"),
     ):
         store = Store.at(root / f"{keep}-{codec}").init()
+        options = KvOptions(batch_size=1, kv_codec=codec)
         counts = kv_stage(
-            store, chunks, model, prompt, "run-k", batch_size=1, kv_codec=codec,
+            store,
+            chunks,
+            model,
+            prompt,
+            "run-k",
+            options,
             kept=kept if keep == "nuggets" else None,
-        )  # fmt: skip
+        )
         assert counts.computed == 3
         out[(keep, codec)] = KvStore.open(store, counts.kv_fp)
     return out, chunks, kept

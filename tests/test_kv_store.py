@@ -41,7 +41,7 @@ from coinrag.storage.kv import (
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows, table_files
 from coinrag.tasks.chunk import chunk_document
-from coinrag.tasks.kv import kv_stage
+from coinrag.tasks.kv import KvOptions, kv_stage
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources/faq")
 _TEXT_FALLBACK = (
@@ -213,7 +213,9 @@ def test_stored_kv_is_the_models_own_cache(tmp_path, smollm2_tokenizer, prompt, 
     loaded = tiny(arch, dtype, smollm2_tokenizer)
     chunks = make_chunks(smollm2_tokenizer, text, 40, 4)
     store = store_at(tmp_path)
-    counts = kv_stage(store, chunks, loaded, prompt, "run-a", batch_size=1, slots_per_shard=3)
+    counts = kv_stage(
+        store, chunks, loaded, prompt, "run-a", KvOptions(batch_size=1, slots_per_shard=3)
+    )
     assert counts.computed == 4 and counts.shards == 2
     kv = KvStore.open(store, counts.kv_fp)
     assert kv.layout.dtype == str(dtype).removeprefix("torch.")
@@ -235,8 +237,12 @@ def test_stored_kv_is_the_models_own_cache(tmp_path, smollm2_tokenizer, prompt, 
 def test_batched_matches_one_by_one(tmp_path, smollm2_tokenizer, prompt, text, dtype):
     loaded = tiny("qwen3", dtype, smollm2_tokenizer)
     chunks = make_chunks(smollm2_tokenizer, text, 40, 6)  # five full chunks + a short one
-    one = kv_stage(store_at(tmp_path, "a"), chunks, loaded, prompt, "run-1", batch_size=1)
-    many = kv_stage(store_at(tmp_path, "b"), chunks, loaded, prompt, "run-2", batch_size=4)
+    one = kv_stage(
+        store_at(tmp_path, "a"), chunks, loaded, prompt, "run-1", KvOptions(batch_size=1)
+    )
+    many = kv_stage(
+        store_at(tmp_path, "b"), chunks, loaded, prompt, "run-2", KvOptions(batch_size=4)
+    )
     assert many.forward_passes == 2 and many.padded_tokens > 0
     kv1 = KvStore.open(store_at(tmp_path, "a"), one.kv_fp)
     kv4 = KvStore.open(store_at(tmp_path, "b"), many.kv_fp)
@@ -252,7 +258,7 @@ def test_smollm2_oracle(tmp_path, smollm2, smollm2_tokenizer, prompt, text, dtyp
     loaded = smollm2 if dtype == "float32" else load_model(None, dtype=dtype)
     chunks = make_chunks(smollm2_tokenizer, text, 24, 3)
     store = store_at(tmp_path)
-    counts = kv_stage(store, chunks, loaded, prompt, "run-s", batch_size=3)
+    counts = kv_stage(store, chunks, loaded, prompt, "run-s", KvOptions(batch_size=3))
     kv = KvStore.open(
         store, counts.kv_fp, KvLayout.for_model(loaded.model, loaded.model_fp, prompt.prefix_sha)
     )
@@ -320,7 +326,9 @@ def test_direct_shard_encoder_matches_zarrs_own_writer(tmp_path, dtype):
 def test_read_slices_are_sub_tensors_of_read_entry(tmp_path, qwen2, prompt, text):
     chunks = make_chunks(qwen2.tokenizer, text, 64, 4)
     store = store_at(tmp_path)
-    counts = kv_stage(store, chunks, qwen2, prompt, "run-r", batch_size=2, slots_per_shard=2)
+    counts = kv_stage(
+        store, chunks, qwen2, prompt, "run-r", KvOptions(batch_size=2, slots_per_shard=2)
+    )
     kv = KvStore.open(store, counts.kv_fp)
     a, b, c, last = (ch.content_key for ch in chunks)
     requests = [
@@ -353,8 +361,8 @@ def test_same_tokens_in_another_document_reuse_the_entry(tmp_path, qwen2, prompt
     first = make_chunks(qwen2.tokenizer, text, 64, 3, doc="d1")
     again = make_chunks(qwen2.tokenizer, text, 64, 3, doc="d2")  # other chunk_ids, same content
     store = store_at(tmp_path)
-    kv_stage(store, first, qwen2, prompt, "run-1", slots_per_shard=2)
-    counts = kv_stage(store, first + again, qwen2, prompt, "run-2", slots_per_shard=2)
+    kv_stage(store, first, qwen2, prompt, "run-1", KvOptions(slots_per_shard=2))
+    counts = kv_stage(store, first + again, qwen2, prompt, "run-2", KvOptions(slots_per_shard=2))
     assert (counts.chunks, counts.unique, counts.reused, counts.computed) == (6, 3, 3, 0)
 
 
@@ -364,7 +372,7 @@ def test_same_tokens_in_another_document_reuse_the_entry(tmp_path, qwen2, prompt
 def test_flipped_bytes_are_detected_and_rebuilt(tmp_path, qwen2, prompt, text):
     chunks = make_chunks(qwen2.tokenizer, text, 64, 4)
     store = store_at(tmp_path)
-    counts = kv_stage(store, chunks, qwen2, prompt, "run-1", slots_per_shard=2)
+    counts = kv_stage(store, chunks, qwen2, prompt, "run-1", KvOptions(slots_per_shard=2))
     kv = KvStore.open(store, counts.kv_fp)
     originals = {c.content_key: kv.read_entry(c.content_key) for c in chunks}
     row = kv.manifest()[chunks[0].content_key]
@@ -389,7 +397,9 @@ def test_flipped_bytes_are_detected_and_rebuilt(tmp_path, qwen2, prompt, text):
 
     counter = ForwardCounter(qwen2)
     try:
-        again = kv_stage(store, chunks, qwen2, prompt, "run-2", check="full", slots_per_shard=2)
+        again = kv_stage(
+            store, chunks, qwen2, prompt, "run-2", KvOptions(check="full", slots_per_shard=2)
+        )
     finally:
         counter.close()
     assert (again.rebuilt, again.computed, counter.rows) == (1, 1, 1)
@@ -402,7 +412,7 @@ def test_flipped_bytes_are_detected_and_rebuilt(tmp_path, qwen2, prompt, text):
 def test_truncated_shard_is_detected_and_rebuilt(tmp_path, qwen2, prompt, text):
     chunks = make_chunks(qwen2.tokenizer, text, 64, 4)
     store = store_at(tmp_path)
-    counts = kv_stage(store, chunks, qwen2, prompt, "run-1", slots_per_shard=2)
+    counts = kv_stage(store, chunks, qwen2, prompt, "run-1", KvOptions(slots_per_shard=2))
     kv = KvStore.open(store, counts.kv_fp)
     originals = {c.content_key: kv.read_entry(c.content_key) for c in chunks}
     name = parse_location(kv.manifest()[chunks[2].content_key].location)[1]
@@ -426,7 +436,7 @@ def test_truncated_shard_is_detected_and_rebuilt(tmp_path, qwen2, prompt, text):
 
     counter = ForwardCounter(qwen2)
     try:
-        again = kv_stage(store, chunks, qwen2, prompt, "run-2", slots_per_shard=2)
+        again = kv_stage(store, chunks, qwen2, prompt, "run-2", KvOptions(slots_per_shard=2))
     finally:
         counter.close()
     assert (again.rebuilt, again.computed, counter.rows) == (2, 2, 2)
@@ -446,14 +456,25 @@ def test_resume_after_a_kill_computes_only_the_rest(tmp_path, qwen2, prompt, tex
 
     with pytest.raises(KeyboardInterrupt):
         kv_stage(
-            store, chunks, qwen2, prompt, "run-1", 2, killed, slots_per_shard=2, overlap=overlap
+            store,
+            chunks,
+            qwen2,
+            prompt,
+            "run-1",
+            KvOptions(batch_size=2, slots_per_shard=2, overlap=overlap),
+            killed,
         )
     assert len(read_rows(store, KvManifestRow)) == 2
 
     counter = ForwardCounter(qwen2)
     try:
         counts = kv_stage(
-            store, chunks, qwen2, prompt, "run-2", 2, slots_per_shard=2, overlap=overlap
+            store,
+            chunks,
+            qwen2,
+            prompt,
+            "run-2",
+            KvOptions(batch_size=2, slots_per_shard=2, overlap=overlap),
         )
     finally:
         counter.close()
@@ -468,12 +489,12 @@ def test_resume_after_a_kill_computes_only_the_rest(tmp_path, qwen2, prompt, tex
 def test_second_run_computes_nothing(tmp_path, qwen2, prompt, text):
     chunks = make_chunks(qwen2.tokenizer, text, 64, 3)
     store = store_at(tmp_path)
-    first = kv_stage(store, chunks, qwen2, prompt, "run-1", slots_per_shard=2)
+    first = kv_stage(store, chunks, qwen2, prompt, "run-1", KvOptions(slots_per_shard=2))
     files = table_files(store, KvManifestRow)
     shards = sorted(p.name for p in store.kv_dir(first.kv_fp).iterdir())
     counter = ForwardCounter(qwen2)
     try:
-        counts = kv_stage(store, chunks, qwen2, prompt, "run-2", slots_per_shard=2)
+        counts = kv_stage(store, chunks, qwen2, prompt, "run-2", KvOptions(slots_per_shard=2))
     finally:
         counter.close()
     assert (counts.reused, counts.computed, counts.forward_passes, counter.calls) == (3, 0, 0, 0)
@@ -492,14 +513,14 @@ def test_crash_before_the_manifest_leaves_an_orphan(tmp_path, qwen2, prompt, tex
 
     monkeypatch.setattr(storage_tables, "append_rows", crash)
     with pytest.raises(OSError):
-        kv_stage(store, chunks, qwen2, prompt, "run-1", slots_per_shard=2)
+        kv_stage(store, chunks, qwen2, prompt, "run-1", KvOptions(slots_per_shard=2))
     monkeypatch.undo()
     kv = KvStore.create(store, _layout(qwen2, prompt))
     assert kv.manifest() == {} and kv.shard_names() == ["shard-000000"]
     with pytest.raises(MissingKvEntry):
         kv.read_entry(chunks[0].content_key)
     assert [p.name for p in kv.gc()] == ["shard-000000"]
-    counts = kv_stage(store, chunks, qwen2, prompt, "run-2", slots_per_shard=2)
+    counts = kv_stage(store, chunks, qwen2, prompt, "run-2", KvOptions(slots_per_shard=2))
     assert counts.computed == 2
 
 
@@ -510,7 +531,7 @@ def _layout(loaded: LoadedModel, prompt: RagPrompt) -> KvLayout:
 def test_fingerprint_mismatch_names_both(tmp_path, smollm2_tokenizer, qwen2, prompt, text):
     chunks = make_chunks(qwen2.tokenizer, text, 64, 2)
     store = store_at(tmp_path)
-    counts = kv_stage(store, chunks, qwen2, prompt, "run-1", slots_per_shard=2)
+    counts = kv_stage(store, chunks, qwen2, prompt, "run-1", KvOptions(slots_per_shard=2))
     other = tiny("llama", torch.float32, smollm2_tokenizer)
     theirs = _layout(other, prompt)
     with pytest.raises(KvFingerprintMismatch) as err:

@@ -45,7 +45,7 @@ from coinrag.inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from coinrag.schemas.keys import fingerprint
 from coinrag.storage.kv import KvStore
 from coinrag.storage.store import Store
-from coinrag.tasks.kv import kv_stage
+from coinrag.tasks.kv import KvOptions, kv_stage
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 8 * 2**-8
@@ -226,7 +226,9 @@ def test_kv_stage_batches_only_chunks_with_the_same_frequencies(
         for i, n in enumerate([80, 80, 70, 30, 20])
     ]
     store = Store.at(tmp_path / "store").init()
-    counts = kv_stage(store, chunks, loaded, prompt, "run-1", batch_size=4, slots_per_shard=5)
+    counts = kv_stage(
+        store, chunks, loaded, prompt, "run-1", KvOptions(batch_size=4, slots_per_shard=5)
+    )
     expected = {"default": (2, 10 + 50), "dynamic": (3, 10), "longrope": (2, 10 + 10)}[kind]
     assert (counts.forward_passes, counts.padded_tokens) == expected
     kv = KvStore.open(store, counts.kv_fp)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from coinrag.flows.build import build_flow
+from coinrag.flows.build import build_flow, run_kv
 from coinrag.flows.cli import app
-from coinrag.flows.scaleout import kv_on_workers, task_runner
+from coinrag.flows.scaleout import task_runner
 from coinrag.schemas.settings import BuildSettings, SettingsError
 from coinrag.schemas.tables import TABLES, ChunkRow
 from coinrag.storage.index import LanceIndex
@@ -156,7 +156,7 @@ def test_kv_tasks_go_only_to_workers_offering_the_kv_resources(tmp_path, default
             with task_runner(settings) as runner:
                 store = Store.at(tmp_path / "store").init()
                 # kv_keep = "chunks": whole chunks, so no extractor's nuggets are read
-                return kv_on_workers(runner, store, chunks, settings, "run-kv", extractor_fp="")
+                return run_kv(runner, store, chunks, settings, "run-kv", extractor_fp="")
 
         counts = kv_only()
         with Client(cluster.scheduler_address) as client:

@@ -44,7 +44,7 @@ from coinrag.inference.prompt import RagPrompt  # noqa: E402
 from coinrag.storage.kv import KvLayout, KvStore  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
 from coinrag.tasks.chunk import chunk_document  # noqa: E402
-from coinrag.tasks.kv import kv_stage  # noqa: E402
+from coinrag.tasks.kv import KvOptions, kv_stage  # noqa: E402
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 CHUNK = 512
@@ -92,14 +92,21 @@ def bench_stage(
     # process's one-time costs (imports, Zarr and Arrow set-up) that a long build amortises.
     bare_forward_seconds(loaded, chunks[:batch_size], batch_size)
     warm = Store.at(root / f"warm-{dtype}").init()
-    kv_stage(warm, chunks[:batch_size], loaded, prompt, "bench-warm", batch_size=batch_size)
+    kv_stage(
+        warm, chunks[:batch_size], loaded, prompt, "bench-warm", KvOptions(batch_size=batch_size)
+    )
     bare = [_bare(loaded, chunks, batch_size)]
     runs = []
     for r in range(rounds):
         store = Store.at(root / f"store-{dtype}-{r}").init()
         c0 = time.process_time()
         counts = kv_stage(
-            store, chunks, loaded, prompt, f"bench-{dtype}", batch_size=batch_size, overlap=overlap
+            store,
+            chunks,
+            loaded,
+            prompt,
+            f"bench-{dtype}",
+            KvOptions(batch_size=batch_size, overlap=overlap),
         )
         stage_cpu = time.process_time() - c0
         bare.append(_bare(loaded, chunks, batch_size))
