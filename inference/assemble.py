@@ -13,7 +13,7 @@ The KV layout (in memory, after RoPE, on disk, after re-rotation) is stated once
 - RoPE whose frequencies depend on the forward's length (dynamic, longrope): every key, ``C_p``'s
   included, gets the frequencies of the forward the context stands for (``new_seq_len``: the
   context plus the query prefilled after it), i.e. the layer-0 keys of the model's own forward
-  over the same tokens at the same positions (``tests/test_rope_seq_len.py``);
+  over the same tokens at the same positions (``tests/inference/test_rope_seq_len.py``);
 - cartridges (:func:`assemble_cartridges`) are stored at canonical positions ``0..p_i-1`` and
   placed the same way, one after the other after ``C_p``;
 - per-layer RoPE (Gemma 3): each layer's keys are rotated with that layer's RoPE (the local

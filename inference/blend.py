@@ -19,7 +19,7 @@ layer by layer (``P = |p|``, ``n`` context tokens, ``m`` query tokens):
 So ``ratio = 1`` is standard RAG (every token recomputed; the next-token logits equal one
 forward over ``prefix ⊕ chunks ⊕ query``) and ``ratio = 0`` with ``check_layer = 1`` is
 TurboRAG (layer-0 K/V depend only on token and position, so fresh ones equal the re-rotated
-stored ones): ``tests/test_cacheblend_oracle.py`` checks both against transformers.
+stored ones): ``tests/inference/test_cacheblend_oracle.py`` checks both against transformers.
 
 How it runs in plain transformers: the decoder layers are called as black boxes, and a
 ``DynamicCache`` subclass (:class:`BlendCache`) decides what the layer's

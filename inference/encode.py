@@ -24,7 +24,7 @@ when it is the first chunk after the prefix in a standard RAG prompt. ``C_p`` is
   would otherwise keep frequencies grown by an earlier, longer forward). So each entry is what
   ``forward(chunk, past_key_values=C_p)`` gives alone, bit for bit with batch size 1, and up to
   float rounding in a batch (other matmul shapes round differently in the last bits;
-  ``tests/test_kv_store.py`` states the tolerance).
+  ``tests/inference/test_kv_store.py`` states the tolerance).
 - ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
   the cache it is given).
 

@@ -31,7 +31,7 @@ The implementations (chosen by subclass; :func:`use_forward` sets a model's, fro
   mixed-attention layers; other architectures than Llama / Qwen2 / Qwen3 / Mistral).
 
 Every implementation computes what transformers' own forward computes over the same tokens at the
-same positions: ``tests/test_forward.py`` holds the static and compiled ones to it.
+same positions: ``tests/inference/test_forward.py`` holds the static and compiled ones to it.
 """
 
 from __future__ import annotations

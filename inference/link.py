@@ -26,7 +26,8 @@ mask limited to their window (``inference.masks.layer_masks``: one mask per laye
 cache that keeps every position. The forward is differentiable in the link embeddings:
 training (``training/kvlink.py``) runs the same function with ``tail = query + answer``.
 
-Oracles (``tests/test_kvlink_oracle.py``): with documents encoded *alone* (positions ``0..n``)
+Oracles (``tests/inference/test_kvlink_oracle.py``): with documents encoded *alone* (positions
+``0..n``)
 the result equals **one** forward over the whole layout with KVLink's own mask; with one stored
 document it equals one forward with the mask where documents also see the prefix.
 

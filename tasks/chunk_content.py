@@ -25,7 +25,7 @@ Positions are token cut indices: cut ``c`` means a chunk ends before token ``c``
    depend only on the segment's text.
 5. A document of at most ``max`` tokens is one chunk.
 
-Guarantee (property-tested in ``tests/test_chunk_content.py``): for documents of more than
+Guarantee (property-tested in ``tests/tasks/test_chunk_content.py``): for documents of more than
 ``max`` tokens before and after an edit of the characters ``[x, y)``,
 
 - every chunk ending at or before the last segment cut before the edit (its hash context ending

@@ -17,12 +17,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RANK = {"flows": 0, "training": 1, "tasks": 1, "inference": 2, "storage": 3, "schemas": 4}
 FOLDERS = (*RANK, "infra")
-MAX_LINES = 1000
+MAX_LINES = 700
+MAX_FUNCTION_LINES = 80  # a function longer than this is a long one
+MAX_PARAMETERS = 8  # besides self/cls
 PACKAGE = "coinrag"  # the one installed name: the folders are coinrag.<folder>
 # (file, imported module) of the imports that still run against the layers.
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 # Files over MAX_LINES lines.
 KNOWN_LONG: set[str] = set()
+# The functions still over the limits (file:function). Exact lists: they only shrink.
+KNOWN_LONG_FUNCTIONS = {
+    "tasks/extractors/openai_batch.py:_collect",
+    "tasks/extractors/openai_chat.py:_extract_one",
+}
+KNOWN_WIDE_FUNCTIONS = {
+    "inference/evaluate.py:evaluate",
+    "inference/methods/engine.py:__init__",
+    "flows/cli/api.py:api",
+    "tasks/chunk.py:chunk_document",
+    "inference/evaluate_retrieval.py:evaluate_retrieval",
+}
 
 
 def _sources() -> list[Path]:
@@ -102,3 +116,45 @@ def test_packaging_lists_every_subpackage() -> None:
         for p in (REPO / d).rglob("__init__.py")
     }
     assert listed == found
+
+
+def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    out = []
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((f"{p.relative_to(REPO).as_posix()}:{node.name}", node))
+    return out
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    return len([n for n in names if n not in ("self", "cls")])
+
+
+def test_functions_are_short_and_narrow() -> None:
+    """At most MAX_FUNCTION_LINES lines and MAX_PARAMETERS parameters, except the listed ones
+    (at most five of each, exact)."""
+    long = {
+        name
+        for name, node in _functions()
+        if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    }
+    wide = {name for name, node in _functions() if _parameters(node) > MAX_PARAMETERS}
+    assert long == KNOWN_LONG_FUNCTIONS, (
+        f"new long: {long - KNOWN_LONG_FUNCTIONS}, fixed: {KNOWN_LONG_FUNCTIONS - long}"
+    )
+    assert wide == KNOWN_WIDE_FUNCTIONS, (
+        f"new wide: {wide - KNOWN_WIDE_FUNCTIONS}, fixed: {KNOWN_WIDE_FUNCTIONS - wide}"
+    )
+    assert len(KNOWN_LONG_FUNCTIONS) <= 5 and len(KNOWN_WIDE_FUNCTIONS) <= 5
+
+
+def test_tests_mirror_the_folders() -> None:
+    """Tests live in ``tests/<folder>/`` after the product folder they test; only the checks of
+    the whole tree (this file, the README's) stay at the top."""
+    folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir()}
+    assert folders - {"benchmarks", "__pycache__"} <= set(RANK)
+    top = {p.name for p in (REPO / "tests").glob("test_*.py")}
+    assert top == {"test_layout.py", "test_readme.py"}

@@ -55,7 +55,8 @@ def test_readme_synopsis_is_the_cli_help(args: str) -> None:
 
 
 def test_readme_keeps_the_two_commands() -> None:
-    """.ci/run and tests/test_sample_showcase.py rely on these two commands being the README's."""
+    """.ci/run and tests/flows/test_sample_showcase.py rely on these two commands being the
+    README's."""
     text = README.read_text(encoding="utf-8")
     assert "bash infra/run_sample.sh" in text
     assert "bash infra/test.sh" in text

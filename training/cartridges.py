@@ -30,7 +30,8 @@ Initialisation
 ``first_tokens``: the KV of the document's first ``p`` tokens encoded right after the prefix
 (``inference.encode.document_kv``), rotated back to ``0..p-1``. With ``p`` = the document's
 length the student's context *is* the teacher's, so student == teacher before training (the
-plumbing oracle of ``tests/test_cartridges.py``). ``random_text``: the same for ``p`` random
+plumbing oracle of ``tests/training/test_cartridges.py``). ``random_text``: the same for ``p``
+random
 non-special token ids. The first cartridge token is frozen (``freeze_first``: its gradient is
 masked to zero), as the Cartridges paper freezes the attention-sink token. In this layout the
 sequence's real sink is ``C_p``'s first token, which is frozen anyway; freezing ``Z[..., 0, :]``

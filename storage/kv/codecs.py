@@ -30,7 +30,8 @@ The store calls its codec at these points (``storage/kv/store.py``, ``shard.py``
   them, -> stored values as Zarr returns them), :meth:`KvCodec.decode` (stored values of whole
   blocks -> a tensor in the model dtype), :meth:`KvCodec.zarr_selection`.
 
-Error bounds (tested against the float entry in ``tests/test_kv_codecs.py``): with ``b`` bits
+Error bounds (tested against the float entry in ``tests/inference/test_kv_codecs.py``): with ``b``
+bits
 (``levels = 2**b - 1``), a group's minimum stored in float16 rounded down (``lo``) and its step
 rounded up (``step = fp16↑((max - lo) / levels)``), every value is within ``step / 2`` of its
 float value before rounding to the model dtype; over a layer, ``‖x̂ − x‖ / ‖x‖ <= sqrt(n / 2) /

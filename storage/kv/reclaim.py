@@ -189,7 +189,7 @@ def planned_shard_bytes(kv: KvStore, rows: list[KvManifestRow], run_id: str) -> 
     width = max(block, -(-max(tokens) // block) * block)
     data = shard_size(lay, tokens, width)
     shape = lay.codec.array_shape(lay, len(rows), width)
-    # as stage_shard writes them (tests/test_cli_store_commands.py compares)
+    # as stage_shard writes them (tests/flows/test_cli_store_commands.py compares)
     keys = [r.content_key for r in rows]
     checksums = [r.checksum for r in rows]
     kept = [r.kept for r in rows]

@@ -26,7 +26,7 @@ from coinrag.tasks.changes import source_changes, source_delta
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [
     {"id": "alpha", "text": "Alpha is the first letter. It starts the Greek alphabet."},
     {"id": "beta", "text": "Beta is the second letter of the alphabet. It follows alpha."},

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 COINRAG = str(Path(sys.executable).parent / "coinrag")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def processes_with_home(home: Path) -> dict[int, str]:

@@ -9,7 +9,8 @@ query. The two ends of the recompute ratio are exact computations:
   stored ones) = TurboRAG (the stored KV as it is, query prefilled after it).
 
 Tolerance: max |Δ next-token logit| <= LOGIT_ATOL_FP32 = 2e-4, the bound of
-``tests/test_assembly_oracle.py`` (the same arithmetic in another order: a per-layer loop over a
+``tests/inference/test_assembly_oracle.py`` (the same arithmetic in another order: a per-layer loop
+over a
 scattered cache vs one causal forward). Measured: 1.0-1.6e-7 on the tiny models (sdpa and
 eager), 2.3e-5 on SmolLM2 (|logits| up to ~30). Each test also checks that TurboRAG and
 standard RAG differ by far more (>= 1e-2), so the comparison can fail.

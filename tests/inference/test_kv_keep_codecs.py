@@ -9,12 +9,13 @@ block. So, against the same chunks stored whole with the same codec (same batche
 - keys (quantized per channel over a block's tokens) are the same bits where the kept ranges
   and the blocks line up (a range starting at a block boundary, at a stored offset that is one
   too), and elsewhere each within the codec's stated bound of the float entry for the blocks
-  the nuggets entry stores (``tests/test_kv_codecs.py`` states the bounds);
+  the nuggets entry stores (``tests/inference/test_kv_codecs.py`` states the bounds);
 - the re-rotation contract holds for slices of such an entry: the assembled keys are the
   dequantized entry's keys at the slice's stored offset, rotated from position 0, bit for bit.
 
 Oracles: the float (``none``) store of whole chunks (held to transformers by
-``tests/test_assembly_oracle.py``), on SmolLM2 and tiny random Qwen2, Llama (also dynamic NTK)
+``tests/inference/test_assembly_oracle.py``), on SmolLM2 and tiny random Qwen2, Llama (also dynamic
+NTK)
 and Qwen3; end to end, ``coinrag build --kv-keep nuggets --kv-codec int4`` against
 ``--kv-keep chunks --kv-codec int4`` and a float store, through the CLI and ``RagEngine``.
 """

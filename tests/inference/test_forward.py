@@ -193,7 +193,7 @@ def test_the_forward_setting() -> None:
         ApiSettings(forward="fast").validate()
     assert resolve_forward("auto", serving=False, device="cuda") == "eager"  # one-shot query
     assert resolve_forward("auto", serving=True, device="cuda") == "compiled"
-    assert resolve_forward("auto", serving=True, device="cpu") == "eager"  # measured: tests/benchmarks/RESULTS.md
+    assert resolve_forward("auto", serving=True, device="cpu") == "eager"  # RESULTS.md
     assert resolve_forward("compiled", serving=False) == "compiled"
 
 

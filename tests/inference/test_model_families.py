@@ -19,7 +19,8 @@ config (``tests/model_families.py``), in SDPA and eager attention, against trans
    RoPE (Phi-3's longrope) by design (``inference.assemble.check_rope``).
 
 Tolerances: FP32_RTOL = 1e-5 of the largest magnitude (float32 rounding of other matmul shapes
-and of the rotation; observed <= 1e-6), LOGIT_ATOL_FP32 = 2e-4 (as tests/test_assembly_oracle.py;
+and of the rotation; observed <= 1e-6), LOGIT_ATOL_FP32 = 2e-4 (as
+tests/inference/test_assembly_oracle.py;
 observed <= 1e-6 on these models).
 """
 
@@ -370,7 +371,8 @@ def test_kvlink_on_sliding_layers_equals_one_forward(family: str, attn: str) -> 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_a_chunk_longer_than_the_window(attn: str) -> None:
-    """What a stored chunk is for a sliding layer (docs/model-families.md): token ``t``'s K/V in layer ``l``
+    """What a stored chunk is for a sliding layer (docs/model-families.md):
+    token ``t``'s K/V in layer ``l``
     are those of one forward over ``prefix + chunk`` and depend only on positions
     ``>= t - l (W - 1)`` of it (Mistral: every layer slides, window 8); and once assembled,
     a sliding layer of the query sees only the last ``W - 1`` context positions, so what lies

@@ -5,7 +5,7 @@ default runner's workers (``tasks.kv.LocalKv``) compute in this process and writ
 here, a cluster's workers (``flows/scaleout.py``) stage shards that the driver publishes. The
 staged path is exercised here in one process (a worker's share, ``stage_group_kv``, run
 inline): same counts, same manifest, same bytes as the local path. The Dask and Ray runs of
-the same driver are ``tests/test_runners.py`` (heavy).
+the same driver are ``tests/flows/test_runners.py`` (heavy).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The content chunker: resynchronisation after an edit, on the real SmolLM2 tokenizer.
 
 The invariants shared with the other chunkers (exact offsets, decode, size bound, emoji and
-accents) are checked by ``tests/test_chunk.py``, which runs every chunker.
+accents) are checked by ``tests/tasks/test_chunk.py``, which runs every chunker.
 """
 
 from __future__ import annotations

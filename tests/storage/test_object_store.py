@@ -44,7 +44,7 @@ from coinrag.storage.tables import read_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUCKET = "coinrag-test"
 SECRET = "s3-secret-never-logged-0123456789"
 

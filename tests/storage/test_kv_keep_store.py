@@ -3,7 +3,8 @@
 where nothing was stored; their keys, identity, checks and reclaim.
 
 No model: synthetic entries (random tensors of a small layout) in a real local store; the model
-side (a whole build, the oracle against a store of whole chunks) is ``tests/test_kv_keep.py``.
+side (a whole build, the oracle against a store of whole chunks) is
+``tests/storage/test_kv_keep.py``.
 """
 
 from __future__ import annotations

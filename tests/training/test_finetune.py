@@ -88,7 +88,7 @@ def built(tmp_path_factory, tiny_model, prefect_harness):
     write_documents(examples, root / "docs.jsonl")
     store = root / "store"
     # float32 KV: the tests below compare training and inference contexts at float32 tolerances
-    # (a bfloat16 store is trained on in tests/test_kv_dtype.py).
+    # (a bfloat16 store is trained on in tests/storage/test_kv_dtype.py).
     settings = {"extractor": "rules", "model": str(tiny_model), "chunk_size": 24}
     build_flow(str(root / "docs.jsonl"), str(store), {**settings, "kv_dtype": "float32"})
     return {"root": root, "data": data, "store": store, "model": tiny_model, "ex": examples}

@@ -35,7 +35,7 @@ from coinrag.tasks.changes import source_delta
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "prefect_harness")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

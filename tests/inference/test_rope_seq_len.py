@@ -17,9 +17,9 @@ independent of ``inference.rope.reset_rotary``).
 Tolerances:
 - a KV entry computed in a batch of its own equals the chunk encoded alone bit for bit (the same
   forward); rows of a multi-row batch within ``KV_REL`` (1e-5 of max|kv|, float32: other matmul
-  shapes round differently; the rule of ``tests/test_kv_store.py``);
+  shapes round differently; the rule of ``tests/inference/test_kv_store.py``);
 - layer-0 keys of an assembled context: ``FP32_RTOL`` 1e-5 and ``BF16_RTOL`` 8 * 2**-8 of
-  max|k|, derived in ``tests/test_rope_oracle.py`` (float32 rounding of the rotation; bf16
+  max|k|, derived in ``tests/inference/test_rope_oracle.py`` (float32 rounding of the rotation; bf16
   rotation error bound);
 - a query prefill after an earlier, longer one equals the same prefill in a fresh model bit for
   bit (the same forward).

@@ -10,7 +10,7 @@ prefills the links and the query in one forward after it. The two must agree:
    the mask where documents also see the prefix.
 
 Tolerance: next-token logits of every new token max |Δ| <= 2e-4 (as
-``tests/test_assembly_oracle.py``; measured <= 2.1e-7), the whole cache within 1e-5 of its
+``tests/inference/test_assembly_oracle.py``; measured <= 2.1e-7), the whole cache within 1e-5 of its
 largest value, and 8 greedy tokens equal.
 """
 

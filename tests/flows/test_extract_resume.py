@@ -33,7 +33,7 @@ from coinrag.tasks.extractors.factory import make_extractor
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-test-resume-0123456789"
 # No KV, no index: only what extraction needs, so each build takes seconds.
 CONFIG = '[build]\nextractor = "openai"\nchunk_size = 64\nkv = false\nindex = {index}\n'

@@ -8,7 +8,7 @@ index read at all (where each block lies follows from the token counts), so a fr
 no more than a warm one. 4-token blocks (the default of codec ``none``) read ~1.2x what 12-token
 nuggets need; the quantized codecs keep 16-token blocks (their per-channel key scales cost bytes
 per block), read ~2x what they need, and still read fewer bytes than ``none`` does. The same
-bound on ``s3://``: ``tests/test_object_store.py``. Latency: ``tests/benchmarks/
+bound on ``s3://``: ``tests/storage/test_object_store.py``. Latency: ``tests/benchmarks/
 bench_kv_slices.py``.
 """
 

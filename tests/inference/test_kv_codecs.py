@@ -13,7 +13,7 @@ The bounds stated in ``storage/kv/codecs.py``, held here against the float entry
 
 Oracles: transformers' own cache (``forward(prefix)``, then ``forward(chunk)`` on it) for
 turborag contexts of whole chunks; the float (``none``) store's context for coinrag's nugget
-slices (which ``tests/test_assembly_oracle.py`` holds to transformers); the re-rotation
+slices (which ``tests/inference/test_assembly_oracle.py`` holds to transformers); the re-rotation
 contract: a slice of a quantized store rotated to its new positions is the dequantized entry's
 keys rotated there, bit for bit. On SmolLM2 (bfloat16, as ``kv_dtype = auto`` builds it
 here) and tiny random Qwen2, Llama (also dynamic NTK, whose frequencies depend on the
@@ -359,7 +359,7 @@ def stores(model, tmp_path_factory):
 def _own_cache(model: LoadedModel, prefix: list[int], chunk: list[int]) -> torch.Tensor:
     """transformers' own cache of ``forward(prefix)`` then ``forward(chunk)`` on that cache:
     ``(L, 2, H, |p| + n, D)`` (what the KV stage stores with batch size 1, bit for bit:
-    ``tests/test_kv_store.py``)."""
+    ``tests/inference/test_kv_store.py``)."""
     from coinrag.inference.rope import reset_rotary
 
     reset_rotary(model.model)
