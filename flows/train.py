@@ -36,9 +36,10 @@ from coinrag.inference.context import FINETUNE_CONTEXTS
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.qa import load_examples
 from coinrag.schemas.settings import FinetuneSettings, settings_from_toml
+from coinrag.storage.cache import file_sha256
 from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
-from coinrag.training.data import file_sha256, write_documents
+from coinrag.training.data import write_documents
 from coinrag.training.finetune import run_training
 from coinrag.training.job import TrainJob
 from coinrag.training.loop import RunControl

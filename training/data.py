@@ -21,7 +21,6 @@ from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.retrieve import Evidence, Retriever
 from coinrag.schemas.qa import QAExample
 from coinrag.schemas.settings import FinetuneSettings
-from coinrag.storage.cache import file_sha256  # noqa: F401  (re-exported: one hash, cached by size and mtime)
 
 if TYPE_CHECKING:
     from coinrag.training.objective import Objective

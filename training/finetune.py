@@ -72,70 +72,10 @@ import torch
 from coinrag.inference.context import FINETUNE_CONTEXTS
 from coinrag.inference.encode import causal_lm
 from coinrag.schemas.settings import FinetuneSettings
-from coinrag.training.checkpoint import (
-    CHECKPOINT_FORMAT,
-    ResumeMismatch,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from coinrag.training.data import (
-    Plan,
-    epoch_order,
-    file_sha256,
-    fit_evidence,
-    make_plans,
-    raft_drop,
-    write_documents,
-)
+from coinrag.storage.cache import file_sha256  # noqa: F401  (the data hash; one for the tree)
 from coinrag.training.job import Prepared, TrainJob
-from coinrag.training.loop import (
-    Killed,
-    RunControl,
-    TrainResult,
-    lr_lambda_for,
-    plot_losses,
-    train,
-)
-from coinrag.training.objective import (
-    LORA_TARGETS,
-    NuggetObjective,
-    Objective,
-    answer_loss_sum,
-    attach_lora,
-    trainable_parameters,
-)
-
-# The fine-tuning API by its old address (callers import these from here).
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "LORA_TARGETS",
-    "Killed",
-    "NuggetObjective",
-    "Objective",
-    "Plan",
-    "ResumeMismatch",
-    "RunControl",
-    "TrainJob",
-    "TrainResult",
-    "answer_loss_sum",
-    "attach_lora",
-    "epoch_order",
-    "file_sha256",
-    "fit_evidence",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "lr_lambda_for",
-    "make_plans",
-    "plot_losses",
-    "raft_drop",
-    "run_training",
-    "save_checkpoint",
-    "save_model",
-    "train",
-    "trainable_parameters",
-    "write_documents",
-]
+from coinrag.training.loop import RunControl
+from coinrag.training.objective import NuggetObjective, attach_lora
 
 
 def save_model(model: Any, tokenizer: Any, out_dir: str | Path, lora: bool) -> Any:

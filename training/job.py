@@ -21,9 +21,10 @@ from coinrag.inference.encode import causal_lm
 from coinrag.inference.prompt import RagPrompt
 from coinrag.schemas.qa import QAExample, load_examples
 from coinrag.schemas.settings import BuildSettings, FinetuneSettings
+from coinrag.storage.cache import file_sha256
 from coinrag.storage.kv import KvLayout
 from coinrag.storage.store import Store
-from coinrag.training.data import Plan, file_sha256, make_plans
+from coinrag.training.data import Plan, make_plans
 from coinrag.training.loop import RunControl, TrainResult, plot_losses, train
 from coinrag.training.objective import Objective
 

@@ -30,7 +30,9 @@ def run_one(args: argparse.Namespace, mode: str, lora: bool) -> dict:
     import torch
 
     from coinrag.schemas.settings import FinetuneSettings
-    from coinrag.training.finetune import RunControl, TrainJob, run_training
+    from coinrag.training.finetune import run_training
+    from coinrag.training.job import TrainJob
+    from coinrag.training.loop import RunControl
 
     torch.set_num_threads(args.threads)
     stamps: list[float] = []

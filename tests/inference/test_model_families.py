@@ -52,7 +52,7 @@ from coinrag.inference.layers import AttentionLayers
 from coinrag.inference.link import LinkEmbeddings, LinkLayout, link_forward, segment_mask
 from coinrag.inference.rope import LayerRopes, UnsupportedRope, model_rope
 from coinrag.training.cartridges import Example, example_loss, init_cartridge
-from coinrag.training.finetune import answer_loss_sum
+from coinrag.training.objective import answer_loss_sum
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

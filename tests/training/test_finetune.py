@@ -13,17 +13,11 @@ from store_fixtures import TINY_DIMS
 from coinrag.inference.context import LiveKvContext, StoredKvContext
 from coinrag.schemas.qa import DataError, load_examples
 from coinrag.schemas.settings import FinetuneSettings
-from coinrag.training.finetune import (
-    Killed,
-    RunControl,
-    TrainJob,
-    answer_loss_sum,
-    attach_lora,
-    make_plans,
-    raft_drop,
-    run_training,
-    write_documents,
-)
+from coinrag.training.data import make_plans, raft_drop, write_documents
+from coinrag.training.finetune import run_training
+from coinrag.training.job import TrainJob
+from coinrag.training.loop import Killed, RunControl
+from coinrag.training.objective import answer_loss_sum, attach_lora
 
 DOCS = {
     "zorvath": "Zorvath is a mountain town in northern Keldia. The town was founded in 1724 by "
