@@ -1,0 +1,77 @@
+"""Where a question's embedding goes: the default embedder's forward in float32, with bf16
+weights, and with int8 dynamic quantization, side by side in one run on one thread.
+
+For each variant: median and p90 ms of ``embed one question`` (tokenizer + forward + mean
+pooling + L2 normalisation) over the question file, and the smallest cosine of its vectors to
+the float32 ones (what the index holds: a variant far from 1 would move the ranking). Runnable
+alone::
+
+    OMP_NUM_THREADS=1 python tests/benchmarks/bench_query_embedding.py \\
+        --questions infra/python_natural_questions.jsonl [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from coinrag.inference.embedders import load_embedder
+
+
+def _vector(model: torch.nn.Module, tokenizer, question: str) -> np.ndarray:
+    """The normalised mean-pooled vector ``(dim,)`` of one question (float32)."""
+    enc = tokenizer([question], return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**enc).last_hidden_state.float()
+    mask = enc["attention_mask"].unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return torch.nn.functional.normalize(pooled, dim=-1)[0].numpy()
+
+
+def _timed(fn: Callable[[str], np.ndarray], questions: list[str], repeat: int) -> list[float]:
+    """Milliseconds of each call, ``repeat`` passes over the questions (after one warm-up)."""
+    fn(questions[0])
+    out = []
+    for _ in range(repeat):
+        for q in questions:
+            t0 = time.perf_counter()
+            fn(q)
+            out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--questions", required=True, help="JSONL with a 'question' field")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with open(args.questions, encoding="utf-8") as f:
+        questions = [json.loads(line)["question"] for line in f if line.strip()]
+    embedder = load_embedder(None)
+    tokenizer, fp32 = embedder.tokenizer, embedder._flag.model.eval()
+    variants = {
+        "float32": fp32,
+        "bf16 weights": copy.deepcopy(fp32).to(torch.bfloat16),
+        "int8 dynamic": torch.ao.quantization.quantize_dynamic(
+            copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8
+        ),
+    }
+    reference = np.stack([_vector(fp32, tokenizer, q) for q in questions])
+    print(f"{len(questions)} questions, one thread, {args.repeat} passes")
+    print(f"{'variant':<14} {'median ms':>10} {'p90 ms':>8} {'min cosine':>11}")
+    for name, model in variants.items():
+        ms = _timed(lambda q, m=model: _vector(m, tokenizer, q), questions, args.repeat)
+        vectors = np.stack([_vector(model, tokenizer, q) for q in questions])
+        cosine = float((vectors * reference).sum(1).min())
+        print(f"{name:<14} {np.median(ms):>10.2f} {np.percentile(ms, 90):>8.2f} {cosine:>11.6f}")
+
+
+if __name__ == "__main__":
+    main()
