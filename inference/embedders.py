@@ -26,6 +26,15 @@ progress callback is called after each batch. (FlagEmbedding's own ``encode`` ru
 batch twice to probe the batch size, swallows ``RuntimeError`` while doing so, and prints tqdm
 bars; calling it per batch would double the cost.) Weights are kept in float32 (FlagEmbedding's
 default ``use_fp16=True`` would round the weights to fp16 even on CPU).
+
+Questions (``embed_queries``) run through a second copy of the encoder in ``query_dtype``:
+``auto`` = bfloat16 where the device computes it natively (AVX512-BF16 / AMX CPUs, CUDA
+compute capability 8.0+), else float32. A question is one short forward that streams every
+weight once, so halving the weights' bytes pays: on one AVX512-BF16 core the default MiniLM
+embeds a question in 11.2 ms instead of 18.4 (``tests/benchmarks/bench_query_embedding.py``),
+pooled and normalised in float32, its vector within cosine 0.99994 of the float32 one. Stored
+vectors (``embed_documents``) are always float32: the fingerprint, the cache and the index do
+not depend on the query dtype.
 """
 
 from __future__ import annotations
@@ -126,7 +135,9 @@ class FlagEmbedder:
         query_instruction: str | None = None,
         batch_size: int = 32,
         device: str | None = None,
+        query_dtype: str = "auto",
     ) -> None:
+        from coinrag.inference.kv_dtype import resolve_kv_dtype
         from coinrag.inference.models import weights_sha256
 
         self.model_dir = Path(model_dir)
@@ -155,6 +166,11 @@ class FlagEmbedder:
             config = self._flag.model.config
         self._flag.model.to(self.device).float().eval()
         self.tokenizer = self._flag.tokenizer
+        try:
+            self.query_dtype = resolve_kv_dtype(query_dtype, self.device).dtype
+        except ValueError as exc:
+            raise ValueError(f"query_dtype: {exc}") from None
+        self._query_model = self._model_in(self.query_dtype)
         limit = int(getattr(config, "max_position_embeddings", max_length) or max_length)
         if getattr(config, "model_type", "") in ("xlm-roberta", "roberta", "camembert"):
             limit -= 2  # positions start after padding_idx
@@ -182,17 +198,34 @@ class FlagEmbedder:
 
     # ------------------------------------------------------------------ encoding
 
-    def _forward(self, inputs: dict[str, Any]) -> Any:
-        """Pooled, normalised vectors of one padded batch (a torch tensor)."""
+    def _model_in(self, dtype: str) -> Any:
+        """The encoder (FlagEmbedding's module) with its weights in ``dtype``: the float32 one
+        itself, else a copy."""
+        import copy
+
         import torch
 
-        if self.kind == "bge-m3":
-            return self._flag.model(inputs, return_dense=True)["dense_vecs"]
-        hidden = self._flag.model(**inputs, return_dict=True).last_hidden_state
+        if dtype == "float32":
+            return self._flag.model
+        return copy.deepcopy(self._flag.model).to(getattr(torch, dtype)).eval()
+
+    def _forward(self, model: Any, inputs: dict[str, Any]) -> Any:
+        """Pooled, normalised float32 vectors ``(batch, dim)`` of one padded batch (a torch
+        tensor); a reduced-precision ``model``'s hidden states are widened before pooling."""
+        import torch
+
+        if self.kind == "bge-m3":  # normalised inside FlagEmbedding's M3 head
+            dense = model(inputs, return_dense=True)["dense_vecs"]
+            if dense.dtype == torch.float32:
+                return dense
+            return torch.nn.functional.normalize(dense.float(), dim=-1)
+        hidden = model(**inputs, return_dict=True).last_hidden_state.float()
         pooled = self._flag.pooling(hidden, inputs["attention_mask"])
         return torch.nn.functional.normalize(pooled, dim=-1)
 
-    def _encode(self, texts: Sequence[str], progress: Progress | None) -> np.ndarray:
+    def _encode(
+        self, texts: Sequence[str], progress: Progress | None, model: Any = None
+    ) -> np.ndarray:
         import torch
 
         texts = [t if isinstance(t, str) else str(t) for t in texts]
@@ -210,7 +243,7 @@ class FlagEmbedder:
                 features = [{k: enc[k][i] for k in enc.keys()} for i in idx]
                 batch = self.tokenizer.pad(features, padding=True, return_tensors="pt")
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                vectors = self._forward(batch)
+                vectors = self._forward(model or self._flag.model, batch)
                 out[idx] = vectors.float().cpu().numpy()
                 done += len(idx)
                 if progress is not None:
@@ -221,9 +254,11 @@ class FlagEmbedder:
         return self._encode(texts, progress)
 
     def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
+        """``(n, dim)`` float32 unit vectors of questions (the query instruction first), by the
+        encoder in :attr:`query_dtype` (see the module docstring)."""
         if self.query_instruction:
             texts = [self.query_instruction + t for t in texts]
-        return self._encode(texts, None)
+        return self._encode(texts, None, self._query_model)
 
 
 def _is_bge_m3(path: Path, config: dict[str, Any]) -> bool:
@@ -264,8 +299,11 @@ def load_embedder(
     batch_size: int = 32,
     max_length: int | None = None,
     query_instruction: str | None = None,
+    query_dtype: str = "auto",
 ) -> FlagEmbedder:
     """An embedder for ``ref``: ``None``/``"minilm"`` (packaged default), or a local folder.
+    ``query_dtype``: the dtype questions are embedded in (``auto``, ``float32``, ``bfloat16``,
+    ``float16``; see the module docstring).
 
     A folder whose config is ``xlm-roberta`` (or whose name contains ``bge-m3``) loads as BGE-M3
     (dense, CLS, normalised); any other folder as a mean-pooling encoder (or the pooling its
@@ -284,6 +322,7 @@ def load_embedder(
             query_instruction=query_instruction,
             batch_size=batch_size,
             device=device,
+            query_dtype=query_dtype,
         )
     path = locate_embedder(ref)
     config = _read_json(path / "config.json")
@@ -297,6 +336,7 @@ def load_embedder(
             query_instruction=query_instruction,
             batch_size=batch_size,
             device=device,
+            query_dtype=query_dtype,
         )
     st_pooling, st_len = _st_settings(path)
     return FlagEmbedder(
@@ -308,4 +348,5 @@ def load_embedder(
         query_instruction=query_instruction,
         batch_size=batch_size,
         device=device,
+        query_dtype=query_dtype,
     )

@@ -60,6 +60,7 @@ import pyarrow as pa
 
 from coinrag.schemas.tables import INDEX_TABLES
 from coinrag.storage.index_ann import (  # noqa: F401  (re-exported: the search parameters)
+    FLAT_MAX_BYTES,
     VECTOR_INDEX_MIN_ROWS,
     VECTOR_INDEX_TYPE,
     FlatTable,
@@ -107,7 +108,8 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         self.db = store.connect_lance(store.index_dir)
         self._tables: dict[str, Any] = {}
         self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
-        self._flat_tables: dict[str, FlatTable | None] = {}  # a reader's small tables in memory
+        self._flat_tables: dict[str, FlatTable | None] = {}  # a reader's tables in memory
+        self.flat_max_bytes = FLAT_MAX_BYTES  # the largest table (its vectors) kept in memory
         self._counts: dict[str, int] = {}  # a reader's row counts
 
     # ------------------------------------------------------------------ opening
@@ -334,6 +336,10 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         tbl = self.table(name)
         if tbl is None or limit <= 0:
             return []
+        flat = self._flat_for(name, where)
+        if flat is not None and set(extra) <= {"vector"}:  # the unit vector, from memory
+            rows = flat.rows_with_vectors(where, HIT_COLUMNS[name])[:limit]
+            return rows if extra else [{k: v for k, v in r.items() if k != "vector"} for r in rows]
         columns = [*HIT_COLUMNS[name], *extra]
         return tbl.search().where(where).select(columns).limit(limit).to_arrow().to_pylist()
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from coinrag.storage.index_tables import METRIC
+from coinrag.storage.index_tables import METRIC, InFilter
 
 # Measured on 2 shared CPU cores (load average 4-6) with tests/benchmarks/bench_retrieval.py,
 # dim 384, clustered vectors: a flat scan costs ~10 ms at 10^4 rows, ~15-20 ms at 2*10^4,
@@ -22,6 +22,10 @@ from coinrag.storage.index_tables import METRIC
 # recall@10 0.89 (chunk-stage recall@5 0.52) even with refine 10. So: IVF_SQ from 2*10^4 rows.
 VECTOR_INDEX_MIN_ROWS = int(os.environ.get("COINRAG_VECTOR_INDEX_MIN_ROWS", 20_000))
 VECTOR_INDEX_TYPE = "IVF_SQ"
+# A reader keeps a table in memory (FlatTable) when its vectors take at most this many bytes
+# (float32 up to VECTOR_INDEX_MIN_ROWS rows, float16 above): exact search, faster than the ANN
+# index where it fits (measured in FlatTable's docstring). Larger tables use the ANN index.
+FLAT_MAX_BYTES = int(os.environ.get("COINRAG_FLAT_MAX_BYTES", 512 * 2**20))
 IVF_TARGET_PARTITION_ROWS = 4096  # IVF partitions: rows / this (about sqrt(rows) near 10^7)
 HNSW_PARTITION_ROWS = 262_144  # IVF_HNSW_SQ partitions: one HNSW graph per 256Ki rows
 HNSW_EF_CONSTRUCTION = 300  # LanceDB's default
@@ -80,27 +84,112 @@ def tune_ann_query(query: Any, coarse: bool = False) -> Any:
 
 
 class FlatTable:
-    """A reader's in-memory copy of a small table (no ANN index: LanceDB would scan it whole
-    anyway): its rows' hit columns and their L2-normalised ``(n, dim)`` float32 vectors, read
-    once at the reader's pinned version. An exact cosine search over it is one matrix-vector
-    product (0.3 ms for the 5,860 chunks of the Python docs, where LanceDB's flat scan took
-    13 ms)."""
+    """A reader's in-memory copy of one table, read once at the reader's pinned version: its
+    rows' hit columns and their L2-normalised ``(n, dim)`` vectors, searched exactly (a
+    matrix-vector product: 0.3 ms for the 5,860 chunks of the Python docs, where LanceDB's flat
+    scan took 13 ms), also under an :class:`~coinrag.storage.index_tables.InFilter` prefilter
+    (``chunk_id IN (...)``: the rows of those ids only, through a per-column position map).
 
-    def __init__(self, rows: pa.Table, vectors: np.ndarray) -> None:
-        self.rows = rows
+    ``half``: the vectors are held in float16 (a large table: 142,565 nuggets x 384 take 110 MB
+    instead of 219). An unfiltered search then ranks every row by a float16 product (torch; the
+    matrix read once, about 7 ms on one core where the coarse ANN search took 11-20 ms), and
+    rescores its best ``HALF_RESCORE * k`` candidates in float32 (the float16 vectors widened,
+    so a score differs from the float32 vectors' by the rounding of the vectors alone: under
+    1e-3, see ``tests/storage/test_index_flat.py``). A filtered search always scores in
+    float32."""
+
+    HALF_RESCORE = 4
+
+    def __init__(self, rows: pa.Table, vectors: np.ndarray, half: bool = False) -> None:
+        self.rows = rows.combine_chunks()  # one chunk per column: ``take`` of a few rows is
+        # microseconds (on the many chunks LanceDB returns it was 10 ms at 142,565 rows)
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        self.vectors = vectors / np.where(norms > 0, norms, 1.0)
+        unit = vectors / np.where(norms > 0, norms, 1.0)
+        self.half = half
+        self.vectors = unit.astype(np.float16 if half else np.float32)
+        self._positions: dict[str, dict[str, np.ndarray]] = {}
 
-    def search(self, q: np.ndarray, k: int, columns: Sequence[str]) -> list[dict[str, Any]]:
-        """Top-``k`` rows by cosine similarity to ``q``, best first, with ``score``."""
+    @property
+    def nbytes(self) -> int:
+        return int(self.vectors.nbytes)
+
+    def _groups(self, column: str) -> dict[str, np.ndarray]:
+        """Value -> the positions of the rows holding it (ascending), per column, made on first
+        use (0.2 s for the chunk ids of 142,565 nuggets)."""
+        if column not in self._positions:
+            values = self.rows.column(column).to_numpy(zero_copy_only=False)
+            order = np.argsort(values, kind="stable")
+            keys, starts = np.unique(values[order], return_index=True)
+            ends = np.append(starts[1:], len(order))
+            self._positions[column] = {
+                str(key): order[a:b] for key, a, b in zip(keys, starts, ends, strict=True)
+            }
+        return self._positions[column]
+
+    def positions(self, where: InFilter) -> np.ndarray | None:
+        """The row positions the prefilter keeps (ascending), or None if this copy lacks its
+        column (the caller asks LanceDB instead)."""
+        if where.column not in self.rows.column_names:
+            return None
+        groups = self._groups(where.column)
+        found = [groups[v] for v in where.values if v in groups]
+        return np.sort(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
+
+    def rows_by_id(
+        self, column: str, ids: Sequence[str], columns: Sequence[str]
+    ) -> list[dict[str, Any]] | None:
+        """The rows whose ``column`` (a unique id) is each of ``ids``, in that order (``columns``
+        only); None if any id is not in this copy."""
+        groups = self._groups(column)
+        if any(i not in groups for i in ids):
+            return None
+        at = pa.array([int(groups[i][0]) for i in ids], pa.int64())
+        return self.rows.select(list(columns)).take(at).to_pylist()
+
+    def _scores(self, q: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+        """Float32 cosine scores of the rows at ``positions`` (all rows if None)."""
+        mat = self.vectors if positions is None else self.vectors[positions]
+        return mat.astype(np.float32, copy=False) @ q
+
+    def _half_candidates(self, q: np.ndarray, k: int) -> np.ndarray:
+        """The best ``HALF_RESCORE * k`` rows by a float16 product over the whole matrix."""
+        import torch
+
         n = len(self.vectors)
-        if n == 0:
+        wide = min(n, self.HALF_RESCORE * k)
+        rough = torch.from_numpy(self.vectors) @ torch.from_numpy(q.astype(np.float16))
+        return torch.topk(rough.float(), wide).indices.numpy()
+
+    def search(
+        self, q: np.ndarray, k: int, columns: Sequence[str], where: InFilter | None = None
+    ) -> list[dict[str, Any]]:
+        """Top-``k`` rows by cosine similarity to ``q``, best first, with ``score``;
+        ``where``: only the rows it keeps (see :meth:`positions`)."""
+        q = np.asarray(q, dtype=np.float32) / (np.linalg.norm(q) or 1.0)
+        if where is not None:
+            positions = self.positions(where)
+        elif self.half and len(self.vectors) > self.HALF_RESCORE * k:
+            positions = self._half_candidates(q, k)
+        else:
+            positions = None
+        scores = self._scores(q, positions)
+        n = len(scores)
+        if n == 0 or k <= 0:
             return []
-        scores = self.vectors @ (q / (np.linalg.norm(q) or 1.0))
         k = min(k, n)
         top = np.argpartition(-scores, k - 1)[:k]
         top = top[np.argsort(-scores[top], kind="stable")]
-        rows = self.rows.select(list(columns)).take(pa.array(top)).to_pylist()
+        rows_at = top if positions is None else positions[top]
+        rows = self.rows.select(list(columns)).take(pa.array(rows_at)).to_pylist()
         for row, i in zip(rows, top, strict=True):
             row["score"] = float(scores[i])
+        return rows
+
+    def rows_with_vectors(self, where: InFilter, columns: Sequence[str]) -> list[dict[str, Any]]:
+        """The rows the prefilter keeps (``columns`` and ``vector``: the unit float32 vector,
+        a list), in table order."""
+        positions = self.positions(where)
+        rows = self.rows.select(list(columns)).take(pa.array(positions)).to_pylist()
+        for row, i in zip(rows, positions, strict=True):
+            row["vector"] = self.vectors[i].astype(np.float32).tolist()
         return rows

@@ -18,8 +18,10 @@ from coinrag.storage.index_tables import (
     CHUNK_HIT_COLUMNS,
     DOCUMENT_HIT_COLUMNS,
     HIT_COLUMNS,
+    ID_COLUMNS,
     METRIC,
     NUGGET_HIT_COLUMNS,
+    InFilter,
     LexicalIndexMissing,
     in_filter,
 )
@@ -31,24 +33,38 @@ class IndexSearch:
 
     store: Any
     versions: dict[str, int] | None
+    flat_max_bytes: int
     _flat_tables: dict[str, FlatTable | None]
 
     def _flat(self, name: str) -> FlatTable | None:
-        """The in-memory copy of table ``name`` for a reader (pinned versions) when the table
-        has no ANN index and at most ``VECTOR_INDEX_MIN_ROWS`` rows; None otherwise (the
-        writer's view changes under it)."""
-        if self.versions is None or self.has_vector_index(name):
+        """The reader's in-memory copy of table ``name`` (pinned versions), read on first use:
+        float32 up to ``VECTOR_INDEX_MIN_ROWS`` rows, float16 above, if its vectors take at
+        most ``flat_max_bytes`` (else None: the ANN index serves); None for the writer (its
+        view changes under it)."""
+        if self.versions is None:
             return None
         if name not in self._flat_tables:
             tbl = self.table(name)
             flat = None
-            if tbl is not None and tbl.count_rows() <= VECTOR_INDEX_MIN_ROWS:
+            rows = 0 if tbl is None else tbl.count_rows()
+            half = rows > VECTOR_INDEX_MIN_ROWS
+            if tbl is not None and rows * self.dim * (2 if half else 4) <= self.flat_max_bytes:
                 data = tbl.search().select([*HIT_COLUMNS[name], "vector"]).limit(None).to_arrow()
                 vec = data.column("vector").combine_chunks()
                 mat = vec.flatten().to_numpy().astype(np.float32).reshape(len(vec), self.dim)
-                flat = FlatTable(data.drop_columns(["vector"]), mat)
+                flat = FlatTable(data.drop_columns(["vector"]), mat, half=half)
             self._flat_tables[name] = flat
         return self._flat_tables[name]
+
+    def _flat_for(self, name: str, where: str | None) -> FlatTable | None:
+        """The in-memory copy if it can answer a search under ``where`` (none, or an
+        :class:`InFilter` on one of its columns)."""
+        flat = self._flat(name)
+        if flat is None or where is None:
+            return flat
+        if isinstance(where, InFilter) and where.column in flat.rows.column_names:
+            return flat
+        return None
 
     def _search(
         self,
@@ -66,9 +82,9 @@ class IndexSearch:
         if tbl is None or k <= 0:
             return []
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
-        in_memory = None if where is not None else self._flat(name)
+        in_memory = self._flat_for(name, where)
         if in_memory is not None:
-            return in_memory.search(q, k, columns)
+            return in_memory.search(q, k, columns, where if where is not None else None)
         query = (
             tbl.search(q, vector_column_name="vector")
             .distance_type(METRIC)
@@ -132,6 +148,33 @@ class IndexSearch:
                 "index (built before lexical search existed): run `coinrag build` on the store "
                 "once (an unchanged rebuild only adds it), or search with --retrieval dense"
             )
+        flat = self._flat(name)
+        if flat is None:  # the writer's view
+            return self._search_text_rows(tbl, text, k, where, columns)
+        # The reader's in-memory copy holds the hit columns: LanceDB returns ids and scores
+        # only (the text and the rest cost about 2 ms more a search), the copy the rest.
+        id_column = ID_COLUMNS[name]
+        query = tbl.search(MatchQuery(text, FTS_COLUMN), query_type="fts").select(
+            [id_column, "_score"]
+        )
+        if where is not None:
+            query = query.where(where, prefilter=True)
+        found = query.limit(k).to_arrow()
+        rows = flat.rows_by_id(id_column, found.column(id_column).to_pylist(), columns)
+        if rows is None:  # an id the copy lacks (not at a pinned version): read them all
+            return self._search_text_rows(tbl, text, k, where, columns)
+        for row, score in zip(rows, found.column("_score").to_pylist(), strict=True):
+            row["score"] = float(score)
+        rows.sort(key=lambda r: -r["score"])
+        return rows
+
+    @staticmethod
+    def _search_text_rows(
+        tbl: Any, text: str, k: int, where: str | None, columns: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """:meth:`search_text` reading every hit column from LanceDB."""
+        from lancedb.query import MatchQuery
+
         query = tbl.search(MatchQuery(text, FTS_COLUMN), query_type="fts").select(
             [*columns, "_score"]
         )

@@ -116,9 +116,25 @@ def _sql_list(values: Iterable[str]) -> str:
     return ", ".join("'" + str(v).replace("'", "''") + "'" for v in values)
 
 
-def in_filter(column: str, values: Iterable[str]) -> str:
+class InFilter(str):
+    """The prefilter ``column IN (...)``: its SQL text, which is what LanceDB takes, keeping
+    its ``column`` and ``values`` (duplicates dropped, order kept) so that a reader's
+    in-memory copy of a table (``storage.index_ann.FlatTable``) applies it without SQL."""
+
+    column: str
+    values: tuple[str, ...]
+
+    def __new__(cls, column: str, values: Iterable[str]) -> InFilter:
+        kept = tuple(dict.fromkeys(str(v) for v in values))
+        self = super().__new__(cls, f"{column} IN ({_sql_list(kept)})")
+        self.column = column
+        self.values = kept
+        return self
+
+
+def in_filter(column: str, values: Iterable[str]) -> InFilter:
     """The prefilter ``column IN (...)`` for these values (quoted; duplicates dropped)."""
-    return f"{column} IN ({_sql_list(dict.fromkeys(values))})"
+    return InFilter(column, values)
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:

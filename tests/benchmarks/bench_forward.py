@@ -1,12 +1,14 @@
 """The model forward, eager vs compiled, side by side in one run on one thread (issue 23).
 
     python tests/benchmarks/bench_forward.py [--docs 11] [--questions 8] [--store PATH]
+        [--questions-file JSONL]
         [--methods coinrag turborag standard] [--forwards plain eager compiled] [--kc 4] [--k 10]
         [--max-new-tokens 32] [--threads 1] [--json PATH]
 
 Builds the first ``--docs`` documents of the bundled sample (``coinrag build --extractor rules
 --kv-dtype bfloat16 --kv-codec int4``: the served default's bf16 model and int4 KV) into a
-temporary store (or reads ``--store``), opens one engine (one model), then:
+temporary store (or reads ``--store``; ``--questions-file``: its questions, else questions
+about the sample), opens one engine (one model), then:
 
 1. per forward kind, the warm-up: one untimed answer per method (``coinrag eval``'s warm-up;
    compiled: the graphs of its shapes compile here) and its wall time. The kinds:
@@ -131,6 +133,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=11)
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--store", type=Path)
+    parser.add_argument("--questions-file", type=Path, help="JSONL with a 'question' field")
     parser.add_argument("--methods", nargs="+", default=["coinrag", "turborag", "standard"])
     parser.add_argument("--forwards", nargs="+", default=["plain", "eager", "compiled"])
     parser.add_argument("--kc", type=int, default=4)
@@ -149,9 +152,13 @@ def main() -> None:
     from coinrag.inference.forward import install_forward, use_forward
     from coinrag.inference.methods import RagEngine
 
-    rows = [json.loads(x) for x in SAMPLE.read_text(encoding="utf-8").splitlines() if x.strip()]
-    questions = ["Who directed 2001: A Space Odyssey?"]
-    questions += [f"What is {d.get('title', d['id'])}?" for d in rows[: args.docs]]
+    if args.questions_file:
+        lines = args.questions_file.read_text(encoding="utf-8").splitlines()
+        questions = [json.loads(x)["question"] for x in lines if x.strip()]
+    else:
+        rows = [json.loads(x) for x in SAMPLE.read_text(encoding="utf-8").splitlines() if x]
+        questions = ["Who directed 2001: A Space Odyssey?"]
+        questions += [f"What is {d.get('title', d['id'])}?" for d in rows[: args.docs]]
     questions = (questions * (1 + args.questions // len(questions)))[: args.questions]
 
     t = time.perf_counter()

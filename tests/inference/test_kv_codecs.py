@@ -150,6 +150,44 @@ def test_every_value_within_half_a_step_and_each_layer_within_the_stated_bound(
     assert rel.max() > 0  # lossy: the test can fail
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_writes_the_float32_dequantization_rounded_once(name, dtype) -> None:
+    """The decoder writes each half straight into the result: the same values as
+    dequantizing both halves in float32, stacking, permuting and rounding the whole once."""
+    from coinrag.storage.kv.codecs import dequantize
+
+    codec = codec_named(name)
+    layout = KvLayout("m", "p", 3, 2, 8, str(dtype).removeprefix("torch."), 4, 4, name)
+    payload = codec.encode(_synthetic(37, dtype), layout)
+    got = codec.decode(payload, layout)
+    raw = torch.from_numpy(payload.copy())
+    k, (lay, heads, block, dim) = raw.shape[0], (3, 2, 4, 8)
+    cut, at = {}, 0
+    for section, n in codec._sections(layout):
+        cut[section], at = raw[:, at : at + n], at + n
+
+    def f16(section, shape):
+        return cut[section].contiguous().view(torch.float16).reshape(shape)
+
+    def codes(section):
+        return codec._unpack(cut[section].reshape(k, lay, heads, block, dim * codec.bits // 8), dim)
+
+    keys = dequantize(
+        codes("k_codes"),
+        f16("k_lo", (k, lay, heads, 1, dim)),
+        f16("k_step", (k, lay, heads, 1, dim)),
+    )
+    values = dequantize(
+        codes("v_codes"),
+        f16("v_lo", (k, lay, heads, block, 1)),
+        f16("v_step", (k, lay, heads, block, 1)),
+    )
+    want = torch.stack([keys, values], dim=2).permute(1, 2, 3, 0, 4, 5)
+    want = want.reshape(lay, 2, heads, k * block, dim).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_the_bytes_each_codec_stores() -> None:
     """SmolLM2's dims (30 layers, 3 KV heads, head dim 64), 16-token blocks: int8 0.578 and
     int4 0.328 of the raw bfloat16 bytes (codes, plus a float16 minimum and step per key

@@ -1,0 +1,64 @@
+"""Placing many slices by one rotation (``inference.assemble._rotated_together``) is the
+rotation of each slice alone, bit for bit: RoPE acts on each token by itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from store_fixtures import TINY_DIMS
+from transformers import LlamaConfig, Qwen2Config
+
+from coinrag.inference.assemble import KvSlice, _rotated, place_slices
+from coinrag.inference.rope import RopeSpec
+
+CONFIGS = {
+    "qwen2": Qwen2Config(
+        **TINY_DIMS, vocab_size=500, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+    ),
+    "llama3": LlamaConfig(
+        **TINY_DIMS,
+        vocab_size=500,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    ),
+}
+
+
+def _kv(config, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    return torch.randn(config.num_hidden_layers, 2, heads, n, dim, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rotation_equals_a_rotation_per_slice(name, dtype):
+    config = CONFIGS[name]
+    spec = RopeSpec.from_config(config)
+    prefix = _kv(config, 5, dtype, 0)
+    slices = [
+        KvSlice(_kv(config, 3, dtype, 1), old_start=12, old_seq_len=40),  # moved
+        KvSlice(_kv(config, 4, dtype, 2), old_start=8, old_seq_len=40),  # stays (see starts)
+        KvSlice(_kv(config, 2, dtype, 3), old_start=30, old_seq_len=40, at_zero=True),
+        KvSlice(_kv(config, 6, dtype, 4), old_start=5, old_seq_len=40),  # moved back
+    ]
+    starts = [5, 8, 12, 20]  # a gap after the third slice (KVLink's link tokens)
+    got = place_slices(prefix, slices, starts, spec)
+    parts = [prefix]
+    for s, start in zip(slices, starts, strict=True):
+        moved = s.old_start != start or s.at_zero
+        parts.append(_rotated(s, start, spec, 26) if moved else s.kv)
+    want = torch.cat(parts, dim=-2)
+    assert got.dtype == dtype and torch.equal(got, want)
+    unmoved = [KvSlice(s.kv, start, 40) for s, start in zip(slices, starts, strict=True)]
+    assert torch.equal(
+        place_slices(prefix, unmoved, starts, spec),
+        torch.cat([prefix, *[s.kv for s in unmoved]], dim=-2),
+    )

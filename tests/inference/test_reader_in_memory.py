@@ -1,0 +1,142 @@
+"""A reader's in-memory copy of the index tables (``storage.index_ann.FlatTable``), held to
+LanceDB's own answers on real tables in a temp dir: prefiltered searches, the float16 copy of a
+large table, lexical hits completed from memory, and row lookups by id.
+
+The writer's view (``LanceIndex.open_latest``) never uses a copy: its answers are LanceDB's, so
+each test compares a reader pinned to the published versions with the writer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_index_retrieval import HashEmbedder, cut
+
+import coinrag.storage.index_search as index_search
+from coinrag.storage.index import ID_COLUMNS, LanceIndex
+from coinrag.storage.index_tables import InFilter, in_filter
+from coinrag.storage.store import Store
+from coinrag.tasks.embed import embed_stage
+from coinrag.tasks.ingest import SourceDocument
+
+TEXTS = {
+    "birds": "Penguins are flightless birds of the southern hemisphere. Emperor penguins "
+    "breed in the Antarctic winter. The penguins of Antarctica eat krill and fish.",
+    "rivers": "The Amazon river carries more water than any other river on Earth. The Nile is "
+    "the longest river in Africa. Rivers carry sediment to the sea.",
+    "volcanoes": "Mount Etna is an active stratovolcano on the east coast of Sicily. Its "
+    "eruptions are frequent. Lava flows from Etna reach the villages below.",
+    "stars": "A neutron star is the collapsed core of a massive supergiant star. Neutron stars "
+    "spin fast. A pulsar is a neutron star that emits beams of radiation.",
+}
+QUERIES = ("penguins of Antarctica", "a river on Earth", "collapsed core", "lava of Etna")
+# float16 rounds each component of a unit vector by at most 2**-11 of itself, so a cosine with
+# a unit float32 query moves by at most 2**-11 (Cauchy-Schwarz): the stated tolerance.
+HALF_TOLERANCE = 2.0**-11
+
+
+@pytest.fixture()
+def indexes(tmp_path, smollm2_tokenizer):
+    """(writer, reader, embedder) over the sample texts."""
+    store = Store.at(tmp_path / "s").init()
+    docs = [SourceDocument(k, v, {}, "test") for k, v in TEXTS.items()]
+    chunks, nuggets = cut(smollm2_tokenizer, docs)
+    emb = HashEmbedder()
+    embed_stage(store, chunks, nuggets, docs, emb, "r1")
+    writer = LanceIndex.open_latest(store)
+    reader = LanceIndex(store, writer.meta, writer.published_state()["versions"])
+    return writer, reader, emb
+
+
+def _ids(rows: list[dict], table: str) -> list[str]:
+    return [r[ID_COLUMNS[table]] for r in rows]
+
+
+def test_an_in_filter_is_its_sql_text():
+    f = in_filter("chunk_id", ["a", "b'c", "a"])
+    assert isinstance(f, InFilter) and isinstance(f, str)
+    assert f == "chunk_id IN ('a', 'b''c')"
+    assert (f.column, f.values) == ("chunk_id", ("a", "b'c"))
+
+
+def test_prefiltered_searches_from_memory_equal_lancedb(indexes):
+    writer, reader, emb = indexes
+    chunk_ids = _ids(writer.rows_where("chunks", "doc_id IN ('birds', 'stars')", 50), "chunks")
+    filters = {
+        "nuggets": in_filter("chunk_id", chunk_ids[:3]),
+        "chunks": in_filter("doc_id", ["rivers", "volcanoes"]),
+    }
+    for text in QUERIES:
+        q = emb.embed_queries([text])[0]
+        for table, where in filters.items():
+            want = writer.search_vector(table, q, 4, embedder_fp=emb.fingerprint, where=where)
+            got = reader.search_vector(table, q, 4, embedder_fp=emb.fingerprint, where=where)
+            assert reader._flat(table) is not None and writer._flat(table) is None
+            assert _ids(got, table) == _ids(want, table) and got
+            assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
+            assert set(got[0]) == set(want[0])
+    nowhere = in_filter("chunk_id", ["no-such-chunk"])
+    q = emb.embed_queries([QUERIES[0]])[0]
+    assert reader.search_vector("nuggets", q, 4, embedder_fp=emb.fingerprint, where=nowhere) == []
+
+
+def test_a_large_table_is_held_in_float16_within_the_stated_tolerance(indexes, monkeypatch):
+    """Above the ANN threshold the copy holds float16 vectors: each returned score is the
+    row's float32 cosine within 2**-11, and the rows are the exact top k up to such ties."""
+    writer, reader, emb = indexes
+    monkeypatch.setattr(index_search, "VECTOR_INDEX_MIN_ROWS", 1)  # every table counts as large
+    k = 2
+    n = writer.count("nuggets")
+    assert n > 4 * k  # the float16 candidate path, not a scan of every row in float32
+    for text in QUERIES:
+        q = emb.embed_queries([text])[0]
+        exact = writer.search_vector("nuggets", q, n, embedder_fp=emb.fingerprint)
+        exact_score = {r["nugget_id"]: r["score"] for r in exact}
+        got = reader.search_vector("nuggets", q, k, embedder_fp=emb.fingerprint)
+        assert reader._flat("nuggets").half
+        assert len(got) == k
+        for row in got:
+            assert row["score"] == pytest.approx(exact_score[row["nugget_id"]], abs=HALF_TOLERANCE)
+            assert exact_score[row["nugget_id"]] >= exact[k - 1]["score"] - 2 * HALF_TOLERANCE
+
+
+def test_a_table_over_the_memory_budget_is_searched_by_lancedb(indexes):
+    writer, reader, emb = indexes
+    reader.flat_max_bytes = 0
+    q = emb.embed_queries([QUERIES[1]])[0]
+    got = reader.search_vector("chunks", q, 3, embedder_fp=emb.fingerprint)
+    assert reader._flat("chunks") is None
+    want = writer.search_vector("chunks", q, 3, embedder_fp=emb.fingerprint)
+    assert _ids(got, "chunks") == _ids(want, "chunks")
+    assert reader.search_text("chunks", "river", 3) == writer.search_text("chunks", "river", 3)
+
+
+def test_lexical_hits_completed_from_memory_equal_lancedb(indexes):
+    """A reader asks LanceDB for ids and BM25 scores only and takes the hit columns from its
+    copy: the same rows, columns and scores as LanceDB's full answer."""
+    writer, reader, _ = indexes
+    where = in_filter("doc_id", ["birds", "rivers"])
+    for table in ("chunks", "nuggets"):
+        for text in ("penguins river", "neutron star pulsar", "Etna lava"):
+            want = writer.search_text(table, text, 5)
+            got = reader.search_text(table, text, 5)
+            assert reader._flat(table) is not None
+            assert got == want and got
+            assert reader.search_text(table, text, 5, where=where) == writer.search_text(
+                table, text, 5, where=where
+            )
+
+
+def test_rows_by_id_from_memory_equal_lancedb(indexes):
+    writer, reader, _ = indexes
+    ids = _ids(writer.rows_where("chunks", "doc_id = 'volcanoes'", 50), "chunks")
+    where = in_filter("chunk_id", ids)
+    want = {r["chunk_id"]: r for r in writer.rows_where("chunks", where, 50, extra=("vector",))}
+    got = {r["chunk_id"]: r for r in reader.rows_where("chunks", where, 50, extra=("vector",))}
+    assert got.keys() == want.keys() and got
+    for cid, row in got.items():
+        assert {k: v for k, v in row.items() if k != "vector"} == {
+            k: v for k, v in want[cid].items() if k != "vector"
+        }
+        assert np.allclose(row["vector"], want[cid]["vector"], atol=1e-6)
+    plain = reader.rows_where("chunks", where, 50)
+    assert all("vector" not in r for r in plain) and len(plain) == len(ids)
