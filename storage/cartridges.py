@@ -126,9 +126,8 @@ class CartridgeLayout:
     @classmethod
     def for_model(cls, model: Any, model_fp: str, dtype: str | None = None) -> CartridgeLayout:
         """The layout of a transformers causal LM (dims from its config)."""
-        layers, kv_heads, head_dim = config_dims(model.config)
         dtype = weights_dtype(model) if dtype is None else dtype
-        return cls(model_fp, layers, kv_heads, head_dim, dtype)
+        return cls(model_fp=model_fp, dtype=dtype, **config_dims(model.config))
 
 
 @dataclass(frozen=True)

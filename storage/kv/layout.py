@@ -368,26 +368,19 @@ class KvLayout:
         cls, config: Any, model_fp: str, prefix_sha: str, dtype: str, **kwargs: Any
     ) -> KvLayout:
         """The layout of a transformers model config (no weights loaded) and a dtype."""
-        layers, kv_heads, head_dim = config_dims(config)
-        return cls(
-            model_fp=model_fp,
-            prefix_sha=prefix_sha,
-            layers=layers,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            **kwargs,
-        )
+        dims = config_dims(config)
+        return cls(model_fp=model_fp, prefix_sha=prefix_sha, dtype=dtype, **dims, **kwargs)
 
 
-def config_dims(config: Any) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of a transformers config (its decoder's, for a
-    composite config): what one token's K or V is per layer, ``(kv_heads, head_dim)``."""
+def config_dims(config: Any) -> dict[str, int]:
+    """``layers``, ``kv_heads`` and ``head_dim`` (one token's K or V in a layer is ``(kv_heads,
+    head_dim)``) of a transformers config (its decoder's, for a composite config), by the
+    names :class:`KvLayout` and ``storage.cartridges.CartridgeLayout`` give these fields."""
     config = config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return {"layers": config.num_hidden_layers, "kv_heads": kv_heads, "head_dim": head_dim}
 
 
 def weights_dtype(model: Any) -> str:
