@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coinrag.schemas.settings import ApiSettings, BuildSettings, RuntimeSettings, SettingsError
-from coinrag.storage.store import Store, StoreLocked
+from coinrag.storage.store import Store, StoreLocationError, StoreLocked
 
 OPENAI_EXTRACTORS = ("openai", "openai-batch")
 
@@ -40,24 +40,14 @@ def store_at(path: str) -> Store:
 
 
 def store_to_write(path: str, check_lock: bool = True) -> Store:
-    """A store a build may create or update: a folder (or a folder to create), never a file,
-    with a writable nearest existing folder above it; with ``check_lock``, not locked by
-    another writer."""
+    """A store a build may create or update (``Store.check_creatable``: for a local store, a
+    folder or a folder to create, never a file, with a writable nearest existing folder above
+    it); with ``check_lock``, not locked by another writer."""
     store = store_at(path)
-    if not store.is_local:
-        return store
-    root = Path(store.root)
-    if root.exists() and not root.is_dir():
-        raise Preflight(
-            f"--store {path} is a file, not a folder: give a folder (created if absent)"
-        )
-    existing = root
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise Preflight(f"--store {path}: {existing} is a file, so no folder can be made there")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise Preflight(f"--store {path}: {existing} is not writable by this user")
+    try:
+        store.check_creatable(f"--store {path}")
+    except StoreLocationError as exc:
+        raise Preflight(str(exc)) from None
     if check_lock:
         unlocked(store)
     return store
@@ -66,8 +56,10 @@ def store_to_write(path: str, check_lock: bool = True) -> Store:
 def built_store(path: str) -> Store:
     """A store a build has written (query, eval, train, delete, gc, lineage read it)."""
     store = store_at(path)
-    if store.is_local and Path(store.root).is_file():
-        raise Preflight(f"--store {path} is a file, not a coinrag store (a folder)")
+    try:
+        store.check_not_a_file(f"--store {path}")
+    except StoreLocationError as exc:
+        raise Preflight(str(exc)) from None
     if not store.exists():
         raise Preflight(
             f"{store} is not a coinrag store: run coinrag build SOURCE --store {path} first"
@@ -244,20 +236,3 @@ def output_folder(path: Path, option: str) -> None:
     """An output folder (created if absent) is not a file."""
     if path.exists() and not path.is_dir():
         raise Preflight(f"{option} {path} is a file, not a folder")
-
-
-def remove_skeleton(store: Store, existed: bool) -> None:
-    """After a build that failed: remove the store folder it created if nothing but empty
-    folders (and the lock file) is in it, so a failed first build leaves no empty store."""
-    if existed or not store.is_local:
-        return
-    root = Path(store.root)
-    if not root.is_dir():
-        return
-    files: list[Any] = [p for p in root.rglob("*") if not p.is_dir() and p.name != ".lock"]
-    if files:
-        return
-    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
-        folder.rmdir()
-    (root / ".lock").unlink(missing_ok=True)
-    root.rmdir()

@@ -4,11 +4,12 @@ embedding stages as many tasks on a distributed task runner.
 Runners
 -------
 The one module that knows Dask and Ray (through ``prefect-dask`` and ``prefect-ray``). A
-:class:`Runner` subclass per value of the ``runner`` setting, registered by name
-(:meth:`Runner.from_settings`). The build submits its heavy tasks to the started runner
-(:func:`task_runner`) and publishes what they return; it never asks which runner it has: what
-differs is the runner's methods (where a stage runs, :meth:`Runner.stage`; where its model
-work runs, :meth:`Runner.kv_workers` and :meth:`Runner.embed_parts`).
+:class:`Runner` subclass per value of the ``runner`` setting, registered by name in
+``Runner.registry`` (``schemas/registry.py``; :meth:`Runner.from_settings`). The build submits
+its heavy tasks to the started runner (:func:`task_runner`) and publishes what they return; it
+never asks which runner it has: what differs is the runner's methods (where a stage runs,
+:meth:`Runner.stage`; where its model work runs, :meth:`Runner.kv_workers` and
+:meth:`Runner.embed_parts`).
 
 - ``default`` (:class:`LocalRunner`): Prefect's thread pool in the flow process, one task at
   a time (what a build did before scale-out); the KV and embedding stages are one task each,
@@ -59,6 +60,7 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
+from coinrag.schemas.registry import Registered, Registry, UnknownPlugin
 from coinrag.schemas.settings import RUNNERS, BuildSettings, SettingsError, parse_resources
 from coinrag.schemas.tables import ChunkRow
 from coinrag.storage.kv import KeptRanges, KvLayout, KvStore
@@ -79,29 +81,21 @@ from coinrag.tasks.kv import (
 # ---------------------------------------------------------------------------- runners
 
 
-class Runner(ABC):
+class Runner(Registered, ABC):
     """Where a build's tasks run, for one build's ``settings`` (one subclass per value of the
-    ``runner`` setting, registered by its ``name``: :meth:`from_settings`). Use it started
-    (:meth:`started`: a local cluster lives as long as the block)."""
+    ``runner`` setting, registered by its ``name`` in ``Runner.registry``:
+    :meth:`from_settings`). Use it started (:meth:`started`: a local cluster lives as long as
+    the block)."""
 
-    _registry: ClassVar[dict[str, type[Runner]]] = {}
-    name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            Runner._registry[name] = cls
+    registry: ClassVar[Registry[Runner]] = Registry("runner", RUNNERS)
 
     @classmethod
     def from_settings(cls, settings: BuildSettings) -> Runner:
         """The runner ``settings.runner`` names (SettingsError listing the names if none)."""
-        kind = Runner._registry.get(settings.runner)
-        if kind is None:
-            known = ", ".join(Runner._registry)
-            raise SettingsError(
-                f"runner {settings.runner!r} is not one of {known}: set --runner to one of them"
-            )
+        try:
+            kind = cls.registry[settings.runner]
+        except UnknownPlugin as exc:
+            raise SettingsError(f"{exc}: set --runner to one of them") from None
         return kind(settings)
 
     def __init__(self, settings: BuildSettings) -> None:
@@ -245,7 +239,7 @@ class RayRunner(ClusterRunner, name="ray"):
         return remote_options(**_ray_options(self.resources))
 
 
-assert set(RUNNERS) == set(Runner._registry), "schemas.settings.RUNNERS names every runner"
+assert set(RUNNERS) == set(Runner.registry), "schemas.settings.RUNNERS names every runner"
 
 
 @contextmanager

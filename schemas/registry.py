@@ -1,8 +1,8 @@
 """One plug-in mechanism: a registry of subclasses by name.
 
-A kind of plug-in (extractors, question generators, chunkers, KV codecs, RoPE types) is a base
-class deriving :class:`Registered` whose ``registry`` is a :class:`Registry`; a plug-in is a
-subclass declared with its name, which registers it::
+A kind of plug-in (extractors, question generators, chunkers, KV codecs, RoPE types, runners) is
+a base class deriving :class:`Registered` whose ``registry`` is a :class:`Registry`; a plug-in is
+a subclass declared with its name, which registers it::
 
     class Extractor(Registered):
         registry = Registry("extractor", EXTRACTORS, modules={...})

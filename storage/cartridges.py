@@ -55,6 +55,7 @@ from zarr.storage import LocalStore
 from coinrag.schemas.keys import CODE_VERSION, sha256_hex
 from coinrag.schemas.tables import CartridgeManifestRow
 from coinrag.storage.kv import entry_checksum, from_storage, to_storage
+from coinrag.storage.kv.layout import config_dims, weights_dtype
 from coinrag.storage.store import Store, safe_component
 from coinrag.storage.tables import append_rows, read_rows
 
@@ -125,13 +126,8 @@ class CartridgeLayout:
     @classmethod
     def for_model(cls, model: Any, model_fp: str, dtype: str | None = None) -> CartridgeLayout:
         """The layout of a transformers causal LM (dims from its config)."""
-        config = model.config.get_text_config(decoder=True)
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if dtype is None:
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return cls(model_fp, config.num_hidden_layers, kv_heads, head_dim, dtype)
+        dtype = weights_dtype(model) if dtype is None else dtype
+        return cls(model_fp=model_fp, dtype=dtype, **config_dims(model.config))
 
 
 @dataclass(frozen=True)

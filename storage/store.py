@@ -44,7 +44,7 @@ import socket
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePath, PurePosixPath
@@ -67,6 +67,12 @@ class StoreLocked(RuntimeError):
 
 class LocalStoreRequired(ValueError):
     """An operation that needs a local store was asked of an object store."""
+
+    exit_code = 1
+
+
+class StoreLocationError(ValueError):
+    """A local store path that cannot hold a store: a file, under a file, or not writable."""
 
     exit_code = 1
 
@@ -141,6 +147,28 @@ class Store(ABC):
     @abstractmethod
     def require_local(self, what: str) -> Path:
         """The local folder, or :class:`LocalStoreRequired` naming ``what`` needs one."""
+
+    @abstractmethod
+    def local_path(self, path: PurePath) -> Path | None:
+        """``path`` as a local file a local tool can open, or None for an object store."""
+
+    @abstractmethod
+    def check_creatable(self, named: str) -> None:
+        """Raise :class:`StoreLocationError` (its message starts with ``named``, how the user
+        named the store) unless a build can create or update a store here. Local: a folder
+        (or a folder to create), never a file, with a writable nearest existing folder above
+        it. Object store: always (a prefix is made by writing under it)."""
+
+    @abstractmethod
+    def check_not_a_file(self, named: str) -> None:
+        """Raise :class:`StoreLocationError` if the local store path is a file (an object
+        store's prefix never is)."""
+
+    @abstractmethod
+    def removed_if_left_empty(self) -> AbstractContextManager[None]:
+        """A block (a build) that, when it fails, removes the store folder it created if
+        nothing but empty folders (and the lock file) is in it, so a failed first build leaves
+        no empty store. Nothing to remove in object storage (no folders)."""
 
     @abstractmethod
     def init(self) -> Store:
@@ -350,6 +378,45 @@ class LocalStore(Store):
     def require_local(self, what: str) -> Path:
         return Path(self.root)
 
+    def local_path(self, path: PurePath) -> Path | None:
+        return Path(path)
+
+    def check_creatable(self, named: str) -> None:
+        root = Path(self.root)
+        if root.exists() and not root.is_dir():
+            raise StoreLocationError(
+                f"{named} is a file, not a folder: give a folder (created if absent)"
+            )
+        existing = root
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise StoreLocationError(
+                f"{named}: {existing} is a file, so no folder can be made there"
+            )
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise StoreLocationError(f"{named}: {existing} is not writable by this user")
+
+    def check_not_a_file(self, named: str) -> None:
+        if Path(self.root).is_file():
+            raise StoreLocationError(f"{named} is a file, not a coinrag store (a folder)")
+
+    @contextmanager
+    def removed_if_left_empty(self) -> Iterator[None]:
+        root = Path(self.root)
+        existed = root.exists()
+        try:
+            yield
+        except BaseException:
+            if not existed and root.is_dir():
+                inside = list(root.rglob("*"))
+                if all(p.is_dir() or p.name == ".lock" for p in inside):  # only the skeleton
+                    for folder in sorted((p for p in inside if p.is_dir()), reverse=True):
+                        folder.rmdir()
+                    (root / ".lock").unlink(missing_ok=True)
+                    root.rmdir()
+            raise
+
     def init(self) -> Store:
         for sub in ("tables", "kv", "index", "cartridges", "models", "reports"):
             (Path(self.root) / sub).mkdir(parents=True, exist_ok=True)
@@ -499,6 +566,18 @@ class ObjectStore(Store):
             f"{what} needs a local store; {self.url} is in object storage (there, coinrag "
             "supports build, delete, gc, lineage, query, eval, serve and watch)"
         )
+
+    def local_path(self, path: PurePath) -> Path | None:
+        return None
+
+    def check_creatable(self, named: str) -> None:
+        pass  # a prefix is made by writing under it
+
+    def check_not_a_file(self, named: str) -> None:
+        pass  # a prefix is never a file
+
+    def removed_if_left_empty(self) -> AbstractContextManager[None]:
+        return nullcontext()  # no folders to remove
 
     def init(self) -> Store:
         return self  # no folders: a prefix exists once an object is written under it

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -40,16 +39,11 @@ def build(
     preflight.source(source)
     st = preflight.store_to_write(store)
     preflight.build_settings(settings)
-    existed = st.is_local and Path(st.root).exists()
-
     from coinrag.flows.build import build_flow
 
     common.prefect_run()
-    try:
+    with st.removed_if_left_empty():  # a failed first build leaves no empty store behind
         summary = build_flow(source=source, store=str(store), settings=settings.to_dict())
-    except BaseException:  # a failed first build leaves no empty store behind
-        preflight.remove_skeleton(st, existed)
-        raise
     from coinrag.flows import render
 
     render.print_build_summary(Console(), summary)

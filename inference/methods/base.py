@@ -83,7 +83,7 @@ def repair_command(store: Store) -> str:
             source = json.loads(last.parameters_json).get("source") or source
     except (OSError, ValueError, KeyError):  # unreadable runs: the generic form still says it
         pass
-    config = f" --config {store.uri(store.settings_path)}" if store.is_local else ""
+    config = f" --config {path}" if (path := store.local_path(store.settings_path)) else ""
     return f"`coinrag build {source} --store {store.url}{config}`"
 
 

@@ -10,32 +10,25 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable
-from pathlib import PurePath
 from typing import Any
 
 import zarr
 
-from coinrag.storage.kv.layout import SHARD_RE, KvLayout
+from coinrag.storage.kv.layout import SHARD_RE
 from coinrag.storage.kv.shard import ShardMeta, read_problem, verify_slots
-from coinrag.storage.kv.transport import KvTransport, ScratchBuffers
-from coinrag.storage.store import Store
+from coinrag.storage.kv.transport import KvFolder, ScratchBuffers
 
 
-class ShardCatalog:
+@dataclasses.dataclass(eq=False)
+class ShardCatalog(KvFolder):
     """The shards under ``root``; ``reader`` is the store's (counting) Zarr reader, through
     which shard arrays open."""
 
-    def __init__(
-        self, store: Store, layout: KvLayout, root: PurePath, transport: KvTransport, reader: Any
-    ) -> None:
-        self.store = store
-        self.layout = layout
-        self.root = root
-        self.transport = transport
-        self.reader = reader
-        self.meta: dict[str, ShardMeta] = {}
-        self.checked: set[str] = set()  # shards whose files checked out (remembered)
-        self.scratch = ScratchBuffers()  # local checks read into it
+    meta: dict[str, ShardMeta] = dataclasses.field(default_factory=dict, init=False)
+    # shards whose files checked out (remembered)
+    checked: set[str] = dataclasses.field(default_factory=set, init=False)
+    # local checks read into it
+    scratch: ScratchBuffers = dataclasses.field(default_factory=ScratchBuffers, init=False)
 
     def names(self) -> list[str]:
         """Shard folders on disk (verified and renamed into place), in write order."""

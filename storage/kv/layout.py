@@ -361,27 +361,31 @@ class KvLayout:
     @classmethod
     def for_model(cls, model: Any, model_fp: str, prefix_sha: str, **kwargs: Any) -> KvLayout:
         """The layout of a transformers causal LM (dims from its config, dtype from its weights)."""
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return cls.for_config(model.config, model_fp, prefix_sha, dtype, **kwargs)
+        return cls.for_config(model.config, model_fp, prefix_sha, weights_dtype(model), **kwargs)
 
     @classmethod
     def for_config(
         cls, config: Any, model_fp: str, prefix_sha: str, dtype: str, **kwargs: Any
     ) -> KvLayout:
         """The layout of a transformers model config (no weights loaded) and a dtype."""
-        config = config.get_text_config(decoder=True)
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(
-            model_fp=model_fp,
-            prefix_sha=prefix_sha,
-            layers=config.num_hidden_layers,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            **kwargs,
-        )
+        dims = config_dims(config)
+        return cls(model_fp=model_fp, prefix_sha=prefix_sha, dtype=dtype, **dims, **kwargs)
+
+
+def config_dims(config: Any) -> dict[str, int]:
+    """``layers``, ``kv_heads`` and ``head_dim`` (one token's K or V in a layer is ``(kv_heads,
+    head_dim)``) of a transformers config (its decoder's, for a composite config), by the
+    names :class:`KvLayout` and ``storage.cartridges.CartridgeLayout`` give these fields."""
+    config = config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return {"layers": config.num_hidden_layers, "kv_heads": kv_heads, "head_dim": head_dim}
+
+
+def weights_dtype(model: Any) -> str:
+    """The dtype of a torch model's (first) weights by name: ``"float32"``, ``"bfloat16"``."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def checked_layout(stored: dict[str, Any], kv_fp: str, layout: KvLayout | None) -> KvLayout:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import PurePath
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,33 +28,18 @@ from coinrag.storage.kv.layout import (
     CorruptKvEntry,
     KvError,
     KvFingerprintMismatch,
-    KvLayout,
     MissingKvEntry,
 )
 from coinrag.storage.kv.shard import read_problem
-from coinrag.storage.kv.transport import KvTransport
-from coinrag.storage.store import Store
+from coinrag.storage.kv.transport import KvFolder
 
 
-class PrefixFolder:
+@dataclass(eq=False)
+class PrefixFolder(KvFolder):
     """``C_p`` of one KV store: ``root / "prefix"``, read through ``reader`` (the store's
     counting Zarr reader), written through ``transport``."""
 
-    def __init__(
-        self,
-        store: Store,
-        layout: KvLayout,
-        root: PurePath,
-        transport: KvTransport,
-        reader: Any,
-        fsync: bool = False,
-    ) -> None:
-        self.store = store
-        self.layout = layout
-        self.root = root
-        self.transport = transport
-        self.reader = reader
-        self.fsync = fsync
+    fsync: bool = False
 
     def exists(self) -> bool:
         return self.store.is_file(self.root / PREFIX / "zarr.json")

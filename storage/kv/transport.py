@@ -33,6 +33,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, ClassVar
 
@@ -41,7 +42,7 @@ import numpy as np
 import zarr
 from zarr.storage import FsspecStore, LocalStore
 
-from coinrag.storage.kv.layout import KvError
+from coinrag.storage.kv.layout import KvError, KvLayout
 from coinrag.storage.location import zarr_storage_options
 from coinrag.storage.object_lock import precondition_failed
 from coinrag.storage.store import Store
@@ -118,6 +119,19 @@ class KvTransport(ABC):
 def transport_for(store: Store) -> KvTransport:
     """The transport of ``store``: :class:`LocalTransport` or :class:`ObjectTransport`."""
     return LocalTransport(store) if store.is_local else ObjectTransport(store)
+
+
+@dataclass(eq=False)
+class KvFolder:
+    """One KV store's folder as its parts (the shard catalog, the prefix folder) reach it:
+    ``store`` and ``layout``, the folder ``root`` (``STORE/kv/<kv_fp>``), the ``transport``
+    that writes there and ``reader``, the KV store's (counting) Zarr reader."""
+
+    store: Store
+    layout: KvLayout
+    root: PurePath
+    transport: KvTransport
+    reader: Any
 
 
 # ---------------------------------------------------------------------------- local disk

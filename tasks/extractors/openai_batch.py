@@ -71,7 +71,6 @@ from coinrag.tasks.extractors.openai_chat import (
     MODE_PROMPT,
     OpenAIExtractor,
     group_requests,
-    response_format_param,
     spread_results,
 )
 from coinrag.tasks.extractors.prompt import (
@@ -254,14 +253,7 @@ class OpenAIBatchExtractor(OpenAIExtractor, name="openai-batch"):
             messages = build_messages(req.text)
         else:
             messages = repair_messages(req.text, *repair)
-        body: dict[str, Any] = {
-            "model": self.llm_model,
-            "messages": messages,
-            "temperature": self.temperature,
-        }
-        fmt = response_format_param(mode)
-        if fmt is not None:
-            body["response_format"] = fmt
+        body = self.request_body(messages, mode)
         line = {"custom_id": custom_id, "method": "POST", "url": ENDPOINT, "body": body}
         return (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8")
 

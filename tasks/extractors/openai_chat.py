@@ -164,6 +164,20 @@ class OpenAIExtractor(Extractor):
             self.backend, self.llm_model, self.temperature, requested_format(self.structured)
         )
 
+    def request_body(self, messages: list[dict[str, str]], mode: str) -> dict[str, Any]:
+        """The ``chat.completions.create`` arguments of one request (a Batch API line's
+        ``body``): model, ``messages``, temperature, and the ``response_format`` of ``mode``
+        (none for ``prompt``)."""
+        body: dict[str, Any] = {
+            "model": self.llm_model,
+            "messages": messages,
+            "temperature": self.temperature,
+        }
+        fmt = response_format_param(mode)
+        if fmt is not None:
+            body["response_format"] = fmt
+        return body
+
 
 class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
     """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
@@ -268,14 +282,7 @@ class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
             with self._lock:
                 mode = self._mode if repair_mode is None else repair_mode
             attempt += 1
-            kwargs: dict[str, Any] = {
-                "model": self.llm_model,
-                "messages": messages,
-                "temperature": self.temperature,
-            }
-            fmt = response_format_param(mode)
-            if fmt is not None:
-                kwargs["response_format"] = fmt
+            kwargs = self.request_body(messages, mode)
             started_at = datetime.now(UTC)
             t0 = time.perf_counter()
             try:

@@ -135,7 +135,7 @@ def test_kv_options_come_from_the_build_settings() -> None:
 
 def test_runners_are_chosen_by_their_registered_name() -> None:
     kinds = {
-        name: type(Runner.from_settings(BuildSettings(runner=name))) for name in Runner._registry
+        name: type(Runner.from_settings(BuildSettings(runner=name))) for name in Runner.registry
     }
     assert kinds == {"default": LocalRunner, "dask": DaskRunner, "ray": RayRunner}
 
@@ -145,8 +145,8 @@ def test_runners_are_chosen_by_their_registered_name() -> None:
     try:
         assert isinstance(Runner.from_settings(BuildSettings(runner="spark-test")), Spark)
     finally:
-        del Runner._registry["spark-test"]
-    with pytest.raises(SettingsError, match="runner 'nope' is not one of default, dask, ray"):
+        del Runner.registry["spark-test"]
+    with pytest.raises(SettingsError, match=r"unknown runner 'nope' \(dask, default, ray\)"):
         Runner.from_settings(BuildSettings(runner="nope"))
     with pytest.raises(RuntimeError, match="not started"):
         Runner.from_settings(BuildSettings()).submit(None, {})  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import pytest
 
 from coinrag.storage.cache import file_sha256
 from coinrag.storage.location import object_filesystem
-from coinrag.storage.store import LocalStore, ObjectStore, Store
+from coinrag.storage.store import LocalStore, ObjectStore, Store, StoreLocationError
 
 BUCKET = "coinrag-locations"
 
@@ -148,3 +148,65 @@ def test_file_sha256_is_cached_until_the_file_changes(tmp_path, monkeypatch):
     from coinrag.training import finetune
 
     assert models.file_sha256 is finetune.file_sha256 is file_sha256
+
+
+def test_where_a_build_may_write_is_checked_for_a_local_folder_only(tmp_path, s3):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    local = Store.at(tmp_path / "new" / "store")
+    local.check_creatable("--store new")  # a folder to create
+    local.check_not_a_file("--store new")
+    with pytest.raises(StoreLocationError, match=r"^--store f is a file, not a folder: give"):
+        Store.at(a_file).check_creatable("--store f")
+    with pytest.raises(StoreLocationError, match=f"^--store s: {a_file} is a file, so no"):
+        Store.at(a_file / "sub").check_creatable("--store s")
+    with pytest.raises(StoreLocationError, match=r"^--store f is a file, not a coinrag store"):
+        Store.at(a_file).check_not_a_file("--store f")
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "read-only"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(StoreLocationError, match="read-only is not writable by this user"):
+            Store.at(locked / "store").check_creatable("--store r")
+    remote = Store.at(f"s3://{BUCKET}/where")
+    remote.check_creatable("--store s3")  # a prefix is made by writing under it
+    remote.check_not_a_file("--store s3")
+    assert not remote.exists()
+
+
+def test_a_failed_first_build_leaves_no_empty_local_folder(tmp_path, s3):
+    def fail_in(store: Store, write: bytes | None = None) -> None:
+        with pytest.raises(RuntimeError, match="build failed"), store.removed_if_left_empty():
+            store.init()
+            with store.write_lock("run-1"):
+                if write is not None:
+                    store.write_bytes_atomic(store.settings_path, write)
+                raise RuntimeError("build failed")
+
+    new = Store.at(tmp_path / "new")
+    fail_in(new)  # only empty folders and the lock file: removed
+    assert not (tmp_path / "new").exists()
+    fail_in(Store.at(tmp_path / "written"), b"[build]\n")  # it holds a file: kept
+    assert (tmp_path / "written" / "coinrag.toml").is_file()
+    Path(tmp_path / "old").mkdir()
+    fail_in(Store.at(tmp_path / "old"))  # it was there before: kept
+    assert (tmp_path / "old" / "tables").is_dir()
+    with new.removed_if_left_empty():  # a build that succeeds keeps its store
+        new.init()
+    assert new.exists()
+
+    remote = Store.at(f"s3://{BUCKET}/failed")
+    fail_in(remote, b"[build]\n")  # no folders in object storage: nothing removed
+    assert remote.exists()
+
+
+def test_the_repair_command_names_a_local_stores_settings_file(tmp_path, s3):
+    from coinrag.inference.methods import repair_command
+
+    local = Store.at(tmp_path / "store").init()
+    assert local.local_path(local.settings_path) == tmp_path / "store" / "coinrag.toml"
+    assert repair_command(local) == (
+        f"`coinrag build SOURCE --store {local.url} --config {local.root}/coinrag.toml`"
+    )
+    remote = Store.at(f"s3://{BUCKET}/repair")
+    assert remote.local_path(remote.settings_path) is None  # --config takes a local file
+    assert repair_command(remote) == f"`coinrag build SOURCE --store s3://{BUCKET}/repair`"

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from coinrag.flows.scaleout import Runner
 from coinrag.inference.rope_frequencies import ROPE_TYPES, DynamicRope, LongRope, RopeType
 from coinrag.schemas.registry import Registered, Registry, UnknownPlugin
-from coinrag.schemas.settings import CHUNKERS, EXTRACTORS, KV_CODECS, QUESTION_GENERATORS
+from coinrag.schemas.settings import CHUNKERS, EXTRACTORS, KV_CODECS, QUESTION_GENERATORS, RUNNERS
 from coinrag.storage.kv.codecs import Int4Codec, Int8Codec, KvCodec
 from coinrag.tasks.chunk import Chunker, ContentChunker, FixedChunker, SentenceChunker
 from coinrag.tasks.extractors.base import Extractor
@@ -19,6 +20,7 @@ KINDS = [
     (KvCodec, KV_CODECS, "KV codec"),
     (Chunker, CHUNKERS, "chunker"),
     (RopeType, ROPE_TYPES, "rope type"),
+    (Runner, RUNNERS, "runner"),
 ]
 
 
