@@ -44,6 +44,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -121,17 +122,26 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class EncoderKind:
+    """What an encoder folder holds and how its vectors are made: ``kind`` (``minilm``,
+    ``bge-m3``, ``mean``, ``cls``), the ``name`` in its fingerprint, the ``pooling`` and the
+    truncation length in word pieces (``max_length``, capped by the model's positions)."""
+
+    kind: str
+    name: str
+    pooling: str
+    max_length: int
+
+
 class FlagEmbedder:
     """An encoder loaded through FlagEmbedding; see the module docstring for the three kinds."""
 
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
+        encoder: EncoderKind,
         *,
-        kind: str,
-        name: str,
-        pooling: str,
-        max_length: int,
         query_instruction: str | None = None,
         batch_size: int = 32,
         device: str | None = None,
@@ -140,9 +150,10 @@ class FlagEmbedder:
         from coinrag.inference.kv_dtype import resolve_kv_dtype
         from coinrag.inference.models import weights_sha256
 
+        kind, pooling, max_length = encoder.kind, encoder.pooling, encoder.max_length
         self.model_dir = Path(model_dir)
         self.kind = kind
-        self.name = name
+        self.name = encoder.name
         self.pooling = pooling
         self.query_instruction = query_instruction or None
         self.batch_size = max(1, int(batch_size))
@@ -179,7 +190,7 @@ class FlagEmbedder:
         self.fingerprint = make_fingerprint(
             "embedder",
             {
-                "name": name,
+                "name": self.name,
                 "kind": kind,
                 "weights_sha256": weights_sha256(self.model_dir),
                 "tokenizer_fp": _tokenizer_identity(self.tokenizer, self.model_dir),
@@ -315,10 +326,7 @@ def load_embedder(
         _, st_len = _st_settings(path)
         return FlagEmbedder(
             path,
-            kind="minilm",
-            name="all-MiniLM-L6-v2",
-            pooling="mean",
-            max_length=max_length or st_len or 256,
+            EncoderKind("minilm", "all-MiniLM-L6-v2", "mean", max_length or st_len or 256),
             query_instruction=query_instruction,
             batch_size=batch_size,
             device=device,
@@ -329,10 +337,7 @@ def load_embedder(
     if _is_bge_m3(path, config):
         return FlagEmbedder(
             path,
-            kind="bge-m3",
-            name="bge-m3",
-            pooling="cls",
-            max_length=max_length or 1024,
+            EncoderKind("bge-m3", "bge-m3", "cls", max_length or 1024),
             query_instruction=query_instruction,
             batch_size=batch_size,
             device=device,
@@ -341,10 +346,12 @@ def load_embedder(
     st_pooling, st_len = _st_settings(path)
     return FlagEmbedder(
         path,
-        kind="mean" if (st_pooling or "mean") == "mean" else "cls",
-        name=str(config.get("model_type", "encoder")),
-        pooling=st_pooling or "mean",
-        max_length=max_length or st_len or 512,
+        EncoderKind(
+            "mean" if (st_pooling or "mean") == "mean" else "cls",
+            str(config.get("model_type", "encoder")),
+            st_pooling or "mean",
+            max_length or st_len or 512,
+        ),
         query_instruction=query_instruction,
         batch_size=batch_size,
         device=device,
