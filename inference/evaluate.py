@@ -14,14 +14,15 @@ The paper's measures, on a JSONL of questions, for every method x ``(kc, k)`` of
   and P99 (numpy's linear-interpolation percentile).
 - **active tokens**: context tokens after the cached prompt prefix (KV-memory proxy), mean.
 
-A method runs once per distinct value of what its retrieval uses (``RagMethod.uses_kc``,
-``uses_k``) and records ``0`` for the other ("not applicable"): CoinRAG per (kc, k), TurboRAG and
-standard RAG once per kc with ``k = 0``, cartridge RAG once per k with ``kc = 0``. Retrieval is
-computed once per question and retrieval key (``RagMethod.retrieval_key``): once per (question,
-kc) for the chunk methods (``chunks_only``, shared by turborag and standard), once per
-(question, kc, k) for CoinRAG (``two_stage``); each method's TTFT includes the retrieval time of
-the result it used. Before measuring, every method answers the first question once, untimed, so
-lazy loading (weights, index, KV files) is not in the first measurement.
+A method runs once per distinct value of what its retrieval uses (``Retrieval.used``: its
+``uses_kc``, ``uses_k``) and records ``0`` for the other ("not applicable"): CoinRAG per
+(kc, k), TurboRAG and standard RAG once per kc with ``k = 0``, cartridge RAG once per k with
+``kc = 0``. Retrieval is computed once per question and retrieval key
+(``RagMethod.retrieval_key``): once per (question, kc) for the chunk methods (``chunks_only``,
+shared by turborag and standard), once per (question, kc, k) for CoinRAG (``two_stage``); each
+method's TTFT includes the retrieval time of the result it used. Before measuring, every method
+answers the first question once, untimed, so lazy loading (weights, index, KV files) is not in
+the first measurement.
 
 Models: ``models`` (``coinrag eval --model LABEL=REF``, repeatable) opens one engine per label;
 a method entry ``METHOD@LABEL`` runs on that model (a bare name on the first): the
@@ -178,7 +179,7 @@ def _configs(
     for label, method in methods:
         seen: set[tuple[int, int]] = set()
         for kc, k in sweep:
-            key = (kc if method.uses_kc else 0, k if method.uses_k else 0)
+            key = method.retrieval.used(kc, k)
             if key not in seen:
                 seen.add(key)
                 out.append((label, method.name, *key))

@@ -35,7 +35,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from coinrag.inference.embedders import Embedder
-from coinrag.schemas.settings import DEFAULT_QUERY, DEFAULT_RETRIEVAL
+from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.settings import DEFAULT_QUERY, DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 from coinrag.storage.index import ID_COLUMNS, LanceIndex, in_filter
 from coinrag.storage.store import Store
 
@@ -162,9 +163,10 @@ class Query:
         return self._vector
 
 
-class SearchMode(ABC):
+class SearchMode(Registered, ABC):
     """How a table of the index is ranked for a query: one subclass per ``retrieval`` setting
-    (``schemas.settings.RETRIEVAL_MODES``), registered by its ``name``.
+    (``schemas.settings.RETRIEVAL_MODES``), registered by its ``name`` in :data:`SEARCH_MODES`
+    (``SearchMode.registry``, the plug-in registry of ``schemas/registry.py``).
 
     :meth:`rank` returns the top-``k`` rows of ``chunks`` or ``nuggets`` (their
     ``storage.index.HIT_COLUMNS`` and a ``score``: higher is better, on the mode's own scale),
@@ -172,13 +174,7 @@ class SearchMode(ABC):
     which the search is exact. :meth:`documents` ranks whole documents (cartridge selection).
     """
 
-    name: ClassVar[str]
-
-    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            SEARCH_MODES[name] = cls
+    registry: ClassVar[Registry[SearchMode]] = Registry("retrieval mode", RETRIEVAL_MODES)
 
     @abstractmethod
     def rank(
@@ -189,7 +185,7 @@ class SearchMode(ABC):
     def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]: ...
 
 
-SEARCH_MODES: dict[str, type[SearchMode]] = {}
+SEARCH_MODES = SearchMode.registry  # name -> SearchMode subclass
 
 
 def search_mode(mode: str | SearchMode | None) -> SearchMode:
@@ -198,7 +194,7 @@ def search_mode(mode: str | SearchMode | None) -> SearchMode:
         return mode
     name = DEFAULT_RETRIEVAL if mode is None else mode
     if name not in SEARCH_MODES:
-        raise ValueError(f"retrieval {name!r} is not one of {', '.join(SEARCH_MODES)}")
+        raise ValueError(f"retrieval {name!r} is not one of {', '.join(SEARCH_MODES.known())}")
     return SEARCH_MODES[name]()
 
 

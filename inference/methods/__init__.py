@@ -1,7 +1,8 @@
 """RAG methods: one class per method behind one interface, and the engine that runs them.
 
-- ``base.py``: :class:`RagMethod` (the interface: assets needed, retrieval, ``run``), the
-  registry ``METHODS`` (filled by subclassing), :class:`Answer`, :class:`MissingAssets`;
+- ``base.py``: :class:`RagMethod` (the interface: assets needed, retrieval, ``run`` over the
+  method's ``generate``), the registry ``METHODS`` (``RagMethod.registry``, filled by
+  subclassing), :class:`Answer`, :class:`MissingAssets`;
 - ``engine.py``: :class:`RagEngine` (model, prompt and store loaded once; the methods asked
   for and their assets);
 - ``assets.py``, ``retrievals.py``: the index, chunk tokens and stored KV methods read, and how

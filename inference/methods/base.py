@@ -2,8 +2,9 @@
 
 A method is a subclass of :class:`RagMethod` registered by name (``class CoinRag(KvReuseMethod,
 name="coinrag")`` in ``inference/methods/coinrag.py`` fills ``METHODS["coinrag"]``, imported on
-first look-up: :class:`MethodRegistry`; ``schemas.settings.RAG_METHODS`` lists the same
-names for the CLI, which checks them before anything loads). A method declares
+first look-up: :data:`METHODS` is ``RagMethod.registry``, the plug-in registry of
+``schemas/registry.py``; ``schemas.settings.RAG_METHODS`` declares its names for the CLI, which
+checks them before anything loads). A method declares
 
 - ``needs``: the :class:`Asset` kinds it reads (the index, chunk token ids, stored chunk KV,
   stored nugget KV, cartridges, ...). The engine (``inference/methods/engine.py``) loads each
@@ -17,6 +18,9 @@ names for the CLI, which checks them before anything loads). A method declares
 and answers through one path, :meth:`RagMethod.run` ``(question, retrieval, kc, k,
 on_token)``: the retrieval result in, an :class:`Answer` (text, evidence, active tokens,
 timings) out; ``on_token`` is called with each answer token id as it is decoded (streaming).
+``run`` opens a :class:`Turn` (the call, with the retrieval's time and evidence rows) and hands
+it to the method's own :meth:`RagMethod.generate`, which decodes; ``run`` then makes the
+answer.
 
 What a store can never serve is said by its assets, from the store's settings, before any model
 loads (:meth:`Asset.unavailable`, e.g. ``StoredChunkKv`` on a store that keeps only nugget
@@ -31,13 +35,12 @@ token's logits), ``ttft`` (the sum of those four) and ``decode`` (the remaining 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import import_module
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from coinrag.inference.generate import Generation
-from coinrag.inference.prompt import require_question
+from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import RAG_METHODS, BuildSettings
 from coinrag.storage.kv import CorruptKvEntry
 from coinrag.storage.store import Store, store_settings
@@ -148,6 +151,20 @@ def methods_for(store: Store, methods: Sequence[str]) -> list[str]:
     return [name for name in methods if name not in refused]
 
 
+@dataclass(frozen=True)
+class RetrievalRequest:
+    """What a :class:`Retrieval` is asked: the evidence for ``question``, with ``kc`` chunks
+    (stage 1) and ``k`` nuggets or documents, among ``doc_ids``' chunks only (an oracle's gold
+    documents; None: every document), ranked in search mode ``mode``
+    (``schemas.settings.RETRIEVAL_MODES``)."""
+
+    question: str
+    kc: int
+    k: int
+    doc_ids: Sequence[str] | None
+    mode: str
+
+
 class Retrieval(ABC):
     """How a method finds its evidence for a question. Methods whose retrievals give the same
     :meth:`key` for ``(kc, k)`` can share one result (``coinrag eval`` retrieves once per
@@ -156,22 +173,25 @@ class Retrieval(ABC):
     uses_kc: ClassVar[bool] = False  # the result depends on kc (chunks of stage 1)
     uses_k: ClassVar[bool] = False  # the result depends on k (nuggets, documents)
 
+    def used(self, kc: int, k: int) -> tuple[int, int]:
+        """``(kc, k)`` as far as the result depends on them, 0 for what it does not use."""
+        return (kc if self.uses_kc else 0, k if self.uses_k else 0)
+
     def key(self, kc: int, k: int, mode: str = "") -> Hashable:
-        return (type(self).__name__, kc if self.uses_kc else 0, k if self.uses_k else 0, mode)
+        return (type(self).__name__, *self.used(kc, k), mode)
 
     @abstractmethod
-    def __call__(
-        self,
-        engine: RagEngine,
-        question: str,
-        kc: int,
-        k: int,
-        doc_ids: Sequence[str] | None,
-        mode: str,
-    ) -> Any:
-        """The evidence for ``question`` (its type is what the method's ``run`` takes), with
-        the time it took; ``doc_ids``: only these documents (an oracle's gold documents);
-        ``mode``: the search mode (``schemas.settings.RETRIEVAL_MODES``)."""
+    def __call__(self, engine: RagEngine, request: RetrievalRequest) -> Any:
+        """The evidence ``request`` asks for (its type is what the method's ``run`` takes),
+        with the time it took."""
+
+    @abstractmethod
+    def spent_ms(self, found: Any) -> float:
+        """The time (ms) finding ``found`` took: embedding the question and searching."""
+
+    @abstractmethod
+    def evidence(self, found: Any) -> list[dict[str, Any]]:
+        """The answer's evidence rows for ``found``, in context order."""
 
 
 # Methods that live in a module of another name (a variant beside the method it varies).
@@ -183,64 +203,42 @@ METHOD_MODULES = {
 }
 
 
-class MethodRegistry(Mapping[str, "type[RagMethod]"]):
-    """``name -> RagMethod subclass``, filled by subclassing. The names are
-    ``schemas.settings.RAG_METHODS``; a method's module, ``inference/methods/<name>.py`` (or
-    the one ``METHOD_MODULES`` names), is imported when its name is first looked up, so a
-    process imports only the methods it uses (``coinrag query --method standard`` never
-    imports the cartridge code). ``in`` imports
-    nothing; iterating imports every method."""
+@dataclass
+class Turn:
+    """One :meth:`RagMethod.run` under way: what it was given and what the answer gathers.
 
-    def __init__(self) -> None:
-        self._classes: dict[str, type[RagMethod]] = {}
+    ``found``: the retrieval result (what the method's :class:`Retrieval` returned, evidence in
+    context order); ``kc``, ``k``: recorded in the answer (a method records what it used);
+    ``on_token``: called with each answer token id as it is decoded; ``timings`` (ms):
+    ``retrieval``, and ``kv_load`` and ``assembly`` the method adds its KV work to;
+    ``evidence``: the answer's evidence rows; ``mode``: the search mode of the evidence."""
 
-    def register(self, name: str, cls: type[RagMethod]) -> None:
-        if name in self._classes:
-            raise ValueError(f"two RAG methods named {name!r}")
-        self._classes[name] = cls
-
-    def __delitem__(self, name: str) -> None:  # a probe subclass of a test, unregistered
-        del self._classes[name]
-
-    def __getitem__(self, name: str) -> type[RagMethod]:
-        if name not in self._classes and name in RAG_METHODS:
-            module = METHOD_MODULES.get(name, name)
-            import_module(f"{__package__}.{module}")  # this package, whatever it is named
-        return self._classes[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._classes or name in RAG_METHODS
-
-    def __iter__(self) -> Iterator[str]:
-        for name in RAG_METHODS:
-            self[name]
-        return iter(dict(self._classes))
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
+    question: str
+    found: Any
+    kc: int
+    k: int
+    on_token: OnToken | None
+    timings: dict[str, float]
+    evidence: list[dict[str, Any]]
+    mode: str
 
 
-METHODS = MethodRegistry()
-
-
-class RagMethod(ABC):
+class RagMethod(Registered, ABC):
     """A RAG method over one engine's model, prompt and assets.
 
-    Subclass with ``name=...`` to register; set ``needs`` and ``retrieval``; implement
-    :meth:`run`. Constructed by the engine (once per engine), which loads the method's model
-    and assets then, so a missing asset fails when the engine opens, and loading is never in a
-    timing.
+    Subclass with ``name=...`` to register (in :data:`METHODS`); set ``needs`` and
+    ``retrieval``; implement :meth:`generate`. Constructed by the engine (once per engine),
+    which loads the method's model and assets then, so a missing asset fails when the engine
+    opens, and loading is never in a timing.
     """
 
-    name: ClassVar[str] = ""
+    registry: ClassVar[Registry[RagMethod]] = Registry(
+        "RAG method",
+        RAG_METHODS,
+        modules={n: f"{__package__}.{METHOD_MODULES.get(n, n)}" for n in RAG_METHODS},
+    )
     needs: ClassVar[tuple[type[Asset[Any]], ...]] = ()
     retrieval: ClassVar[Retrieval]
-
-    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if name is not None:
-            METHODS.register(name, cls)
-            cls.name = name
 
     def __init__(self, engine: RagEngine) -> None:
         self.engine = engine
@@ -267,14 +265,6 @@ class RagMethod(ABC):
         used as stored; standard RAG computes in it too, so the methods compare)."""
         return kv_dtype
 
-    @property
-    def uses_kc(self) -> bool:
-        return self.retrieval.uses_kc
-
-    @property
-    def uses_k(self) -> bool:
-        return self.retrieval.uses_k
-
     def retrieval_key(self, kc: int, k: int, mode: str | None = None) -> Hashable:
         """Equal for two methods whose retrievals for ``(kc, k)`` in search mode ``mode``
         (default: the engine's) are the same."""
@@ -290,57 +280,56 @@ class RagMethod(ABC):
     ) -> Any:
         """The evidence :meth:`run` takes (``doc_ids``: retrieve among these documents only;
         ``mode``: the search mode, default the engine's)."""
-        return self.retrieval(self.engine, question, kc, k, doc_ids, mode or self.engine.retrieval)
+        request = RetrievalRequest(question, kc, k, doc_ids, mode or self.engine.retrieval)
+        return self.retrieval(self.engine, request)
 
-    @abstractmethod
     def run(
         self, question: str, retrieval: Any, kc: int, k: int, on_token: OnToken | None = None
     ) -> Answer:
         """Answer ``question`` from ``retrieval`` (what :meth:`retrieve` returned, evidence in
-        context order); ``kc`` and ``k`` are recorded in the answer."""
+        context order); ``kc`` and ``k`` are recorded in the answer. The answer is
+        :meth:`generate`'s over a :class:`Turn` opened with the retrieval's time and evidence."""
+        how = self.retrieval
+        timings = {"retrieval": how.spent_ms(retrieval), "kv_load": 0.0, "assembly": 0.0}
+        evidence = how.evidence(retrieval)
+        turn = Turn(question, retrieval, kc, k, on_token, timings, evidence, retrieval.mode)
+        gen, active_tokens = self.generate(turn)
+        return self.finish(gen, turn, active_tokens)
 
-    def answer(
-        self,
-        question: str,
-        kc: int,
-        k: int,
-        *,
-        doc_ids: Sequence[str] | None = None,
-        on_token: OnToken | None = None,
-        mode: str | None = None,
-    ) -> Answer:
-        """Retrieve (in search mode ``mode``, default the engine's), then :meth:`run`
-        (``BlankQuestion``, a ValueError, for a blank question)."""
-        require_question(question)
-        found = self.retrieve(question, kc, k, doc_ids, mode)
-        return self.run(question, found, kc, k, on_token)
+    @abstractmethod
+    def generate(self, turn: Turn) -> tuple[Generation, int]:
+        """Decode the answer to ``turn`` (its KV work added to ``turn.timings``): the
+        generation, and the active context tokens (after the prompt prefix: a KV-memory
+        proxy)."""
 
-    def finish(
-        self,
-        gen: Generation,
-        timings: dict[str, float],
-        evidence: list[dict[str, Any]],
-        active_tokens: int,
-        kc: int,
-        k: int,
-        *,
-        mode: str,
-    ) -> Answer:
-        """The :class:`Answer` of ``gen``: ``timings`` holds ``retrieval``, ``kv_load`` and
-        ``assembly``; ``prefill``, ``ttft`` (the four summed) and ``decode`` are added, each
-        rounded to the microsecond; ``mode``: the search mode the evidence was found in."""
-        spent = {**timings, "prefill": gen.prefill_ms}
+    def fingerprint(self) -> str:
+        """The model fingerprint answers carry: the loaded model's."""
+        return self.loaded.model_fp
+
+    def finish(self, gen: Generation, turn: Turn, active_tokens: int) -> Answer:
+        """The :class:`Answer` of ``gen`` for ``turn``: its ``timings`` hold ``retrieval``,
+        ``kv_load`` and ``assembly``; ``prefill``, ``ttft`` (the four summed) and ``decode`` are
+        added, each rounded to the microsecond."""
+        spent = {**turn.timings, "prefill": gen.prefill_ms}
         spent["ttft"] = spent["retrieval"] + spent["kv_load"] + spent["assembly"] + gen.prefill_ms
         spent["decode"] = gen.decode_ms
         return Answer(
             answer=gen.text,
             method=self.name,
-            evidence=evidence,
+            evidence=turn.evidence,
             active_tokens=active_tokens,
             timings={key: round(v, 3) for key, v in spent.items()},
-            kc=kc,
-            k=k,
-            model_fp=self.loaded.model_fp,
-            retrieval=mode,
+            kc=turn.kc,
+            k=turn.k,
+            model_fp=self.fingerprint(),
+            retrieval=turn.mode,
             token_ids=gen.token_ids,
         )
+
+
+METHODS = RagMethod.registry
+"""``name -> RagMethod subclass`` (``schemas.settings.RAG_METHODS``), filled by subclassing; a
+method's module, ``inference/methods/<name>.py`` (or the one ``METHOD_MODULES`` names), is
+imported when its name is first looked up, so a process imports only the methods it uses
+(``coinrag query --method standard`` never imports the cartridge code). ``in`` imports nothing;
+iterating imports every method."""

@@ -18,12 +18,10 @@ from coinrag.inference.blend import (
     check_blendable,
 )
 from coinrag.inference.encode import causal_lm
-from coinrag.inference.generate import Prefilled, decode_greedy
-from coinrag.inference.methods.assets import ChunkTokenIds, Index, StoredChunkKv, stored_context
-from coinrag.inference.methods.base import Answer, OnToken
-from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
+from coinrag.inference.generate import Generation, Prefilled, decode_greedy
+from coinrag.inference.methods.assets import ChunkTokenIds, Index, StoredChunkKv
+from coinrag.inference.methods.base import Turn
 from coinrag.inference.methods.turborag import TurboRag
-from coinrag.inference.retrieve import RetrievalResult
 
 if TYPE_CHECKING:
     from coinrag.inference.methods.engine import RagEngine
@@ -41,26 +39,13 @@ class CacheBlend(TurboRag, name="cacheblend"):
         super().__init__(engine)
         check_blendable(causal_lm(self.loaded.model).config, self.ratio, self.check_layer)
 
-    def run(
-        self,
-        question: str,
-        retrieval: RetrievalResult,
-        kc: int,
-        k: int,
-        on_token: OnToken | None = None,
-    ) -> Answer:
-        engine = self.engine
-        query_ids = engine.prompt.query_ids(question)
-        timings = retrieval_timings(retrieval)
-        ctx, total = stored_context(
-            engine.asset(self.context), retrieval.evidence, len(query_ids), timings
-        )
+    def generate(self, turn: Turn) -> tuple[Generation, int]:
+        engine, evidence = self.engine, turn.found.evidence
+        query_ids, ctx, total = self.query_and_context(turn)
         t0 = time.perf_counter()
-        ids = engine.asset(ChunkTokenIds)([e.chunk_id for e in retrieval.evidence])
-        context_ids = [
-            t for e in retrieval.evidence for t in ids[e.chunk_id][e.tok_start : e.tok_end]
-        ]
-        timings["kv_load"] += (time.perf_counter() - t0) * 1000
+        ids = engine.asset(ChunkTokenIds)([e.chunk_id for e in evidence])
+        context_ids = [t for e in evidence for t in ids[e.chunk_id][e.tok_start : e.tok_end]]
+        turn.timings["kv_load"] += (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         blended = blend(
             self.loaded.model,
@@ -81,12 +66,9 @@ class CacheBlend(TurboRag, name="cacheblend"):
                 prefill_ms=(time.perf_counter() - t1) * 1000,
             ),
             max_new_tokens=engine.max_new_tokens,
-            on_token=on_token,
+            on_token=turn.on_token,
         )
-        active = total - engine.prompt.n_prefix
-        return self.finish(
-            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
-        )
+        return gen, total - engine.prompt.n_prefix
 
 
 class CacheBlendV(CacheBlend, name="cacheblend-v"):

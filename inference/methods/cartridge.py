@@ -35,7 +35,14 @@ import torch
 from coinrag.inference.assemble import assemble_cartridges
 from coinrag.inference.encode import prefix_kv
 from coinrag.inference.generate import Generation, prefill_and_decode
-from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod, Retrieval
+from coinrag.inference.methods.base import (
+    Asset,
+    OnToken,
+    RagMethod,
+    Retrieval,
+    RetrievalRequest,
+    Turn,
+)
 from coinrag.inference.models import LoadedModel, default_dtype
 from coinrag.inference.prompt import RagPrompt, require_question
 from coinrag.inference.rope import model_rope
@@ -269,21 +276,22 @@ class TopDocuments(Retrieval):
 
     uses_k = True
 
-    def __call__(
-        self,
-        engine: RagEngine,
-        question: str,
-        kc: int,
-        k: int,
-        doc_ids: Sequence[str] | None,
-        mode: str,
-    ) -> DocumentSelection:
-        if doc_ids is not None:
-            return DocumentSelection(list(doc_ids), 0.0, mode)
+    def __call__(self, engine: RagEngine, request: RetrievalRequest) -> DocumentSelection:
+        if request.doc_ids is not None:
+            return DocumentSelection(list(request.doc_ids), 0.0, request.mode)
         from coinrag.inference.methods.assets import Index
 
-        chosen, ms = engine.asset(Cartridges).select(question, k, engine.asset(Index), mode)
-        return DocumentSelection(chosen, ms, mode)
+        chosen, ms = engine.asset(Cartridges).select(
+            request.question, request.k, engine.asset(Index), request.mode
+        )
+        return DocumentSelection(chosen, ms, request.mode)
+
+    def spent_ms(self, found: DocumentSelection) -> float:
+        return found.ms
+
+    def evidence(self, found: DocumentSelection) -> list[dict[str, Any]]:
+        """``{doc_id}`` per document (the method adds its ``cartridge_id``)."""
+        return [{"doc_id": d} for d in found.doc_ids]
 
 
 class CartridgeMethod(RagMethod, name="cartridge"):
@@ -298,27 +306,18 @@ class CartridgeMethod(RagMethod, name="cartridge"):
     def model_dtype(cls, kv_dtype: str, device: str) -> str:
         return default_dtype(device)
 
-    def run(
-        self,
-        question: str,
-        retrieval: DocumentSelection,
-        kc: int,
-        k: int,
-        on_token: OnToken | None = None,
-    ) -> Answer:
+    def generate(self, turn: Turn) -> tuple[Generation, int]:
         rag = self.engine.asset(Cartridges)
         got = rag.answer(
-            question,
-            retrieval.doc_ids,
+            turn.question,
+            turn.found.doc_ids,
             max_new_tokens=self.engine.max_new_tokens,
-            on_token=on_token,
+            on_token=turn.on_token,
         )
         t = got.timings
+        turn.timings.update(kv_load=t["load_ms"], assembly=t["assemble_ms"])
+        for row, cartridge_id in zip(turn.evidence, got.cartridge_ids, strict=True):
+            row["cartridge_id"] = cartridge_id
+        turn.kc, turn.k = 0, len(got.doc_ids)
         gen = Generation(got.token_ids, got.answer, t["prefill_ms"], t["decode_ms"])
-        timings = {"retrieval": retrieval.ms, "kv_load": t["load_ms"], "assembly": t["assemble_ms"]}
-        evidence: list[dict[str, Any]] = [
-            {"doc_id": d, "cartridge_id": c}
-            for d, c in zip(got.doc_ids, got.cartridge_ids, strict=True)
-        ]
-        active = got.context_tokens - rag.prompt.n_prefix
-        return self.finish(gen, timings, evidence, active, 0, len(got.doc_ids), mode=retrieval.mode)
+        return gen, got.context_tokens - rag.prompt.n_prefix

@@ -282,9 +282,9 @@ class RagEngine:
         require_question(question)
         if retrieval is not None:
             search_mode(retrieval)  # an unknown mode is refused before any work
-        return self.method(method).answer(
-            question, kc, k, doc_ids=doc_ids, on_token=on_token, mode=retrieval
-        )
+        chosen = self.method(method)
+        found = chosen.retrieve(question, kc, k, doc_ids, retrieval)
+        return chosen.run(question, found, kc, k, on_token)
 
     def ask(self, question: str, options: QueryOptions, on_token: OnToken | None = None) -> Answer:
         """Answer ``question`` as ``options`` ask (``coinrag query``'s options, a server

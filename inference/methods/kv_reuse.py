@@ -9,14 +9,15 @@ the query is prefilled after it (``inference.generate.prefill_and_decode``). Whi
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from coinrag.inference.context import ContextBuilder
-from coinrag.inference.generate import prefill_and_decode
+from coinrag.inference.generate import Generation, prefill_and_decode
 from coinrag.inference.methods.assets import StoredKv, stored_context
-from coinrag.inference.methods.base import Answer, Asset, OnToken, RagMethod
-from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
-from coinrag.inference.retrieve import RetrievalResult
+from coinrag.inference.methods.base import Asset, RagMethod, Turn
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KvReuseMethod(RagMethod):
@@ -27,29 +28,23 @@ class KvReuseMethod(RagMethod):
 
     context: ClassVar[type[Asset[ContextBuilder]]] = StoredKv
 
-    def run(
-        self,
-        question: str,
-        retrieval: RetrievalResult,
-        kc: int,
-        k: int,
-        on_token: OnToken | None = None,
-    ) -> Answer:
-        engine = self.engine
-        query_ids = engine.prompt.query_ids(question)
-        timings = retrieval_timings(retrieval)
-        context = engine.asset(self.context)
-        ctx, total = stored_context(context, retrieval.evidence, len(query_ids), timings)
+    def query_and_context(self, turn: Turn) -> tuple[list[int], torch.Tensor, int]:
+        """The query's token ids, and ``C_ctx`` of ``turn``'s evidence with its length in
+        tokens (prefix included; its KV work added to ``turn.timings``)."""
+        query_ids = self.engine.prompt.query_ids(turn.question)
+        context = self.engine.asset(self.context)
+        ctx, total = stored_context(context, turn.found.evidence, len(query_ids), turn.timings)
+        return query_ids, ctx, total
+
+    def generate(self, turn: Turn) -> tuple[Generation, int]:
+        query_ids, ctx, total = self.query_and_context(turn)
         gen = prefill_and_decode(  # ctx goes into the forward's KV buffer (in the prefill time)
             self.loaded.model,
             self.loaded.tokenizer,
             ctx,
             total,
             query_ids,
-            max_new_tokens=engine.max_new_tokens,
-            on_token=on_token,
+            max_new_tokens=self.engine.max_new_tokens,
+            on_token=turn.on_token,
         )
-        active = total - engine.prompt.n_prefix
-        return self.finish(
-            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
-        )
+        return gen, total - self.engine.prompt.n_prefix

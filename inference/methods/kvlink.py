@@ -16,13 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coinrag.inference.generate import Prefilled, decode_greedy
+from coinrag.inference.generate import Generation, Prefilled, decode_greedy
 from coinrag.inference.link import LinkAdapterInfo, LinkEmbeddings, link_forward, load_link_adapter
 from coinrag.inference.methods.assets import Index, StoredChunkKv, StoredKv, kv_read_errors
-from coinrag.inference.methods.base import Answer, Asset, MissingAssets, OnToken
-from coinrag.inference.methods.retrievals import evidence_rows, retrieval_timings
+from coinrag.inference.methods.base import Asset, MissingAssets, Turn
 from coinrag.inference.methods.turborag import TurboRag
-from coinrag.inference.retrieve import RetrievalResult
 
 if TYPE_CHECKING:
     from coinrag.inference.methods.engine import RagEngine
@@ -54,33 +52,25 @@ class KvLink(TurboRag, name="kvlink"):
 
     needs = (Index, StoredChunkKv, LinkAdapter)
 
-    def run(
-        self,
-        question: str,
-        retrieval: RetrievalResult,
-        kc: int,
-        k: int,
-        on_token: OnToken | None = None,
-    ) -> Answer:
-        engine = self.engine
-        links, info = engine.asset(LinkAdapter)
-        if kc > links.max_docs:  # link rows are per document slot: never wrap around
+    def generate(self, turn: Turn) -> tuple[Generation, int]:
+        engine, evidence = self.engine, turn.found.evidence
+        links, _ = engine.asset(LinkAdapter)
+        if turn.kc > links.max_docs:  # link rows are per document slot: never wrap around
             raise ValueError(
-                f"the link adapter covers at most {links.max_docs} documents; got kc {kc}"
+                f"the link adapter covers at most {links.max_docs} documents; got kc {turn.kc}"
             )
-        query_ids = engine.prompt.query_ids(question)
-        timings = retrieval_timings(retrieval)
+        query_ids = engine.prompt.query_ids(turn.question)
         context = engine.asset(StoredKv)
         model = self.loaded.model
         device, dtype = context.device, next(model.parameters()).dtype
         t0 = time.perf_counter()
-        with kv_read_errors(context, retrieval.evidence):
-            prefix_kv, slices = context.load(retrieval.evidence)
-        timings["kv_load"] += (time.perf_counter() - t0) * 1000
+        with kv_read_errors(context, evidence):
+            prefix_kv, slices = context.load(evidence)
+        turn.timings["kv_load"] += (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         prefix_kv = prefix_kv.to(device, dtype=dtype)
         slices = [replace(s, kv=s.kv.to(device, dtype=dtype)) for s in slices]
-        timings["assembly"] += (time.perf_counter() - t1) * 1000
+        turn.timings["assembly"] += (time.perf_counter() - t1) * 1000
         t2 = time.perf_counter()
         with torch.inference_mode():
             out = link_forward(model, links, prefix_kv, slices, query_ids, context.spec)
@@ -94,11 +84,10 @@ class KvLink(TurboRag, name="kvlink"):
                 prefill_ms=(time.perf_counter() - t2) * 1000,
             ),
             max_new_tokens=engine.max_new_tokens,
-            on_token=on_token,
+            on_token=turn.on_token,
         )
-        active = sum(s.tokens for s in slices) + links.n_link * len(slices)
-        answer = self.finish(
-            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
-        )
-        answer.model_fp = info.kvlink_fp
-        return answer
+        return gen, sum(s.tokens for s in slices) + links.n_link * len(slices)
+
+    def fingerprint(self) -> str:
+        """The link adapter's ``kvlink_fp`` (the model and the trained links)."""
+        return self.engine.asset(LinkAdapter)[1].kvlink_fp

@@ -1,5 +1,6 @@
-"""How the chunk and nugget methods retrieve (``inference.retrieve.Retriever`` over the engine's
-:class:`~inference.methods.assets.Index`), and the evidence rows their answers carry.
+"""How the chunk and nugget methods retrieve: :class:`IndexSearch`, a search of the engine's
+:class:`~inference.methods.assets.Index` (``inference.retrieve.Retriever``), and the evidence
+rows their answers carry; each subclass says only which search it runs.
 
 - :class:`TopChunks`: the top-``kc`` chunks, each whole (turborag, standard: one shared result
   per ``kc``);
@@ -12,89 +13,78 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from coinrag.inference.methods.assets import Index
-from coinrag.inference.methods.base import Retrieval
-from coinrag.inference.retrieve import RetrievalResult
+from coinrag.inference.methods.base import Retrieval, RetrievalRequest
+from coinrag.inference.retrieve import RetrievalResult, Retriever
 
 if TYPE_CHECKING:
     from coinrag.inference.methods.engine import RagEngine
 
 
-class TopChunks(Retrieval):
+class IndexSearch(Retrieval):
+    """A search of the engine's :class:`~inference.methods.assets.Index` (a ``Retriever``):
+    spans of chunks (:class:`~inference.retrieve.RetrievalResult`), each an evidence row."""
+
+    def __call__(self, engine: RagEngine, request: RetrievalRequest) -> RetrievalResult:
+        return self.search(engine.asset(Index), request)
+
+    @abstractmethod
+    def search(self, index: Retriever, request: RetrievalRequest) -> RetrievalResult:
+        """``request``'s evidence from ``index``."""
+
+    def spent_ms(self, found: RetrievalResult) -> float:
+        return found.embed_ms + found.search_ms
+
+    def evidence(self, found: RetrievalResult) -> list[dict[str, Any]]:
+        """``{doc_id, chunk_id, tok_start, tok_end, text}`` per span."""
+        return [
+            {
+                "doc_id": e.doc_id,
+                "chunk_id": e.chunk_id,
+                "tok_start": e.tok_start,
+                "tok_end": e.tok_end,
+                "text": e.text,
+            }
+            for e in found.evidence
+        ]
+
+
+class TopChunks(IndexSearch):
     """Whole chunks, best first (``Retriever.chunks_only``)."""
 
     uses_kc = True
 
-    def __call__(
-        self,
-        engine: RagEngine,
-        question: str,
-        kc: int,
-        k: int,
-        doc_ids: Sequence[str] | None,
-        mode: str,
-    ) -> RetrievalResult:
-        return engine.asset(Index).chunks_only(question, kc=kc, doc_ids=doc_ids, mode=mode)
+    def search(self, index: Retriever, request: RetrievalRequest) -> RetrievalResult:
+        return index.chunks_only(
+            request.question, kc=request.kc, doc_ids=request.doc_ids, mode=request.mode
+        )
 
 
-class TwoStageNuggets(Retrieval):
+class TwoStageNuggets(IndexSearch):
     """CoinRAG's two-stage search (``Retriever.two_stage``): nuggets grouped by chunk rank."""
 
     uses_kc = True
     uses_k = True
 
-    def __call__(
-        self,
-        engine: RagEngine,
-        question: str,
-        kc: int,
-        k: int,
-        doc_ids: Sequence[str] | None,
-        mode: str,
-    ) -> RetrievalResult:
-        return engine.asset(Index).two_stage(question, kc=kc, k=k, doc_ids=doc_ids, mode=mode)
+    def search(self, index: Retriever, request: RetrievalRequest) -> RetrievalResult:
+        return index.two_stage(
+            request.question, kc=request.kc, k=request.k, doc_ids=request.doc_ids, mode=request.mode
+        )
 
 
-class OneStageNuggets(Retrieval):
+class OneStageNuggets(IndexSearch):
     """The one-stage ablation (``Retriever.one_stage``): the top-``k`` nuggets over the whole
     nugget index, no chunk stage (so ``kc`` is not used)."""
 
     uses_k = True
 
-    def __call__(
-        self,
-        engine: RagEngine,
-        question: str,
-        kc: int,
-        k: int,
-        doc_ids: Sequence[str] | None,
-        mode: str,
-    ) -> RetrievalResult:
-        if doc_ids:
+    def search(self, index: Retriever, request: RetrievalRequest) -> RetrievalResult:
+        if request.doc_ids:
             raise ValueError(
                 "coinrag-onestage searches the whole nugget index: an oracle document does not "
                 "apply to it"
             )
-        return engine.asset(Index).one_stage(question, k=k, mode=mode)
-
-
-def retrieval_timings(retrieval: RetrievalResult) -> dict[str, float]:
-    """The timings an answer starts with: ``retrieval`` (embedding + search), no KV work yet."""
-    return {"retrieval": retrieval.embed_ms + retrieval.search_ms, "kv_load": 0.0, "assembly": 0.0}
-
-
-def evidence_rows(retrieval: RetrievalResult) -> list[dict[str, Any]]:
-    """The answer's evidence: ``{doc_id, chunk_id, tok_start, tok_end, text}`` per span."""
-    return [
-        {
-            "doc_id": e.doc_id,
-            "chunk_id": e.chunk_id,
-            "tok_start": e.tok_start,
-            "tok_end": e.tok_end,
-            "text": e.text,
-        }
-        for e in retrieval.evidence
-    ]
+        return index.one_stage(request.question, k=request.k, mode=request.mode)

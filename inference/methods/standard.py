@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from coinrag.inference.generate import prefill_and_decode
+from coinrag.inference.generate import Generation, prefill_and_decode
 from coinrag.inference.methods.assets import ChunkTokenIds, Index
-from coinrag.inference.methods.base import Answer, OnToken, RagMethod
-from coinrag.inference.methods.retrievals import TopChunks, evidence_rows, retrieval_timings
-from coinrag.inference.retrieve import RetrievalResult
+from coinrag.inference.methods.base import RagMethod, Turn
+from coinrag.inference.methods.retrievals import TopChunks
 
 
 class StandardRag(RagMethod, name="standard"):
@@ -15,16 +14,9 @@ class StandardRag(RagMethod, name="standard"):
     needs = (Index, ChunkTokenIds)
     retrieval = TopChunks()
 
-    def run(
-        self,
-        question: str,
-        retrieval: RetrievalResult,
-        kc: int,
-        k: int,
-        on_token: OnToken | None = None,
-    ) -> Answer:
+    def generate(self, turn: Turn) -> tuple[Generation, int]:
         engine = self.engine
-        chunk_ids = list(dict.fromkeys(e.chunk_id for e in retrieval.evidence))
+        chunk_ids = list(dict.fromkeys(e.chunk_id for e in turn.found.evidence))
         ids = engine.asset(ChunkTokenIds)(chunk_ids)
         context = [ids[c] for c in chunk_ids]
         gen = prefill_and_decode(
@@ -32,12 +24,8 @@ class StandardRag(RagMethod, name="standard"):
             self.loaded.tokenizer,
             None,
             0,
-            engine.prompt.standard_ids(context, question),
+            engine.prompt.standard_ids(context, turn.question),
             max_new_tokens=engine.max_new_tokens,
-            on_token=on_token,
+            on_token=turn.on_token,
         )
-        active = sum(len(c) for c in context)
-        timings = retrieval_timings(retrieval)
-        return self.finish(
-            gen, timings, evidence_rows(retrieval), active, kc, k, mode=retrieval.mode
-        )
+        return gen, sum(len(c) for c in context)

@@ -6,9 +6,19 @@ from __future__ import annotations
 import pytest
 
 from coinrag.flows.scaleout import Runner
+from coinrag.inference.methods.base import RagMethod
+from coinrag.inference.retrieve import SearchMode
 from coinrag.inference.rope_frequencies import ROPE_TYPES, DynamicRope, LongRope, RopeType
 from coinrag.schemas.registry import Registered, Registry, UnknownPlugin
-from coinrag.schemas.settings import CHUNKERS, EXTRACTORS, KV_CODECS, QUESTION_GENERATORS, RUNNERS
+from coinrag.schemas.settings import (
+    CHUNKERS,
+    EXTRACTORS,
+    KV_CODECS,
+    QUESTION_GENERATORS,
+    RAG_METHODS,
+    RETRIEVAL_MODES,
+    RUNNERS,
+)
 from coinrag.storage.kv.codecs import Int4Codec, Int8Codec, KvCodec
 from coinrag.tasks.chunk import Chunker, ContentChunker, FixedChunker, SentenceChunker
 from coinrag.tasks.extractors.base import Extractor
@@ -21,6 +31,8 @@ KINDS = [
     (Chunker, CHUNKERS, "chunker"),
     (RopeType, ROPE_TYPES, "rope type"),
     (Runner, RUNNERS, "runner"),
+    (RagMethod, RAG_METHODS, "RAG method"),
+    (SearchMode, RETRIEVAL_MODES, "retrieval mode"),
 ]
 
 
@@ -95,7 +107,15 @@ def test_a_plugin_module_is_imported_on_first_look_up_only() -> None:
         "cls = Extractor.registry['openai-batch']\n"
         "assert mod in sys.modules and cls.__module__ == mod\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    methods = (  # a RAG method's module too: `query --method standard` never imports cartridge
+        "import sys\n"
+        "from coinrag.inference.methods import METHODS\n"
+        "mod = 'coinrag.inference.methods.cartridge'\n"
+        "assert METHODS['standard'].name == 'standard' and mod not in sys.modules\n"
+        "assert 'cartridge' in METHODS and mod not in sys.modules\n"
+        "assert METHODS['coinrag-onestage'].__module__.endswith('coinrag_ablations')\n"
+    )
+    subprocess.run([sys.executable, "-c", code + methods], check=True)
 
 
 def test_each_plugin_is_built_from_its_settings(monkeypatch, tmp_path) -> None:
