@@ -87,11 +87,14 @@ def set_process_threads(threads: int) -> int:
 
 def apply_runtime(settings: Any, *, serving: bool) -> int:
     """A reading process's runtime settings (``schemas.settings.RuntimeSettings``): its
-    threads (:func:`set_process_threads`, returned) and its model forward
+    threads (:func:`set_process_threads`, returned), its model forward
     (``inference.forward.set_default_forward``; ``serving``: ``eval``, not a one-shot
-    ``query``)."""
+    ``query``) and whether its index readers hold large tables in memory (serving only:
+    ``storage.index_ann.keep_large_tables_in_memory``)."""
     from coinrag.inference.forward import set_default_forward
+    from coinrag.storage.index_ann import keep_large_tables_in_memory
 
     threads = set_process_threads(settings.threads)
     set_default_forward(settings.forward, serving=serving)
+    keep_large_tables_in_memory(serving)
     return threads

@@ -26,6 +26,22 @@ VECTOR_INDEX_TYPE = "IVF_SQ"
 # (float32 up to VECTOR_INDEX_MIN_ROWS rows, float16 above): exact search, faster than the ANN
 # index where it fits (measured in FlatTable's docstring). Larger tables use the ANN index.
 FLAT_MAX_BYTES = int(os.environ.get("COINRAG_FLAT_MAX_BYTES", 512 * 2**20))
+_READERS = {"large_in_memory": True}
+
+
+def keep_large_tables_in_memory(enabled: bool) -> None:
+    """Whether this process's readers keep tables above ``VECTOR_INDEX_MIN_ROWS`` in memory
+    too (the default, and a serving process's: ``coinrag api``, ``eval``), or search them by
+    their ANN index (a one-shot ``coinrag query``: reading 142,565 nugget vectors into memory
+    takes about 3 s, longer than the question it would speed up)."""
+    _READERS["large_in_memory"] = bool(enabled)
+
+
+def large_tables_in_memory() -> bool:
+    """See :func:`keep_large_tables_in_memory`."""
+    return _READERS["large_in_memory"]
+
+
 IVF_TARGET_PARTITION_ROWS = 4096  # IVF partitions: rows / this (about sqrt(rows) near 10^7)
 HNSW_PARTITION_ROWS = 262_144  # IVF_HNSW_SQ partitions: one HNSW graph per 256Ki rows
 HNSW_EF_CONSTRUCTION = 300  # LanceDB's default
@@ -120,7 +136,7 @@ class FlatTable:
             values = self.rows.column(column).to_numpy(zero_copy_only=False)
             order = np.argsort(values, kind="stable")
             keys, starts = np.unique(values[order], return_index=True)
-            ends = np.append(starts[1:], len(order))
+            ends = [*starts[1:], len(order)] if len(starts) else []  # empty: no groups
             self._positions[column] = {
                 str(key): order[a:b] for key, a, b in zip(keys, starts, ends, strict=True)
             }

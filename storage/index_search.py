@@ -12,6 +12,7 @@ from coinrag.storage.index_ann import (
     FTS_COLUMN,
     VECTOR_INDEX_MIN_ROWS,
     FlatTable,
+    large_tables_in_memory,
     tune_ann_query,
 )
 from coinrag.storage.index_tables import (
@@ -38,9 +39,10 @@ class IndexSearch:
 
     def _flat(self, name: str) -> FlatTable | None:
         """The reader's in-memory copy of table ``name`` (pinned versions), read on first use:
-        float32 up to ``VECTOR_INDEX_MIN_ROWS`` rows, float16 above, if its vectors take at
-        most ``flat_max_bytes`` (else None: the ANN index serves); None for the writer (its
-        view changes under it)."""
+        float32 up to ``VECTOR_INDEX_MIN_ROWS`` rows, float16 above (unless this process
+        searches large tables by their ANN index: ``keep_large_tables_in_memory``), if its
+        vectors take at most ``flat_max_bytes`` (else None: the ANN index serves); None for the
+        writer (its view changes under it)."""
         if self.versions is None:
             return None
         if name not in self._flat_tables:
@@ -48,7 +50,8 @@ class IndexSearch:
             flat = None
             rows = 0 if tbl is None else tbl.count_rows()
             half = rows > VECTOR_INDEX_MIN_ROWS
-            if tbl is not None and rows * self.dim * (2 if half else 4) <= self.flat_max_bytes:
+            fits = rows * self.dim * (2 if half else 4) <= self.flat_max_bytes
+            if tbl is not None and fits and (large_tables_in_memory() or not half):
                 data = tbl.search().select([*HIT_COLUMNS[name], "vector"]).limit(None).to_arrow()
                 vec = data.column("vector").combine_chunks()
                 mat = vec.flatten().to_numpy().astype(np.float32).reshape(len(vec), self.dim)

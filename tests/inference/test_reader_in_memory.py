@@ -140,3 +140,35 @@ def test_rows_by_id_from_memory_equal_lancedb(indexes):
         assert np.allclose(row["vector"], want[cid]["vector"], atol=1e-6)
     plain = reader.rows_where("chunks", where, 50)
     assert all("vector" not in r for r in plain) and len(plain) == len(ids)
+
+
+def test_a_one_shot_reader_searches_large_tables_by_their_index(indexes, monkeypatch):
+    """``coinrag query`` (not serving) keeps only the tables under the ANN threshold in memory:
+    a large one is searched by LanceDB, with the writer's answers."""
+    from coinrag.storage.index_ann import keep_large_tables_in_memory, large_tables_in_memory
+
+    writer, reader, emb = indexes
+    monkeypatch.setattr(index_search, "VECTOR_INDEX_MIN_ROWS", writer.count("chunks"))
+    assert large_tables_in_memory()
+    keep_large_tables_in_memory(False)
+    try:
+        q = emb.embed_queries([QUERIES[2]])[0]
+        got = reader.search_vector("nuggets", q, 3, embedder_fp=emb.fingerprint)
+        assert reader._flat("nuggets") is None and reader._flat("chunks") is not None
+        want = writer.search_vector("nuggets", q, 3, embedder_fp=emb.fingerprint)
+        assert _ids(got, "nuggets") == _ids(want, "nuggets")
+    finally:
+        keep_large_tables_in_memory(True)
+
+
+def test_an_empty_table_in_memory_finds_nothing():
+    import pyarrow as pa
+
+    from coinrag.storage.index_ann import FlatTable
+
+    flat = FlatTable(pa.table({"chunk_id": pa.array([], pa.string())}), np.zeros((0, 4)))
+    where = in_filter("chunk_id", ["a"])
+    assert flat.positions(where).size == 0
+    assert flat.search(np.ones(4, np.float32), 3, ["chunk_id"], where) == []
+    assert flat.search(np.ones(4, np.float32), 3, ["chunk_id"]) == []
+    assert flat.rows_by_id("chunk_id", ["a"], ["chunk_id"]) is None
