@@ -45,6 +45,7 @@ def corpus(tmp_path: Path) -> Path:
     return src
 
 
+@pytest.mark.heavy  # over 15 s: the second tier keeps the default run under 15 min
 def test_build_refuses_bad_inputs_before_any_work(tmp_path: Path, corpus: Path) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("not a store")
@@ -95,6 +96,7 @@ def test_bad_values_name_their_option(tmp_path: Path, corpus: Path) -> None:
     assert not Path(store).exists()
 
 
+@pytest.mark.heavy  # over 15 s: the second tier keeps the default run under 15 min
 def test_every_command_checks_its_store_first(tmp_path: Path, corpus: Path) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
@@ -124,6 +126,7 @@ def test_every_command_checks_its_store_first(tmp_path: Path, corpus: Path) -> N
     assert not missing.exists() and not Path(out).exists()
 
 
+@pytest.mark.heavy  # over 15 s: the second tier keeps the default run under 15 min
 def test_a_locked_store_is_refused_before_any_work(tmp_path: Path, corpus: Path) -> None:
     store = tmp_path / "store"
     st = Store.at(store).init()
@@ -176,6 +179,7 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(tmp_path:
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
 
 
+@pytest.mark.heavy  # over 15 s: the second tier keeps the default run under 15 min
 @pytest.mark.slow
 def test_a_failure_inside_the_flow_shows_no_traceback(tmp_path: Path, corpus: Path) -> None:
     """What no check can foresee (here: a model folder whose tokenizer cannot load) fails inside

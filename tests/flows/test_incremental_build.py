@@ -125,6 +125,7 @@ def test_edit_and_new_document_redo_only_their_own_work(tmp_path, sample_corpus,
     assert len(index_docs) == 5
 
 
+@pytest.mark.heavy  # over 15 s: the second tier keeps the default run under 15 min
 def test_producer_changes_invalidate_exactly_their_dependents(
     tmp_path, sample_corpus, models, fake
 ):

@@ -247,6 +247,7 @@ def test_gc_moves_entries_of_kept_ranges_bit_for_bit(stores, tmp_path) -> None:
 # ---------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.heavy  # over 15 s: the second tier keeps the default run under 15 min
 @pytest.mark.usefixtures("prefect_harness")
 def test_build_nuggets_int4_and_answer_coinrag_like_chunks_int4(
     tmp_path, smollm2_tokenizer, sample_corpus

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_index_retrieval import HashEmbedder, cut
 
+import coinrag.storage.index_ann as index_ann
 import coinrag.storage.index_search as index_search
 from coinrag.storage.index import ID_COLUMNS, LanceIndex
 from coinrag.storage.index_tables import InFilter, in_filter
@@ -35,8 +36,10 @@ HALF_TOLERANCE = 2.0**-11
 
 
 @pytest.fixture()
-def indexes(tmp_path, smollm2_tokenizer):
-    """(writer, reader, embedder) over the sample texts."""
+def indexes(tmp_path, smollm2_tokenizer, monkeypatch):
+    """(writer, reader, embedder) over the sample texts; readers of this process keep large
+    tables in memory (a one-shot ``query`` run in-process by an earlier test turns it off)."""
+    monkeypatch.setitem(index_ann._READERS, "large_in_memory", True)
     store = Store.at(tmp_path / "s").init()
     docs = [SourceDocument(k, v, {}, "test") for k, v in TEXTS.items()]
     chunks, nuggets = cut(smollm2_tokenizer, docs)
