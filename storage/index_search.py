@@ -140,8 +140,6 @@ class IndexSearch:
         prefilter. A query with no indexed word (only stop words, say) finds nothing.
         :class:`LexicalIndexMissing` if the table has no full-text index."""
         columns = HIT_COLUMNS[name]
-        from lancedb.query import MatchQuery
-
         tbl = self.table(name)
         if tbl is None or k <= 0 or not text.strip():
             return []
@@ -157,12 +155,7 @@ class IndexSearch:
         # The reader's in-memory copy holds the hit columns: LanceDB returns ids and scores
         # only (the text and the rest cost about 2 ms more a search), the copy the rest.
         id_column = ID_COLUMNS[name]
-        query = tbl.search(MatchQuery(text, FTS_COLUMN), query_type="fts").select(
-            [id_column, "_score"]
-        )
-        if where is not None:
-            query = query.where(where, prefilter=True)
-        found = query.limit(k).to_arrow()
+        found = self._fts_query(tbl, text, [id_column], where).limit(k).to_arrow()
         rows = flat.rows_by_id(id_column, found.column(id_column).to_pylist(), columns)
         if rows is None:  # an id the copy lacks (not at a pinned version): read them all
             return self._search_text_rows(tbl, text, k, where, columns)
@@ -172,18 +165,21 @@ class IndexSearch:
         return rows
 
     @staticmethod
-    def _search_text_rows(
-        tbl: Any, text: str, k: int, where: str | None, columns: Sequence[str]
-    ) -> list[dict[str, Any]]:
-        """:meth:`search_text` reading every hit column from LanceDB."""
+    def _fts_query(tbl: Any, text: str, columns: Sequence[str], where: str | None) -> Any:
+        """LanceDB's BM25 query of ``text`` on ``tbl`` selecting ``columns`` and ``_score``,
+        prefiltered by ``where``."""
         from lancedb.query import MatchQuery
 
         query = tbl.search(MatchQuery(text, FTS_COLUMN), query_type="fts").select(
             [*columns, "_score"]
         )
-        if where is not None:
-            query = query.where(where, prefilter=True)
-        rows = query.limit(k).to_arrow().to_pylist()
+        return query if where is None else query.where(where, prefilter=True)
+
+    def _search_text_rows(
+        self, tbl: Any, text: str, k: int, where: str | None, columns: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """:meth:`search_text` reading every hit column from LanceDB."""
+        rows = self._fts_query(tbl, text, columns, where).limit(k).to_arrow().to_pylist()
         for row in rows:
             row["score"] = float(row.pop("_score"))
         rows.sort(key=lambda r: -r["score"])

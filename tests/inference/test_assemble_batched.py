@@ -7,43 +7,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from store_fixtures import TINY_DIMS
-from transformers import LlamaConfig, Qwen2Config
+from store_fixtures import TINY_ARCHITECTURES, tiny_config
 
 from coinrag.inference.assemble import KvSlice, _rotated, place_slices
 from coinrag.inference.rope import RopeSpec
 from coinrag.inference.rope_rotate import _rotate, _rotate_tiled
 
-CONFIGS = {
-    "qwen2": Qwen2Config(
-        **TINY_DIMS, vocab_size=500, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
-    ),
-    "llama3": LlamaConfig(
-        **TINY_DIMS,
-        vocab_size=500,
-        max_position_embeddings=4096,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 512,
-        },
-    ),
-}
-
 
 def _kv(config, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = config.num_key_value_heads
     return torch.randn(config.num_hidden_layers, 2, heads, n, dim, generator=g).to(dtype)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", TINY_ARCHITECTURES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slices_written_into_the_result_equal_a_rotation_per_slice(name, dtype):
-    config = CONFIGS[name]
+    config = tiny_config(name)
     spec = RopeSpec.from_config(config)
     prefix = _kv(config, 5, dtype, 0)
     slices = [
