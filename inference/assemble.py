@@ -154,6 +154,28 @@ def _placed_into_one(
     return out
 
 
+def rotate_placed_keys(
+    ctx: torch.Tensor,
+    n_prefix: int,
+    old_positions: torch.Tensor,
+    new_positions: torch.Tensor,
+    spec: ModelRope,
+) -> None:
+    """Move the keys of ``ctx[:, 0, :, n_prefix:]`` (the slices after ``C_p``, written there as
+    stored) from ``old_positions`` to ``new_positions`` (both ``(T - n_prefix,)`` integer
+    positions; 0 for keys stored at position 0), in place, in one rotation with per-token
+    angles: the same values bit for bit as :func:`place_slices`' rotation of each slice
+    (``tests/inference/test_assemble_batched.py``). ``ctx``: ``(layers, 2, kv_heads, T,
+    head_dim)``. Position-independent RoPE only (ValueError otherwise: the frequencies of
+    dynamic / longrope RoPE depend on lengths this does not know)."""
+    if spec.seq_len_dependent:
+        raise ValueError(f"rope type {spec.rope_type!r} depends on the forward's length")
+    if ctx.shape[-2] == n_prefix or torch.equal(old_positions, new_positions):
+        return
+    keys = ctx[:, 0, :, n_prefix:]
+    ctx[:, 0, :, n_prefix:] = spec.rotate_layers(keys, old_positions, new_positions)
+
+
 def _rotated(s: KvSlice, start: int, spec: ModelRope, seq_len: int) -> torch.Tensor:
     """``s.kv`` with its keys moved to positions ``start..`` of a forward of length ``seq_len``
     (from position 0 where ``s.at_zero``: the rotation is then RoPE itself, at ``seq_len``'s

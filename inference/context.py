@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import pyarrow.compute as pc
 import torch
 
-from coinrag.inference.assemble import KvSlice, assemble_context, place_slices
+from coinrag.inference.assemble import KvSlice, place_slices, rotate_placed_keys
 from coinrag.inference.encode import cache_to_kv, causal_lm, compute_prefix_kv, forward_after_prefix
 from coinrag.inference.prompt import RagPrompt
 from coinrag.inference.retrieve import Evidence
@@ -117,9 +117,23 @@ class ContextBuilder(ABC):
     def place(
         self, prefix_kv: torch.Tensor, slices: Sequence[KvSlice], *, new_seq_len: int
     ) -> torch.Tensor:
-        """``C_p`` then the slices, re-rotated to contiguous positions after it (the paper's
-        ``Rot``); ``(layers, 2, H, |p| + Σ n_i, D)``."""
-        return assemble_context(prefix_kv, slices, self.spec, new_seq_len=new_seq_len)
+        """``C_p`` then the slices, re-rotated to the positions :meth:`slice_starts` gives
+        them (the paper's ``Rot``); ``(layers, 2, H, |p| + Σ n_i, D)``."""
+        starts = self.slice_starts(
+            prefix_kv.shape[-2], [s.old_start for s in slices], [s.tokens for s in slices]
+        )
+        return place_slices(prefix_kv, slices, starts, self.spec, new_seq_len=new_seq_len)
+
+    def slice_starts(
+        self, n_prefix: int, old_starts: Sequence[int], lengths: Sequence[int]
+    ) -> list[int]:
+        """The position each slice's first token takes in ``C_ctx``: contiguous after ``C_p``
+        (slice ``i`` at ``|p| + Σ_{j<i} n_j``), wherever it was encoded (``old_starts``)."""
+        starts, at = [], n_prefix
+        for n in lengths:
+            starts.append(at)
+            at += n
+        return starts
 
     @classmethod
     @abstractmethod
@@ -148,6 +162,41 @@ class StoredKvContext(ContextBuilder):
         cls, store: Store, model: Any, prompt: RagPrompt, *, layout: KvLayout, pad_id: int
     ) -> StoredKvContext:
         return cls(store, model, prompt, KvStore.open(store, layout.kv_fp, layout))
+
+    decodes_into_context: ClassVar[bool] = True  # build() decodes the slices into C_ctx
+
+    def build(
+        self, evidence: Sequence[Evidence], n_query: int, timings: dict[str, float] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """:meth:`ContextBuilder.build` with each slice decoded straight into its place in
+        ``C_ctx`` (``KvStore.read_slices_into``: no slice tensors, no concatenation) and all
+        keys rotated at once (:func:`~coinrag.inference.assemble.rotate_placed_keys`); the same
+        values bit for bit (``tests/inference/test_assemble_batched.py``). Where that does not
+        apply (dynamic / longrope RoPE, autograd on, a subclass that encodes its slices) the
+        general path."""
+        if not self.decodes_into_context or self.spec.seq_len_dependent or torch.is_grad_enabled():
+            return super().build(evidence, n_query, timings)
+        t0 = time.perf_counter()
+        p = self.prompt.n_prefix
+        lengths = [e.tok_end - e.tok_start for e in evidence]
+        ctx = self.prefix_kv.new_empty(self.kv.layout.entry_shape(p + sum(lengths)))
+        ctx[..., :p, :] = self.prefix_kv
+        old_starts = [p + e.tok_start for e in evidence]
+        starts = self.slice_starts(p, old_starts, lengths)
+        if evidence:
+            requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
+            self.kv.read_slices_into(requests, ctx[..., p:, :])
+        t1 = time.perf_counter()
+        if self.kv.layout.keys_at_zero:
+            old = torch.zeros(sum(lengths), dtype=torch.long)
+        else:
+            old = _runs(old_starts, lengths)
+        rotate_placed_keys(ctx, p, old, _runs(starts, lengths), self.spec)
+        ctx = ctx.to(self.device, dtype=next(self.model.parameters()).dtype)
+        if timings is not None:
+            timings["kv_load"] = timings.get("kv_load", 0.0) + (t1 - t0) * 1000
+            timings["assembly"] = timings.get("assembly", 0.0) + (time.perf_counter() - t1) * 1000
+        return ctx, ctx.shape[-2]
 
     def load(self, evidence: Sequence[Evidence]) -> tuple[torch.Tensor, list[KvSlice]]:
         p = self.prompt.n_prefix
@@ -232,11 +281,10 @@ class UnalignedContext(StoredKvContext):
         new.__dict__.update(stored.__dict__)
         return new
 
-    def place(
-        self, prefix_kv: torch.Tensor, slices: Sequence[KvSlice], *, new_seq_len: int
-    ) -> torch.Tensor:
-        starts = [s.old_start for s in slices]
-        return place_slices(prefix_kv, slices, starts, self.spec, new_seq_len=new_seq_len)
+    def slice_starts(
+        self, n_prefix: int, old_starts: Sequence[int], lengths: Sequence[int]
+    ) -> list[int]:
+        return list(old_starts)
 
 
 class IsolatedNuggetContext(StoredKvContext):
@@ -244,6 +292,8 @@ class IsolatedNuggetContext(StoredKvContext):
     ``token_ids[s:e]`` of its chunk, not re-tokenised) encoded **alone** right after the stored
     ``C_p``, online, with no chunk context before it; then placed as CoinRAG places its slices.
     The encoding is in :meth:`build`'s ``kv_load`` time (so in TTFT)."""
+
+    decodes_into_context = False  # its slices are encoded, not read
 
     @classmethod
     def sharing(cls, stored: StoredKvContext, pad_id: int) -> IsolatedNuggetContext:
@@ -268,3 +318,10 @@ FINETUNE_CONTEXTS: dict[str, type[ContextBuilder]] = {
     "live": LiveKvContext,
     "frozen": StoredKvContext,
 }
+
+
+def _runs(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """``(Σ n_i,)`` int64: ``starts[i] .. starts[i] + lengths[i] - 1`` for each run in turn."""
+    if not lengths:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])

@@ -42,6 +42,7 @@ holds its minimum and maximum, so ``‖x_g‖² >= range² / 2``), plus the mode
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -142,6 +143,24 @@ class KvCodec(Registered):
         """Stored values (any strides) -> ``(layers, 2, kv_heads, tokens, head_dim)`` in the
         model dtype ``g.dtype`` (quantized codecs: every token of the blocks given)."""
         raise NotImplementedError
+
+    def decode_tokens(
+        self,
+        reads: Sequence[np.ndarray],
+        g: KvGeometry,
+        picks: Sequence[tuple[int, int, int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """Write, for each pick ``(read, s, e, at)``, tokens ``[s, e)`` of what :meth:`decode`
+        gives for ``reads[read]`` (its token axis) into ``out[..., at : at + e - s, :]``;
+        ``out``: ``(layers, 2, kv_heads, tokens, head_dim)`` in ``g.dtype``, any strides (an
+        assembled context, say): the same values as ``decode(reads[read], g)[..., s:e, :]``.
+        Codecs that can decode some tokens alone override it."""
+        decoded: dict[int, torch.Tensor] = {}
+        for i, s, e, at in picks:
+            if i not in decoded:
+                decoded[i] = self.decode(reads[i], g)
+            out[..., at : at + e - s, :].copy_(decoded[i][..., s:e, :])
 
     def trim(self, stored: np.ndarray, tokens: int, g: KvGeometry) -> np.ndarray:
         """Stored values of whole blocks from token 0 -> those of an entry of ``tokens`` tokens
@@ -440,11 +459,7 @@ class QuantizedCodec(KvCodec):
         raw = torch.from_numpy(_writable(stored))
         k = raw.shape[0]
         lay, heads, block, dim = g.layers, g.kv_heads, g.block_tokens, g.head_dim
-        cut: dict[str, torch.Tensor] = {}
-        at = 0
-        for name, n in self._sections(g):
-            cut[name] = raw[:, at : at + n]
-            at += n
+        cut = self._cut(raw, g)
 
         def f16(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return cut[name].contiguous().view(torch.float16).reshape(shape)
@@ -466,6 +481,66 @@ class QuantizedCodec(KvCodec):
         )
         out[:, 1].copy_(values.permute(1, 2, 0, 3, 4))
         return out.view(lay, 2, heads, k * block, dim)
+
+    def decode_tokens(
+        self,
+        reads: Sequence[np.ndarray],
+        g: KvGeometry,
+        picks: Sequence[tuple[int, int, int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`KvCodec.decode_tokens` dequantizing only the picked tokens (a nugget of 24
+        tokens in 16-token blocks touches 32-48 tokens :meth:`decode` would dequantize), each
+        half in float32 written once into ``out``: bit for bit :meth:`decode`'s values
+        (``tests/inference/test_kv_codecs.py``)."""
+        cuts: dict[int, dict[str, torch.Tensor]] = {}
+        for i, s, e, at in picks:
+            if e <= s:
+                continue
+            if i not in cuts:
+                cuts[i] = self._cut(torch.from_numpy(_writable(reads[i])), g)
+            keys, values = self._dequantize_tokens(cuts[i], s, e, g)
+            out[:, 0, :, at : at + e - s].copy_(keys)
+            out[:, 1, :, at : at + e - s].copy_(values)
+
+    def _dequantize_tokens(
+        self, cut: dict[str, torch.Tensor], s: int, e: int, g: KvGeometry
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 keys and values ``(L, H, e - s, D)`` of tokens ``[s, e)`` of the blocks in
+        ``cut`` (:meth:`_cut`), from the blocks that hold them only."""
+        lay, heads, block, dim = g.layers, g.kv_heads, g.block_tokens, g.head_dim
+        b0, b1 = s // block, -(-e // block)
+        nb, first = b1 - b0, b0 * block
+
+        def tokens(name: str, per_token: int) -> torch.Tensor:
+            """Section ``name`` of blocks b0..b1 as ``(L, H, e - s, per_token)``."""
+            part = cut[name][b0:b1].reshape(nb, lay, heads, block, per_token)
+            part = part.permute(1, 2, 0, 3, 4).reshape(lay, heads, nb * block, per_token)
+            return part[:, :, s - first : e - first]
+
+        def per_block(name: str) -> torch.Tensor:
+            """A key scale of blocks b0..b1 for each token: ``(L, H, e - s, D)``."""
+            scale = cut[name][b0:b1].contiguous().view(torch.float16)
+            scale = scale.reshape(nb, lay, heads, dim).permute(1, 2, 0, 3)
+            return scale.index_select(2, torch.arange(s - first, e - first) // block)
+
+        width = dim * self.bits // 8
+        keys = dequantize(
+            self._unpack(tokens("k_codes", width), dim), per_block("k_lo"), per_block("k_step")
+        )
+        v_lo = tokens("v_lo", 2).contiguous().view(torch.float16)
+        v_step = tokens("v_step", 2).contiguous().view(torch.float16)
+        values = dequantize(self._unpack(tokens("v_codes", width), dim), v_lo, v_step)
+        return keys, values
+
+    def _cut(self, raw: torch.Tensor, g: KvGeometry) -> dict[str, torch.Tensor]:
+        """Blocks' payloads ``(k, payload_bytes)`` -> each section's bytes ``(k, n)``."""
+        cut: dict[str, torch.Tensor] = {}
+        at = 0
+        for name, n in self._sections(g):
+            cut[name] = raw[:, at : at + n]
+            at += n
+        return cut
 
     def relative_error_bound(self, group: int) -> float:
         """The bound on ``‖x̂ − x‖ / ‖x‖`` over a layer for groups of ``group`` values (before

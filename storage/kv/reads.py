@@ -14,7 +14,8 @@ then, in stored tokens:
    ``encode_shard`` wrote (where each block lies follows from the token counts), the index
    read once per reader otherwise; or through Zarr (:func:`gather_zarr`: Zarr reads the shard
    index and the blocks on every read, checking every crc32c), for shards in another format;
-3. the codec decodes each read (``storage/kv/codecs.py``) and the requests are cut from it.
+3. the codec decodes each request's tokens of its read into its target (``storage/kv/codecs.py``
+   ``decode_into``: a quantized codec dequantizes those tokens only).
 
 What a read cost is counted by :class:`CountingReader` (the data bytes the store returned) into
 :class:`ReadStats`. The bytes read over the bytes needed (``amplification``; needed: the tokens'
@@ -30,13 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
 import numpy as np
-import torch
 from zarr.core.sync import sync as _zarr_sync
 from zarr.storage import WrapperStore
 
@@ -322,16 +322,3 @@ def _decode_blocks(
             for j, (b, _, _) in enumerate(group):
                 payloads[b - first] = data[j, :size]
     return layout.codec.from_payloads(payloads, g)
-
-
-def slices_of(
-    plans: Sequence[SlicePlan], decoded: Sequence[torch.Tensor], requests: Sequence[Any]
-) -> dict[int, torch.Tensor]:
-    """request index -> its tokens (a contiguous tensor), cut from the decoded read that
-    served it (``(layers, 2, kv_heads, t1 - t0, head_dim)``)."""
-    out: dict[int, torch.Tensor] = {}
-    for plan, tensor in zip(plans, decoded, strict=True):
-        for i in plan.requests:
-            _, s, e = requests[i]
-            out[i] = tensor[:, :, :, s - plan.t0 : e - plan.t0, :].contiguous()
-    return out

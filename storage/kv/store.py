@@ -54,6 +54,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from itertools import accumulate
 from pathlib import PurePath
 from typing import Any
 
@@ -87,7 +88,6 @@ from coinrag.storage.kv.reads import (
     gather_zarr,
     plan_reads,
     shard_geometry,
-    slices_of,
 )
 from coinrag.storage.kv.reclaim import KvReclaim, find_garbage, reclaim_dead, remove_garbage
 from coinrag.storage.kv.shard import ShardMeta
@@ -384,7 +384,25 @@ class KvStore:
         """Token ranges of chunks: ``[(content_key, tok_start, tok_end), ...]`` (the chunk's
         token coordinates) -> ``[(layers, 2, kv_heads, tok_end - tok_start, head_dim), ...]``
         in request order, in the model dtype (keys as the layout stores them:
-        ``layout.keys_at_zero``).
+        ``layout.keys_at_zero``): :meth:`read_slices_into` one tensor, each request's tokens a
+        view of it."""
+        lay = self.layout
+        lengths = [e - s for _, s, e in requests]
+        out = torch.empty(lay.entry_shape(sum(lengths)), dtype=lay.torch_dtype)
+        self.read_slices_into(requests, out, merge_gap_blocks)
+        starts = accumulate([0, *lengths])
+        return [out[..., a : a + n, :] for a, n in zip(starts, lengths, strict=False)]
+
+    def read_slices_into(
+        self,
+        requests: Sequence[tuple[str, int, int]],
+        out: torch.Tensor,
+        merge_gap_blocks: int = 0,
+    ) -> None:
+        """:meth:`read_slices` written back to back into ``out`` ``(layers, 2, kv_heads,
+        Σ (tok_end - tok_start), head_dim)`` in the model dtype, any strides (e.g. the part of
+        an assembled context after its prefix), decoded straight there (a quantized codec
+        dequantizes only the tokens asked for).
 
         Each request is served by the latest entry of its content_key that holds the whole
         range (:meth:`_locate`; every range of a whole-chunk entry); a range no entry holds
@@ -397,10 +415,15 @@ class KvStore:
         """
         t0 = time.perf_counter()
         lay = self.layout
+        total = sum(e - s for _, s, e in requests)
+        if tuple(out.shape) != lay.entry_shape(total) or out.dtype != lay.torch_dtype:
+            raise ValueError(
+                f"out is {tuple(out.shape)} {out.dtype}; {len(requests)} slices of {total} "
+                f"tokens in all need {lay.entry_shape(total)} {lay.torch_dtype}"
+            )
         before = (self._reader.data_bytes, self._reader.data_gets)
         per_slot: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
         resolved: dict[str, tuple[KvManifestRow, ShardMeta, int]] = {}
-        out: list[torch.Tensor | None] = [None] * len(requests)
         located: list[tuple[str, int, int]] = []  # per request: entry key, stored [start, end)
         needed = 0
         file_checks: dict[str, str | None] = {}
@@ -410,7 +433,6 @@ class KvStore:
                 if not 0 <= s <= n:
                     raise IndexError(f"slice [{s}, {e}) out of range for {ck} ({n} tokens)")
                 located.append((ck, 0, 0))
-                out[i] = torch.empty(lay.entry_shape(0), dtype=lay.torch_dtype)
                 continue
             key, offset = self._locate(ck, s, e)
             located.append((key, offset, offset + e - s))
@@ -432,12 +454,19 @@ class KvStore:
                 results = gather_ranges(plans, self._shards, lay, self.root, fetch, fail, diagnose)
             else:
                 results = gather_zarr(plans, self._shards, lay, fail, diagnose)
-            decoded = [
-                lay.codec.decode(values, shard_geometry(lay, self._shards[plan.shard]))
-                for plan, values in zip(plans, results, strict=True)
-            ]
-            for i, piece in slices_of(plans, decoded, located).items():
-                out[i] = piece
+            at = list(accumulate([0, *(e - s for _, s, e in requests)]))
+            by_block: dict[int, list[int]] = defaultdict(list)  # shards' block sizes may differ
+            for j, plan in enumerate(plans):
+                by_block[self._shards[plan.shard].block_tokens].append(j)
+            for js in by_block.values():
+                picks = [
+                    (n, located[i][1] - plans[j].t0, located[i][2] - plans[j].t0, at[i])
+                    for n, j in enumerate(js)
+                    for i in plans[j].requests
+                ]
+                picks.sort(key=lambda pick: pick[3])  # in request order: out back to back
+                g = shard_geometry(lay, self._shards[plans[js[0]].shard])
+                lay.codec.decode_tokens([results[j] for j in js], g, picks, out)
         self.last_read = ReadStats(
             requests=len(requests),
             bytes_read=self._reader.data_bytes - before[0],
@@ -446,7 +475,6 @@ class KvStore:
             zarr_reads=len(plans),
             seconds=time.perf_counter() - t0,
         )
-        return [t for t in out if t is not None]
 
     def _fetch_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
         """Byte ranges of files, fetched concurrently, counted in the reader's statistics like

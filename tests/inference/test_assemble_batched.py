@@ -9,7 +9,7 @@ import pytest
 import torch
 from store_fixtures import TINY_ARCHITECTURES, tiny_config
 
-from coinrag.inference.assemble import KvSlice, _rotated, place_slices
+from coinrag.inference.assemble import KvSlice, _rotated, place_slices, rotate_placed_keys
 from coinrag.inference.rope import RopeSpec
 from coinrag.inference.rope_rotate import _rotate, _rotate_tiled
 
@@ -58,3 +58,46 @@ def test_the_rotation_layer_by_layer_equals_the_whole_at_once(dtype):
     assert torch.equal(_rotate_tiled(keys, cos, sin, 64), _rotate(keys, cos, sin, 64))
     c, s = cos[:, :24], sin[:, :24]  # a partial rotary dim: the tail kept as it is in both
     assert torch.equal(_rotate_tiled(keys, c, s, 48), _rotate(keys, c, s, 48))
+
+
+@pytest.mark.parametrize("name", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_rotated_in_place_at_once_equal_a_rotation_per_slice(name, dtype):
+    """``rotate_placed_keys``: the slices written after ``C_p`` as stored, then every key moved
+    in one rotation with per-token positions = ``place_slices`` (a rotation per slice)."""
+    config = tiny_config(name)
+    spec = RopeSpec.from_config(config)
+    prefix = _kv(config, 5, dtype, 0)
+    slices = [
+        KvSlice(_kv(config, 3, dtype, 1), old_start=12, old_seq_len=40),
+        KvSlice(_kv(config, 4, dtype, 2), old_start=8, old_seq_len=40),  # stays
+        KvSlice(_kv(config, 2, dtype, 3), old_start=30, old_seq_len=40, at_zero=True),
+        KvSlice(_kv(config, 6, dtype, 4), old_start=5, old_seq_len=40),
+    ]
+    starts = [5, 8, 12, 20]
+    ctx = torch.cat([prefix, *[s.kv for s in slices]], dim=-2)
+    old = torch.cat(
+        [
+            torch.zeros(s.tokens, dtype=torch.long)
+            if s.at_zero
+            else torch.arange(s.old_start, s.old_start + s.tokens)
+            for s in slices
+        ]
+    )
+    new = torch.cat([torch.arange(a, a + s.tokens) for s, a in zip(slices, starts, strict=True)])
+    rotate_placed_keys(ctx, 5, old, new, spec)
+    assert torch.equal(ctx, place_slices(prefix, slices, starts, spec))
+    unmoved = ctx.clone()
+    rotate_placed_keys(unmoved, 5, new, new, spec)  # nowhere to move: untouched
+    assert torch.equal(unmoved, ctx)
+
+
+def test_the_rotation_takes_several_small_layers_a_pass():
+    """Small layers (10 nugget slices: 31,872 values a layer) go 8 layers a pass, the last
+    pass shorter: the same bits as the whole tensor at once."""
+    g = torch.Generator().manual_seed(6)
+    keys = torch.randn(30, 3, 166, 64, generator=g).to(torch.bfloat16)
+    angles = torch.rand(166, 32, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    assert keys.numel() > 1 << 18 and (1 << 18) // keys[0].numel() == 8
+    assert torch.equal(_rotate_tiled(keys, cos, sin, 64), _rotate(keys, cos, sin, 64))

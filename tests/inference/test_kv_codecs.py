@@ -188,6 +188,33 @@ def test_decode_writes_the_float32_dequantization_rounded_once(name, dtype) -> N
     assert got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["none", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [4, 16])
+def test_decode_tokens_writes_the_decoded_tokens_where_asked(name, dtype, block) -> None:
+    """``decode_tokens``: each picked token range of each read written at its place in
+    ``out`` (back to back, with gaps, out of order, inside one block, across blocks, to the
+    padded end, empty), the same bits as :meth:`decode` then a cut."""
+    codec = codec_named(name)
+    layout = KvLayout("m", "p", 3, 2, 8, str(dtype).removeprefix("torch."), block, 4, name)
+    reads = [codec.encode(_synthetic(n, dtype), layout) for n in (37, 16, 5)]
+    decoded = [codec.decode(r, layout) for r in reads]
+    picks_back_to_back = [(0, 3, 30), (1, 0, 16), (2, 1, 4), (0, 30, 37), (1, 7, 7)]
+    for picks, gap in ((picks_back_to_back, 0), (picks_back_to_back[::-1], 3)):
+        placed, at = [], 2  # out starts with 2 tokens of something else (C_p, say)
+        for i, s, e in picks:
+            placed.append((i, s, e, at))
+            at += e - s + gap
+        out = torch.full((3, 2, 2, at, 8), 7.0, dtype=dtype)
+        codec.decode_tokens(reads, layout, placed, out)
+        for i, s, e, a in placed:
+            assert torch.equal(out[..., a : a + e - s, :], decoded[i][..., s:e, :]), (i, s, e)
+        assert (out[..., :2, :] == 7.0).all()  # nothing written outside the picks
+        if gap:
+            a, n = placed[0][3], placed[0][2] - placed[0][1]
+            assert (out[..., a + n : a + n + gap, :] == 7.0).all()
+
+
 def test_the_bytes_each_codec_stores() -> None:
     """SmolLM2's dims (30 layers, 3 KV heads, head dim 64), 16-token blocks: int8 0.578 and
     int4 0.328 of the raw bfloat16 bytes (codes, plus a float16 minimum and step per key

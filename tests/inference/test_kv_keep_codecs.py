@@ -222,6 +222,35 @@ def test_coinrag_contexts_against_whole_chunks_of_the_same_codec_and_the_float_s
         assert (diff <= allowed).all(), (name, (diff / norm).max(dim=0))
 
 
+def test_the_context_decoded_into_place_equals_the_general_assembly(model, stores) -> None:
+    """``StoredKvContext.build`` decodes each slice straight into ``C_ctx`` and rotates all
+    keys at once; the general path (``ContextBuilder.build``: a tensor per slice, a rotation
+    per slice) gives the same bits, for every store here (whole chunks and kept ranges, the
+    float and the quantized codecs), aligned and unaligned (``coinrag-noalign``), with and
+    without autograd's path; dynamic NTK RoPE takes the general path."""
+    from coinrag.inference.context import ContextBuilder, StoredKvContext, UnalignedContext
+    from coinrag.inference.retrieve import Evidence
+
+    by, chunks, _ = stores
+    prompt = RagPrompt.for_tokenizer(model.tokenizer)
+    evidence = [
+        Evidence(chunks[i].chunk_id, "d", chunks[i].content_key, s, e, "", 0.0)
+        for i, s, e in [*REQUESTS, (0, 5, 5)]  # an empty span too
+    ]
+    for kv in by.values():
+        stored = StoredKvContext(kv.store, model.model, prompt, kv)
+        for builder in (stored, UnalignedContext.sharing(stored)):
+            with torch.inference_mode():
+                got, total = builder.build(evidence, 4)
+                plain, plain_total = ContextBuilder.build(builder, evidence, 4)
+            per_slice, _ = ContextBuilder.build(builder, evidence, 4)  # autograd's path
+            assert total == plain_total == got.shape[-2]
+            assert torch.equal(got, plain) and torch.equal(got, per_slice)
+    requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
+    with pytest.raises(ValueError, match="need"):  # a wrong shape or dtype says what it needs
+        kv.read_slices_into(requests, torch.empty(1, dtype=kv.layout.torch_dtype))
+
+
 def test_gc_moves_entries_of_kept_ranges_bit_for_bit(stores, tmp_path) -> None:
     """``reclaim`` of a nuggets+int4 store moves the live entries as stored (never
     re-encoded): a copy of the store, one entry dropped."""
