@@ -117,7 +117,8 @@ def place_slices(
         # C_p was encoded in a forward of its own length; a forward of length seq_len uses
         # other frequencies (dynamic NTK above max_position_embeddings, longrope's long factors).
         parts = [_rotated(KvSlice(prefix_kv, 0, n_prefix), 0, spec, seq_len)]
-    if not spec.seq_len_dependent and not torch.is_grad_enabled():
+    differentiable = parts[0].requires_grad or any(s.kv.requires_grad for s in slices)
+    if not spec.seq_len_dependent and not differentiable:
         return _placed_into_one(parts[0], slices, starts, spec)
     for s, start in zip(slices, starts, strict=True):
         moved = s.old_start != start or spec.seq_len_dependent or s.at_zero
@@ -128,9 +129,9 @@ def place_slices(
 def _placed_into_one(
     prefix_kv: torch.Tensor, slices: Sequence[KvSlice], starts: Sequence[int], spec: ModelRope
 ) -> torch.Tensor:
-    """:func:`place_slices` for position-independent RoPE without autograd: each slice's values
-    and its rotated keys written once into the result (no per-slice stack, no final
-    concatenation); the same values bit for bit
+    """:func:`place_slices` for position-independent RoPE and KV that needs no gradient:
+    each slice's values and its rotated keys written once into the result (no per-slice
+    stack, no final concatenation); the same values bit for bit
     (``tests/inference/test_assemble_batched.py``)."""
     n_prefix = prefix_kv.shape[-2]
     layers, _, heads, _, dim = prefix_kv.shape

@@ -171,10 +171,11 @@ class StoredKvContext(ContextBuilder):
         """:meth:`ContextBuilder.build` with each slice decoded straight into its place in
         ``C_ctx`` (``KvStore.read_slices_into``: no slice tensors, no concatenation) and all
         keys rotated at once (:func:`~coinrag.inference.assemble.rotate_placed_keys`); the same
-        values bit for bit (``tests/inference/test_assemble_batched.py``). Where that does not
-        apply (dynamic / longrope RoPE, autograd on, a subclass that encodes its slices) the
+        values bit for bit (``tests/inference/test_kv_keep_codecs.py``). No gradient reaches
+        stored KV, so this holds in any grad mode (fine-tuning's ``frozen`` contexts too). Where
+        it does not apply (dynamic / longrope RoPE, a subclass that encodes its slices) the
         general path."""
-        if not self.decodes_into_context or self.spec.seq_len_dependent or torch.is_grad_enabled():
+        if not self.decodes_into_context or self.spec.seq_len_dependent:
             return super().build(evidence, n_query, timings)
         t0 = time.perf_counter()
         p = self.prompt.n_prefix

@@ -226,8 +226,8 @@ def test_the_context_decoded_into_place_equals_the_general_assembly(model, store
     """``StoredKvContext.build`` decodes each slice straight into ``C_ctx`` and rotates all
     keys at once; the general path (``ContextBuilder.build``: a tensor per slice, a rotation
     per slice) gives the same bits, for every store here (whole chunks and kept ranges, the
-    float and the quantized codecs), aligned and unaligned (``coinrag-noalign``), with and
-    without autograd's path; dynamic NTK RoPE takes the general path."""
+    float and the quantized codecs), aligned and unaligned (``coinrag-noalign``), in inference
+    and in grad mode; dynamic NTK RoPE takes the general path."""
     from coinrag.inference.context import ContextBuilder, StoredKvContext, UnalignedContext
     from coinrag.inference.retrieve import Evidence
 
@@ -243,9 +243,10 @@ def test_the_context_decoded_into_place_equals_the_general_assembly(model, store
             with torch.inference_mode():
                 got, total = builder.build(evidence, 4)
                 plain, plain_total = ContextBuilder.build(builder, evidence, 4)
-            per_slice, _ = ContextBuilder.build(builder, evidence, 4)  # autograd's path
+            frozen, _ = builder.build(evidence, 4)  # grad mode on: fine-tuning's frozen context
             assert total == plain_total == got.shape[-2]
-            assert torch.equal(got, plain) and torch.equal(got, per_slice)
+            assert torch.equal(got, plain) and torch.equal(got, frozen)
+            assert not frozen.requires_grad
     requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
     with pytest.raises(ValueError, match="need"):  # a wrong shape or dtype says what it needs
         kv.read_slices_into(requests, torch.empty(1, dtype=kv.layout.torch_dtype))
