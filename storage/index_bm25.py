@@ -8,10 +8,13 @@ and checked against the library itself (``tests/storage/test_index_bm25.py``):
 
 - tokens: maximal runs of ``char::is_alphanumeric`` characters (Unicode Alphabetic, or Nd, Nl,
   No), then, in this order: tokens of 40 bytes or more (UTF-8, before lower-casing) dropped;
-  lower-cased (full Unicode mapping); stemmed (rust-stemmers English: Snowball's Porter2, here
+  lower-cased character by character (so no final sigma:
+  ``ΣΑΣ`` becomes ``σασ``); stemmed (rust-stemmers English: Snowball's Porter2, here
   PyStemmer's); stop words dropped *after* stemming (NLTK's English list, so ``because``, whose
-  stem is ``becaus``, stays); ASCII folding (tantivy's table, ``storage/ascii_folding.json``)
-  of tokens with a non-ASCII character;
+  stem is ``becaus``, stays); ASCII folding of tokens with a non-ASCII character, by
+  lance-tokenizer's own rule (not tantivy's table): each non-ASCII character becomes its entry
+  in a small table (:data:`FOLD`), else the ASCII characters and table entries of its NFKD
+  decomposition (combining marks and other characters dropped), else stays itself;
 - a document's length is its number of tokens left, and a row left with none is no document
   (it counts in neither N nor the average length); BM25 with k1 = 1.2, b = 0.75,
   ``idf = ln((N - n + 0.5) / (n + 0.5) + 1)``, N and the average length over the whole index,
@@ -28,10 +31,8 @@ copy, answer None: the caller asks LanceDB.
 
 from __future__ import annotations
 
-import json
 import unicodedata
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import regex
@@ -40,6 +41,9 @@ from coinrag.storage.index_ann import FTS_CONFIG
 
 K1 = np.float32(1.2)
 B = np.float32(0.75)
+# Lance sums a row's terms in float32 in its own order: the copy's scores are equal within a few
+# float32 ulps (at most 1.7e-7 relative on the Python docs; this allows 8).
+RTOL = 1e-6
 MAX_TOKEN_BYTES = 40  # lance's default max_token_length: tokens of this many bytes are dropped
 _WORD = regex.compile(r"[\p{Alphabetic}\p{Nd}\p{Nl}\p{No}]+")
 # NLTK's English stop words (the ``stop-words`` crate's ``get("en")``, lance-tokenizer 13.0.0),
@@ -55,7 +59,13 @@ STOP_WORDS = frozenset(
     ve y ain aren couldn didn doesn hadn hasn haven isn ma mightn mustn needn shan shouldn wasn
     weren won wouldn""".split()
 )
-_FOLD_FILE = Path(__file__).with_name("ascii_folding.json")
+# lance-tokenizer 13.0.0 ``src/ascii_folding_filter.rs`` ``fold_char``: letters NFKD does not
+# decompose into ASCII.
+FOLD = {
+    "ß": "ss", "ẞ": "SS", "Æ": "AE", "æ": "ae", "Œ": "OE", "œ": "oe", "Ø": "O", "ø": "o",
+    "Ł": "L", "ł": "l", "Đ": "D", "Ð": "D", "đ": "d", "ð": "d", "Þ": "TH", "þ": "th",
+    "Ħ": "H", "ħ": "h", "Ŧ": "T", "ŧ": "t", "Ŋ": "N", "ŋ": "n", "ı": "i", "ĸ": "k", "ſ": "s",
+}  # fmt: skip
 _EXPECTED_CONFIG = {
     "with_position": False,
     "base_tokenizer": "simple",
@@ -67,9 +77,21 @@ _EXPECTED_CONFIG = {
 }
 
 
-def _fold_table() -> dict[int, str]:
-    data = json.loads(_FOLD_FILE.read_text(encoding="utf-8"))
-    return {ord(c): s for c, s in data["fold"].items()}
+def fold_char(char: str) -> str:
+    """One non-ASCII character, ASCII-folded as lance does (module docstring)."""
+    if char in FOLD:
+        return FOLD[char]
+    kept = [
+        d if d.isascii() else FOLD[d]
+        for d in unicodedata.normalize("NFKD", char)
+        if d.isascii() or d in FOLD
+    ]
+    return "".join(kept) or char
+
+
+def ascii_fold(term: str) -> str:
+    """A term ASCII-folded as lance does (unchanged if it is ASCII)."""
+    return term if term.isascii() else "".join(c if c.isascii() else fold_char(c) for c in term)
 
 
 class Analyzer:
@@ -84,7 +106,6 @@ class Analyzer:
                 f"{_EXPECTED_CONFIG}: teach storage/index_bm25.py the new configuration"
             )
         self._stem = Stemmer.Stemmer("english").stemWord
-        self._fold = _fold_table()
         self._terms: dict[str, str | None] = {}
 
     def term(self, token: str) -> str | None:
@@ -93,9 +114,10 @@ class Analyzer:
             return self._terms[token]
         term: str | None = None
         if len(token.encode("utf-8")) < MAX_TOKEN_BYTES:
-            stem = self._stem(token.lower())
+            lower = token.lower() if token.isascii() else "".join(c.lower() for c in token)
+            stem = self._stem(lower)
             if stem not in STOP_WORDS:
-                term = stem if stem.isascii() else stem.translate(self._fold)
+                term = ascii_fold(stem)
         if len(self._terms) < 1_000_000:  # a cache: the corpus' words and some questions'
             self._terms[token] = term
         return term
@@ -184,3 +206,22 @@ def _top(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.n
         rows, scores = rows[keep], scores[keep]
     order = np.argsort(-scores, kind="stable")[:k]
     return rows[order].astype(np.int64), scores[order]
+
+
+def same_answers(lance: Sequence[tuple[str, float]], mine: Sequence[tuple[str, float]]) -> bool:
+    """Whether two top-k answers (``(id, score)``, best first) are equal within float32
+    rounding: the same scores within :data:`RTOL`, every id in both with its score, but for
+    rows scoring as the last one (a tie at the cut, which lance breaks in its own order)."""
+    if len(lance) != len(mine):
+        return False
+    for (_, a), (_, b) in zip(lance, mine, strict=True):
+        if abs(a - b) > RTOL * abs(a):
+            return False
+    for one, other in ((lance, dict(mine)), (mine, dict(lance))):
+        last = one[-1][1] if one else 0.0
+        for row, score in one:
+            found = other.get(row)
+            near = last if found is None else found
+            if abs(score - near) > RTOL * abs(score):
+                return False
+    return True

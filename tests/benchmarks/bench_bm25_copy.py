@@ -8,7 +8,7 @@ for every question (``{"question": ...}`` per line of each file) the top-``--k``
 unfiltered and (nuggets) prefiltered to the nuggets of LanceDB's top-``--kc`` chunks for that
 question (the second stage of two-stage retrieval), and counts: identical top-k (ids in order),
 identical up to the order (and the choice at the cut) among rows of equal scores within
-float32 rounding (``RTOL``), other; the largest relative score
+float32 rounding (``storage.index_bm25.same_answers``), other; the largest relative score
 difference; the mean and median time per query of each (LanceDB returning ids and scores only).
 """
 
@@ -23,38 +23,17 @@ import time
 import numpy as np
 
 from coinrag.storage.index import LanceIndex
-from coinrag.storage.index_bm25 import Bm25Index
+from coinrag.storage.index_bm25 import Bm25Index, same_answers
 from coinrag.storage.index_search import IndexSearch
 from coinrag.storage.index_tables import ID_COLUMNS, in_filter
 from coinrag.storage.store import Store
 
 
-RTOL = 1e-6  # float32 rounding: lance sums a row's terms in its own order (about 8 ulps)
-
-
-def agree(lance: list, mine: list, rtol: float = RTOL) -> bool:
-    """``lance``, ``mine``: (id, score) lists, best first. Equal within float32 rounding:
-    the same scores (within ``rtol``), every id in both with its score, but for rows scoring
-    as the last one (a tie at the cut, which lance breaks in its own walk order)."""
-    if len(lance) != len(mine):
-        return False
-    if not np.allclose([s for _, s in lance], [s for _, s in mine], rtol=rtol, atol=0):
-        return False
-    for a, b in ((lance, mine), (mine, lance)):
-        last, other = a[-1][1] if a else 0.0, dict(b)
-        for i, s in a:
-            found = other.get(i)
-            if found is None and not np.isclose(s, last, rtol=rtol, atol=0):
-                return False
-            if found is not None and not np.isclose(s, found, rtol=rtol, atol=0):
-                return False
-    return True
-
-
 def compare(index: LanceIndex, name: str, questions: list[str], k: int, kc: int) -> dict:
     tbl = index.table(name)
     id_col = ID_COLUMNS[name]
-    data = tbl.search().select(list(dict.fromkeys([id_col, "chunk_id", "text"]))).limit(None).to_arrow()
+    columns = list(dict.fromkeys([id_col, "chunk_id", "text"]))
+    data = tbl.search().select(columns).limit(None).to_arrow()
     ids = data.column(id_col).to_pylist()
     t = time.perf_counter()
     bm25 = Bm25Index(data.column("text").to_pylist())
@@ -79,7 +58,8 @@ def compare(index: LanceIndex, name: str, questions: list[str], k: int, kc: int)
             t = time.perf_counter()
             got = IndexSearch._fts_query(tbl, q, [id_col], where).limit(k).to_arrow()
             t_lance.append((time.perf_counter() - t) * 1000)
-            lance = list(zip(got.column(id_col).to_pylist(), got.column("_score").to_pylist()))
+            scores = got.column("_score").to_pylist()
+            lance = list(zip(got.column(id_col).to_pylist(), scores, strict=True))
             t = time.perf_counter()
             found = bm25.search(q, k, positions)
             t_mem.append((time.perf_counter() - t) * 1000)
@@ -93,7 +73,7 @@ def compare(index: LanceIndex, name: str, questions: list[str], k: int, kc: int)
                 worst = max(worst, float(np.max(np.abs(ls - ms) / np.abs(ls))))
             if mine == lance:
                 same += 1
-            elif agree(lance, mine):
+            elif same_answers(lance, mine):
                 ties += 1
             else:
                 other += 1
