@@ -21,7 +21,14 @@ from lancedb.index import FTS
 from lancedb.query import MatchQuery
 
 from coinrag.storage.index_ann import FTS_COLUMN, FTS_CONFIG
-from coinrag.storage.index_bm25 import RTOL, STOP_WORDS, Analyzer, Bm25Index, same_answers
+from coinrag.storage.index_bm25 import (
+    _WORD,
+    RTOL,
+    STOP_WORDS,
+    Analyzer,
+    Bm25Index,
+    same_answers,
+)
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 WORDS = (
@@ -138,6 +145,58 @@ def test_lance_breaks_ties_in_its_own_order(tmp_path):
     assert [i for i, _ in copy] == ["r00006", "r00002", "r00000"]
     assert same_answers(lance, copy)
     assert [i for i, _ in _copy(index, ids, "dup", 4)] == ["r00006", "r00002", "r00000", "r00001"]
+
+
+def _classes_agree(tmp_path: Path, tokens: list[str]) -> list[str]:
+    """One row per raw token: for each term of the copy, LanceDB's hits for one of its tokens
+    must be exactly the rows of that term, and a token the copy drops must find nothing.
+    Returns the disagreements."""
+    tbl, ids = _table(tmp_path, tokens)
+    analyzer = Analyzer()
+    rows_of: dict[str | None, list[int]] = {}
+    for i, token in enumerate(tokens):
+        rows_of.setdefault(analyzer.term(token), []).append(i)
+    bad = []
+    for term, rows in rows_of.items():
+        probes = rows if term is None else rows[:1]
+        for i in probes:
+            found = {j for j, _ in _lance(tbl, tokens[i], len(rows) + 5)}
+            want = set() if term is None else {ids[j] for j in rows}
+            if found != want:
+                bad.append(f"{tokens[i]!r}: copy {term!r} {sorted(want)}, lance {sorted(found)}")
+    return bad
+
+
+@pytest.mark.heavy
+def test_every_letter_and_digit_is_analyzed_as_lancedb_does(tmp_path):
+    """Every alphanumeric character of U+00A0-U+2FFF and of the ligature, full-width,
+    mathematical and enclosed blocks, as the token ``q`` + it (about 8,400 tokens, 6,300
+    terms): lower-casing, stemming and ASCII folding give lance's classes (about 20 s)."""
+    import unicodedata
+
+    ranges = [(0xA0, 0x3000), (0xFB00, 0xFB50), (0xFF00, 0xFFF0), (0x1D400, 0x1D800)]
+    ranges.append((0x1F100, 0x1F200))
+    tokens = {"q" + s for s in ("ss", "ae", "oe", "o", "l", "d", "th", "h", "t", "n", "i")}
+    for a, b in ranges:
+        for cp in range(a, b):
+            token = "q" + chr(cp)
+            if unicodedata.category(chr(cp)) != "Cn" and _WORD.fullmatch(token):
+                tokens.add(token)
+    assert len(tokens) > 8000
+    assert _classes_agree(tmp_path, sorted(tokens)) == []
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not DOCS.is_dir(), reason="needs Debian's python3.11-doc")
+def test_the_words_of_python_docs_pages_are_analyzed_as_lancedb_does(tmp_path):
+    """Every distinct word of the FAQ, the tutorial and the how-tos (about 9,900: stems,
+    stop words, long tokens) falls in lance's class (about 40 s)."""
+    words: set[str] = set()
+    for folder in ("faq", "tutorial", "howto"):
+        for page in (DOCS / folder).glob("*.rst.txt"):
+            words.update(_WORD.findall(page.read_text(encoding="utf-8")))
+    assert len(words) > 5000
+    assert _classes_agree(tmp_path, sorted(words)) == []
 
 
 def test_the_analyzer_follows_lances_order_of_filters():
