@@ -8,8 +8,9 @@ for every question (``{"question": ...}`` per line of each file) the top-``--k``
 unfiltered and (nuggets) prefiltered to the nuggets of LanceDB's top-``--kc`` chunks for that
 question (the second stage of two-stage retrieval), and counts: identical top-k (ids in order),
 identical up to the order (and the choice at the cut) among rows of equal scores within
-float32 rounding (``storage.index_bm25.same_answers``), other; the largest relative score
-difference; the mean and median time per query of each (LanceDB returning ids and scores only).
+float32 rounding (``storage.index_bm25.same_answers``), other, and how many return the same
+set of ids; the largest relative score difference; the mean and median time per query of each
+(LanceDB returning ids and scores only).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def compare(index: LanceIndex, name: str, questions: list[str], k: int, kc: int)
     chunks = index.table("chunks")
     out = {"rows": len(ids), "build_s": round(build_s, 2), "unindexed": unindexed}
     for mode in ("all", "where") if name == "nuggets" else ("all",):
-        same = ties = other = none = 0
+        same = ties = other = none = same_set = 0
         worst = 0.0
         t_lance: list[float] = []
         t_mem: list[float] = []
@@ -71,6 +72,7 @@ def compare(index: LanceIndex, name: str, questions: list[str], k: int, kc: int)
             ms = np.array([s for _, s in mine])
             if len(ls) == len(ms) and len(ls):
                 worst = max(worst, float(np.max(np.abs(ls - ms) / np.abs(ls))))
+            same_set += {i for i, _ in mine} == {i for i, _ in lance}
             if mine == lance:
                 same += 1
             elif same_answers(lance, mine):
@@ -82,6 +84,7 @@ def compare(index: LanceIndex, name: str, questions: list[str], k: int, kc: int)
             "queries": len(questions),
             "identical": same,
             "tie_order_only": ties,
+            "same_id_set": same_set,
             "different": other,
             "fallback": none,
             "max_rel_score_diff": worst,
