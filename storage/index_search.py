@@ -86,17 +86,30 @@ class IndexSearch:
                 tbl = self.table(name)
                 fts = [i.name for i in tbl.list_indices() if i.index_type == "FTS"]
                 if fts and not tbl.index_stats(fts[0]).num_unindexed_rows:
-                    copy = Bm25Index(flat.rows.column(FTS_COLUMN).to_pylist())
-                    if not copy.exact or not self._probe(name, tbl, flat, copy):
+                    texts = flat.rows.column(FTS_COLUMN).to_pylist()
+                    copy = Bm25Index(texts)
+                    if not copy.exact or not self._probe(name, tbl, flat, copy, texts):
                         copy = None
             self._text_tables[name] = copy
         return self._text_tables[name]
 
-    def _probe(self, name: str, tbl: Any, flat: FlatTable, copy: Bm25Index) -> bool:
-        """Whether the copy answers as LanceDB does to the text of the table's middle row
-        (its first 64 words), a query whose every score depends on the index's statistics."""
-        texts = flat.rows.column(FTS_COLUMN)
-        probe = " ".join(str(texts[len(texts) // 2]).split()[:64])
+    def _probe(
+        self, name: str, tbl: Any, flat: FlatTable, copy: Bm25Index, texts: list[str | None]
+    ) -> bool:
+        """Whether the copy answers as LanceDB does to the text of a row (the first from the
+        middle on with an indexed word; its first 64 words), a query whose every score depends
+        on the index's statistics."""
+        middle = len(texts) // 2
+        probe = next(
+            (
+                " ".join(t.split()[:64])
+                for t in texts[middle:] + texts[:middle]
+                if t and copy.analyzer.terms(" ".join(t.split()[:64]))
+            ),
+            None,
+        )
+        if probe is None:  # no row has an indexed word: nothing to find either way
+            return True
         id_column = ID_COLUMNS[name]
         want = self._fts_query(tbl, probe, [id_column], None).limit(10).to_arrow()
         found = copy.search(probe, 10)
