@@ -66,7 +66,8 @@ FOLD = {
     "Ł": "L", "ł": "l", "Đ": "D", "Ð": "D", "đ": "d", "ð": "d", "Þ": "TH", "þ": "th",
     "Ħ": "H", "ħ": "h", "Ŧ": "T", "ŧ": "t", "Ŋ": "N", "ŋ": "n", "ı": "i", "ĸ": "k", "ſ": "s",
 }  # fmt: skip
-_EXPECTED_CONFIG = {
+# The full-text configuration this module reproduces (another one: LanceDB answers).
+ANALYZED_CONFIG = {
     "with_position": False,
     "base_tokenizer": "simple",
     "language": "English",
@@ -100,10 +101,10 @@ class Analyzer:
     def __init__(self) -> None:
         import Stemmer
 
-        if FTS_CONFIG != _EXPECTED_CONFIG:
+        if FTS_CONFIG != ANALYZED_CONFIG:
             raise ValueError(
                 f"FTS_CONFIG is {FTS_CONFIG}, but the in-memory BM25 copy reproduces only "
-                f"{_EXPECTED_CONFIG}: teach storage/index_bm25.py the new configuration"
+                f"{ANALYZED_CONFIG}: teach storage/index_bm25.py the new configuration"
             )
         self._stem = Stemmer.Stemmer("english").stemWord
         self._terms: dict[str, str | None] = {}

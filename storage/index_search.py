@@ -12,12 +12,13 @@ import pyarrow as pa
 
 from coinrag.storage.index_ann import (
     FTS_COLUMN,
+    FTS_CONFIG,
     VECTOR_INDEX_MIN_ROWS,
     FlatTable,
     large_tables_in_memory,
     tune_ann_query,
 )
-from coinrag.storage.index_bm25 import Bm25Index, same_answers
+from coinrag.storage.index_bm25 import ANALYZED_CONFIG, Bm25Index, same_answers
 from coinrag.storage.index_tables import (
     CHUNK_HIT_COLUMNS,
     DOCUMENT_HIT_COLUMNS,
@@ -76,13 +77,18 @@ class IndexSearch:
     def _lexical(self, name: str) -> Bm25Index | None:
         """The reader's in-memory BM25 copy of table ``name``'s text, made on first use beside
         its :class:`FlatTable` (so under the same conditions), or None (LanceDB answers): the
-        writer, a table not in memory, an index with unindexed rows (lance scores those with
+        writer, a table not in memory, another full-text configuration than the copy's
+        (:data:`ANALYZED_CONFIG`), an index with unindexed rows (lance scores those with
         other statistics), text the copy cannot tokenize for sure, or a copy whose answer to
         one probe (a row's text) is not LanceDB's (an index that still counts deleted rows)."""
         if name not in self._text_tables:
             flat = self._flat(name)
             copy = None
-            if flat is not None and FTS_COLUMN in flat.rows.column_names:
+            if (
+                FTS_CONFIG == ANALYZED_CONFIG
+                and flat is not None
+                and FTS_COLUMN in flat.rows.column_names
+            ):
                 tbl = self.table(name)
                 fts = [i.name for i in tbl.list_indices() if i.index_type == "FTS"]
                 if fts and not tbl.index_stats(fts[0]).num_unindexed_rows:

@@ -268,3 +268,11 @@ def test_an_index_still_counting_deleted_rows_leaves_text_search_to_lancedb(inde
     assert reader._flat("nuggets") is not None and reader._lexical("nuggets") is None
     for text in ("neutron star", "river Nile"):
         assert reader.search_text("nuggets", text, 5) == writer.search_text("nuggets", text, 5)
+
+
+def test_another_full_text_configuration_leaves_text_search_to_lancedb(indexes, monkeypatch):
+    writer, reader, _ = indexes
+    other = {**index_search.FTS_CONFIG, "stem": False}
+    monkeypatch.setattr(index_search, "FTS_CONFIG", other)
+    assert reader._flat("chunks") is not None and reader._lexical("chunks") is None
+    assert reader.search_text("chunks", "rivers", 3) == writer.search_text("chunks", "rivers", 3)
