@@ -45,7 +45,7 @@ B = np.float32(0.75)
 # float32 ulps (at most 1.7e-7 relative on the Python docs; this allows 8).
 RTOL = 1e-6
 MAX_TOKEN_BYTES = 40  # lance's default max_token_length: tokens of this many bytes are dropped
-_WORD = regex.compile(r"[\p{Alphabetic}\p{Nd}\p{Nl}\p{No}]+")
+WORD = regex.compile(r"[\p{Alphabetic}\p{Nd}\p{Nl}\p{No}]+")
 # NLTK's English stop words (the ``stop-words`` crate's ``get("en")``, lance-tokenizer 13.0.0),
 # less those with an apostrophe (never one token here).
 STOP_WORDS = frozenset(
@@ -131,7 +131,7 @@ class Analyzer:
 
     def terms(self, text: str) -> list[str]:
         """The terms of ``text`` in order, repeats kept."""
-        found = (self.term(t) for t in _WORD.findall(text))
+        found = (self.term(t) for t in WORD.findall(text))
         return [t for t in found if t is not None]
 
 
