@@ -8,13 +8,13 @@ and checked against the library itself (``tests/storage/test_index_bm25.py``):
 
 - tokens: maximal runs of ``char::is_alphanumeric`` characters (Unicode Alphabetic, or Nd, Nl,
   No), then, in this order: tokens of 40 bytes or more (UTF-8, before lower-casing) dropped;
-  lower-cased character by character (so no final sigma:
-  ``ΣΑΣ`` becomes ``σασ``); stemmed (rust-stemmers English: Snowball's Porter2, here
-  PyStemmer's); stop words dropped *after* stemming (NLTK's English list, so ``because``, whose
-  stem is ``becaus``, stays); ASCII folding of tokens with a non-ASCII character, by
-  lance-tokenizer's own rule (not tantivy's table): each non-ASCII character becomes its entry
-  in a small table (:data:`FOLD`), else the ASCII characters and table entries of its NFKD
-  decomposition (combining marks and other characters dropped), else stays itself;
+  lower-cased character by character (no final sigma: ``ΣΑΣ`` becomes ``σασ``); stemmed
+  (rust-stemmers English: Snowball's Porter2, here PyStemmer's); stop words dropped *after*
+  stemming (NLTK's English list, so ``because``, whose stem is ``becaus``, stays); ASCII
+  folding of tokens with a non-ASCII character, by lance-tokenizer's own rule (not tantivy's
+  table): each non-ASCII character becomes its entry in a small table (:data:`FOLD`), else the
+  ASCII characters and table entries of its NFKD decomposition (combining marks and other
+  characters dropped), else stays itself;
 - a document's length is its number of tokens left, and a row left with none is no document
   (it counts in neither N nor the average length); BM25 with k1 = 1.2, b = 0.75,
   ``idf = ln((N - n + 0.5) / (n + 0.5) + 1)``, N and the average length over the whole index,
