@@ -67,6 +67,7 @@ from coinrag.storage.index_ann import (  # noqa: F401  (re-exported: the search 
     create_vector_index,
     tune_ann_query,
 )
+from coinrag.storage.index_bm25 import Bm25Index
 from coinrag.storage.index_search import IndexSearch
 from coinrag.storage.index_tables import (  # noqa: F401  (re-exported: columns and errors)
     _DELETE_BATCH,
@@ -109,6 +110,7 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         self._tables: dict[str, Any] = {}
         self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
         self._flat_tables: dict[str, FlatTable | None] = {}  # a reader's tables in memory
+        self._text_tables: dict[str, Bm25Index | None] = {}  # their BM25 copies (text search)
         self.flat_max_bytes = FLAT_MAX_BYTES  # the largest table (its vectors) kept in memory
         self._counts: dict[str, int] = {}  # a reader's row counts
 

@@ -1,5 +1,6 @@
 """Searching the index: by vector (ANN, exact under a prefilter, or a reader's in-memory copy
-of a small table) and by words (BM25). A part of :class:`storage.index.LanceIndex`."""
+of a small table) and by words (BM25: LanceDB's full-text index, or a reader's in-memory copy
+that gives its answers, ``storage/index_bm25.py``). A part of :class:`storage.index.LanceIndex`."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from coinrag.storage.index_ann import (
     FTS_COLUMN,
+    FTS_CONFIG,
     VECTOR_INDEX_MIN_ROWS,
     FlatTable,
     large_tables_in_memory,
     tune_ann_query,
 )
+from coinrag.storage.index_bm25 import ANALYZED_CONFIG, Bm25Index, same_answers
 from coinrag.storage.index_tables import (
     CHUNK_HIT_COLUMNS,
     DOCUMENT_HIT_COLUMNS,
@@ -36,6 +40,7 @@ class IndexSearch:
     versions: dict[str, int] | None
     flat_max_bytes: int
     _flat_tables: dict[str, FlatTable | None]
+    _text_tables: dict[str, Bm25Index | None]
 
     def _flat(self, name: str) -> FlatTable | None:
         """The reader's in-memory copy of table ``name`` (pinned versions), read on first use:
@@ -68,6 +73,82 @@ class IndexSearch:
         if isinstance(where, InFilter) and where.column in flat.rows.column_names:
             return flat
         return None
+
+    def _lexical(self, name: str) -> Bm25Index | None:
+        """The reader's in-memory BM25 copy of table ``name``'s text, made on first use beside
+        its :class:`FlatTable` (so under the same conditions), or None (LanceDB answers): the
+        writer, a table not in memory, another full-text configuration than the copy's
+        (:data:`ANALYZED_CONFIG`), an index with unindexed rows (lance scores those with
+        other statistics), text the copy cannot tokenize for sure, or a copy whose answer to
+        one probe (a row's text) is not LanceDB's (an index that still counts deleted rows)."""
+        if name not in self._text_tables:
+            flat = self._flat(name)
+            copy = None
+            if (
+                FTS_CONFIG == ANALYZED_CONFIG
+                and flat is not None
+                and FTS_COLUMN in flat.rows.column_names
+            ):
+                tbl = self.table(name)
+                fts = [i.name for i in tbl.list_indices() if i.index_type == "FTS"]
+                if fts and not tbl.index_stats(fts[0]).num_unindexed_rows:
+                    texts = flat.rows.column(FTS_COLUMN).to_pylist()
+                    copy = Bm25Index(texts)
+                    if not copy.exact or not self._probe(name, tbl, flat, copy, texts):
+                        copy = None
+            self._text_tables[name] = copy
+        return self._text_tables[name]
+
+    def _probe(
+        self, name: str, tbl: Any, flat: FlatTable, copy: Bm25Index, texts: list[str | None]
+    ) -> bool:
+        """Whether the copy answers as LanceDB does to the text of a row (the first from the
+        middle on with an indexed word; its first 64 words), a query whose every score depends
+        on the index's statistics."""
+        middle = len(texts) // 2
+        probe = next(
+            (
+                " ".join(t.split()[:64])
+                for t in texts[middle:] + texts[:middle]
+                if t and copy.analyzer.terms(" ".join(t.split()[:64]))
+            ),
+            None,
+        )
+        if probe is None:  # no row has an indexed word: nothing to find either way
+            return True
+        id_column = ID_COLUMNS[name]
+        want = self._fts_query(tbl, probe, [id_column], None).limit(10).to_arrow()
+        found = copy.search(probe, 10)
+        if found is None:
+            return False
+        ids = flat.rows.column(id_column).take(pa.array(found[0])).to_pylist()
+        lance = zip(
+            want.column(id_column).to_pylist(), want.column("_score").to_pylist(), strict=True
+        )
+        return same_answers(list(lance), list(zip(ids, found[1].tolist(), strict=True)))
+
+    def _search_text_copy(
+        self, name: str, text: str, k: int, where: str | None, columns: Sequence[str]
+    ) -> list[dict[str, Any]] | None:
+        """:meth:`search_text` from the reader's in-memory copies, or None if they cannot
+        answer it (no copy, a prefilter other than an :class:`InFilter` on a column of theirs,
+        text the copy cannot tokenize for sure)."""
+        copy = self._lexical(name)
+        flat = self._flat(name)
+        if copy is None or flat is None:
+            return None
+        positions = None
+        if where is not None:
+            if not isinstance(where, InFilter) or (positions := flat.positions(where)) is None:
+                return None
+        found = copy.search(text, k, positions)
+        if found is None:
+            return None
+        at, scores = found
+        rows = flat.rows.select(list(columns)).take(pa.array(at)).to_pylist()
+        for row, score in zip(rows, scores.tolist(), strict=True):
+            row["score"] = float(score)
+        return rows
 
     def _search(
         self,
@@ -138,7 +219,10 @@ class IndexSearch:
         """Top-``k`` rows of ``name`` (their :data:`HIT_COLUMNS`) by BM25 of ``text`` against
         their ``text`` column, best first (dicts with ``score``, the BM25 score); ``where``: a
         prefilter. A query with no indexed word (only stop words, say) finds nothing.
-        :class:`LexicalIndexMissing` if the table has no full-text index."""
+        :class:`LexicalIndexMissing` if the table has no full-text index.
+
+        A reader answers from its in-memory copy where it has one (:meth:`_lexical`): LanceDB's
+        rows and scores within float32 rounding, ties among equal scores by row order."""
         columns = HIT_COLUMNS[name]
         tbl = self.table(name)
         if tbl is None or k <= 0 or not text.strip():
@@ -152,6 +236,9 @@ class IndexSearch:
         flat = self._flat(name)
         if flat is None:  # the writer's view
             return self._search_text_rows(tbl, text, k, where, columns)
+        in_memory = self._search_text_copy(name, text, k, where, columns)
+        if in_memory is not None:
+            return in_memory
         # The reader's in-memory copy holds the hit columns: LanceDB returns ids and scores
         # only (the text and the rest cost about 2 ms more a search), the copy the rest.
         id_column = ID_COLUMNS[name]

@@ -1,6 +1,8 @@
-"""A reader's in-memory copy of the index tables (``storage.index_ann.FlatTable``), held to
-LanceDB's own answers on real tables in a temp dir: prefiltered searches, the float16 copy of a
-large table, lexical hits completed from memory, and row lookups by id.
+"""A reader's in-memory copy of the index tables (``storage.index_ann.FlatTable``) and of their
+text (``storage.index_bm25.Bm25Index``), held to LanceDB's own answers on real tables in a temp
+dir: prefiltered searches, the float16 copy of a large table, text searches from the BM25 copy
+(and from LanceDB where it cannot answer), lexical hits completed from memory, and row lookups
+by id.
 
 The writer's view (``LanceIndex.open_latest``) never uses a copy: its answers are LanceDB's, so
 each test compares a reader pinned to the published versions with the writer."""
@@ -8,12 +10,14 @@ each test compares a reader pinned to the published versions with the writer."""
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from test_index_retrieval import HashEmbedder, cut
 
 import coinrag.storage.index_ann as index_ann
 import coinrag.storage.index_search as index_search
 from coinrag.storage.index import ID_COLUMNS, LanceIndex
+from coinrag.storage.index_bm25 import same_answers
 from coinrag.storage.index_tables import InFilter, in_filter
 from coinrag.storage.store import Store
 from coinrag.tasks.embed import embed_stage
@@ -114,9 +118,11 @@ def test_a_table_over_the_memory_budget_is_searched_by_lancedb(indexes):
 
 
 def test_lexical_hits_completed_from_memory_equal_lancedb(indexes):
-    """A reader asks LanceDB for ids and BM25 scores only and takes the hit columns from its
-    copy: the same rows, columns and scores as LanceDB's full answer."""
+    """Without its BM25 copy (as when it cannot answer), a reader asks LanceDB for ids and BM25
+    scores only and takes the hit columns from its copy: the same rows, columns and scores as
+    LanceDB's full answer."""
     writer, reader, _ = indexes
+    reader._text_tables.update(chunks=None, nuggets=None)  # no BM25 copies
     where = in_filter("doc_id", ["birds", "rivers"])
     for table in ("chunks", "nuggets"):
         for text in ("penguins river", "neutron star pulsar", "Etna lava"):
@@ -175,3 +181,98 @@ def test_an_empty_table_in_memory_finds_nothing():
     assert flat.search(np.ones(4, np.float32), 3, ["chunk_id"], where) == []
     assert flat.search(np.ones(4, np.float32), 3, ["chunk_id"]) == []
     assert flat.rows_by_id("chunk_id", ["a"], ["chunk_id"]) is None
+
+
+def _same_text_hits(got: list[dict], want: list[dict], table: str) -> bool:
+    """LanceDB's answer within float32 rounding (``same_answers``), each row's columns equal."""
+    key = ID_COLUMNS[table]
+    pairs = [[(r[key], r["score"]) for r in rows] for rows in (want, got)]
+    by_id = {r[key]: r for r in want}
+    return same_answers(*pairs) and all(
+        {c: v for c, v in r.items() if c != "score"}
+        == {c: v for c, v in by_id[r[key]].items() if c != "score"}
+        for r in got
+        if r[key] in by_id
+    )
+
+
+def test_a_reader_searches_words_in_its_bm25_copy_as_lancedb_does(indexes, monkeypatch):
+    """A reader answers text searches from its in-memory BM25 copy, unfiltered and under an
+    ``IN`` prefilter, without asking LanceDB: LanceDB's rows and scores (float32 rounding)."""
+    writer, reader, _ = indexes
+    where = {
+        "chunks": in_filter("doc_id", ["birds", "rivers"]),
+        "nuggets": in_filter(
+            "chunk_id", _ids(writer.rows_where("chunks", "doc_id = 'stars'", 50), "chunks")
+        ),
+    }
+    cases = ("penguins river", "neutron stars pulsar", "Etna lava Etna", "the of and", "rivers")
+    wanted = {
+        (table, text, k, f): writer.search_text(table, text, k, where=where[table] if f else None)
+        for table in ("chunks", "nuggets")
+        for text in cases
+        for k in (1, 3, 10)
+        for f in (False, True)
+    }
+    for table in ("chunks", "nuggets"):
+        assert reader._lexical(table) is not None and writer._lexical(table) is None
+
+    def no_lancedb(*args, **kwargs):
+        raise AssertionError("the reader asked LanceDB")
+
+    monkeypatch.setattr(index_search.IndexSearch, "_fts_query", staticmethod(no_lancedb))
+    for (table, text, k, f), want in wanted.items():
+        got = reader.search_text(table, text, k, where=where[table] if f else None)
+        assert _same_text_hits(got, want, table), (table, text, k, f)
+        assert got or text == "the of and" or f  # only stop words find nothing
+
+
+def test_text_the_copy_cannot_answer_goes_to_lancedb(indexes):
+    """A query with a character this Python's Unicode database lacks, and a prefilter that is
+    not an ``IN`` list, are answered by LanceDB (the writer's answers)."""
+    writer, reader, _ = indexes
+    odd = "penguins " + chr(0x1FAE9)
+    assert reader.search_text("nuggets", odd, 3) == writer.search_text("nuggets", odd, 3)
+    sql = "doc_id = 'birds'"
+    assert reader.search_text("chunks", "penguins", 3, where=sql) == writer.search_text(
+        "chunks", "penguins", 3, where=sql
+    )
+    assert reader._lexical("nuggets") is not None
+
+
+def test_unindexed_rows_leave_text_search_to_lancedb(indexes):
+    """Rows added after the full-text index was built are scored by lance with other
+    statistics: a reader pinned to such a version keeps no BM25 copy and asks LanceDB."""
+    writer, _, _ = indexes
+    tbl = writer.table("chunks")
+    row = tbl.search().limit(1).to_arrow()
+    extra = row.set_column(
+        row.schema.get_field_index("chunk_id"), "chunk_id", pa.array(["extra-chunk"])
+    )
+    tbl.add(extra)
+    versions = {**writer.published_state()["versions"], "chunks": tbl.version}
+    reader = LanceIndex(writer.store, writer.meta, versions)
+    assert reader._flat("chunks") is not None and reader._lexical("chunks") is None
+    for text in ("penguins river", "neutron star"):
+        assert reader.search_text("chunks", text, 5) == writer.search_text("chunks", text, 5)
+
+
+def test_an_index_still_counting_deleted_rows_leaves_text_search_to_lancedb(indexes):
+    """Deleted rows stay in lance's BM25 statistics until the index is rebuilt (compaction):
+    the copy's probe sees other scores, so the reader asks LanceDB."""
+    writer, _, _ = indexes
+    tbl = writer.table("nuggets")
+    tbl.delete("doc_id = 'birds'")
+    versions = {**writer.published_state()["versions"], "nuggets": tbl.version}
+    reader = LanceIndex(writer.store, writer.meta, versions)
+    assert reader._flat("nuggets") is not None and reader._lexical("nuggets") is None
+    for text in ("neutron star", "river Nile"):
+        assert reader.search_text("nuggets", text, 5) == writer.search_text("nuggets", text, 5)
+
+
+def test_another_full_text_configuration_leaves_text_search_to_lancedb(indexes, monkeypatch):
+    writer, reader, _ = indexes
+    other = {**index_search.FTS_CONFIG, "stem": False}
+    monkeypatch.setattr(index_search, "FTS_CONFIG", other)
+    assert reader._flat("chunks") is not None and reader._lexical("chunks") is None
+    assert reader.search_text("chunks", "rivers", 3) == writer.search_text("chunks", "rivers", 3)
