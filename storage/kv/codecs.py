@@ -314,7 +314,7 @@ def quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, ...]
 
 
 def dequantize(codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """float32 ``codes * step + lo`` (broadcast)."""
+    """float32 ``codes * step + lo`` (broadcast; float32 ``codes`` are overwritten)."""
     return codes.to(torch.float32).mul_(step.to(torch.float32)).add_(lo.to(torch.float32))
 
 
@@ -406,9 +406,12 @@ class QuantizedCodec(KvCodec):
         return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
     def _unpack(self, packed: torch.Tensor, dim: int) -> torch.Tensor:
+        """Stored code bytes ``(..., dim * bits / 8)`` -> the codes as float32 ``(..., dim)``
+        (int4: the even dim from the low nibble), written straight in float32 (one pass fewer
+        than unpacking to bytes and widening them)."""
         if self.bits == 8:
-            return packed
-        out = torch.empty((*packed.shape[:-1], dim), dtype=torch.uint8)
+            return packed.to(torch.float32)
+        out = torch.empty((*packed.shape[:-1], dim), dtype=torch.float32)
         out[..., 0::2] = packed & 0x0F
         out[..., 1::2] = packed >> 4
         return out
@@ -519,8 +522,9 @@ class QuantizedCodec(KvCodec):
             return part[:, :, s - first : e - first]
 
         def per_block(name: str) -> torch.Tensor:
-            """A key scale of blocks b0..b1 for each token: ``(L, H, e - s, D)``."""
-            scale = cut[name][b0:b1].contiguous().view(torch.float16)
+            """A key scale of blocks b0..b1 for each token: ``(L, H, e - s, D)`` float32
+            (widened per block, then spread: widening float16 is slow on a CPU, so once)."""
+            scale = cut[name][b0:b1].contiguous().view(torch.float16).to(torch.float32)
             scale = scale.reshape(nb, lay, heads, dim).permute(1, 2, 0, 3)
             return scale.index_select(2, torch.arange(s - first, e - first) // block)
 

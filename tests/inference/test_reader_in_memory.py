@@ -153,7 +153,8 @@ def test_rows_by_id_from_memory_equal_lancedb(indexes):
 
 def test_a_one_shot_reader_searches_large_tables_by_their_index(indexes, monkeypatch):
     """``coinrag query`` (not serving) keeps only the tables under the ANN threshold in memory:
-    a large one is searched by LanceDB, with the writer's answers."""
+    a large one is searched by LanceDB, with the writer's answers; words are searched by
+    LanceDB."""
     from coinrag.storage.index_ann import keep_large_tables_in_memory, large_tables_in_memory
 
     writer, reader, emb = indexes
@@ -166,6 +167,10 @@ def test_a_one_shot_reader_searches_large_tables_by_their_index(indexes, monkeyp
         assert reader._flat("nuggets") is None and reader._flat("chunks") is not None
         want = writer.search_vector("nuggets", q, 3, embedder_fp=emb.fingerprint)
         assert _ids(got, "nuggets") == _ids(want, "nuggets")
+        # nor does it make BM25 copies (they cost more than the searches they would save)
+        words = reader.search_text("chunks", QUERIES[2], 3)
+        assert reader._lexical("chunks") is None
+        assert _ids(words, "chunks") == _ids(writer.search_text("chunks", QUERIES[2], 3), "chunks")
     finally:
         keep_large_tables_in_memory(True)
 
