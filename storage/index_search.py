@@ -102,6 +102,12 @@ class IndexSearch:
             self._text_tables[name] = copy
         return self._text_tables[name]
 
+    def searches_text_in_memory(self, name: str) -> bool:
+        """Whether :meth:`search_text` on ``name`` is answered from this reader's in-memory
+        BM25 copy (under a millisecond, holding the GIL) rather than by LanceDB (~5 ms,
+        releasing it)."""
+        return self.versions is not None and self._lexical(name) is not None
+
     def _probe(
         self, name: str, tbl: Any, flat: FlatTable, copy: Bm25Index, texts: list[str | None]
     ) -> bool:

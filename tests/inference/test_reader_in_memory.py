@@ -232,6 +232,33 @@ def test_a_reader_searches_words_in_its_bm25_copy_as_lancedb_does(indexes, monke
         assert got or text == "the of and" or f  # only stop words find nothing
 
 
+def test_hybrid_search_runs_the_copys_words_on_its_own_thread(indexes, monkeypatch):
+    """Hybrid search asks a second thread for the lexical half only where LanceDB answers it
+    (the writer); a reader with BM25 copies searches words on its own thread; both rank the
+    same rows."""
+    from coinrag.inference import retrieve
+
+    writer, reader, emb = indexes
+    assert reader.searches_text_in_memory("chunks") and not writer.searches_text_in_memory("chunks")
+    submitted = []
+    pool = retrieve._lexical_pool()
+
+    class Counting:
+        def submit(self, *args, **kwargs):
+            submitted.append(args[0])
+            return pool.submit(*args, **kwargs)
+
+    monkeypatch.setattr(retrieve, "_lexical_pool", lambda: Counting())
+    by = {}
+    for name, index in (("reader", reader), ("writer", writer)):
+        found = retrieve.Retriever(index.store, emb, index, mode="hybrid").two_stage(
+            QUERIES[0], 2, 3
+        )
+        by[name] = [(e.chunk_id, e.tok_start, e.tok_end) for e in found.evidence]
+        assert bool(submitted) == (name == "writer")
+    assert by["reader"] == by["writer"] and by["reader"]
+
+
 def test_text_the_copy_cannot_answer_goes_to_lancedb(indexes):
     """A query with a character this Python's Unicode database lacks, and a prefilter that is
     not an ``IN`` list, are answered by LanceDB (the writer's answers)."""
