@@ -1,24 +1,30 @@
 """Where a question's retrieval and KV time goes, on a built store, one thread (issue 23, item 3).
 
     python tests/benchmarks/bench_retrieval_latency.py --store PATH --questions JSONL
-        [--limit 40] [--kc 4] [--k 10] [--mode hybrid] [--json PATH]
+        [--limit 40] [--kc 4] [--k 10] [--mode hybrid] [--rounds 2] [--threads 1] [--json PATH]
 
-Per question, interleaved so that every variant sees the same machine load, a two-stage
-retrieval (``Retriever.two_stage``, the coinrag method's) with three index/embedder variants:
+Per question, a two-stage retrieval (``Retriever.two_stage``, the coinrag method's) with three
+index/embedder variants, each variant's questions in a block (its model and tables stay in the
+caches, as in a process that serves one of them) and the blocks alternated ``--rounds`` times
+(default 2) so that every variant sees the same machine load:
 
 - ``lancedb``: every search by LanceDB (the reader keeps no table in memory:
   ``flat_max_bytes = 0``), the question embedded in float32;
-- ``memory-fp32``: the reader's in-memory copies (``storage.index_ann.FlatTable``), the
-  question embedded in float32;
-- ``default``: in-memory copies and the question embedded in ``query_dtype = auto``.
+- ``dense-memory``: the reader's in-memory vector copies (``storage.index_ann.FlatTable``),
+  words searched by LanceDB, the question embedded in ``query_dtype = auto``;
+- ``default``: vectors and words in memory (``storage.index_bm25.Bm25Index``), the question
+  embedded in ``query_dtype = auto``.
 
 For each: the total retrieval (embedding + both stages) mean / median / P99 ms, the embedding
-alone, and the mean time of each kind of index call (the lexical half of a hybrid search runs
-on a second thread, so the calls overlap and do not sum to the total). Then, with the store's
-model and KV, the ``kv_load`` and ``assembly`` of coinrag's context (``StoredKvContext.build``)
-for the default variant's evidence, mean / median / P99 ms. Finally how often the variants'
-top-``kc`` chunks and evidence agree with ``lancedb``'s, and each one's hit rate of a gold
-document (``doc_ids``) in the top ``kc`` chunks.
+alone, and the mean time of each kind of index call (where LanceDB searches words, the lexical
+half of a hybrid search runs on a second thread, so the calls overlap and do not sum to the
+total). Then, with the store's model and KV, the ``kv_load`` and ``assembly`` of coinrag's
+context for the default variant's evidence, mean / median / P99 ms, two ways (alternated
+blocks again): ``StoredKvContext.build`` (slices decoded into the context, one rotation) and
+the general ``ContextBuilder.build`` (a tensor per slice, placed one by one). Finally how often the
+variants' top-``kc`` chunks and evidence agree with ``lancedb``'s, and each one's hit rate of
+a gold document (``doc_ids``) in the top ``kc`` chunks. ``--threads``: torch's threads
+(default 1).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +84,14 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--mode", default="hybrid")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
     from coinrag.inference.threads import set_process_threads
 
-    set_process_threads(1)
+    set_process_threads(args.threads)
+    from coinrag.inference.context import ContextBuilder
     from coinrag.inference.embedders import load_embedder
     from coinrag.inference.methods import RagEngine
     from coinrag.inference.methods.assets import StoredNuggetKv
@@ -95,13 +105,15 @@ def main() -> None:
     fp32, auto = load_embedder(None, query_dtype="float32"), load_embedder(None)
     variants: dict[str, tuple[Retriever, dict[str, list[float]]]] = {}
     for name, embedder, in_memory in (
-        ("lancedb", fp32, False),
-        ("memory-fp32", fp32, True),
-        ("default", auto, True),
+        ("lancedb", fp32, ()),
+        ("dense-memory", auto, ("vectors",)),
+        ("default", auto, ("vectors", "words")),
     ):
         index = LanceIndex.open(store)
-        if not in_memory:
+        if "vectors" not in in_memory:
             index.flat_max_bytes = 0
+        if "words" not in in_memory:
+            index._text_tables.update(chunks=None, nuggets=None)
         calls: dict[str, list[float]] = {}
         retriever = Retriever(store, embedder, index, mode=args.mode)
         t = time.perf_counter()
@@ -114,15 +126,20 @@ def main() -> None:
     totals: dict[str, list[float]] = {n: [] for n in variants}
     embeds: dict[str, list[float]] = {n: [] for n in variants}
     results: dict[str, list[Any]] = {n: [] for n in variants}
-    for row in rows:
+    for round_ in range(args.rounds):  # each variant's questions in a block (its model and
+        # tables stay in the caches, as in a process serving one of them), blocks alternated
         for name, (retriever, _) in variants.items():
-            t = time.perf_counter()
-            got = retriever.two_stage(row["question"], args.kc, args.k)
-            totals[name].append((time.perf_counter() - t) * 1000)
-            embeds[name].append(got.embed_ms)
-            results[name].append(got)
+            for row in rows:
+                t = time.perf_counter()
+                got = retriever.two_stage(row["question"], args.kc, args.k)
+                totals[name].append((time.perf_counter() - t) * 1000)
+                embeds[name].append(got.embed_ms)
+                if round_ == 0:
+                    results[name].append(got)
 
-    print(f"\n{len(rows)} questions, {args.mode}, kc {args.kc}, k {args.k}, one thread")
+    print(
+        f"\n{len(rows)} questions, {args.mode}, kc {args.kc}, k {args.k}, {args.threads} thread(s)"
+    )
     print(f"{'variant':<12} {'ms: mean median P99':>21} | embedding mean median P99")
     for name in variants:
         print(f"{name:<12} {summary(totals[name])} | {summary(embeds[name])}")
@@ -159,29 +176,34 @@ def main() -> None:
     context = engine.asset(StoredNuggetKv)
     n_query = 25
     evidence = [r.evidence for r in results["default"]]
+    builds = {"into-context": context.build, "general": partial(ContextBuilder.build, context)}
     for ev in evidence[:3]:
-        context.build(ev, n_query)  # warm: file handles, caches
-    load, assembly = [], []
-    for ev in evidence:
-        timings: dict[str, float] = {}
-        context.build(ev, n_query, timings)
-        load.append(timings["kv_load"])
-        assembly.append(timings["assembly"])
-    both = [a + b for a, b in zip(load, assembly, strict=True)]
+        for build in builds.values():
+            build(ev, n_query)  # warm: file handles, caches
+    parts: dict[str, dict[str, list[float]]] = {n: {"kv_load": [], "assembly": []} for n in builds}
+    for _ in range(args.rounds):
+        for name, build in builds.items():
+            for ev in evidence:
+                timings: dict[str, float] = {}
+                build(ev, n_query, timings)
+                for part in ("kv_load", "assembly"):
+                    parts[name][part].append(timings[part])
     slices = statistics.mean(len(ev) for ev in evidence)
     tokens = statistics.mean(sum(e.tok_end - e.tok_start for e in ev) for ev in evidence)
     print(f"\ncoinrag context ({slices:.1f} slices, {tokens:.0f} tokens a question), ms:")
-    print(f"  kv_load             {summary(load)}")
-    print(f"  assembly            {summary(assembly)}")
-    print(f"  kv_load + assembly  {summary(both)}")
+    for name, got in parts.items():
+        both = [a + b for a, b in zip(got["kv_load"], got["assembly"], strict=True)]
+        print(f"  {name}")
+        print(f"    kv_load             {summary(got['kv_load'])}")
+        print(f"    assembly            {summary(got['assembly'])}")
+        print(f"    kv_load + assembly  {summary(both)}")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         out = {
             "totals": totals,
             "embeds": embeds,
             "calls": {n: c for n, (_, c) in variants.items()},
-            "kv_load": load,
-            "assembly": assembly,
+            "context": parts,
         }
         args.json.write_text(json.dumps(out, indent=2))
 
