@@ -174,7 +174,7 @@ def rotate_placed_keys(
     if ctx.shape[-2] == n_prefix or torch.equal(old_positions, new_positions):
         return
     keys = ctx[:, 0, :, n_prefix:]
-    ctx[:, 0, :, n_prefix:] = spec.rotate_layers(keys, old_positions, new_positions)
+    spec.rotate_layers(keys, old_positions, new_positions, out=keys)
 
 
 def _rotated(s: KvSlice, start: int, spec: ModelRope, seq_len: int) -> torch.Tensor:

@@ -244,9 +244,11 @@ class RopeSpec:
         *,
         old_seq_len: int | None = None,
         new_seq_len: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:func:`rerotate_keys` of ``keys`` ``(layers, ..., kv_heads, tokens, head_dim)``: one
-        RoPE for every layer (the :data:`ModelRope` interface)."""
+        RoPE for every layer (the :data:`ModelRope` interface; ``out``: where to write the
+        result, ``keys`` itself too, else a new tensor)."""
         return rerotate_keys(
             keys,
             old_positions,
@@ -254,6 +256,7 @@ class RopeSpec:
             self,
             old_seq_len=old_seq_len,
             new_seq_len=new_seq_len,
+            out=out,
         )
 
     def same_frequencies(self, seq_len_a: int, seq_len_b: int) -> bool:
@@ -328,10 +331,12 @@ class LayerRopes:
         *,
         old_seq_len: int | None = None,
         new_seq_len: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Keys ``(layers, ..., kv_heads, tokens, head_dim)`` (dim 0: the model's layers) moved
         from ``old_positions`` to ``new_positions``, each layer with its own RoPE; same shape
-        and dtype. Differentiable (one rotation per layer type, then re-interleaved)."""
+        and dtype. Differentiable (one rotation per layer type, then re-interleaved) unless
+        ``out`` is given: the result is written there (``keys`` itself too)."""
         if keys.shape[0] != len(self.specs):
             raise ValueError(
                 f"keys have {keys.shape[0]} layers on dim 0, the model {len(self.specs)}"
@@ -349,6 +354,10 @@ class LayerRopes:
             )
             for j, layer in enumerate(layers):
                 parts[layer] = moved[j]
+        if out is not None:  # every group read above before anything is written
+            for layer, part in enumerate(parts):
+                out[layer] = part
+            return out
         return torch.stack([p for p in parts if p is not None])
 
 

@@ -101,3 +101,43 @@ def test_the_rotation_takes_several_small_layers_a_pass():
     cos, sin = angles.cos(), angles.sin()
     assert keys.numel() > 1 << 18 and (1 << 18) // keys[0].numel() == 8
     assert torch.equal(_rotate_tiled(keys, cos, sin, 64), _rotate(keys, cos, sin, 64))
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["one-rope", "gemma3-per-layer"])
+def test_keys_rotated_into_a_given_tensor_equal_a_new_one(per_layer):
+    """``rotate_layers(..., out=)``: the result written into ``out``, or into the keys
+    themselves (in place, as assembly does), is the new tensor's, bit for bit; one RoPE for
+    all layers and Gemma 3's per-layer RoPE."""
+    from transformers import Gemma3TextConfig
+
+    from coinrag.inference.rope import LayerRopes, model_rope
+
+    if per_layer:
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        }
+        config = Gemma3TextConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=128,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=rope,
+        )
+    else:
+        config = tiny_config("qwen2")
+    spec = model_rope(config)
+    assert isinstance(spec, LayerRopes) == per_layer
+    keys = _kv(config, 300, torch.bfloat16, 7)[:, 0]  # (layers, heads, 300, dim)
+    old = torch.randint(0, 500, (300,))
+    new = torch.arange(40, 340)
+    want = spec.rotate_layers(keys, old, new)
+    into = torch.empty_like(keys)
+    assert spec.rotate_layers(keys, old, new, out=into) is into and torch.equal(into, want)
+    in_place = keys.clone()
+    spec.rotate_layers(in_place, old, new, out=in_place)
+    assert torch.equal(in_place, want)
