@@ -455,18 +455,12 @@ class KvStore:
             else:
                 results = gather_zarr(plans, self._shards, lay, fail, diagnose)
             at = list(accumulate([0, *(e - s for _, s, e in requests)]))
-            by_block: dict[int, list[int]] = defaultdict(list)  # shards' block sizes may differ
-            for j, plan in enumerate(plans):
-                by_block[self._shards[plan.shard].block_tokens].append(j)
-            for js in by_block.values():
-                picks = [
-                    (n, located[i][1] - plans[j].t0, located[i][2] - plans[j].t0, at[i])
-                    for n, j in enumerate(js)
-                    for i in plans[j].requests
-                ]
-                picks.sort(key=lambda pick: pick[3])  # in request order: out back to back
-                g = shard_geometry(lay, self._shards[plans[js[0]].shard])
-                lay.codec.decode_tokens([results[j] for j in js], g, picks, out)
+            self._decode_into(
+                plans,
+                results,
+                [(o0, o1, a) for (_, o0, o1), a in zip(located, at, strict=False)],
+                out,
+            )
         self.last_read = ReadStats(
             requests=len(requests),
             bytes_read=self._reader.data_bytes - before[0],
@@ -475,6 +469,29 @@ class KvStore:
             zarr_reads=len(plans),
             seconds=time.perf_counter() - t0,
         )
+
+    def _decode_into(
+        self,
+        plans: Sequence[SlicePlan],
+        results: Sequence[np.ndarray],
+        placed: Sequence[tuple[int, int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """Decode each request's stored tokens ``[start, end)`` (``placed[i]``, with ``at``: where
+        it goes in ``out``'s token axis) from the read that served it (``results[j]`` of
+        ``plans[j]``), one codec call per block size (shards may differ)."""
+        by_block: dict[int, list[int]] = defaultdict(list)
+        for j, plan in enumerate(plans):
+            by_block[self._shards[plan.shard].block_tokens].append(j)
+        for js in by_block.values():
+            picks = [
+                (n, placed[i][0] - plans[j].t0, placed[i][1] - plans[j].t0, placed[i][2])
+                for n, j in enumerate(js)
+                for i in plans[j].requests
+            ]
+            picks.sort(key=lambda pick: pick[3])  # in request order: out back to back
+            g = shard_geometry(self.layout, self._shards[plans[js[0]].shard])
+            self.layout.codec.decode_tokens([results[j] for j in js], g, picks, out)
 
     def _fetch_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
         """Byte ranges of files, fetched concurrently, counted in the reader's statistics like
