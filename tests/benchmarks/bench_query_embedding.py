@@ -1,5 +1,7 @@
 """Where a question's embedding goes: the default embedder's forward in float32, with bf16
-weights, and with int8 dynamic quantization, side by side in one run on one thread.
+weights (transformers' forward, and the lean BERT forward the bf16 question copy runs:
+``inference/lean_encoder.py``), and with int8 dynamic quantization, side by side in one run on
+one thread.
 
 For each variant: median and p90 ms of ``embed one question`` (tokenizer + forward + mean
 pooling + L2 normalisation) over the question file, and the smallest cosine of its vectors to
@@ -22,13 +24,18 @@ import numpy as np
 import torch
 
 from coinrag.inference.embedders import load_embedder
+from coinrag.inference.lean_encoder import LeanBertEncoder
 
 
-def _vector(model: torch.nn.Module, tokenizer, question: str) -> np.ndarray:
+def _vector(model: torch.nn.Module | LeanBertEncoder, tokenizer, question: str) -> np.ndarray:
     """The normalised mean-pooled vector ``(dim,)`` of one question (float32)."""
     enc = tokenizer([question], return_tensors="pt")
     with torch.inference_mode():
-        hidden = model(**enc).last_hidden_state.float()
+        if isinstance(model, LeanBertEncoder):
+            hidden = model(enc["input_ids"], enc["attention_mask"], enc.get("token_type_ids"))
+            hidden = hidden.float()
+        else:
+            hidden = model(**enc).last_hidden_state.float()
     mask = enc["attention_mask"].unsqueeze(-1).float()
     pooled = (hidden * mask).sum(1) / mask.sum(1)
     return torch.nn.functional.normalize(pooled, dim=-1)[0].numpy()
@@ -56,9 +63,11 @@ def main() -> None:
         questions = [json.loads(line)["question"] for line in f if line.strip()]
     embedder = load_embedder(None)
     tokenizer, fp32 = embedder.tokenizer, embedder._flag.model.eval()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     variants = {
         "float32": fp32,
-        "bf16 weights": copy.deepcopy(fp32).to(torch.bfloat16),
+        "bf16 weights": bf16,
+        "bf16 lean": LeanBertEncoder.of(bf16),
         "int8 dynamic": torch.ao.quantization.quantize_dynamic(
             copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8
         ),
@@ -66,8 +75,12 @@ def main() -> None:
     reference = np.stack([_vector(fp32, tokenizer, q) for q in questions])
     print(f"{len(questions)} questions, one thread, {args.repeat} passes")
     print(f"{'variant':<14} {'median ms':>10} {'p90 ms':>8} {'min cosine':>11}")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeat):  # passes alternated: every variant sees the same load
+        for name, model in variants.items():
+            times[name] += _timed(lambda q, m=model: _vector(m, tokenizer, q), questions, 1)
     for name, model in variants.items():
-        ms = _timed(lambda q, m=model: _vector(m, tokenizer, q), questions, args.repeat)
+        ms = times[name]
         vectors = np.stack([_vector(model, tokenizer, q) for q in questions])
         cosine = float((vectors * reference).sum(1).min())
         print(f"{name:<14} {np.median(ms):>10.2f} {np.percentile(ms, 90):>8.2f} {cosine:>11.6f}")

@@ -1,7 +1,8 @@
 """Where a question's retrieval and KV time goes, on a built store, one thread (issue 23, item 3).
 
     python tests/benchmarks/bench_retrieval_latency.py --store PATH --questions JSONL
-        [--limit 40] [--kc 4] [--k 10] [--mode hybrid] [--rounds 2] [--threads 1] [--json PATH]
+        [--limit 40] [--kc 4] [--k 10] [--mode hybrid] [--rounds 2] [--threads 1]
+        [--whole-chunks] [--json PATH]
 
 Per question, a two-stage retrieval (``Retriever.two_stage``, the coinrag method's) with three
 index/embedder variants, each variant's questions in a block (its model and tables stay in the
@@ -24,7 +25,7 @@ blocks again): ``StoredKvContext.build`` (slices decoded into the context, one r
 the general ``ContextBuilder.build`` (a tensor per slice, placed one by one). Finally how often the
 variants' top-``kc`` chunks and evidence agree with ``lancedb``'s, and each one's hit rate of
 a gold document (``doc_ids``) in the top ``kc`` chunks. ``--threads``: torch's threads
-(default 1).
+(default 1); ``--whole-chunks``: the context is turborag's (the top ``kc`` chunks whole).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--whole-chunks", action="store_true")
     args = parser.parse_args()
 
     from coinrag.inference.threads import set_process_threads
@@ -95,7 +97,7 @@ def main() -> None:
     from coinrag.inference.embedders import load_embedder
     from coinrag.inference.methods import RagEngine
     from coinrag.inference.methods.assets import StoredNuggetKv
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.retrieve import Evidence, Retriever
     from coinrag.storage.index import LanceIndex
     from coinrag.storage.store import Store
 
@@ -176,6 +178,14 @@ def main() -> None:
     context = engine.asset(StoredNuggetKv)
     n_query = 25
     evidence = [r.evidence for r in results["default"]]
+    if args.whole_chunks:  # turborag's context: the top-kc chunks whole
+        evidence = [
+            [
+                Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score)
+                for h in r.chunks
+            ]
+            for r in results["default"]
+        ]
     builds = {"into-context": context.build, "general": partial(ContextBuilder.build, context)}
     for build in builds.values():
         for ev in evidence:  # warm: file handles, the page cache (the same for both builds)
@@ -190,7 +200,8 @@ def main() -> None:
                     parts[name][part].append(timings[part])
     slices = statistics.mean(len(ev) for ev in evidence)
     tokens = statistics.mean(sum(e.tok_end - e.tok_start for e in ev) for ev in evidence)
-    print(f"\ncoinrag context ({slices:.1f} slices, {tokens:.0f} tokens a question), ms:")
+    method = "turborag" if args.whole_chunks else "coinrag"
+    print(f"\n{method} context ({slices:.1f} slices, {tokens:.0f} tokens a question), ms:")
     for name, got in parts.items():
         both = [a + b for a, b in zip(got["kv_load"], got["assembly"], strict=True)]
         print(f"  {name}")
