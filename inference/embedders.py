@@ -34,8 +34,8 @@ weight once, so halving the weights' bytes pays: on one AVX512-BF16 core the def
 embeds a question in 11.2 ms instead of 18.4 (``tests/benchmarks/bench_query_embedding.py``),
 pooled and normalised in float32, its vector within cosine 0.99994 of the float32 one. A plain
 BERT encoder's copy (the default MiniLM) runs through a lean forward of the same layers
-(``inference/lean_encoder.py``: no per-module overhead, Q/K/V in one product; 6.7-7.5 against
-9.4-9.7 ms a question). Stored vectors (``embed_documents``) are always float32 from
+(``inference/lean_encoder.py``: no per-module overhead, Q/K/V in one product; 9.1 against 10.9
+ms median a question). Stored vectors (``embed_documents``) are always float32 from
 transformers' forward: the fingerprint, the cache and the index do not depend on the query
 dtype.
 """

@@ -3,9 +3,10 @@
 and LayerNorm), called as a few functional operations instead of ~110 modules.
 
 A question is a short sequence (7-36 word pieces for the Python FAQ and natural questions), so
-transformers' module calls, output capturing and mask building cost a third of the forward on
-a CPU: all-MiniLM-L6-v2 in bf16 on one core takes 6.7-7.5 ms here against 9.4-9.7 ms
-(``tests/benchmarks/bench_query_embedding.py``). Besides dropping that overhead it computes Q, K
+transformers' module calls, output capturing and mask building are a large part of the forward
+on a CPU: all-MiniLM-L6-v2 in bf16 on one core embeds a question in 9.1 ms median against 10.9
+(``tests/benchmarks/bench_query_embedding.py``, 63 questions x 3 passes; 6.7-7.5 against 9.4-9.7
+for the forward alone in another run). Besides dropping that overhead it computes Q, K
 and V of a layer with one matrix product (their weights concatenated once, an extra 5 MB in bf16
 for MiniLM) and skips the pooler (a dense layer on the first token that mean pooling and CLS
 pooling of the last hidden state never read).
