@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from store_fixtures import TINY_ARCHITECTURES, tiny_config
+from store_fixtures import TINY_ARCHITECTURES, TINY_DIMS, tiny_config
 
 from coinrag.inference.assemble import KvSlice, _rotated, place_slices, rotate_placed_keys
 from coinrag.inference.rope import RopeSpec
@@ -118,11 +118,7 @@ def test_keys_rotated_into_a_given_tensor_equal_a_new_one(per_layer):
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         }
         config = Gemma3TextConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **{**TINY_DIMS, "num_hidden_layers": 3},
             head_dim=16,
             vocab_size=128,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
