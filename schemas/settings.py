@@ -71,6 +71,9 @@ KV_KEEPS = ("chunks", "nuggets")
 # for a one-shot coinrag query).
 FORWARDS = ("auto", "eager", "compiled")
 CHUNKERS = ("fixed", "sentence", "content")
+# Document readers by file format (tasks/readers/): what a folder SOURCE reads.
+READERS = ("text", "markdown", "html", "pdf", "docx")
+HTML_MODES = ("main", "whole")  # html reader: the main content (trafilatura) or the whole body
 # How retrieval ranks chunks, nuggets and documents (inference.retrieve.SEARCH_MODES; a test keeps
 # them equal): by embedding (dense), by BM25 over the words (lexical), or both fused (hybrid).
 RETRIEVAL_MODES = ("dense", "lexical", "hybrid")
