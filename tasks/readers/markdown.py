@@ -8,7 +8,7 @@ character at least as long) is a heading. The title is the first level-1 heading
 Worked example::
 
     "# Guide\\n```\\n# not a heading\\n```\\nIntro\\n=====\\n"
-    -> headings (0, 1, "Guide"), (35, 1, "Intro"); title "Guide"
+    -> headings (0, 1, "Guide"), (32, 1, "Intro"); title "Guide"
 """
 
 from __future__ import annotations
