@@ -27,8 +27,49 @@ import pyarrow as pa
 # ---------------------------------------------------------------------------- corpus
 
 
+@dataclass(frozen=True, kw_only=True)
+class FileOrigin:
+    """Where a document read from a file came from, and its maps (``tasks/readers``): the
+    columns every :class:`DocumentRow` has after its own (null for JSONL / Parquet records).
+
+    ``page_starts[i]``: the character of ``text`` where page ``i + 1`` starts, its label
+    ``page_labels[i]``; ``heading_starts[i]``: where heading ``i``'s line starts, its level
+    (1 = top) and title. ``size`` and ``mtime_ns`` only let a rebuild skip hashing an unchanged
+    file; ``sha256`` (of the file's bytes) and ``reader_fp`` decide the document's version."""
+
+    path: str | None = None  # relative to SOURCE, "/"-separated
+    format: str | None = None  # the reader's name: text | markdown | html | pdf | docx
+    title: str | None = None
+    reader_version: str | None = None
+    reader_fp: str | None = None  # keys.fingerprint("reader", {name, version, options})
+    sha256: str | None = None
+    size: int | None = None  # bytes
+    mtime_ns: int | None = None
+    page_starts: list[int] | None = None
+    page_labels: list[str] | None = None
+    heading_starts: list[int] | None = None
+    heading_levels: list[int] | None = None
+    heading_titles: list[str] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlaceInDocument:
+    """Where a span of a document is (a chunk, a nugget): the pages it touches and the heading
+    path where it starts; the columns after a :class:`ChunkRow`'s, a :class:`NuggetRow`'s and
+    their index rows' own. Null for a document without pages / headings.
+
+    ``page_labels``: the labels of pages ``page_first..page_last`` (a PDF's own, ``"iv"``);
+    ``section``: the heading titles, outermost first (``["Programming FAQ", "Performance"]``).
+    """
+
+    page_first: int | None = None  # 1-based
+    page_last: int | None = None
+    page_labels: list[str] | None = None
+    section: list[str] | None = None
+
+
 @dataclass(frozen=True)
-class DocumentRow:
+class DocumentRow(FileOrigin):
     """One version of one source document."""
 
     doc_id: str  # the user's id (data, never a path)
@@ -42,7 +83,7 @@ class DocumentRow:
 
 
 @dataclass(frozen=True)
-class ChunkRow:
+class ChunkRow(PlaceInDocument):
     """A chunk of at most ``chunk_size`` tokens of one document version.
 
     ``text == document.text[char_start:char_end] == tokenizer.decode(token_ids)``;
@@ -144,7 +185,7 @@ class ExtractionCallRow:
 
 
 @dataclass(frozen=True)
-class NuggetRow:
+class NuggetRow(PlaceInDocument):
     """A recovered nugget: a token span ``[tok_start, tok_end)`` of one chunk.
 
     ``text == chunk.text[char_start:char_end] == decode(chunk.token_ids[tok_start:tok_end])``:
@@ -223,7 +264,7 @@ class EmbeddingRow:
 
 
 @dataclass(frozen=True)
-class ChunkIndexRow:
+class ChunkIndexRow(PlaceInDocument):
     """A row of the LanceDB ``chunks`` table (upserted by chunk_id)."""
 
     chunk_id: str
@@ -238,7 +279,7 @@ class ChunkIndexRow:
 
 
 @dataclass(frozen=True)
-class NuggetIndexRow:
+class NuggetIndexRow(PlaceInDocument):
     """A row of the LanceDB ``nuggets`` table (upserted by nugget_id)."""
 
     nugget_id: str
@@ -434,11 +475,18 @@ def _arrow_type(annotation: Any) -> tuple[pa.DataType, bool]:
     return _SCALARS[annotation], False
 
 
+def _fields_in_order(record: type) -> list[dataclasses.Field]:
+    """A row dataclass's fields: its own in order, then those of keyword-only bases
+    (:class:`FileOrigin`, :class:`PlaceInDocument`), so a table's own columns lead."""
+    fields = dataclasses.fields(record)
+    return [f for f in fields if not f.kw_only] + [f for f in fields if f.kw_only]
+
+
 def arrow_schema(record: type) -> pa.Schema:
-    """The Arrow schema of a row dataclass, in field order."""
+    """The Arrow schema of a row dataclass, in column order (:func:`_fields_in_order`)."""
     hints = typing.get_type_hints(record)
     fields = []
-    for f in dataclasses.fields(record):
+    for f in _fields_in_order(record):
         typ, nullable = _arrow_type(hints[f.name])
         fields.append(pa.field(f.name, typ, nullable=nullable))
     return pa.schema(fields)
@@ -446,7 +494,7 @@ def arrow_schema(record: type) -> pa.Schema:
 
 def column_names(record: type) -> list[str]:
     """The column names of a row dataclass, in order."""
-    return [f.name for f in dataclasses.fields(record)]
+    return [f.name for f in _fields_in_order(record)]
 
 
 def table_name(record: type) -> str:
