@@ -54,18 +54,32 @@ class FileOrigin:
 
 @dataclass(frozen=True, kw_only=True)
 class PlaceInDocument:
-    """Where a span of a document is (a chunk, a nugget): the pages it touches and the heading
-    path where it starts; the columns after a :class:`ChunkRow`'s, a :class:`NuggetRow`'s and
-    their index rows' own. Null for a document without pages / headings.
+    """Where a span of a document is (a chunk, a nugget): its document's file, the pages it
+    touches and the heading path where it starts; the columns after a :class:`ChunkRow`'s, a
+    :class:`NuggetRow`'s and their index rows' own. Null for a document without pages /
+    headings (``path`` null for one not read from a file).
 
     ``page_labels``: the labels of pages ``page_first..page_last`` (a PDF's own, ``"iv"``);
     ``section``: the heading titles, outermost first (``["Programming FAQ", "Performance"]``).
     """
 
+    path: str | None = None  # the document's file, relative to SOURCE (as FileOrigin.path)
     page_first: int | None = None  # 1-based
     page_last: int | None = None
     page_labels: list[str] | None = None
     section: list[str] | None = None
+
+
+def with_place(row: Any, place: PlaceInDocument) -> Any:
+    """``row`` (a chunk, a nugget or an index row) with the columns of ``place``."""
+    names = (f.name for f in dataclasses.fields(PlaceInDocument))
+    return dataclasses.replace(row, **{n: getattr(place, n) for n in names})
+
+
+def place_of(row: Any) -> PlaceInDocument:
+    """The :class:`PlaceInDocument` columns of ``row``."""
+    names = (f.name for f in dataclasses.fields(PlaceInDocument))
+    return PlaceInDocument(**{n: getattr(row, n) for n in names})
 
 
 @dataclass(frozen=True)
