@@ -51,13 +51,14 @@ from coinrag.tasks.extract import (
 from coinrag.tasks.extractors.base import ExtractionRequest
 from coinrag.tasks.extractors.factory import make_extractor
 from coinrag.tasks.ingest import IngestResult, ingest_stage
+from coinrag.tasks.ingest_files import ReadOptions
 from coinrag.tasks.kv import KvOptions, KvWorkers, build_kept_ranges, run_kv_stage
 from coinrag.tasks.recover import RecoverCounts, current_nuggets, recover_stage
 
 
 @task(name="ingest", cache_policy=NO_CACHE)
-def ingest_task(store: Store, source: str, run_id: str):
-    return ingest_stage(store, source, run_id)
+def ingest_task(store: Store, source: str, settings: BuildSettings, run_id: str):
+    return ingest_stage(store, source, run_id, ReadOptions.from_settings(settings))
 
 
 @task(name="prune", cache_policy=NO_CACHE)
@@ -338,7 +339,7 @@ def run_stages(
     """ingest -> prune -> chunk -> extract -> recover -> kv -> embed+index, each timed by
     ``clock``."""
     with clock("ingest"):
-        ingested, documents_new = ingest_task(st, source, run_id)
+        ingested, documents_new = ingest_task(st, source, s, run_id)
     with clock("prune"):
         pruned = prune_task(st, quote(ingested), run_id) if s.prune else {}
     with clock("chunk"):

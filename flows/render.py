@@ -148,7 +148,8 @@ def evidence_line(e: dict[str, Any]) -> str:
     cartridge method, a document and its cartridge."""
     if "chunk_id" not in e:  # cartridge evidence: {doc_id, cartridge_id}
         return f"  [dim]{escape(e['doc_id'])} cartridge {escape(e['cartridge_id'])}[/]"
+    where = e.get("citation") or e["doc_id"]
     return (
-        f"  [dim]{escape(e['doc_id'])} {e['chunk_id'][:12]} [{e['tok_start']}:{e['tok_end']})[/] "
+        f"  [dim]{escape(where)} {e['chunk_id'][:12]} [{e['tok_start']}:{e['tok_end']})[/] "
         f"{escape(e['text'].strip()[:100])}"
     )

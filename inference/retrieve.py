@@ -37,6 +37,7 @@ import numpy as np
 from coinrag.inference.embedders import Embedder
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import DEFAULT_QUERY, DEFAULT_RETRIEVAL, RETRIEVAL_MODES
+from coinrag.schemas.tables import PlaceInDocument
 from coinrag.storage.index import ID_COLUMNS, LanceIndex, in_filter
 from coinrag.storage.store import Store
 
@@ -52,6 +53,7 @@ class Evidence:
     tok_end: int
     text: str
     score: float
+    place: PlaceInDocument = PlaceInDocument()  # its file, pages and section
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class ChunkHit:
     text: str
     score: float
     rank: int
+    place: PlaceInDocument = PlaceInDocument()
 
 
 @dataclass
@@ -138,6 +141,7 @@ def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> 
             tok_end=int(n["tok_end"]),
             text=n["text"],
             score=float(n["score"]),
+            place=PlaceInDocument.from_mapping(n),
         )
         for n in sorted(nuggets, key=key)
     ]
@@ -393,6 +397,7 @@ class Retriever:
                 text=r["text"],
                 score=float(r["score"]),
                 rank=i,
+                place=PlaceInDocument.from_mapping(r),
             )
             for i, r in enumerate(rows)
         ]
@@ -456,7 +461,7 @@ class Retriever:
         t = time.perf_counter()
         hits = self._chunks(search, query, kc, doc_ids)
         evidence = [
-            Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score)
+            Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score, h.place)
             for h in hits
         ]
         return self._timed("chunks_only", search, query, t, evidence, hits)

@@ -153,6 +153,19 @@ class BuildSettings:
         "'smollm2' (default, the packaged SmolLM2-135M-Instruct).",
         cli=True,
     )
+    html_mode: str = setting(
+        "main",
+        "main | whole: of an HTML file, read the main content (default; navigation, sidebars "
+        "and footers dropped) or the whole body.",
+        cli=True,
+    )
+    exclude: str = setting(
+        "",
+        "Comma-separated globs of SOURCE paths to leave out, relative to SOURCE "
+        "('_sources/*,drafts/*'; * crosses folders).",
+        cli=True,
+    )
+    max_file_bytes: int = 200 * 2**20  # a larger file of a folder SOURCE is rejected unread
     chunker: str = setting("fixed", "fixed (default) | sentence | content", cli=True)
     chunk_size: int = setting(512, "Tokens per chunk (default {default}).", cli=True)
     tau: float = setting(0.7, "Fuzzy recovery threshold (default {default}).", cli=True)
@@ -266,6 +279,12 @@ class BuildSettings:
             raise SettingsError(
                 f"retrieval {self.retrieval!r} is not one of {', '.join(RETRIEVAL_MODES)}"
             )
+        if self.html_mode not in HTML_MODES:
+            raise SettingsError(
+                f"html_mode {self.html_mode!r} is not one of {', '.join(HTML_MODES)}"
+            )
+        if self.max_file_bytes < 1:
+            raise SettingsError(f"max_file_bytes must be >= 1, got {self.max_file_bytes}")
         if self.chunker not in CHUNKERS:
             raise SettingsError(f"chunker {self.chunker!r} is not one of {', '.join(CHUNKERS)}")
         if not 8 <= self.chunk_size <= 32768:

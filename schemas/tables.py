@@ -69,6 +69,31 @@ class PlaceInDocument:
     page_labels: list[str] | None = None
     section: list[str] | None = None
 
+    @classmethod
+    def from_mapping(cls, row: Any) -> PlaceInDocument:
+        """The place columns of a row as a mapping (a search hit, a dict)."""
+        return cls(**{f.name: row.get(f.name) for f in dataclasses.fields(cls)})
+
+    def pages_text(self) -> str:
+        """``"p. 12"``, ``"pp. iv-2"`` (the file's own page labels where it has them), ``""``
+        without pages."""
+        if self.page_first is None:
+            return ""
+        labels = self.page_labels or []
+        first = labels[0] if labels else str(self.page_first)
+        last = labels[-1] if labels else str(self.page_last)
+        return f"p. {first}" if first == last else f"pp. {first}-{last}"
+
+    def section_text(self) -> str:
+        """The heading path as one line: ``"Programming FAQ > Performance"``."""
+        return " > ".join(self.section or [])
+
+    def citation(self, doc_id: str) -> str:
+        """Where a span is, for a person: ``"faq/programming.pdf p. 12 | Programming FAQ >
+        Performance"`` (the file, else ``doc_id``; pages and section where known)."""
+        where = " ".join(filter(None, [self.path or doc_id, self.pages_text()]))
+        return " | ".join(filter(None, [where, self.section_text()]))
+
 
 def with_place(row: Any, place: PlaceInDocument) -> Any:
     """``row`` (a chunk, a nugget or an index row) with the columns of ``place``."""

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from coinrag.schemas.tables import INDEX_TABLES, arrow_schema
+from coinrag.schemas.tables import INDEX_TABLES, PlaceInDocument, arrow_schema, column_names
 
 META_FILE = "coinrag-index.json"
 ID_COLUMNS = {"chunks": "chunk_id", "nuggets": "nugget_id", "documents": "doc_id"}
@@ -24,7 +24,16 @@ SCALAR_COLUMNS = {
 }
 METRIC = "cosine"
 # What a search returns of each table (besides ``score``).
-CHUNK_HIT_COLUMNS = ("chunk_id", "doc_id", "doc_version", "content_key", "text", "n_tokens")
+PLACE_COLUMNS = tuple(column_names(PlaceInDocument))  # where a hit is: file, pages, section
+CHUNK_HIT_COLUMNS = (
+    "chunk_id",
+    "doc_id",
+    "doc_version",
+    "content_key",
+    "text",
+    "n_tokens",
+    *PLACE_COLUMNS,
+)
 NUGGET_HIT_COLUMNS = (
     "nugget_id",
     "chunk_id",
@@ -34,6 +43,7 @@ NUGGET_HIT_COLUMNS = (
     "text",
     "tok_start",
     "tok_end",
+    *PLACE_COLUMNS,
 )
 DOCUMENT_HIT_COLUMNS = ("doc_id", "doc_version", "title")
 HIT_COLUMNS = {

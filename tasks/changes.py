@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from coinrag.tasks.ingest import SourceDocument, ingest
+from coinrag.schemas.settings import BuildSettings
+from coinrag.tasks.ingest import IngestResult, SourceDocument, ingest
+from coinrag.tasks.ingest_files import ReadOptions
 
 
 def changed_doc_ids(documents: Iterable[SourceDocument], live: dict[str, str]) -> list[str]:
@@ -40,18 +42,34 @@ def removed_doc_ids(
     return sorted(set(live_ids) - present)
 
 
-def source_delta(source: str | Path, store_path: str | Path) -> tuple[list[str], list[str]]:
-    """``(changed, removed)`` ids of SOURCE against the store at ``store_path`` (see the
-    module doc); reads the source once. Raises :class:`tasks.ingest.SourceError` when SOURCE
-    cannot be read."""
-    from coinrag.storage.corpus import live_versions
+def _read_against(
+    source: str | Path, store_path: str | Path, options: ReadOptions | None
+) -> tuple[IngestResult, dict[str, str] | None]:
+    """SOURCE read against the store (files unchanged since its live rows are not parsed
+    again), and the store's live versions (None: no store yet)."""
+    from coinrag.storage.corpus import live_documents
     from coinrag.storage.store import Store
 
     store = Store.at(store_path)
-    read = ingest(source)
-    if not store.exists():
+    known = live_documents(store) if store.exists() else None
+    if options is None and known is not None:  # as the store's last build read its files
+        recorded = store.read_toml().get("build", {})
+        names = BuildSettings.__dataclass_fields__
+        built = BuildSettings(**{k: v for k, v in recorded.items() if k in names})
+        options = ReadOptions.from_settings(built)
+    read = ingest(source, options, known)
+    return read, None if known is None else {d: r.doc_version for d, r in known.items()}
+
+
+def source_delta(
+    source: str | Path, store_path: str | Path, options: ReadOptions | None = None
+) -> tuple[list[str], list[str]]:
+    """``(changed, removed)`` ids of SOURCE against the store at ``store_path`` (see the
+    module doc; ``options``: how SOURCE's files are read); reads the source once. Raises
+    :class:`tasks.ingest.SourceError` when SOURCE cannot be read."""
+    read, live = _read_against(source, store_path, options)
+    if live is None:
         return changed_doc_ids(read.documents, {}), []
-    live = live_versions(store)
     rejected = [r.doc_id for r in read.rejects]
     return changed_doc_ids(read.documents, live), removed_doc_ids(read.documents, live, rejected)
 
@@ -71,15 +89,13 @@ def deleted_doc_ids(store_path: str | Path, doc_ids: Iterable[str]) -> list[str]
     return [d for d in doc_ids if d in tombstoned]
 
 
-def source_changes(source: str | Path, store_path: str | Path) -> list[str]:
+def source_changes(
+    source: str | Path, store_path: str | Path, options: ReadOptions | None = None
+) -> list[str]:
     """Ids of SOURCE's documents a build would (re)build into the store at ``store_path``.
 
     Every valid document is changed when the store does not exist yet. Raises
     :class:`tasks.ingest.SourceError` when SOURCE cannot be read.
     """
-    from coinrag.storage.corpus import live_versions
-    from coinrag.storage.store import Store
-
-    store = Store.at(store_path)
-    live = live_versions(store) if store.exists() else {}
-    return changed_doc_ids(ingest(source).documents, live)
+    read, live = _read_against(source, store_path, options)
+    return changed_doc_ids(read.documents, live or {})

@@ -33,8 +33,9 @@ from typing import Any, ClassVar
 from coinrag.schemas.keys import CODE_VERSION, chunk_id, content_key, fingerprint, text_hash
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import CHUNKERS, BuildSettings
-from coinrag.schemas.tables import ChunkRow
+from coinrag.schemas.tables import ChunkRow, with_place
 from coinrag.tasks.chunk_content import SENTENCE_END, ContentParams, content_plan, token_text
+from coinrag.tasks.place import DocumentMaps
 
 
 def chunker_fingerprint(method: str, chunk_size: int, content: ContentParams | None = None) -> str:
@@ -313,6 +314,8 @@ def chunk_stage(
             method=method,
             run_id=run_id,
         )
+        maps = DocumentMaps.of(doc.text, doc.origin)
+        rows = [with_place(r, maps.place(r.char_start, r.char_end)) for r in rows]
         by_version[version] = rows
         new += rows
         out += rows

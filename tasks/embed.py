@@ -106,7 +106,8 @@ def index_columns(
 
 
 def document_title(doc: Any) -> str:
-    title = _doc_metadata(doc).get("title")
+    """The title a file's reader found, else ``metadata["title"]``, else the doc_id."""
+    title = getattr(doc, "title", None) or _doc_metadata(doc).get("title")
     return str(title) if title else doc.doc_id
 
 

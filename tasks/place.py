@@ -18,9 +18,8 @@ starts on the blank line before a heading belongs to that heading's section.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from coinrag.schemas.tables import PlaceInDocument
+from coinrag.schemas.tables import FileOrigin, PlaceInDocument
 from coinrag.tasks.readers.base import Heading, Page, pages_between, section_at
 
 
@@ -34,10 +33,13 @@ class DocumentMaps:
     headings: tuple[Heading, ...] = ()
 
     @classmethod
-    def of(cls, row: Any) -> DocumentMaps:
-        """The maps of a ``DocumentRow`` (or any object with its ``FileOrigin`` columns and
-        ``text``); null maps (JSONL / Parquet records, older rows) are empty."""
-        starts, labels = row.page_starts or [], row.page_labels or []
+    def of(cls, text: str, origin: FileOrigin | None) -> DocumentMaps:
+        """The maps of a document's ``text`` from its ``FileOrigin`` columns (a
+        ``DocumentRow`` is one); None or null maps (JSONL / Parquet records, older rows) give
+        empty maps."""
+        if origin is None:
+            return cls(text)
+        starts, labels = origin.page_starts or [], origin.page_labels or []
         pages = tuple(
             Page(s, i + 1, labels[i] if i < len(labels) else str(i + 1))
             for i, s in enumerate(starts)
@@ -45,13 +47,13 @@ class DocumentMaps:
         headings = tuple(
             Heading(s, lv, t)
             for s, lv, t in zip(
-                row.heading_starts or [],
-                row.heading_levels or [],
-                row.heading_titles or [],
+                origin.heading_starts or [],
+                origin.heading_levels or [],
+                origin.heading_titles or [],
                 strict=True,
             )
         )
-        return cls(row.text, row.path, pages, headings)
+        return cls(text, origin.path, pages, headings)
 
     def place(self, char_start: int, char_end: int) -> PlaceInDocument:
         """Where ``text[char_start:char_end]`` is (all None but ``path`` for a document

@@ -14,10 +14,19 @@ from dataclasses import dataclass
 import pyarrow.compute as pc
 
 from coinrag.schemas.keys import CODE_VERSION, nugget_id
-from coinrag.schemas.tables import AbandonedRow, ChunkRow, ExtractionRow, NuggetRow
+from coinrag.schemas.tables import (
+    AbandonedRow,
+    ChunkRow,
+    DocumentRow,
+    ExtractionRow,
+    NuggetRow,
+    place_of,
+    with_place,
+)
 from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_table
 from coinrag.tasks.chunk import token_spans_pairs
+from coinrag.tasks.place import DocumentMaps
 from coinrag.tasks.span_match import recover_candidates
 
 
@@ -130,9 +139,32 @@ def recover_stage(
         counts.exact += sum(x.match_kind == "exact" for x in n)
         counts.fuzzy += sum(x.match_kind == "fuzzy" for x in n)
         counts.abandoned += len(a)
+    nuggets = place_nuggets(store, chunks, nuggets)
     append_rows(store, nuggets, run_id, "recover")
     append_rows(store, abandoned, run_id, "recover")
     return counts
+
+
+def place_nuggets(
+    store: Store, chunks: Sequence[ChunkRow], nuggets: Sequence[NuggetRow]
+) -> list[NuggetRow]:
+    """``nuggets`` with their place in their document (``tasks/place.py``): the pages and
+    heading path of their own span, from the maps of their chunk's document version (read
+    only for chunks that have pages or a section; the others' nuggets take their chunk's)."""
+    from coinrag.storage.tables import read_rows
+
+    mapped = sorted({c.doc_version for c in chunks if c.page_first or c.section})
+    docs = read_rows(store, DocumentRow, pc.field("doc_version").isin(mapped)) if mapped else []
+    maps = {d.doc_version: DocumentMaps.of(d.text, d) for d in docs}
+    by_id = {c.chunk_id: c for c in chunks}
+    out = []
+    for n in nuggets:
+        chunk = by_id[n.chunk_id]
+        doc = maps.get(chunk.doc_version)
+        start = chunk.char_start + n.char_start
+        place = doc.place(start, chunk.char_start + n.char_end) if doc else place_of(chunk)
+        out.append(with_place(n, place))
+    return out
 
 
 def current_nuggets(

@@ -14,6 +14,7 @@ rows their answers carry; each subclass says only which search it runs.
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from coinrag.inference.methods.assets import Index
@@ -39,7 +40,10 @@ class IndexSearch(Retrieval):
         return found.embed_ms + found.search_ms
 
     def evidence(self, found: RetrievalResult) -> list[dict[str, Any]]:
-        """``{doc_id, chunk_id, tok_start, tok_end, text}`` per span."""
+        """``{doc_id, chunk_id, tok_start, tok_end, text}`` per span, with where it is: the
+        ``schemas.tables.PlaceInDocument`` columns (``path``, ``page_first``, ``page_last``,
+        ``page_labels``, ``section``) and ``citation`` (``"faq/programming.pdf p. 12 |
+        Programming FAQ > Performance"``)."""
         return [
             {
                 "doc_id": e.doc_id,
@@ -47,6 +51,8 @@ class IndexSearch(Retrieval):
                 "tok_start": e.tok_start,
                 "tok_end": e.tok_end,
                 "text": e.text,
+                **asdict(e.place),
+                "citation": e.place.citation(e.doc_id),
             }
             for e in found.evidence
         ]

@@ -35,8 +35,6 @@ from coinrag.schemas.keys import fingerprint
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import READERS
 
-SECTION_SEPARATOR = " > "  # between the titles of a heading path, as shown and as embedded
-
 
 class ReadError(ValueError):
     """The file cannot give a document: ``reason`` (a short snake_case word the ``rejects``
@@ -126,7 +124,8 @@ class Reader(Registered):
     registered by name (``class PdfReader(Reader, name="pdf")``), declaring the file
     ``suffixes`` it reads (lower case, with the dot) and its ``version``.
 
-    ``options``: the reader's settings (``html_mode`` for HTML); they enter the fingerprint.
+    ``options``: the reader's settings, those ``option_names`` names (``html_mode`` for HTML);
+    they enter the fingerprint.
     """
 
     registry: ClassVar[Registry[Reader]] = Registry(
@@ -142,6 +141,7 @@ class Reader(Registered):
     )
     suffixes: ClassVar[tuple[str, ...]] = ()
     version: ClassVar[str] = ""
+    option_names: ClassVar[tuple[str, ...]] = ()  # the read options it takes (``html_mode``)
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -166,9 +166,3 @@ def reader_for_suffix(suffix: str) -> str | None:
         if suffix in Reader.registry[name].suffixes:
             return name
     return None
-
-
-def section_text(path: tuple[str, ...]) -> str:
-    """A heading path as one line: ``("Programming FAQ", "Performance")`` ->
-    ``"Programming FAQ > Performance"``."""
-    return SECTION_SEPARATOR.join(path)

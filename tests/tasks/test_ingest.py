@@ -104,5 +104,6 @@ def test_unusable_sources_raise(tmp_path: Path, name: str) -> None:
 
 
 def test_empty_folder_is_a_source_error(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match="no .txt or .md"):
+    (tmp_path / "style.css").write_text("body {}", encoding="utf-8")
+    with pytest.raises(SourceError, match=r"holds no files coinrag reads \(\.docx, .*\.txt\)"):
         ingest(tmp_path)
