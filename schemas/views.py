@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from coinrag.schemas.tables import DocumentRow, KvManifestRow, RunRow
+from coinrag.schemas.tables import DocumentRow, KvManifestRow, PlaceInDocument, RunRow
 
 # The producers whose current value decides staleness (the names of ``current_producers`` rows).
 # ``model_fp`` is the generation model as it computes the KV (at ``kv_dtype``);
@@ -43,7 +43,7 @@ SAME_AS_TABLE: dict[str, type] = {
 
 
 @dataclass(frozen=True)
-class ChunkLineage:
+class ChunkLineage(PlaceInDocument):
     """``lineage_chunks``: one row per chunk and KV entry of its content (``kv_*`` NULL when the
     chunk has no KV; with ``kv_keep = "nuggets"`` one per entry of kept ranges, e.g. those of
     two extractors until gc), with its index row (``index_*`` NULL when it is not in the
@@ -70,11 +70,11 @@ class ChunkLineage:
 
 
 @dataclass(frozen=True)
-class NuggetLineage:
+class NuggetLineage(PlaceInDocument):
     """``lineage_nuggets``: one row per nugget and KV entry of its chunk's content that holds
     the nugget's span (every whole-chunk entry; with ``kv_keep = "nuggets"`` the entries whose
     kept ranges cover it), with the extraction that proposed it, the chunk and document version
-    it lies in, and its index row."""
+    it lies in, its index row, and where it is (file, pages, section)."""
 
     nugget_id: str
     chunk_id: str

@@ -39,6 +39,7 @@ from coinrag.schemas.tables import (
     EXTRACTION_OK,
     INDEX_TABLES,
     TABLES,
+    PlaceInDocument,
     arrow_schema,
     column_names,
 )
@@ -166,7 +167,8 @@ _SQL: dict[str, str] = {
                c.chunk_id IN (SELECT chunk_id FROM _live_chunks),
                k.location, k.kept, k.model_fp, k.run_id, i.embedder_fp, i.run_id,
                (SELECT min(e.run_id) FROM embeddings e
-                 WHERE e.text_hash = c.text_hash AND e.embedder_fp = i.embedder_fp)
+                 WHERE e.text_hash = c.text_hash AND e.embedder_fp = i.embedder_fp),
+               {_cols(PlaceInDocument, "c")}
         FROM ({_UNIQUE_CHUNKS}) c
         LEFT JOIN kv_entries k ON k.content_key = c.content_key
         LEFT JOIN index_chunks i ON i.chunk_id = c.chunk_id""",
@@ -183,7 +185,7 @@ _SQL: dict[str, str] = {
                  WHERE l.text_hash = x.text_hash AND l.run_id = x.run_id
                  AND l.backend = x.backend AND l.llm_model = x.llm_model),
                c.tokenizer_fp, c.chunker_fp, k.location, k.kept, k.model_fp, k.run_id,
-               i.embedder_fp, i.run_id
+               i.embedder_fp, i.run_id, {_cols(PlaceInDocument, "n")}
         FROM (SELECT * FROM nuggets QUALIFY row_number() OVER
               (PARTITION BY nugget_id, extractor_fp, tau ORDER BY run_id) = 1) n
         LEFT JOIN ({_UNIQUE_CHUNKS}) c ON c.chunk_id = n.chunk_id
