@@ -302,6 +302,8 @@ class BuildOutputs:
             "run_id": run_id,
             "documents": len(self.ingested.documents),
             "documents_new": self.documents_new,
+            "documents_parsed": self.ingested.parsed,  # files a reader read now
+            "files_skipped": self.ingested.skipped,  # hidden, excluded or of no known format
             "documents_pruned": len(self.pruned),
             "rejects": len(self.ingested.rejects),
             "chunks": len(self.chunks),
