@@ -426,6 +426,7 @@ def _row(
         "timings": [(n, float(v)) for n, v in ans.timings.items()],
         "active_tokens": int(ans.active_tokens),
         "evidence_doc_ids": ev_docs,
+        "evidence_citations": [e.get("citation") or e["doc_id"] for e in ans.evidence],
     }
 
 

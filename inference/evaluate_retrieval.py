@@ -217,6 +217,7 @@ def _row(qi: int, dataset: str, q: Any, key: tuple[Any, ...], result: Any, rank:
         "question": q.question,
         "gold_doc_ids": gold,
         "evidence_doc_ids": docs,
+        "evidence_citations": [e.place.citation(e.doc_id) for e in result.evidence],
         "hit": float(any(d in set(gold) for d in docs)),
         "recall": doc_recall(docs, gold),
         "rank": rank,

@@ -68,6 +68,7 @@ PER_QUESTION_SCHEMA = pa.schema(
         ("timings", pa.map_(pa.string(), pa.float64())),
         ("active_tokens", pa.int64()),
         ("evidence_doc_ids", pa.list_(pa.string())),
+        ("evidence_citations", pa.list_(pa.string())),  # per evidence: file, pages, section
     ]
 )
 
@@ -104,6 +105,7 @@ RETRIEVAL_PER_QUESTION_SCHEMA = pa.schema(
         ("question", pa.string()),
         ("gold_doc_ids", pa.list_(pa.string())),
         ("evidence_doc_ids", pa.list_(pa.string())),
+        ("evidence_citations", pa.list_(pa.string())),  # per evidence: file, pages, section
         ("hit", pa.float64()),
         ("recall", pa.float64()),
         ("rank", pa.int32()),
