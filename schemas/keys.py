@@ -1,6 +1,6 @@
 """Hashes, ids and fingerprints: the identities every asset is keyed by.
 
-Two kinds of key, never mixed up (see ../shared/DESIGN.md):
+Two kinds of key, never mixed up (see docs/design.md):
 
 - row identity, where an asset sits in the corpus: ``doc_id`` (the user's), ``doc_version``,
   ``chunk_id``, ``nugget_id``;

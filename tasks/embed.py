@@ -1,6 +1,6 @@
 """Embed + index stage: vectors for chunks, nuggets and documents, written to the LanceDB index.
 
-Keys (see ../shared/DESIGN.md):
+Keys (see docs/design.md):
 
 - the embedding cache (Parquet table ``embeddings``, :class:`schemas.tables.EmbeddingRow`) is keyed
   by ``(embedder_fp, text_hash)`` where ``text_hash`` is ``keys.text_hash`` of the exact string

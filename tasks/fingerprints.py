@@ -1,7 +1,7 @@
 """The current producers of a store: the fingerprints its settings make now.
 
 An asset is stale exactly when a fingerprint it was made with differs from the current one
-(``../shared/DESIGN.md``). This computes the current ones from :class:`BuildSettings` (usually
+(``docs/design.md``). This computes the current ones from :class:`BuildSettings` (usually
 ``STORE/coinrag.toml``) with the same code the build uses, so an unchanged build's recorded
 fingerprints equal these (tested). Cost: the tokenizer, the generation model's config and cached
 weights hash (no weights are loaded), and the embedder (loaded: its fingerprint needs its

@@ -55,13 +55,14 @@ Snapping: the char span ``[cs, ce)`` becomes the range of every token whose span
 end of its last token and ``text = chunk_text[char_start:char_end]``, the *source* text, never the
 candidate. With byte-level BPE tokenizers (GPT-2, SmolLM2) the text therefore often starts with
 the first token's leading space, and ``tokenizer.decode(token_ids[tok_start:tok_end]) == text``
-exactly. Punctuation the candidate lacks is in the text only where a tokenizer glues it to a
-word's token (SmolLM2 splits ``","`` and ``"."`` into tokens of their own: they stay out). A
-token of punctuation only that the span reaches into, and that brings punctuation the candidate
-lacks at that end, is left out (:func:`shed_edge_tokens`): SmolLM2 reads ``"(1368–1644)."`` as
-``... "4", ")."``, and the candidate ``"built by the Ming dynasty (1368-1644)"`` recovers
-``" built by the Ming dynasty (1368–1644"``, not ``"... (1368–1644)."``: the candidate's own
-``")"`` goes with the ``"."`` it lacks, since a nugget is whole tokens.
+exactly. At the edges, a token that holds any character of the candidate's matched text stays,
+with the marks it holds beyond it; a token of nothing but marks the candidate lacks is never
+taken (the matched span ends on the candidate's own characters). So punctuation the candidate
+lacks is in the text only where a tokenizer glues it into a token with the candidate's
+characters: SmolLM2 splits ``","`` and ``"."`` into tokens of their own (they stay out), but reads
+``"(1368–1644)."`` as ``... "4", ")."``, and the candidate ``"built by the Ming dynasty
+(1368-1644)"`` recovers ``" built by the Ming dynasty (1368–1644)."``: the ``"."`` comes with the
+candidate's own ``")"``, which is never dropped, since a nugget is whole tokens.
 
 Duplicates are kept: candidates landing on the same span give several ``RecoveredSpan`` (the
 caller dedupes by token span).
@@ -95,7 +96,7 @@ from coinrag.tasks.span_canon import (
     window_word_range,
 )
 from coinrag.tasks.span_fuzzy import ChunkIndex, FuzzySearch
-from coinrag.tasks.span_tokens import char_span_to_token_span, shed_edge_tokens, snap_to_tokens
+from coinrag.tasks.span_tokens import char_span_to_token_span
 
 __all__ = [
     "AbandonedCandidate",
@@ -104,7 +105,6 @@ __all__ = [
     "char_span_to_token_span",
     "fold_char",
     "recover_candidates",
-    "shed_edge_tokens",
     "trim_edge_punctuation",
     "window_word_range",
 ]
@@ -144,14 +144,13 @@ class AbandonedCandidate:
 
 class _Match(NamedTuple):
     """Where one stage placed a candidate, before token snapping: char span ``[cs, ce)`` of the
-    chunk text; ``c`` is the canonical candidate when the stage computed it (else ``None``)."""
+    chunk text, from the first to the last of the candidate's matched characters."""
 
     kind: str
     sim: float
     cs: int
     ce: int
     occ: int
-    c: str | None
 
 
 class _Miss(NamedTuple):
@@ -201,7 +200,7 @@ def _exact_raw(text: str, stripped: str, cursor: int) -> _Match | None:
     k = hits[0]
     if k < cursor:
         k = next((h for h in hits if h >= cursor), k)
-    return _Match(EXACT, 1.0, k, k + size, len(hits), None)
+    return _Match(EXACT, 1.0, k, k + size, len(hits))
 
 
 def _exact_canonical(chunk: ChunkIndex, c: str, cursor: int) -> _Match | None:
@@ -212,7 +211,7 @@ def _exact_canonical(chunk: ChunkIndex, c: str, cursor: int) -> _Match | None:
     if not hits:
         return None
     k = next((h for h in hits if orig[h] >= cursor), hits[0])
-    return _Match(FUZZY, 1.0, int(orig[k]), int(orig[k + len(c) - 1]) + 1, len(hits), c)
+    return _Match(FUZZY, 1.0, int(orig[k]), int(orig[k + len(c) - 1]) + 1, len(hits))
 
 
 def _fuzzy(chunk: ChunkIndex, c: str, cursor: int, tau: float) -> _Match | _Miss:
@@ -231,7 +230,7 @@ def _fuzzy(chunk: ChunkIndex, c: str, cursor: int, tau: float) -> _Match | _Miss
     i, size = min(ties, key=lambda t: (orig[ws[t[0]]] < cursor, t[0], abs(t[1] - n), t[1]))
     a, b = trim_edge_punctuation(canon, ws[i], we[i + size - 1], c)
     occ = len({t[0] for t in ties})
-    return _Match(FUZZY, sim, int(orig[a]), int(orig[b - 1]) + 1, occ, c)
+    return _Match(FUZZY, sim, int(orig[a]), int(orig[b - 1]) + 1, occ)
 
 
 def _locate(chunk: ChunkIndex, stripped: str, cursor: int, tau: float) -> _Match | _Miss:
@@ -252,17 +251,12 @@ _set = object.__setattr__
 
 
 def _snapped_span(
-    cand: str, stripped: str, found: _Match, text: str, token_spans: Sequence[tuple[int, int]]
+    cand: str, found: _Match, text: str, token_spans: Sequence[tuple[int, int]]
 ) -> RecoveredSpan:
     """The recovered span of ``found`` snapped to whole tokens; built without the frozen
     ``__init__`` (nine ``object.__setattr__`` calls, the largest cost of an exact hit); the
     object is the same."""
-    c = found.c
-
-    def edges() -> str:
-        return c if c is not None else canonical_form(stripped)
-
-    ts, te = snap_to_tokens(text, token_spans, found.cs, found.ce, edges)
+    ts, te = char_span_to_token_span(token_spans, found.cs, found.ce)
     cs = int(token_spans[ts][0])
     ce = int(token_spans[te - 1][1])
     span = _new(RecoveredSpan)
@@ -321,7 +315,7 @@ def recover_candidates(
         if isinstance(found, _Miss):
             abandoned.append(AbandonedCandidate(cand, found.sim, found.reason))
             continue
-        span = _snapped_span(cand, stripped, found, chunk_text, token_spans)
+        span = _snapped_span(cand, found, chunk_text, token_spans)
         recovered.append(span)
         cursor = span.char_start
     return recovered, abandoned

@@ -141,37 +141,10 @@ def trim_window(canon: str, a: int, b: int, cand: str) -> tuple[int, int]:
 
 
 def snap(token_spans: Sequence[tuple[int, int]], cs: int, ce: int) -> tuple[int, int]:
-    """Every token whose span intersects [cs, ce)."""
+    """Every token whose span intersects [cs, ce) (a boundary token that holds a matched
+    character stays, with whatever marks it glues to it)."""
     idx = [i for i, (s, e) in enumerate(token_spans) if s < ce and e > cs]
     return idx[0], idx[-1] + 1
-
-
-def shed(
-    text: str, token_spans: Sequence[tuple[int, int]], ts: int, te: int, cs: int, ce: int, c: str
-) -> tuple[int, int]:
-    """Leave out edge tokens of punctuation only that reach beyond [cs, ce) with a non-space
-    character the canonical candidate ``c`` lacks in its run of non-word characters at that
-    end; one token at least stays."""
-    first = [k for k, ch in enumerate(c) if is_word_char(ch)]
-    lead = c[: first[0]] if first else c
-    trail = c[first[-1] + 1 :] if first else c
-
-    def brings(chars: str, run: str) -> bool:
-        return any(ch != " " and ch not in run for ch in reference_canonical(chars)[0])
-
-    def punctuation(k: int) -> bool:
-        s, e = token_spans[k]
-        return not any(is_word_char(ch) for ch in text[s:e])
-
-    while te - ts > 1 and token_spans[te - 1][1] > ce and punctuation(te - 1):
-        if not brings(text[ce : token_spans[te - 1][1]], trail):
-            break
-        te -= 1
-    while te - ts > 1 and token_spans[ts][0] < cs and punctuation(ts):
-        if not brings(text[token_spans[ts][0] : cs], lead):
-            break
-        ts += 1
-    return ts, te
 
 
 # ---------------------------------------------------------------------------- reference
@@ -244,7 +217,6 @@ def reference_recover(
                 cs = where[a]
                 ce = where[b - 1] + 1
         ts, te = snap(token_spans, cs, ce)
-        ts, te = shed(chunk_text, token_spans, ts, te, cs, ce, reference_canonical(cand)[0])
         s0, e0 = token_spans[ts][0], token_spans[te - 1][1]
         recovered.append(RecoveredSpan(cand, chunk_text[s0:e0], kind, sim, s0, e0, ts, te, occ))
         cursor = s0

@@ -575,10 +575,10 @@ def test_fuzzy_edges_carry_only_punctuation_of_the_candidate(data, kind, rnd, st
 MING = "The Great Wall was largely built by the Ming dynasty (1368–1644). It is long."
 
 
-def test_candidate_ending_in_punctuation_gets_none_the_source_adds(smollm2):
-    """Issue 22, item 4: SmolLM2 reads "(1368–1644)." as ... "4", ").": a candidate ending in
-    ")" (verbatim, normalised or fuzzy) must not bring the "." into its nugget; the token of
-    punctuation only is left out (a nugget is whole tokens), the span ends at "1644"."""
+def test_candidate_keeps_its_own_marks_in_a_glued_token(smollm2):
+    """Issue 33 (was issue 22, item 4): SmolLM2 reads "(1368–1644)." as ... "4", ").": a
+    candidate ending in ")" (verbatim, normalised or fuzzy) keeps its ")", so the nugget ends
+    with the whole token ")." (a nugget is whole tokens); one without ")" ends at "4"."""
     enc = smollm2(MING, add_special_tokens=False, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], [tuple(x) for x in enc["offset_mapping"]]
     assert ")." in [MING[a:b] for a, b in spans]
@@ -586,25 +586,27 @@ def test_candidate_ending_in_punctuation_gets_none_the_source_adds(smollm2):
         "built by the Ming dynasty (1368–1644)",  # exact
         "built by the Ming dynasty (1368-1644)",  # the dash differs: normalised exact
         "built by the Ming dynsty (1368-1644)",  # fuzzy
+        "built by the Ming dynasty (1368-1644).",  # the candidate has the "." too
     ]
     got, lost = recover_candidates(MING, spans, cands)
-    assert not lost and [s.match_kind for s in got] == ["exact", "fuzzy", "fuzzy"]
+    assert not lost and [s.match_kind for s in got] == ["exact", "fuzzy", "fuzzy", "fuzzy"]
     for s in got:
-        assert s.text == " built by the Ming dynasty (1368–1644", s
+        assert s.text == " built by the Ming dynasty (1368–1644).", s
         assert smollm2.decode(ids[s.tok_start : s.tok_end]) == s.text
-    # a candidate that has the "." keeps it
-    ((s,), _) = recover_candidates(MING, spans, ["built by the Ming dynasty (1368-1644)."])
-    assert s.text == " built by the Ming dynasty (1368–1644)."
+    # a candidate without the ")" has nothing in that token: it stays out
+    ((s,), _) = recover_candidates(MING, spans, ["built by the Ming dynasty (1368-1644"])
+    assert s.text == " built by the Ming dynasty (1368–1644"
     assert (got, lost) == reference_recover(MING, spans, cands)
 
 
 @pytest.mark.parametrize(
     ("cand", "want"),
     [
-        ('"Long live the king,"', 'Long live the king,"'),  # '."' before: its "." is left out
+        ('"Long live the king,"', '."Long live the king,"'),  # '."' holds its '"': in, with "."
         ("Long live the king", "Long live the king"),
         ('Long live the king,"', 'Long live the king,"'),  # the candidate's own end stays
-        ("The war ended", "The war ended"),  # '."' after: left out, its quote too
+        ("The war ended", "The war ended"),  # '."' after: nothing of the candidate, left out
+        ('The war ended."', 'The war ended."'),
     ],
 )
 def test_glued_punctuation_tokens_at_both_edges(cand: str, want: str) -> None:
