@@ -152,9 +152,10 @@ def test_functions_are_short_and_narrow() -> None:
 
 
 def test_tests_mirror_the_folders() -> None:
-    """Tests live in ``tests/<folder>/`` after the product folder they test; only the checks of
-    the whole tree (this file, the README's) stay at the top."""
+    """Tests live in ``tests/<folder>/`` after the product folder they test (the real files
+    they read in ``tests/fixtures/``); only the checks of the whole tree (this file, the
+    README's) stay at the top."""
     folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir()}
-    assert folders - {"benchmarks", "__pycache__"} <= set(RANK)
+    assert folders - {"benchmarks", "fixtures", "__pycache__"} <= set(RANK)
     top = {p.name for p in (REPO / "tests").glob("test_*.py")}
     assert top == {"test_layout.py", "test_readme.py"}

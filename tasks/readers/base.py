@@ -157,12 +157,3 @@ class Reader(Registered):
         return fingerprint(
             "reader", {"name": self.name, "version": self.version, "options": self.options}
         )
-
-
-def reader_for_suffix(suffix: str) -> str | None:
-    """The name of the reader of files ending in ``suffix`` (any case), or None."""
-    suffix = suffix.lower()
-    for name in READERS:
-        if suffix in Reader.registry[name].suffixes:
-            return name
-    return None
