@@ -22,9 +22,9 @@ from the reader's heading map) cut it into sections, each from its heading to th
    - a sentence end (the ``sentence`` chunker's rule, :func:`tasks.chunk.is_sentence_cut`);
    - a line start; then a word start;
 
-   then the same kinds in the first half; then a line start inside a fenced code block; then a
-   word start inside a table row; then the window's end. No cut lands inside a fenced code
-   block or a table row (a line with cells joined by ``" | "``) while another is possible.
+   then the same kinds in the first half; then a line start inside a fenced code block; then
+   any word start; then the window's end. No cut lands inside a fenced code block or a table
+   row (a line with cells joined by ``" | "``) while another is possible.
 
 The text conventions are the readers' (``tasks/readers``): a heading is its own line, paragraphs
 are separated by blank lines, a table is one line per row with cells joined by ``" | "``, code
