@@ -23,7 +23,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     llm_model = "gpt-4o-mini"
     model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
     embedder = "minilm"         # packaged all-MiniLM-L6-v2, or a local BGE-M3 folder
-    chunker = "fixed"           # fixed (the paper's) | sentence | content (edit-stable)
+    chunker = "fixed"           # fixed (the paper's) | sentence | content (edit-stable) | section
     chunk_size = 512
     tau = 0.7
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
@@ -70,7 +70,9 @@ KV_KEEPS = ("chunks", "nuggets")
 # bucketed shapes, warmed up before serving) | auto (compiled for coinrag api and eval, eager
 # for a one-shot coinrag query).
 FORWARDS = ("auto", "eager", "compiled")
-CHUNKERS = ("fixed", "sentence", "content")
+# Where chunks end (tasks/chunk.py): every chunk_size tokens (fixed, the paper's) | at sentence
+# ends | content-defined (edit-stable) | at the document's headings (section).
+CHUNKERS = ("fixed", "sentence", "content", "section")
 # Document readers by file format (tasks/readers/): what a folder SOURCE reads.
 READERS = ("text", "markdown", "html", "pdf", "docx")
 HTML_MODES = ("main", "whole")  # html reader: the main content (trafilatura) or the whole body
@@ -166,7 +168,12 @@ class BuildSettings:
         cli=True,
     )
     max_file_bytes: int = 200 * 2**20  # a larger file of a folder SOURCE is rejected unread
-    chunker: str = setting("fixed", "fixed (default) | sentence | content", cli=True)
+    chunker: str = setting(
+        "fixed",
+        "fixed (default) | sentence | content (edit-stable) | section (chunks start at "
+        "headings; a section that fits is not split).",
+        cli=True,
+    )
     chunk_size: int = setting(512, "Tokens per chunk (default {default}).", cli=True)
     tau: float = setting(0.7, "Fuzzy recovery threshold (default {default}).", cli=True)
     concurrency: int = setting(8, "Simultaneous LLM requests (default {default}).", cli=True)

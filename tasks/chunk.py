@@ -7,14 +7,18 @@ computed later. Invariants (tested):
 - ``text == document[char_start:char_end] == tokenizer.decode(token_ids)``;
 - ``n_tokens <= chunk_size``.
 
-Three ways to place boundaries:
+Four ways to place boundaries:
 
 - ``fixed`` (the paper's): every ``chunk_size`` tokens;
 - ``sentence``: the last sentence end (else paragraph, else word boundary) in the second half of
   the window, so that chunks do not start mid-sentence or mid-word;
 - ``content``: content-defined cuts at sentence ends and blank lines chosen by a hash of the
   text around them (``tasks/chunk_content.py``), so an edit re-chunks only the chunks near it,
-  where with ``fixed`` and ``sentence`` every later boundary moves.
+  where with ``fixed`` and ``sentence`` every later boundary moves;
+- ``section``: chunks start at the document's headings (``heading_starts``, from the reader's
+  heading map); a section that fits is never split, small ones share a chunk, a long one is cut
+  at blank lines and block ends, else as ``sentence``, never inside a fenced code block or a
+  table row when avoidable (``tasks/chunk_section.py``).
 
 A boundary that would split a multi-byte character across two byte-level tokens moves back by a
 token (the decode check), so every chunk's text is valid and exact.
@@ -26,7 +30,7 @@ Worked example (fixed, chunk_size=4, one token per word)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,14 +52,28 @@ def chunker_fingerprint(method: str, chunk_size: int, content: ContentParams | N
 
 @dataclass(frozen=True)
 class TokenizedText:
-    """A document as tokens: ids and each token's (start, end) char offsets."""
+    """A document as tokens: ids and each token's (start, end) char offsets; the char offsets
+    where its heading lines start (ascending, from the reader's heading map; only the
+    ``section`` chunker reads them)."""
 
     text: str
     ids: list[int]
     ends: list[int]  # ends[i] = char offset where token i ends (monotone, last == len(text))
+    heading_starts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        prev = 0
+        for h in self.heading_starts:
+            if not prev <= h <= len(self.text):
+                raise ValueError(
+                    f"heading_starts must be ascending offsets in 0..{len(self.text)} (the "
+                    f"document's length); got {h} after {prev}: pass the reader's heading map "
+                    "of this very text"
+                )
+            prev = h
 
 
-def tokenize(tokenizer: Any, text: str) -> TokenizedText:
+def tokenize(tokenizer: Any, text: str, heading_starts: Sequence[int] = ()) -> TokenizedText:
     """Tokenize without special tokens; make token ends monotone and covering the text."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -66,7 +84,7 @@ def tokenize(tokenizer: Any, text: str) -> TokenizedText:
         ends.append(prev)
     if ends:
         ends[-1] = len(text)
-    return TokenizedText(text, ids, ends)
+    return TokenizedText(text, ids, ends, tuple(heading_starts))
 
 
 def _decodes_exactly(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> bool:
@@ -75,19 +93,27 @@ def _decodes_exactly(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> bool
     return piece == doc.text[start : doc.ends[b - 1]]
 
 
+def is_sentence_cut(doc: TokenizedText, cut: int) -> bool:
+    """Whether cut ``cut`` (0 < cut <= n: the next chunk starts at token ``cut``) follows a
+    sentence end and whitespace follows or precedes it: ``"... end.| Next"``."""
+    end = doc.ends[cut - 1]
+    before = doc.text[max(0, end - 8) : end]
+    nxt = token_text(doc.text, doc.ends, cut) if cut < len(doc.ids) else " "
+    return bool(SENTENCE_END.search(before)) and (nxt[:1].isspace() or before[-1:].isspace())
+
+
 def _sentence_boundary(doc: TokenizedText, a: int, b: int, chunk_size: int) -> int:
     """Best cut in (a + chunk_size/2, b]: after a sentence end, else a newline, else a word."""
     lo = a + max(1, chunk_size // 2)
     best_para = best_word = None
     for cut in range(b, lo, -1):  # cut = index of the first token of the next chunk
-        before = doc.text[: doc.ends[cut - 1]][-8:]
-        nxt = token_text(doc.text, doc.ends, cut) if cut < len(doc.ids) else " "
-        starts_word = nxt[:1].isspace()
-        if SENTENCE_END.search(before) and (starts_word or before[-1:].isspace()):
+        if is_sentence_cut(doc, cut):
             return cut
-        if best_para is None and ("\n" in nxt[:1] or before.endswith("\n")):
+        end = doc.ends[cut - 1]
+        nxt = token_text(doc.text, doc.ends, cut) if cut < len(doc.ids) else " "
+        if best_para is None and ("\n" in nxt[:1] or doc.text[end - 1 : end] == "\n"):
             best_para = cut
-        if best_word is None and starts_word:
+        if best_word is None and nxt[:1].isspace():
             best_word = cut
     return best_para or best_word or b
 
@@ -109,7 +135,9 @@ class Chunker(Registered):
     (``class FixedChunker(Chunker, name="fixed")``). ``chunk_size``: the most tokens of a chunk;
     ``content``: the content chunker's sizes (default ``ContentParams.for_chunk_size``)."""
 
-    registry: ClassVar[Registry[Chunker]] = Registry("chunker", CHUNKERS)
+    registry: ClassVar[Registry[Chunker]] = Registry(
+        "chunker", CHUNKERS, modules={"section": "coinrag.tasks.chunk_section"}
+    )
 
     def __init__(self, chunk_size: int, content: ContentParams | None = None) -> None:
         self.chunk_size = chunk_size
@@ -137,7 +165,7 @@ class Chunker(Registered):
             b = min(a + self.chunk_size, n)
             if b < n:
                 b = self.cut(doc, a, b)
-            b = _back_off(tokenizer, doc, a, b)
+            b = back_off(tokenizer, doc, a, b)
             out.append((a, b))
             a = b
         return out
@@ -180,7 +208,7 @@ class ContentChunker(Chunker, name="content"):
         return _ranges_from_cuts(tokenizer, doc, plan.cuts, self.chunk_size)
 
 
-def _back_off(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> int:
+def back_off(tokenizer: Any, doc: TokenizedText, a: int, b: int) -> int:
     """Move the end ``b`` of chunk ``[a, b)`` back until no multi-byte character is split."""
     while b < len(doc.ids) and b - a > 1 and not _decodes_exactly(tokenizer, doc, a, b):
         b -= 1
@@ -197,11 +225,11 @@ def _ranges_from_cuts(
     a = 0
     for cut in [*cuts, len(doc.ids)]:
         while cut - a > chunk_size:
-            b = _back_off(tokenizer, doc, a, a + chunk_size)
+            b = back_off(tokenizer, doc, a, a + chunk_size)
             out.append((a, b))
             a = b
         if cut > a:
-            b = _back_off(tokenizer, doc, a, cut)
+            b = back_off(tokenizer, doc, a, cut)
             if b < len(doc.ids) and not _decodes_exactly(tokenizer, doc, a, b):
                 continue  # [a, cut) is inside one character: it joins the next chunk
             out.append((a, b))
@@ -219,12 +247,14 @@ def chunk_document(
     chunk_size: int = 512,
     method: str = "fixed",
     content: ContentParams | None = None,
+    heading_starts: Sequence[int] = (),
     run_id: str,
 ) -> list[ChunkRow]:
-    """Cut one document version into chunk rows (``content``: see ``chunker_fingerprint``)."""
+    """Cut one document version into chunk rows (``content``: see ``chunker_fingerprint``;
+    ``heading_starts``: char offsets of its heading lines, ascending, for ``section``)."""
     chunker = Chunker.registry[method](chunk_size, content)
     chunker_fp = chunker.fingerprint
-    doc = tokenize(tokenizer, text)
+    doc = tokenize(tokenizer, text, heading_starts)
     rows = []
     for ordinal, (a, b) in enumerate(chunker.ranges(tokenizer, doc)):
         cs = doc.ends[a - 1] if a > 0 else 0
@@ -278,12 +308,18 @@ def chunk_stage(
     chunk_size: int,
     method: str,
     run_id: str,
+    heading_starts: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[list[ChunkRow], int]:
     """Chunk the document versions not yet chunked this way; return (all chunks, n_new).
 
     ``documents`` are ``tasks.ingest.SourceDocument``; chunks of versions chunked by an earlier
     build with the same tokenizer and chunker are read back, not recomputed.
+    ``heading_starts``: ``doc_id ->`` the char offsets of its heading lines (the document row's
+    ``heading_starts``); a document missing from it has none. Only ``section`` reads them; its
+    chunks of a version depend on them, so they must be fixed by the version (the reader's
+    fingerprint enters ``doc_version``).
     """
+    heading_starts = heading_starts or {}
     import pyarrow.compute as pc
 
     from coinrag.storage.tables import append_rows, read_rows
@@ -312,6 +348,7 @@ def chunk_stage(
             tokenizer_fp=tokenizer_fp,
             chunk_size=chunk_size,
             method=method,
+            heading_starts=heading_starts.get(doc.doc_id, ()),
             run_id=run_id,
         )
         maps = DocumentMaps.of(doc.text, doc.origin)

@@ -1,5 +1,6 @@
 """Helpers shared by the incremental-build, deletion, gc and crash tests: small real models
-saved to folders (so builds load them exactly as users' models) and JSONL corpora."""
+saved to folders (so builds load them exactly as users' models) and JSONL corpora; and where a
+reST page's headings start (the section chunker's tests and benchmark)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,36 @@ def sample_docs(sample_corpus: Path, n: int | None = None) -> list[dict[str, Any
     """The first ``n`` records of the bundled sample corpus (all if None)."""
     lines = sample_corpus.read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines[:n] if line.strip()]
+
+
+RST_ADORNMENT = set("=-~^\"'`*+#:.<>_")  # the characters of a reST title's underline
+
+
+def rst_heading_starts(text: str) -> tuple[int, ...]:
+    """Char offsets where the section titles of a reST page start, as a reader's heading map
+    gives them: the title's line, or its overline. A title is an unindented line underlined by
+    a run of one adornment character at least as long (as ``infra/python_faq.py`` finds them).
+
+    >>> rst_heading_starts("Intro\\n=====\\n\\ntext\\n\\n====\\nPage\\n====\\n")
+    (0, 19)
+    """
+
+    def adornment(line: str, title: str) -> bool:
+        s = line.rstrip()
+        return len(set(s)) == 1 and s[0] in RST_ADORNMENT and len(s) >= len(title.rstrip())
+
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    out = []
+    for i in range(len(lines) - 1):
+        title = lines[i]
+        if title.strip() and not title[0].isspace() and not adornment(title, title):
+            if adornment(lines[i + 1], title):
+                overlined = i > 0 and adornment(lines[i - 1], title)
+                out.append(starts[i - 1] if overlined else starts[i])
+    return tuple(out)
 
 
 def write_corpus(path: Path, docs: list[dict[str, Any]]) -> Path:

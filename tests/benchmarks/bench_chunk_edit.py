@@ -10,10 +10,12 @@ third of each page (seeded):
   replaced by / preceded by a sentence of another page, or removed;
 - ``replace-paragraph``, ``insert-paragraph``, ``delete-paragraph``: the same for a paragraph.
 
-For each chunker (``fixed``, ``sentence``, ``content``, plus ``--content MIN:TARGET`` variants)
-it chunks the page before and after the edit with the SmolLM2 tokenizer and counts the chunks of
-the edited page whose text is not a chunk text of the original page: these are the chunks whose
-nuggets, KV and embeddings a rebuild recomputes (the caches are keyed by chunk text and tokens).
+For each chunker (``fixed``, ``sentence``, ``content``, plus ``--content MIN:TARGET`` variants,
+and ``section``, given the page's reST section titles as its heading offsets, found again in the
+edited page as a reader would) it chunks the page before and after the edit with the SmolLM2
+tokenizer and counts the chunks of the edited page whose text is not a chunk text of the
+original page: these are the chunks whose nuggets, KV and embeddings a rebuild recomputes (the
+caches are keyed by chunk text and tokens).
 Prints per chunker: mean / median / p90 chunks invalidated per edit, mean tokens invalidated per
 edit, chunks per page and mean chunk tokens; ``--json PATH`` writes the same as JSON.
 """
@@ -37,7 +39,7 @@ from coinrag.tasks.chunk import chunk_document
 from coinrag.tasks.chunk_content import ContentParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (store_fixtures)
-from store_fixtures import REPO, load_script  # noqa: E402
+from store_fixtures import REPO, load_script, rst_heading_starts  # noqa: E402
 
 python_docs_corpus = load_script(REPO / "infra" / "python_faq.py").corpus
 
@@ -154,6 +156,7 @@ def main() -> None:
         lo, target = (int(x) for x in spec.split(":"))
         params = ContentParams(args.chunk_size, lo, target).validate()
         chunkers.append(Chunker(f"content-{lo}:{target}", "content", params))
+    chunkers.append(Chunker("section", "section"))
 
     rng = random.Random(args.seed)
     edits: list[tuple[int, str, str]] = []  # (page index, kind, edited text)
@@ -181,6 +184,7 @@ def main() -> None:
             chunk_size=args.chunk_size,
             method=c.method,
             content=c.content,
+            heading_starts=rst_heading_starts(text) if c.method == "section" else (),
             run_id="bench",
         )
 

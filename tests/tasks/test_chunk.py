@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,9 +34,17 @@ WORDS = [
 ]
 
 
-def _check(tokenizer, text: str, size: int, method: str) -> None:
+def _check(tokenizer, text: str, size: int, method: str, heading_starts=()) -> None:
     rows = chunk_document(
-        tokenizer, "d", "dv", text, tokenizer_fp="tok", chunk_size=size, method=method, run_id="r"
+        tokenizer,
+        "d",
+        "dv",
+        text,
+        tokenizer_fp="tok",
+        chunk_size=size,
+        method=method,
+        heading_starts=heading_starts,
+        run_id="r",
     )
     assert "".join(r.text for r in rows) == text
     assert [r.ordinal for r in rows] == list(range(len(rows)))
@@ -59,10 +69,13 @@ def _check(tokenizer, text: str, size: int, method: str) -> None:
 @given(
     words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=300),
     size=st.integers(min_value=8, max_value=64),
-    method=st.sampled_from(["fixed", "sentence", "content"]),
+    method=st.sampled_from(["fixed", "sentence", "content", "section"]),
 )
 def test_chunks_reconstruct_the_document(smollm2_tokenizer, words, size, method) -> None:
-    _check(smollm2_tokenizer, " ".join(words), size, method)
+    text = " ".join(words)
+    # for ``section``: a heading after each blank line, its offset at or inside its line
+    headings = [m.end() + len(m.group()) % 2 for m in re.finditer(r"\n\n ?", text)]
+    _check(smollm2_tokenizer, text, size, method, [h for h in headings if h <= len(text)])
 
 
 def test_fixed_chunks_are_full_512_tokens_on_real_text(smollm2_tokenizer, sample_corpus) -> None:

@@ -21,6 +21,7 @@ from coinrag.schemas.settings import (
 )
 from coinrag.storage.kv.codecs import Int4Codec, Int8Codec, KvCodec
 from coinrag.tasks.chunk import Chunker, ContentChunker, FixedChunker, SentenceChunker
+from coinrag.tasks.chunk_section import SectionChunker
 from coinrag.tasks.extractors.base import Extractor
 from coinrag.tasks.question_generators.base import QuestionGenerator
 
@@ -60,10 +61,11 @@ def test_known_classes() -> None:
     assert [n for n in EXTRACTORS if Extractor.registry[n].takes_all_at_once] == ["openai-batch"]
     assert (KvCodec.registry["int8"], KvCodec.registry["int4"]) == (Int8Codec, Int4Codec)
     chunkers = FixedChunker.registry
-    assert [chunkers[n] for n in ("fixed", "sentence", "content")] == [
+    assert [chunkers[n] for n in ("fixed", "sentence", "content", "section")] == [
         FixedChunker,
         SentenceChunker,
         ContentChunker,
+        SectionChunker,
     ]
 
 
