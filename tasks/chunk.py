@@ -30,7 +30,7 @@ Worked example (fixed, chunk_size=4, one token per word)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -308,18 +308,15 @@ def chunk_stage(
     chunk_size: int,
     method: str,
     run_id: str,
-    heading_starts: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[list[ChunkRow], int]:
     """Chunk the document versions not yet chunked this way; return (all chunks, n_new).
 
     ``documents`` are ``tasks.ingest.SourceDocument``; chunks of versions chunked by an earlier
     build with the same tokenizer and chunker are read back, not recomputed.
-    ``heading_starts``: ``doc_id ->`` the char offsets of its heading lines (the document row's
-    ``heading_starts``); a document missing from it has none. Only ``section`` reads them; its
-    chunks of a version depend on them, so they must be fixed by the version (the reader's
-    fingerprint enters ``doc_version``).
+    A document read from a file (``doc.origin``) gives the chunker its heading offsets (only
+    ``section`` reads them; they are fixed by the version, which the reader's fingerprint
+    enters) and every chunk its place (file, pages, section: ``tasks/place.py``).
     """
-    heading_starts = heading_starts or {}
     import pyarrow.compute as pc
 
     from coinrag.storage.tables import append_rows, read_rows
@@ -348,7 +345,7 @@ def chunk_stage(
             tokenizer_fp=tokenizer_fp,
             chunk_size=chunk_size,
             method=method,
-            heading_starts=heading_starts.get(doc.doc_id, ()),
+            heading_starts=tuple(doc.origin.heading_starts or ()) if doc.origin else (),
             run_id=run_id,
         )
         maps = DocumentMaps.of(doc.text, doc.origin)

@@ -313,6 +313,7 @@ def test_fingerprint_and_heading_offsets(smollm2_tokenizer) -> None:
 
 
 def test_chunk_stage_gives_each_document_its_headings(smollm2_tokenizer, tmp_path) -> None:
+    from coinrag.schemas.tables import FileOrigin
     from coinrag.storage.store import Store
     from coinrag.tasks.chunk import chunk_stage
     from coinrag.tasks.ingest import SourceDocument
@@ -322,7 +323,16 @@ def test_chunk_stage_gives_each_document_its_headings(smollm2_tokenizer, tmp_pat
         f"# Part {i}\n\n" + " ".join(map(_sentence, range(i, i + 9))) for i in range(6)
     )
     heads = [m.start() for m in re.finditer("^# ", text, re.M)]
-    docs = [SourceDocument("a", text, {}, "a.md"), SourceDocument("b", text, {"v": 2}, "b.md")]
+    origin = FileOrigin(
+        path="a.md",
+        heading_starts=heads,
+        heading_levels=[1] * len(heads),
+        heading_titles=[f"Part {i}" for i in range(len(heads))],
+    )
+    docs = [
+        SourceDocument("a", text, {}, "a.md", origin),
+        SourceDocument("b", text, {"v": 2}, "b.md"),
+    ]
 
     def stage(run_id: str):
         return chunk_stage(
@@ -333,7 +343,6 @@ def test_chunk_stage_gives_each_document_its_headings(smollm2_tokenizer, tmp_pat
             chunk_size=160,
             method="section",
             run_id=run_id,
-            heading_starts={"a": heads},
         )
 
     rows, n_new = stage("r1")
