@@ -11,7 +11,7 @@ import pytest
 from lxml import html
 from store_fixtures import load_script
 
-from coinrag.tasks.readers.base import ReadDocument, Reader, ReadError, reader_for_suffix
+from coinrag.tasks.readers.base import ReadDocument, Reader, ReadError
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures" / "html"
@@ -53,7 +53,8 @@ def faq_sections():
 
 
 def test_registered_for_html_suffixes() -> None:
-    assert reader_for_suffix(".HTML") == "html" and reader_for_suffix(".htm") == "html"
+    assert Reader.registry["html"].suffixes == (".html", ".htm")
+    assert Reader.registry["html"].option_names == ("html_mode",)  # what ingest passes it
     reader = Reader.registry["html"]()
     assert reader.options == {"html_mode": "main"}
     assert reader.fingerprint == Reader.registry["html"](html_mode="main").fingerprint
