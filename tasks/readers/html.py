@@ -7,8 +7,10 @@ Two modes, the reader's option ``html_mode`` (``schemas.settings.HTML_MODES``):
   tables dense in links). When the page marks its content (exactly one ``<main>``, else one
   ``role="main"``), only that element is given to trafilatura. Before, the tree is prepared so
   that trafilatura keeps the content it drops on documentation pages
-  (:func:`prepare_for_trafilatura`). It runs with ``fast=True`` (no fallback extractors) and
-  no dedup (its cache would make a page's text depend on the pages read before it);
+  (:func:`prepare_for_trafilatura`), and a page whose headings it all dropped is read again
+  in an ``<article>`` (:func:`main_content`). It runs with ``fast=True`` (no fallback
+  extractors) and no dedup (its cache would make a page's text depend on the pages read
+  before it);
 - ``whole``: all the text of ``<body>``; only what a browser never shows is dropped
   (``script``, ``style``, ``template``, comments).
 
@@ -111,6 +113,7 @@ _PARSER = html.HTMLParser(remove_comments=True, remove_pis=True)
 _LOCAL_LINKS = etree.XPath("//a[starts-with(@href, '#')]")
 _MAIN = etree.XPath("//main")
 _ROLE_MAIN = etree.XPath("//*[@role='main']")
+_ANY_HEADING = etree.XPath("//h1 | //h2 | //h3 | //h4 | //h5 | //h6")
 
 
 def parse_html(text: str, name: str) -> html.HtmlElement:
@@ -419,15 +422,35 @@ def _is_dl_item(el: etree._Element) -> bool:
 
 def main_content(root: html.HtmlElement) -> etree._Element | None:
     """trafilatura's XML body of the page's main content (None: it found none); ``root`` is
-    first prepared for it (:func:`prepare_for_trafilatura`) and changed."""
-    import trafilatura
+    first prepared for it (:func:`prepare_for_trafilatura`) and changed.
 
+    A page whose content sits in no container trafilatura knows (``<body><h1>..``, as pandoc
+    writes it) gets its wild-text recovery, which keeps paragraphs but no heading and no list:
+    when the result has no heading and the page has one, its body is read again wrapped in an
+    ``<article>``, the container trafilatura looks for second."""
     landmarks = _MAIN(root) or _ROLE_MAIN(root)
     if len(landmarks) == 1:  # the page says where its content is: only that is read
         root = html.Element("html")
         etree.SubElement(root, "body").append(landmarks[0])
+    root = prepare_for_trafilatura(root)
+    body = _trafilatura_body(root)  # it reads a copy: root is left as it is
+    if (body is None or body.find(".//head") is None) and _ANY_HEADING(root):
+        page = root.find("body")
+        if page is not None:
+            article = html.Element("article")
+            article.text, page.text = page.text, None
+            article.extend(list(page))
+            page.append(article)
+            retry = _trafilatura_body(root)
+            body = body if retry is None else retry
+    return body
+
+
+def _trafilatura_body(root: html.HtmlElement) -> etree._Element | None:
+    import trafilatura
+
     document = trafilatura.bare_extraction(
-        prepare_for_trafilatura(root),
+        root,
         output_format="xml",  # only .body is used: "python" would render a text too
         fast=True,
         include_comments=False,

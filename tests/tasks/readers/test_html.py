@@ -188,6 +188,17 @@ def test_main_mode_reads_only_the_main_landmark() -> None:
     assert [h.title for h in doc.headings] == ["Subject", "Details"]
 
 
+def test_main_mode_keeps_the_headings_of_a_page_without_a_container() -> None:
+    """Content straight in ``<body>`` (pandoc's standalone HTML): trafilatura alone keeps its
+    paragraphs but none of its headings and lists."""
+    prose = "<p>" + "A sentence of real content about the subject of the page. " * 6 + "</p>"
+    page = f"""<html><head><title>Notes</title></head><body><h1>Notes</h1>{prose}
+    <h2>Steps</h2><ol><li>Open the valve</li><li>Wait a minute</li></ol>{prose}</body></html>"""
+    doc = read_bytes(page.encode(), mode="main")
+    assert [h.title for h in doc.headings] == ["Notes", "Steps"]
+    assert "\n\nSteps\n\n1. Open the valve\n2. Wait a minute\n\nA sentence" in doc.text
+
+
 def test_main_mode_keeps_what_sphinx_nests_in_quotes_and_definitions() -> None:
     """trafilatura flattens a table inside a blockquote (Sphinx's indented blocks) and drops
     one inside a ``dd`` and the text a ``dd`` holds itself (C functions' "Return value")."""
