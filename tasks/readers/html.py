@@ -5,12 +5,12 @@ Two modes, the reader's option ``html_mode`` (``schemas.settings.HTML_MODES``):
 - ``main`` (the default): the page's main content as trafilatura finds it: navigation,
   sidebars, headers and footers dropped (by their tags, roles and classes, and lists and
   tables dense in links). When the page marks its content (exactly one ``<main>``, else one
-  ``role="main"``), only that element is given to trafilatura. Before, the tree is prepared so
-  that trafilatura keeps the content it drops on documentation pages
-  (:func:`prepare_for_trafilatura`), and a page whose headings it all dropped is read again
-  in an ``<article>`` (:func:`main_content`). It runs with ``fast=True`` (no fallback
-  extractors) and no dedup (its cache would make a page's text depend on the pages read
-  before it);
+  ``role="main"``), only that element is given to trafilatura, as an ``<article>``; a page
+  without such a mark whose headings trafilatura all dropped is read again with its body in an
+  ``<article>`` (:func:`main_content`). Before, the tree is prepared so that trafilatura keeps
+  the content it drops on documentation pages (:func:`prepare_for_trafilatura`). It runs with
+  ``fast=True`` (no fallback extractors) and no dedup (its cache would make a page's text
+  depend on the pages read before it);
 - ``whole``: all the text of ``<body>``; only what a browser never shows is dropped
   (``script``, ``style``, ``template``, comments).
 
@@ -424,25 +424,30 @@ def main_content(root: html.HtmlElement) -> etree._Element | None:
     """trafilatura's XML body of the page's main content (None: it found none); ``root`` is
     first prepared for it (:func:`prepare_for_trafilatura`) and changed.
 
-    A page whose content sits in no container trafilatura knows (``<body><h1>..``, as pandoc
-    writes it) gets its wild-text recovery, which keeps paragraphs but no heading and no list:
-    when the result has no heading and the page has one, its body is read again wrapped in an
-    ``<article>``, the container trafilatura looks for second."""
+    The page's one ``<main>`` (else its one ``role="main"``) is given alone, in an
+    ``<article>``. A page whose content sits in no container trafilatura knows
+    (``<body><h1>..``, as pandoc writes it) gets its wild-text recovery, which keeps paragraphs
+    but no heading and no list: when the result has no heading and the page has one, the body
+    is read again wrapped in an ``<article>``, the container trafilatura looks for second."""
     landmarks = _MAIN(root) or _ROLE_MAIN(root)
     if len(landmarks) == 1:  # the page says where its content is: only that is read
         root = html.Element("html")
-        etree.SubElement(root, "body").append(landmarks[0])
+        etree.SubElement(etree.SubElement(root, "body"), "article").append(landmarks[0])
     root = prepare_for_trafilatura(root)
     body = _trafilatura_body(root)  # it reads a copy: root is left as it is
-    if (body is None or body.find(".//head") is None) and _ANY_HEADING(root):
-        page = root.find("body")
-        if page is not None:
-            article = html.Element("article")
-            article.text, page.text = page.text, None
-            article.extend(list(page))
-            page.append(article)
-            retry = _trafilatura_body(root)
-            body = body if retry is None else retry
+    page = root.find("body")
+    if (
+        len(landmarks) != 1
+        and page is not None
+        and (body is None or body.find(".//head") is None)
+        and _ANY_HEADING(root)
+    ):
+        article = html.Element("article")
+        article.text, page.text = page.text, None
+        article.extend(list(page))
+        page.append(article)
+        retry = _trafilatura_body(root)
+        body = body if retry is None else retry
     return body
 
 
