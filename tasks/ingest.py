@@ -116,7 +116,7 @@ def _iter_folder(
             yield Reject(item.rel, None, item.reason, item.detail)
     if not files:
         raise SourceError(f"{root} holds no files coinrag reads ({_suffix_list()})")
-    for file in with_doc_ids(files):
+    for file in with_doc_ids(sorted(files, key=lambda f: f.rel)):
         bad = _control_char(file.doc_id)
         if bad is not None:
             yield Reject(file.rel, None, "bad_record", f"{file.rel}: name contains {bad}")

@@ -96,9 +96,10 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 def walk_source(root: Path, exclude: tuple[str, ...] = ()) -> Iterator[SourceFile | Skipped]:
-    """Every file under ``root`` in path order, as a :class:`SourceFile` (with its reader) or
-    :class:`Skipped`; symlinks are followed only where they stay inside ``root``, and folder
-    symlinks never (their files are reached through their real place, or refused)."""
+    """Every file under ``root`` (a folder's files before its subfolders'), as a
+    :class:`SourceFile` (with its reader) or :class:`Skipped`; symlinks are followed only where
+    they stay inside ``root``, and folder symlinks never (their files are reached through their
+    real place, or refused)."""
     real_root = root.resolve()
     by_suffix = suffix_readers()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):

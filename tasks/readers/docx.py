@@ -32,7 +32,7 @@ from typing import Any
 from lxml import etree
 
 from coinrag.tasks.readers.base import ReadDocument, Reader, ReadError
-from coinrag.tasks.readers.html import LINE_BREAK, TextBuilder, squash
+from coinrag.tasks.readers.layout import LINE_BREAK, TextBuilder, squash
 
 _HEADING_STYLE = re.compile(r"heading ([1-9])", re.I)
 _LIST_STYLE = re.compile(r"list (bullet|number)(?: ([2-9]))?", re.I)

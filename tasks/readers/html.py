@@ -51,7 +51,8 @@ from typing import Any, ClassVar
 from lxml import etree, html
 
 from coinrag.schemas.settings import HTML_MODES
-from coinrag.tasks.readers.base import Heading, ReadDocument, Reader, ReadError
+from coinrag.tasks.readers.base import ReadDocument, Reader, ReadError
+from coinrag.tasks.readers.layout import LINE_BREAK, TextBuilder, squash
 
 PRESCAN_BYTES = 1024  # how far a <meta charset> is looked for, as in the HTML standard
 _BOMS = (
@@ -65,8 +66,6 @@ _META_CHARSET = re.compile(rb"""<meta[^>]*?charset\s*=\s*["']?\s*([A-Za-z0-9_.:-
 _XML_ENCODING = re.compile(rb"""^\s*<\?xml[^>]*?encoding\s*=\s*["']([A-Za-z0-9_.:-]+)""", re.I)
 _XML_DECLARATION = re.compile(r"^\s*<\?xml[^>]*\?>")
 _AS_WINDOWS_1252 = {"ascii", "iso8859-1"}  # codecs browsers read as windows-1252
-_WHITE = re.compile(r"[ \t\n\r\f\v\xa0]+")
-LINE_BREAK = "\x00"  # a <br> inside inline text, until the text is written
 PERMALINK_SIGNS = {"¶", "§", "#", "🔗"}
 NEVER_SHOWN = ("script", "style", "template")
 INLINE_CODE = ("span", "code", "kbd", "samp", "tt", "var")  # unwrapped for trafilatura
@@ -127,68 +126,6 @@ def parse_html(text: str, name: str) -> html.HtmlElement:
         if a.text_content().strip() in PERMALINK_SIGNS:
             a.drop_tree()  # keeps the tail
     return root
-
-
-def squash(text: str) -> str:
-    """Inline text as a browser shows it: runs of white space one space, a
-    :data:`LINE_BREAK` a line break. ``"a \\n  b\\x00 c "`` -> ``"a b\\nc"``."""
-    if LINE_BREAK not in text:
-        return _WHITE.sub(" ", text).strip()
-    lines = (_WHITE.sub(" ", line).strip() for line in text.split(LINE_BREAK))
-    return "\n".join(line for line in lines if line)
-
-
-class TextBuilder:
-    """The text of a structured document, written block by block: a heading, a paragraph or a
-    code block is a block of its own (a blank line before it); the lines of one ``run`` (the
-    items of a list, the rows of a table) follow each other on consecutive lines."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.size = 0  # characters written
-        self.run: str | None = None  # the run the last line belongs to
-        self.headings: list[Heading] = []
-
-    def line(self, text: str, run: str | None = None) -> int:
-        """Write ``text`` (no-op when empty): on the next line if it continues ``run``, else
-        after a blank line. Returns the offset where ``text`` starts."""
-        if not text:
-            return self.size
-        if self.parts:
-            sep = "\n" if run is not None and run == self.run else "\n\n"
-            self.parts.append(sep)
-            self.size += len(sep)
-        start = self.size
-        self.parts.append(text)
-        self.size += len(text)
-        self.run = run
-        return start
-
-    def end_run(self) -> None:
-        """The next line starts a new block, whatever its run."""
-        self.run = None
-
-    def heading(self, level: int, title: str) -> None:
-        """A heading line, recorded in ``headings`` (``¶`` signs at its end cut)."""
-        title = title.rstrip("¶ ").replace("\n", " ")
-        if title:
-            self.end_run()
-            self.headings.append(Heading(self.line(title), level, title))
-            self.end_run()
-
-    def code(self, code: str) -> None:
-        """A fenced code block: ``code`` verbatim between two fence lines (blank lines around
-        it dropped; the fence is longer than any backtick run at the start of a line in it)."""
-        code = code.strip("\n").rstrip()
-        if code.strip():
-            fence = "`" * max([3, *(len(m) + 1 for m in re.findall(r"(?m)^\s*(`{3,})", code))])
-            self.end_run()
-            self.line(f"{fence}\n{code}\n{fence}")
-            self.end_run()
-
-    def text(self) -> str:
-        """Everything written, ending with a newline (``""`` when nothing was)."""
-        return "".join(self.parts) + "\n" if self.parts else ""
 
 
 class _Item:

@@ -39,7 +39,7 @@ def test_hidden_excluded_and_unknown_files_are_skipped_not_rejected(tmp_path: Pa
     result = ingest(tmp_path, ReadOptions(exclude=("_sources/*",)))
     assert [d.doc_id for d in result.documents] == ["a"]
     assert result.rejects == []
-    assert result.skipped == 4
+    assert result.skipped == 3  # .hidden.txt, the excluded one, image.png (.git: never walked)
 
 
 def test_file_origin_records_reader_hash_and_headings(tmp_path: Path) -> None:
