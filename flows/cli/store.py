@@ -16,8 +16,8 @@ from coinrag.schemas.settings import BuildSettings
 Source = Annotated[
     str,
     typer.Argument(
-        help="Folder of .txt/.md files, a .jsonl file ({id, text, ...}), a .parquet file "
-        "(id, text columns), or 'sample' for the bundled sample corpus."
+        help="Folder of documents (.txt, .md, .html, .pdf, .docx), a .jsonl file ({id, text, "
+        "...}), a .parquet file (id, text columns), or 'sample' for the bundled sample corpus."
     ),
 ]
 
