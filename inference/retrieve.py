@@ -202,13 +202,15 @@ class DenseSearch(SearchMode, name="dense"):
     """Cosine similarity of the query's vector and the rows' vectors (ANN above the index's
     threshold, exact under a prefilter); ``score`` is the cosine similarity.
 
-    A chunk scores the mean of its own vector's cosine and its best nugget's: the embedder keeps
-    only its first ``max_length`` word pieces of a chunk (MiniLM: 256, about a third of a
-    512-token chunk), while the nuggets cover the chunk end to end, so a chunk whose answer sits
-    in its second half is still found (:meth:`_chunks`). Measured on the whole Python
-    documentation (``tests/benchmarks/bench_chunk_coverage.py``), the mean beats the chunk's
-    vector alone, its best nugget alone and the larger of the two on natural questions, and
-    stays near the best nugget on questions that repeat a section title."""
+    A chunk's own cosine is the best of its windows' (the ``windows`` table: pieces the
+    embedder sees whole that cover the chunk end to end, ``tasks.embed``), so a chunk whose
+    answer sits past the embedder's ``max_length`` (MiniLM: 256 word pieces, about a third of a
+    512-token chunk) is still found; an index written before windows existed has the chunk's
+    own vector (its first ``max_length`` word pieces) instead. Where there are nuggets, a chunk
+    scores the mean of its own cosine and its best nugget's (:meth:`combine`, :meth:`_chunks`):
+    measured on the Python documentation (``tests/benchmarks/bench_chunk_coverage.py``,
+    docs/retrieval.md), the mean beats either alone on natural questions and stays near the
+    best nugget on questions that repeat a section title."""
 
     @staticmethod
     def combine(own: float, best_nugget: float) -> float:
@@ -228,38 +230,63 @@ class DenseSearch(SearchMode, name="dense"):
         vector = query.vector
         return index.search_vector(table, vector, k, embedder_fp=fp, where=where, coarse=coarse)
 
+    def _own(self, index: LanceIndex, query: Query, k: int, where: str | None) -> dict[str, float]:
+        """Chunk id -> own cosine (exact) of at least ``k`` chunks (fewer if there are not
+        that many), best first: the chunks of the top windows (more windows asked while they
+        hold fewer than ``k`` chunks), or the top chunks by their own vector."""
+        if not index.count("windows"):
+            rows = self._search(index, "chunks", query, k, where)
+            return {row["chunk_id"]: float(row["score"]) for row in rows}
+        wide = k
+        while True:
+            rows = self._search(index, "windows", query, wide, where)
+            best: dict[str, float] = {}
+            for row in rows:  # best first: a chunk's first window is its best
+                best.setdefault(row["chunk_id"], float(row["score"]))
+            if len(best) >= k or len(rows) < wide:
+                return best
+            wide *= 2
+
+    def _own_of(self, index: LanceIndex, query: Query, chunk_ids: list[str]) -> dict[str, float]:
+        """Chunk id -> own cosine (exact) of these chunks, read by id."""
+        table = "windows" if index.count("windows") else "chunks"
+        rows = index.rows_where(table, in_filter("chunk_id", chunk_ids), None, extra=("vector",))
+        best: dict[str, float] = {}
+        for row in rows:
+            cos = float(np.dot(np.asarray(row["vector"], np.float32), query.vector))
+            best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), cos)
+        return best
+
     def _chunks(
         self, index: LanceIndex, query: Query, k: int, where: str | None
     ) -> list[dict[str, Any]]:
-        """Top-``k`` chunks by :meth:`combine` of the chunk's cosine and its best nugget's, over
-        the candidates:
-        the top ``NUGGET_FANOUT * k`` chunks by their own vector, and the chunks of the top
-        ``NUGGET_FANOUT * k`` nuggets (both under the same prefilter). A candidate's own cosine
-        is exact (read by id for a chunk found through a nugget); its best nugget is its best
-        among those nuggets, else its own cosine stands in (a chunk none of whose nuggets made
-        the cut)."""
+        """Top-``k`` chunks by own cosine (:meth:`_own`), or where there are nuggets by
+        :meth:`combine` of it and the best nugget's, over the candidates: the top ``NUGGET_FANOUT
+        * k`` chunks by own cosine, and the chunks of the top ``NUGGET_FANOUT * k`` nuggets (both
+        under the same prefilter). A candidate's own cosine is exact (read by id for a chunk found
+        through a nugget); its best nugget is its best among those nuggets, else its own cosine
+        stands in (a chunk none of whose nuggets made the cut)."""
         wide = NUGGET_FANOUT * k
-        rows = {row["chunk_id"]: row for row in self._search(index, "chunks", query, wide, where)}
-        best: dict[str, float] = {}
-        for row in self._search(index, "nuggets", query, wide, where, coarse=True):
-            best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), row["score"])
-        missing = [cid for cid in best if cid not in rows]
-        if missing:
-            found = index.rows_where(
-                "chunks", in_filter("chunk_id", missing), len(missing), extra=("vector",)
-            )
-            for row in found:
-                own = float(np.dot(np.asarray(row.pop("vector"), np.float32), query.vector))
-                rows[row["chunk_id"]] = {**row, "score": own}
-        for cid, row in rows.items():
-            own = float(row["score"])
-            row["score"] = self.combine(own, best.get(cid, own))
-        return sorted(rows.values(), key=lambda r: -r["score"])[:k]
+        nuggets = index.count("nuggets") > 0
+        own = self._own(index, query, wide if nuggets else k, where)
+        scores = dict(own)
+        if nuggets:
+            best: dict[str, float] = {}
+            for row in self._search(index, "nuggets", query, wide, where, coarse=True):
+                best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), row["score"])
+            missing = [cid for cid in best if cid not in own]
+            if missing:
+                own.update(self._own_of(index, query, missing))
+            scores = {cid: self.combine(s, best.get(cid, s)) for cid, s in own.items()}
+        top = sorted(scores, key=lambda cid: -scores[cid])[:k]
+        found = index.rows_where("chunks", in_filter("chunk_id", top), len(top))
+        rows = {row["chunk_id"]: row for row in found}
+        return [{**rows[cid], "score": scores[cid]} for cid in top if cid in rows]
 
     def rank(
         self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
     ) -> list[dict[str, Any]]:
-        if table == "chunks" and index.count("nuggets"):
+        if table == "chunks":
             return self._chunks(index, query, k, where)
         return self._search(index, table, query, k, where)
 

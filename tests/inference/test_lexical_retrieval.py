@@ -128,7 +128,7 @@ def test_an_index_without_full_text_is_refused_then_repaired(tmp_path, smollm2_t
     embed_stage(store, chunks, nuggets, docs, emb, "r1")
     index = LanceIndex.open_latest(store)
     for name in FTS_TABLES:  # as an index built before lexical search existed
-        index.table(name).drop_index("text_idx")
+        index.table(name).drop_index("search_text_idx")
     stale = LanceIndex.open_latest(store)
     assert stale.lacks_text_index()
     with pytest.raises(LexicalIndexMissing, match="run `coinrag build` on the store once"):
@@ -136,7 +136,7 @@ def test_an_index_without_full_text_is_refused_then_repaired(tmp_path, smollm2_t
     assert Retriever(store, emb, stale, mode="dense").chunks_only("Amazon", 2).evidence
     counts = embed_stage(store, chunks, nuggets, docs, emb, "r2")  # an unchanged rebuild
     assert counts.chunks_written == counts.nuggets_written == 0
-    assert "fts:text" in counts.indexes_built["chunks"]
+    assert "fts:search_text" in counts.indexes_built["chunks"]
     assert _lexical_docs(LanceIndex.open_latest(store), "Amazon") == {"rivers"}
 
 
