@@ -86,33 +86,34 @@ class RetrievalResult:
         return sum(e.tok_end - e.tok_start for e in self.evidence)
 
 
-RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al. 2009; LanceDB's RRFReranker)
-
-
-HYBRID_DEPTH = 20  # rows each ranking of a hybrid search contributes (at least k)
+HYBRID_DEPTH = 30  # rows each ranking of a hybrid search contributes (at least k)
+HYBRID_DENSE_WEIGHT = 0.75  # the dense ranking's weight in relative score fusion (lexical: 0.25)
 NUGGET_FANOUT = 5  # dense chunk search: nuggets searched per chunk wanted
 DOCUMENT_CHUNK_FANOUT = 4  # lexical document ranking: chunks searched per document wanted
 
 
-def rrf_scores(rankings: Sequence[Sequence[Hashable]], k: int = RRF_K) -> dict[Hashable, float]:
-    """Reciprocal rank fusion: every item scores ``sum(1 / (k + rank))`` over the rankings it
-    is in (rank 1-based). Dict order is first appearance (a stable tie-break)."""
-    scores: dict[Hashable, float] = {}
-    for ranking in rankings:
-        for rank, item in enumerate(ranking, start=1):
-            scores[item] = scores.get(item, 0.0) + 1.0 / (k + rank)
-    return scores
+def relative_scores(
+    rankings: Sequence[Sequence[tuple[Hashable, float]]], weights: Sequence[float]
+) -> dict[Hashable, float]:
+    """Relative score fusion: each ranking's ``(item, score)`` rows (its top rows, any scale)
+    min-max normalised to [0, 1] (all 1 if they are equal), and every item scoring the sum of
+    ``weight * normalised`` over the rankings it is in (0 in one it is not in). Dict order is
+    first appearance (a stable tie-break).
 
-
-def rrf_fuse(rankings: Sequence[Sequence[Hashable]], k: int = RRF_K) -> list[Hashable]:
-    """The items of ``rankings`` by :func:`rrf_scores`, best first; ties keep the order of
-    first appearance.
-
-    >>> rrf_fuse([["a", "b", "c"], ["c", "a"]])
-    ['a', 'c', 'b']
+    >>> relative_scores([[("a", 0.9), ("b", 0.5), ("c", 0.1)], [("c", 12.0), ("a", 4.0)]],
+    ...                 [0.75, 0.25])
+    {'a': 0.75, 'b': 0.375, 'c': 0.25}
     """
-    scores = rrf_scores(rankings, k)
-    return sorted(scores, key=lambda item: -scores[item])
+    fused: dict[Hashable, float] = {}
+    for ranking, weight in zip(rankings, weights, strict=True):
+        if not ranking:
+            continue
+        values = [float(score) for _, score in ranking]
+        low, span = min(values), max(values) - min(values)
+        for (item, _), value in zip(ranking, values, strict=True):
+            norm = (value - low) / span if span > 0 else 1.0
+            fused[item] = fused.get(item, 0.0) + weight * norm
+    return fused
 
 
 def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> list[Evidence]:
@@ -315,23 +316,20 @@ class LexicalSearch(SearchMode, name="lexical"):
         return list(best.values())[:k]
 
 
-class NuggetVotes(DenseSearch):
-    """The dense half of hybrid search: a chunk scores the larger of its own cosine and its best
-    nugget's (else as :class:`DenseSearch`). Fused with BM25 it beat the mean of
-    :class:`DenseSearch` on the whole Python documentation (``bench_chunk_coverage.py``:
-    ``hybrid-first+nuggets`` vs ``hybrid-avg``): hit@1/2/4 89.8/96.0/99.4 vs 85.8/93.2/98.9 %
-    on the 176 FAQ questions, 63.5/81.0/90.5 vs 65.1/79.4/92.1 on the 63 natural ones, while
-    alone it loses to the mean on natural questions (38.1 vs 55.6 % at kc 1)."""
-
-    @staticmethod
-    def combine(own: float, best_nugget: float) -> float:
-        return max(own, best_nugget)
-
-
 class HybridSearch(SearchMode, name="hybrid"):
-    """Dense and lexical rankings fused by reciprocal rank (:func:`rrf_fuse`): each ranks its
-    top ``max(k, HYBRID_DEPTH)`` rows, and the fused top ``k`` are kept; ``score`` is the RRF
-    score. The dense ranking of chunks is :class:`NuggetVotes` (a chunk by its best nugget).
+    """Dense (:class:`DenseSearch`) and lexical rankings fused by their scores
+    (:func:`relative_scores`): each ranks its top ``max(k, HYBRID_DEPTH)`` rows, each ranking's
+    scores are min-max normalised, and a row scores ``HYBRID_DENSE_WEIGHT`` times its dense
+    one plus the rest times its lexical one; the fused top ``k`` are kept (``score``: the fused
+    score, in [0, 1]).
+
+    Measured on the Python docs (docs/retrieval.md, ``bench_chunk_coverage.py``): with windows
+    dense search is far stronger than BM25 where there are nuggets (hit@1 98 against 72 % on
+    the FAQ questions), and about as strong without; equal-weight reciprocal rank fusion then
+    fell 6 points below dense at kc 1 (a rank in the weaker list counts as much as one in the
+    stronger), while fusing the scores keeps dense's confident answers and still lets BM25
+    lift a chunk whose words match (hybrid at least the better of the two less a point, or one
+    question, at every kc on both question sets, with and without nuggets).
 
     The lexical search needs no query vector: where LanceDB answers it (~5 ms), it runs on a
     second thread while this one embeds the question and searches by vector (LanceDB's
@@ -341,7 +339,7 @@ class HybridSearch(SearchMode, name="hybrid"):
     9 FAQ pages, one thread). The two rankings are fused in a fixed order (dense, lexical), so
     the result does not depend on which finished first."""
 
-    dense: ClassVar[SearchMode] = NuggetVotes()
+    dense: ClassVar[SearchMode] = DenseSearch()
     lexical: ClassVar[SearchMode] = LexicalSearch()
 
     def _fuse(self, lists: list[list[dict[str, Any]]], key: str, k: int) -> list[dict[str, Any]]:
@@ -349,7 +347,10 @@ class HybridSearch(SearchMode, name="hybrid"):
         for ranking in lists:
             for row in ranking:
                 rows.setdefault(row[key], row)
-        scores = rrf_scores([[row[key] for row in ranking] for ranking in lists])
+        scores = relative_scores(
+            [[(row[key], row["score"]) for row in ranking] for ranking in lists],
+            [HYBRID_DENSE_WEIGHT, 1.0 - HYBRID_DENSE_WEIGHT],
+        )
         order = sorted(scores, key=lambda item: -scores[item])[:k]
         return [{**rows[item], "score": scores[item]} for item in order]
 
