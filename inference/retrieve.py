@@ -210,8 +210,9 @@ class DenseSearch(SearchMode, name="dense"):
     own vector (its first ``max_length`` word pieces) instead. Where there are nuggets, a chunk
     scores the mean of its own cosine and its best nugget's (:meth:`combine`, :meth:`_chunks`):
     measured on the Python documentation (``tests/benchmarks/bench_chunk_coverage.py``,
-    docs/retrieval.md), the mean beats either alone on natural questions and stays near the
-    best nugget on questions that repeat a section title."""
+    docs/retrieval.md), the mean beats either alone at kc 1 on natural questions (79.4 against
+    71.4 and 66.7 %) and stays within a question of the best nugget on questions that repeat a
+    section title."""
 
     @staticmethod
     def combine(own: float, best_nugget: float) -> float:
@@ -328,8 +329,9 @@ class HybridSearch(SearchMode, name="hybrid"):
     the FAQ questions), and about as strong without; equal-weight reciprocal rank fusion then
     fell 6 points below dense at kc 1 (a rank in the weaker list counts as much as one in the
     stronger), while fusing the scores keeps dense's confident answers and still lets BM25
-    lift a chunk whose words match (hybrid at least the better of the two less a point, or one
-    question, at every kc on both question sets, with and without nuggets).
+    lift a chunk whose words match: hybrid within a point of the better of the two at every kc
+    1-8 on both question sets, with and without nuggets, but one (the natural questions with
+    nuggets at kc 2: 54 against dense's 56 of 63).
 
     The lexical search needs no query vector: where LanceDB answers it (~5 ms), it runs on a
     second thread while this one embeds the question and searches by vector (LanceDB's
