@@ -53,6 +53,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from coinrag.inference.windows import Window, text_windows
 from coinrag.schemas.keys import fingerprint as make_fingerprint
 
 DEFAULT_EMBEDDER = "minilm"
@@ -81,6 +82,11 @@ class Embedder(Protocol):
 
     def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
         """(n, dim) float32 for queries (with the query instruction, if the model has one)."""
+        ...
+
+    def windows(self, text: str, prefix: str = "") -> list[Window]:
+        """``text`` cut into pieces this embedder sees whole, each embedded after ``prefix``
+        (``inference.windows.text_windows``): together they cover every token of it."""
         ...
 
 
@@ -282,6 +288,19 @@ class FlagEmbedder:
         if self.query_instruction:
             texts = [self.query_instruction + t for t in texts]
         return self._encode(texts, None, self._query_model)
+
+    def _tokenize(self, text: str) -> tuple[list[tuple[int, int]], list[int | None]]:
+        """Each token's characters and word index (no special tokens, no truncation)."""
+        enc = self.tokenizer(
+            text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
+        )
+        return enc["offset_mapping"], enc.word_ids()
+
+    def windows(self, text: str, prefix: str = "") -> list[Window]:
+        """``text`` in windows of at most :attr:`max_length` word pieces with ``prefix`` and
+        the special tokens (``inference.windows.text_windows``)."""
+        room = self.max_length - self.tokenizer.num_special_tokens_to_add(pair=False)
+        return text_windows(text, prefix, self._tokenize, room)
 
 
 def _is_bge_m3(path: Path, config: dict[str, Any]) -> bool:

@@ -89,33 +89,34 @@ class RetrievalResult:
         return sum(e.tok_end - e.tok_start for e in self.evidence)
 
 
-RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al. 2009; LanceDB's RRFReranker)
-
-
-HYBRID_DEPTH = 20  # rows each ranking of a hybrid search contributes (at least k)
+HYBRID_DEPTH = 30  # rows each ranking of a hybrid search contributes (at least k)
+HYBRID_DENSE_WEIGHT = 0.75  # the dense ranking's weight in relative score fusion (lexical: 0.25)
 NUGGET_FANOUT = 5  # dense chunk search: nuggets searched per chunk wanted
 DOCUMENT_CHUNK_FANOUT = 4  # lexical document ranking: chunks searched per document wanted
 
 
-def rrf_scores(rankings: Sequence[Sequence[Hashable]], k: int = RRF_K) -> dict[Hashable, float]:
-    """Reciprocal rank fusion: every item scores ``sum(1 / (k + rank))`` over the rankings it
-    is in (rank 1-based). Dict order is first appearance (a stable tie-break)."""
-    scores: dict[Hashable, float] = {}
-    for ranking in rankings:
-        for rank, item in enumerate(ranking, start=1):
-            scores[item] = scores.get(item, 0.0) + 1.0 / (k + rank)
-    return scores
+def relative_scores(
+    rankings: Sequence[Sequence[tuple[Hashable, float]]], weights: Sequence[float]
+) -> dict[Hashable, float]:
+    """Relative score fusion: each ranking's ``(item, score)`` rows (its top rows, any scale)
+    min-max normalised to [0, 1] (all 1 if they are equal), and every item scoring the sum of
+    ``weight * normalised`` over the rankings it is in (0 in one it is not in). Dict order is
+    first appearance (a stable tie-break).
 
-
-def rrf_fuse(rankings: Sequence[Sequence[Hashable]], k: int = RRF_K) -> list[Hashable]:
-    """The items of ``rankings`` by :func:`rrf_scores`, best first; ties keep the order of
-    first appearance.
-
-    >>> rrf_fuse([["a", "b", "c"], ["c", "a"]])
-    ['a', 'c', 'b']
+    >>> relative_scores([[("a", 0.9), ("b", 0.5), ("c", 0.1)], [("c", 12.0), ("a", 4.0)]],
+    ...                 [0.75, 0.25])
+    {'a': 0.75, 'b': 0.375, 'c': 0.25}
     """
-    scores = rrf_scores(rankings, k)
-    return sorted(scores, key=lambda item: -scores[item])
+    fused: dict[Hashable, float] = {}
+    for ranking, weight in zip(rankings, weights, strict=True):
+        if not ranking:
+            continue
+        values = [float(score) for _, score in ranking]
+        low, span = min(values), max(values) - min(values)
+        for (item, _), value in zip(ranking, values, strict=True):
+            norm = (value - low) / span if span > 0 else 1.0
+            fused[item] = fused.get(item, 0.0) + weight * norm
+    return fused
 
 
 def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> list[Evidence]:
@@ -206,13 +207,16 @@ class DenseSearch(SearchMode, name="dense"):
     """Cosine similarity of the query's vector and the rows' vectors (ANN above the index's
     threshold, exact under a prefilter); ``score`` is the cosine similarity.
 
-    A chunk scores the mean of its own vector's cosine and its best nugget's: the embedder keeps
-    only its first ``max_length`` word pieces of a chunk (MiniLM: 256, about a third of a
-    512-token chunk), while the nuggets cover the chunk end to end, so a chunk whose answer sits
-    in its second half is still found (:meth:`_chunks`). Measured on the whole Python
-    documentation (``tests/benchmarks/bench_chunk_coverage.py``), the mean beats the chunk's
-    vector alone, its best nugget alone and the larger of the two on natural questions, and
-    stays near the best nugget on questions that repeat a section title."""
+    A chunk's own cosine is the best of its windows' (the ``windows`` table: pieces the
+    embedder sees whole that cover the chunk end to end, ``tasks.embed``), so a chunk whose
+    answer sits past the embedder's ``max_length`` (MiniLM: 256 word pieces, about a third of a
+    512-token chunk) is still found; an index written before windows existed has the chunk's
+    own vector (its first ``max_length`` word pieces) instead. Where there are nuggets, a chunk
+    scores the mean of its own cosine and its best nugget's (:meth:`combine`, :meth:`_chunks`):
+    measured on the Python documentation (``tests/benchmarks/bench_chunk_coverage.py``,
+    docs/retrieval.md), the mean beats either alone at kc 1 on natural questions (79.4 against
+    71.4 and 66.7 %) and stays within a question of the best nugget on questions that repeat a
+    section title."""
 
     @staticmethod
     def combine(own: float, best_nugget: float) -> float:
@@ -232,38 +236,63 @@ class DenseSearch(SearchMode, name="dense"):
         vector = query.vector
         return index.search_vector(table, vector, k, embedder_fp=fp, where=where, coarse=coarse)
 
+    def _own(self, index: LanceIndex, query: Query, k: int, where: str | None) -> dict[str, float]:
+        """Chunk id -> own cosine (exact) of at least ``k`` chunks (fewer if there are not
+        that many), best first: the chunks of the top windows (more windows asked while they
+        hold fewer than ``k`` chunks), or the top chunks by their own vector."""
+        if not index.count("windows"):
+            rows = self._search(index, "chunks", query, k, where)
+            return {row["chunk_id"]: float(row["score"]) for row in rows}
+        wide = k
+        while True:
+            rows = self._search(index, "windows", query, wide, where)
+            best: dict[str, float] = {}
+            for row in rows:  # best first: a chunk's first window is its best
+                best.setdefault(row["chunk_id"], float(row["score"]))
+            if len(best) >= k or len(rows) < wide:
+                return best
+            wide *= 2
+
+    def _own_of(self, index: LanceIndex, query: Query, chunk_ids: list[str]) -> dict[str, float]:
+        """Chunk id -> own cosine (exact) of these chunks, read by id."""
+        table = "windows" if index.count("windows") else "chunks"
+        rows = index.rows_where(table, in_filter("chunk_id", chunk_ids), None, extra=("vector",))
+        best: dict[str, float] = {}
+        for row in rows:
+            cos = float(np.dot(np.asarray(row["vector"], np.float32), query.vector))
+            best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), cos)
+        return best
+
     def _chunks(
         self, index: LanceIndex, query: Query, k: int, where: str | None
     ) -> list[dict[str, Any]]:
-        """Top-``k`` chunks by :meth:`combine` of the chunk's cosine and its best nugget's, over
-        the candidates:
-        the top ``NUGGET_FANOUT * k`` chunks by their own vector, and the chunks of the top
-        ``NUGGET_FANOUT * k`` nuggets (both under the same prefilter). A candidate's own cosine
-        is exact (read by id for a chunk found through a nugget); its best nugget is its best
-        among those nuggets, else its own cosine stands in (a chunk none of whose nuggets made
-        the cut)."""
+        """Top-``k`` chunks by own cosine (:meth:`_own`), or where there are nuggets by
+        :meth:`combine` of it and the best nugget's, over the candidates: the top ``NUGGET_FANOUT
+        * k`` chunks by own cosine, and the chunks of the top ``NUGGET_FANOUT * k`` nuggets (both
+        under the same prefilter). A candidate's own cosine is exact (read by id for a chunk found
+        through a nugget); its best nugget is its best among those nuggets, else its own cosine
+        stands in (a chunk none of whose nuggets made the cut)."""
         wide = NUGGET_FANOUT * k
-        rows = {row["chunk_id"]: row for row in self._search(index, "chunks", query, wide, where)}
-        best: dict[str, float] = {}
-        for row in self._search(index, "nuggets", query, wide, where, coarse=True):
-            best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), row["score"])
-        missing = [cid for cid in best if cid not in rows]
-        if missing:
-            found = index.rows_where(
-                "chunks", in_filter("chunk_id", missing), len(missing), extra=("vector",)
-            )
-            for row in found:
-                own = float(np.dot(np.asarray(row.pop("vector"), np.float32), query.vector))
-                rows[row["chunk_id"]] = {**row, "score": own}
-        for cid, row in rows.items():
-            own = float(row["score"])
-            row["score"] = self.combine(own, best.get(cid, own))
-        return sorted(rows.values(), key=lambda r: -r["score"])[:k]
+        nuggets = index.count("nuggets") > 0
+        own = self._own(index, query, wide if nuggets else k, where)
+        scores = dict(own)
+        if nuggets:
+            best: dict[str, float] = {}
+            for row in self._search(index, "nuggets", query, wide, where, coarse=True):
+                best[row["chunk_id"]] = max(best.get(row["chunk_id"], -2.0), row["score"])
+            missing = [cid for cid in best if cid not in own]
+            if missing:
+                own.update(self._own_of(index, query, missing))
+            scores = {cid: self.combine(s, best.get(cid, s)) for cid, s in own.items()}
+        top = sorted(scores, key=lambda cid: -scores[cid])[:k]
+        found = index.rows_where("chunks", in_filter("chunk_id", top), len(top))
+        rows = {row["chunk_id"]: row for row in found}
+        return [{**rows[cid], "score": scores[cid]} for cid in top if cid in rows]
 
     def rank(
         self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
     ) -> list[dict[str, Any]]:
-        if table == "chunks" and index.count("nuggets"):
+        if table == "chunks":
             return self._chunks(index, query, k, where)
         return self._search(index, table, query, k, where)
 
@@ -292,23 +321,21 @@ class LexicalSearch(SearchMode, name="lexical"):
         return list(best.values())[:k]
 
 
-class NuggetVotes(DenseSearch):
-    """The dense half of hybrid search: a chunk scores the larger of its own cosine and its best
-    nugget's (else as :class:`DenseSearch`). Fused with BM25 it beat the mean of
-    :class:`DenseSearch` on the whole Python documentation (``bench_chunk_coverage.py``:
-    ``hybrid-first+nuggets`` vs ``hybrid-avg``): hit@1/2/4 89.8/96.0/99.4 vs 85.8/93.2/98.9 %
-    on the 176 FAQ questions, 63.5/81.0/90.5 vs 65.1/79.4/92.1 on the 63 natural ones, while
-    alone it loses to the mean on natural questions (38.1 vs 55.6 % at kc 1)."""
-
-    @staticmethod
-    def combine(own: float, best_nugget: float) -> float:
-        return max(own, best_nugget)
-
-
 class HybridSearch(SearchMode, name="hybrid"):
-    """Dense and lexical rankings fused by reciprocal rank (:func:`rrf_fuse`): each ranks its
-    top ``max(k, HYBRID_DEPTH)`` rows, and the fused top ``k`` are kept; ``score`` is the RRF
-    score. The dense ranking of chunks is :class:`NuggetVotes` (a chunk by its best nugget).
+    """Dense (:class:`DenseSearch`) and lexical rankings fused by their scores
+    (:func:`relative_scores`): each ranks its top ``max(k, HYBRID_DEPTH)`` rows, each ranking's
+    scores are min-max normalised, and a row scores ``HYBRID_DENSE_WEIGHT`` times its dense
+    one plus the rest times its lexical one; the fused top ``k`` are kept (``score``: the fused
+    score, in [0, 1]).
+
+    Measured on the Python docs (docs/retrieval.md, ``bench_chunk_coverage.py``): with windows
+    dense search is far stronger than BM25 where there are nuggets (hit@1 98 against 72 % on
+    the FAQ questions), and about as strong without; equal-weight reciprocal rank fusion then
+    fell 6 points below dense at kc 1 (a rank in the weaker list counts as much as one in the
+    stronger), while fusing the scores keeps dense's confident answers and still lets BM25
+    lift a chunk whose words match: hybrid within a point of the better of the two at every kc
+    1-8 on both question sets, with and without nuggets, but one (the natural questions with
+    nuggets at kc 2: 54 against dense's 56 of 63).
 
     The lexical search needs no query vector: where LanceDB answers it (~5 ms), it runs on a
     second thread while this one embeds the question and searches by vector (LanceDB's
@@ -318,7 +345,7 @@ class HybridSearch(SearchMode, name="hybrid"):
     9 FAQ pages, one thread). The two rankings are fused in a fixed order (dense, lexical), so
     the result does not depend on which finished first."""
 
-    dense: ClassVar[SearchMode] = NuggetVotes()
+    dense: ClassVar[SearchMode] = DenseSearch()
     lexical: ClassVar[SearchMode] = LexicalSearch()
 
     def _fuse(self, lists: list[list[dict[str, Any]]], key: str, k: int) -> list[dict[str, Any]]:
@@ -326,7 +353,10 @@ class HybridSearch(SearchMode, name="hybrid"):
         for ranking in lists:
             for row in ranking:
                 rows.setdefault(row[key], row)
-        scores = rrf_scores([[row[key] for row in ranking] for ranking in lists])
+        scores = relative_scores(
+            [[(row[key], row["score"]) for row in ranking] for ranking in lists],
+            [HYBRID_DENSE_WEIGHT, 1.0 - HYBRID_DENSE_WEIGHT],
+        )
         order = sorted(scores, key=lambda item: -scores[item])[:k]
         return [{**rows[item], "score": scores[item]} for item in order]
 

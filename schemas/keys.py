@@ -71,6 +71,12 @@ def nugget_id(chunk_id_: str, tok_start: int, tok_end: int) -> str:
     return "ng-" + sha256_hex("nugget", chunk_id_, str(tok_start), str(tok_end))[:_ID_HEX]
 
 
+def window_id(chunk_id_: str, char_start: int, char_end: int) -> str:
+    """Row identity of a chunk's window: its chunk and its characters ``[char_start,
+    char_end)``."""
+    return "wn-" + sha256_hex("window", chunk_id_, str(char_start), str(char_end))[:_ID_HEX]
+
+
 def fingerprint(kind: str, fields: Mapping[str, Any]) -> str:
     """Fingerprint of a producer (tokenizer, model, extractor, embedder): ``kind-`` + 16 hex.
 

@@ -304,13 +304,19 @@ class EmbeddingRow:
 
 @dataclass(frozen=True)
 class ChunkIndexRow(PlaceInDocument):
-    """A row of the LanceDB ``chunks`` table (upserted by chunk_id)."""
+    """A row of the LanceDB ``chunks`` table (upserted by chunk_id).
+
+    ``text`` is the chunk as shown (evidence); ``search_text`` what is searched: the heading
+    path (``" > ".join(section)``) and a newline before the text, or the text itself for a
+    chunk without a section (``tasks.embed.search_text``). ``vector`` is ``search_text``'s
+    embedding as the embedder truncates it; the ``windows`` table covers the rest."""
 
     chunk_id: str
     doc_id: str
     doc_version: str
     content_key: str
     text: str
+    search_text: str
     n_tokens: int
     vector: list[float]
     embedder_fp: str
@@ -319,7 +325,8 @@ class ChunkIndexRow(PlaceInDocument):
 
 @dataclass(frozen=True)
 class NuggetIndexRow(PlaceInDocument):
-    """A row of the LanceDB ``nuggets`` table (upserted by nugget_id)."""
+    """A row of the LanceDB ``nuggets`` table (upserted by nugget_id); ``search_text`` as in
+    :class:`ChunkIndexRow` (the nugget's own section)."""
 
     nugget_id: str
     chunk_id: str
@@ -327,8 +334,29 @@ class NuggetIndexRow(PlaceInDocument):
     doc_version: str
     content_key: str
     text: str
+    search_text: str
     tok_start: int
     tok_end: int
+    vector: list[float]
+    embedder_fp: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class WindowIndexRow:
+    """A row of the LanceDB ``windows`` table (upserted by window_id): one piece of a chunk
+    that the embedder sees whole, ``[char_start, char_end)`` of the chunk's ``text``, embedded
+    after the chunk's heading path (``inference.windows``). A chunk's windows cover every one
+    of its tokens, consecutive ones overlapping; a chunk that fits the embedder is one window
+    (its ``search_text``, the vector of its ``chunks`` row)."""
+
+    window_id: str  # keys.window_id(chunk_id, char_start, char_end)
+    chunk_id: str
+    doc_id: str
+    doc_version: str
+    ordinal: int  # 0-based, in chunk order
+    char_start: int
+    char_end: int
     vector: list[float]
     embedder_fp: str
     run_id: str
@@ -487,6 +515,7 @@ TABLES: dict[str, type] = {
 # LanceDB tables (under STORE/index/), not Parquet: same one-definition rule.
 INDEX_TABLES: dict[str, type] = {
     "chunks": ChunkIndexRow,
+    "windows": WindowIndexRow,
     "nuggets": NuggetIndexRow,
     "documents": DocumentIndexRow,
 }

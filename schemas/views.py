@@ -6,7 +6,8 @@ view's column names are spelled here and nowhere else. Views that keep a table's
 (``latest_runs``, ``live_documents``, ``kv_entries``) reuse that table's dataclass.
 
 Index tables (LanceDB, ``schemas.tables.INDEX_TABLES``) appear as ``index_<name>``
-(``index_chunks``, ``index_nuggets``, ``index_documents``) with every column but ``vector``.
+(``index_chunks``, ``index_windows``, ``index_nuggets``, ``index_documents``) with every column
+but ``vector``.
 
 "Current" producers are what the store's settings (``STORE/coinrag.toml``) make now:
 :data:`PRODUCERS` names them; an asset is stale when a producer it was made with differs.

@@ -1,5 +1,5 @@
-"""The retrieval index: LanceDB tables ``chunks``, ``nuggets`` and ``documents`` under
-``STORE/index/``.
+"""The retrieval index: LanceDB tables ``chunks``, ``windows`` (pieces of a chunk the embedder
+sees whole: ``tasks/embed.py``), ``nuggets`` and ``documents`` under ``STORE/index/``.
 
 Schemas come from ``schemas/tables.py`` (``INDEX_TABLES``); the ``vector`` column, a
 ``list<float32>`` there, is stored as ``fixed_size_list<float32>[dim]`` (what LanceDB indexes).
@@ -9,12 +9,15 @@ Schemas come from ``schemas/tables.py`` (``INDEX_TABLES``); the ``vector`` colum
   fingerprint of the embedder that made its query vector, and a different one is refused with
   :class:`EmbedderMismatch` naming both. A build with a new embedder resets the index
   (:meth:`LanceIndex.open_for_write` with ``reset_on_mismatch``): the tables are dropped and
-  rebuilt from the embedding cache, so only the vectors are recomputed.
+  rebuilt from the embedding cache, so only the vectors are recomputed. A table whose columns
+  are not this code's (written by an older coinrag) is emptied the same way, alone, and written
+  again from the cache by the build (a reader of the older published version reads it as it
+  is: its words in ``text``, no windows).
 - Writes are upserts by id (``merge_insert(id).when_matched_update_all()
   .when_not_matched_insert_all()``), so a rebuild never duplicates a row; deletes are by
   ``doc_id`` (:meth:`LanceIndex.delete_documents`) or by id.
-- BTREE scalar indexes on the id columns (``chunk_id``, ``nugget_id``, ``doc_id``) make the
-  prefilter ``chunk_id IN (...)`` and the deletes cheap.
+- BTREE scalar indexes on the id columns (``chunk_id``, ``window_id``, ``nugget_id``,
+  ``doc_id``) make the prefilter ``chunk_id IN (...)`` and the deletes cheap.
 - An ANN vector index is built on a table once it holds ``VECTOR_INDEX_MIN_ROWS`` rows; below
   that, exact (flat) search is fast enough (see ``tests/benchmarks/bench_retrieval.py`` for the
   measurements behind the threshold and the index type). Rows added later are merged into the
@@ -29,13 +32,13 @@ Schemas come from ``schemas/tables.py`` (``INDEX_TABLES``); the ``vector`` colum
   with no ``[published]`` table at all (written by the stages alone) is read at its latest
   versions. A new embedder overwrites the tables (a new version with a new schema), it never
   drops them, so the published vectors stay readable until the new ones are published.
-- A full-text (BM25) index on ``text`` (LanceDB's native inverted index, :data:`FTS_CONFIG`)
-  makes chunks and nuggets searchable by their words (:meth:`LanceIndex.search_text`). It is
-  created by the first build that indexes a table (and by the next build of a store indexed
-  before it existed) and is part of each table version like the table's rows: a reader checked
-  out at the published version searches the index of that version, rows written after the
-  index are searched unindexed until ``optimize`` merges them in, and deleted rows are never
-  found.
+- A full-text (BM25) index on ``search_text`` (the heading path and the text; LanceDB's native
+  inverted index, :data:`FTS_CONFIG`) makes chunks and nuggets searchable by their words
+  (:meth:`LanceIndex.search_text`). It is created by the first build that indexes a table
+  (and by the next build of a store indexed before it existed) and is part of each table
+  version like the table's rows: a reader checked out at the published version searches the
+  index of that version, rows written after the index are searched unindexed until
+  ``optimize`` merges them in, and deleted rows are never found.
 - A nugget search restricted to some chunks (the second stage of CoinRAG's two-stage retrieval)
   is a prefiltered *exact* search: the filter keeps a few hundred rows, and an IVF index probing
   only some partitions could miss rows of those chunks and return fewer than ``k``.
@@ -87,6 +90,7 @@ from coinrag.storage.index_tables import (  # noqa: F401  (re-exported: columns 
     _sql_list,
     in_filter,
     lance_schema,
+    same_columns,
     vectors_array,
 )
 from coinrag.storage.index_upkeep import IndexUpkeep
@@ -109,6 +113,9 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         self.db = store.connect_lance(store.index_dir)
         self._tables: dict[str, Any] = {}
         self._has_ann: dict[str, bool] = {}  # table -> has a vector index (asked once)
+        self._fts_columns: dict[str, str] = {}  # table -> the column its words are searched in
+        self.migrated: list[str] = []  # tables emptied by open_for_write: written by an older
+        # coinrag (other columns), rebuilt from the embedding cache
         self._flat_tables: dict[str, FlatTable | None] = {}  # a reader's tables in memory
         self._text_tables: dict[str, Bm25Index | None] = {}  # their BM25 copies (text search)
         self.flat_max_bytes = FLAT_MAX_BYTES  # the largest table (its vectors) kept in memory
@@ -198,7 +205,11 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         """Open (or create) the index for ``embedder_fp``; return (index, was_reset).
 
         An index built by another embedder is dropped when ``reset_on_mismatch`` (its vectors
-        are useless to this one), else :class:`EmbedderMismatch` is raised.
+        are useless to this one), else :class:`EmbedderMismatch` is raised. A table whose
+        columns are not this code's (written by an older coinrag: ``search_text`` or the
+        ``windows`` table came later) is emptied the same way, alone (``index.migrated`` names
+        them): the build writes its rows again from the embedding cache, embedding only the
+        texts that are new (windows, heading prefixes).
         """
         meta = cls.read_meta(store)
         reset = False
@@ -214,7 +225,29 @@ class LanceIndex(IndexSearch, IndexUpkeep):
             return index, reset
         if meta.dim != dim:
             raise ValueError(f"index dim {meta.dim} != embedder dim {dim} for {embedder_fp}")
-        return cls(store, meta), False
+        index = cls(store, meta)
+        index._migrate()
+        return index, False
+
+    def _migrate(self) -> None:
+        """Empty (:meth:`_reset`) each table whose columns differ from its schema's; forget
+        its vector index, so that :meth:`ensure_indexes` trains one again."""
+        names = self._table_names()
+        for name in INDEX_TABLES:
+            if name not in names:
+                continue
+            want = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
+            if not same_columns(self.db.open_table(name).schema, want):
+                self._reset(name)
+                self.migrated.append(name)
+        if self.migrated:
+            kept = {k: v for k, v in (self.meta.vector_indexes or {}).items()}
+            for name in self.migrated:
+                kept.pop(name, None)
+            self.meta = IndexMeta(
+                self.meta.embedder_fp, self.meta.dim, self.meta.embedder_name, kept
+            )
+            self._write_meta()
 
     def _reset(self, name: str) -> None:
         """Empty a table with this index's schema as a new version (older versions, the
@@ -223,6 +256,7 @@ class LanceIndex(IndexSearch, IndexUpkeep):
             schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
             self.db.create_table(name, schema=schema, mode="overwrite")
         self._tables.pop(name, None)
+        self._fts_columns.pop(name, None)
         self._has_ann.clear()
 
     def _table_names(self) -> set[str]:
@@ -273,12 +307,15 @@ class LanceIndex(IndexSearch, IndexUpkeep):
     # ------------------------------------------------------------------ writing
 
     def build_table(self, name: str, columns: Mapping[str, Sequence[Any]], vectors: np.ndarray):
-        """An Arrow table with ``name``'s schema from plain columns and an (n, dim) matrix."""
+        """An Arrow table with ``name``'s schema from plain columns and an (n, dim) matrix; a
+        nullable column not given is null (a row with no pages or section)."""
         schema = lance_schema(name, self.meta.dim, self.meta.embedder_fp)
         arrays = []
         for f in schema:
             if f.name == "vector":
                 arrays.append(vectors_array(vectors, self.meta.dim))
+            elif f.name not in columns and f.nullable:
+                arrays.append(pa.nulls(len(vectors), type=f.type))
             else:
                 arrays.append(pa.array(columns[f.name], type=f.type))
         return pa.Table.from_arrays(arrays, schema=schema)
@@ -331,12 +368,13 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         return tbl.search().select(list(columns)).limit(None).to_arrow()
 
     def rows_where(
-        self, name: str, where: str, limit: int, extra: Sequence[str] = ()
+        self, name: str, where: str, limit: int | None, extra: Sequence[str] = ()
     ) -> list[dict[str, Any]]:
-        """At most ``limit`` rows of ``name`` (their :data:`HIT_COLUMNS` and ``extra`` columns,
-        e.g. ``vector``) matching ``where`` (``chunk_id IN (...)``), in no particular order."""
+        """At most ``limit`` rows (None: all) of ``name`` (their :data:`HIT_COLUMNS` and
+        ``extra`` columns, e.g. ``vector``) matching ``where`` (``chunk_id IN (...)``), in no
+        particular order."""
         tbl = self.table(name)
-        if tbl is None or limit <= 0:
+        if tbl is None or (limit is not None and limit <= 0):
             return []
         flat = self._flat_for(name, where)
         if flat is not None and set(extra) <= {"vector"}:  # the unit vector, from memory

@@ -54,10 +54,13 @@ SEARCH_EF = 100  # HNSW candidate list (IVF_HNSW_* indexes only)
 COARSE_NPROBES = 16
 COARSE_REFINE_FACTOR = 2
 RETRAIN_GROWTH = 2.0  # retrain the ANN index when the table has grown this much since training
-# LanceDB's native full-text (BM25) index on the ``text`` column of chunks and nuggets: simple
-# word tokens, lower case, ASCII folding, English stemming and stop words, no positions (no
-# phrase queries: questions are matched as bags of words).
-FTS_COLUMN = "text"
+# LanceDB's native full-text (BM25) index on the ``search_text`` column of chunks and nuggets
+# (the heading path and the text): simple word tokens, lower case, ASCII folding, English
+# stemming and stop words, no positions (no phrase queries: questions are matched as bags of
+# words). An index written before ``search_text`` existed has it on ``text`` (read as it is
+# until the next build rewrites the table: :func:`fts_column`).
+FTS_COLUMN = "search_text"
+LEGACY_FTS_COLUMN = "text"
 FTS_CONFIG: dict[str, Any] = {
     "with_position": False,
     "base_tokenizer": "simple",
@@ -67,6 +70,12 @@ FTS_CONFIG: dict[str, Any] = {
     "remove_stop_words": True,
     "ascii_folding": True,
 }
+
+
+def fts_column(schema: pa.Schema) -> str:
+    """The column a table's words are searched in: :data:`FTS_COLUMN`, or the older
+    :data:`LEGACY_FTS_COLUMN` in a table written before it existed."""
+    return FTS_COLUMN if FTS_COLUMN in schema.names else LEGACY_FTS_COLUMN
 
 
 def create_vector_index(tbl: Any, rows: int, dim: int, index_type: str = VECTOR_INDEX_TYPE) -> None:

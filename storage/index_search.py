@@ -15,6 +15,7 @@ from coinrag.storage.index_ann import (
     FTS_CONFIG,
     VECTOR_INDEX_MIN_ROWS,
     FlatTable,
+    fts_column,
     large_tables_in_memory,
     tune_ann_query,
 )
@@ -22,6 +23,7 @@ from coinrag.storage.index_bm25 import ANALYZED_CONFIG, Bm25Index, same_answers
 from coinrag.storage.index_tables import (
     CHUNK_HIT_COLUMNS,
     DOCUMENT_HIT_COLUMNS,
+    FTS_TABLES,
     HIT_COLUMNS,
     ID_COLUMNS,
     METRIC,
@@ -39,6 +41,7 @@ class IndexSearch:
     store: Any
     versions: dict[str, int] | None
     flat_max_bytes: int
+    _fts_columns: dict[str, str]
     _flat_tables: dict[str, FlatTable | None]
     _text_tables: dict[str, Bm25Index | None]
 
@@ -57,12 +60,22 @@ class IndexSearch:
             half = rows > VECTOR_INDEX_MIN_ROWS
             fits = rows * self.dim * (2 if half else 4) <= self.flat_max_bytes
             if tbl is not None and fits and (large_tables_in_memory() or not half):
-                data = tbl.search().select([*HIT_COLUMNS[name], "vector"]).limit(None).to_arrow()
+                words = [self.fts_column(name)] if name in FTS_TABLES else []
+                columns = list(dict.fromkeys([*HIT_COLUMNS[name], *words, "vector"]))
+                data = tbl.search().select(columns).limit(None).to_arrow()
                 vec = data.column("vector").combine_chunks()
                 mat = vec.flatten().to_numpy().astype(np.float32).reshape(len(vec), self.dim)
                 flat = FlatTable(data.drop_columns(["vector"]), mat, half=half)
             self._flat_tables[name] = flat
         return self._flat_tables[name]
+
+    def fts_column(self, name: str) -> str:
+        """The column table ``name``'s words are searched in (``index_ann.fts_column``: the
+        heading path and the text; the text alone in a table written before that existed)."""
+        if name not in self._fts_columns:
+            tbl = self.table(name)
+            self._fts_columns[name] = FTS_COLUMN if tbl is None else fts_column(tbl.schema)
+        return self._fts_columns[name]
 
     def _flat_for(self, name: str, where: str | None) -> FlatTable | None:
         """The in-memory copy if it can answer a search under ``where`` (none, or an
@@ -90,14 +103,14 @@ class IndexSearch:
                 # 1.3 s making the copy of the 5,860 chunks of the Python docs to save 5 ms)
                 and FTS_CONFIG == ANALYZED_CONFIG
                 and flat is not None
-                and FTS_COLUMN in flat.rows.column_names
+                and self.fts_column(name) in flat.rows.column_names
             ):
                 tbl = self.table(name)
                 fts = [i.name for i in tbl.list_indices() if i.index_type == "FTS"]
                 if fts and not tbl.index_stats(fts[0]).num_unindexed_rows:
-                    texts = flat.rows.column(FTS_COLUMN).to_pylist()
+                    texts = flat.rows.column(self.fts_column(name)).to_pylist()
                     copy = Bm25Index(texts)
-                    if not copy.exact or not self._probe(name, tbl, flat, copy, texts):
+                    if not copy.exact or not self._probe(name, flat, copy, texts):
                         copy = None
             self._text_tables[name] = copy
         return self._text_tables[name]
@@ -108,9 +121,7 @@ class IndexSearch:
         releasing it)."""
         return self.versions is not None and self._lexical(name) is not None
 
-    def _probe(
-        self, name: str, tbl: Any, flat: FlatTable, copy: Bm25Index, texts: list[str | None]
-    ) -> bool:
+    def _probe(self, name: str, flat: FlatTable, copy: Bm25Index, texts: list[str | None]) -> bool:
         """Whether the copy answers as LanceDB does to the text of a row (the first from the
         middle on with an indexed word; its first 64 words), a query whose every score depends
         on the index's statistics."""
@@ -126,7 +137,7 @@ class IndexSearch:
         if probe is None:  # no row has an indexed word: nothing to find either way
             return True
         id_column = ID_COLUMNS[name]
-        want = self._fts_query(tbl, probe, [id_column], None).limit(10).to_arrow()
+        want = self._fts_query(name, probe, [id_column], None).limit(10).to_arrow()
         found = copy.search(probe, 10)
         if found is None:
             return False
@@ -244,38 +255,38 @@ class IndexSearch:
             )
         flat = self._flat(name)
         if flat is None:  # the writer's view
-            return self._search_text_rows(tbl, text, k, where, columns)
+            return self._search_text_rows(name, text, k, where, columns)
         in_memory = self._search_text_copy(name, text, k, where, columns)
         if in_memory is not None:
             return in_memory
         # The reader's in-memory copy holds the hit columns: LanceDB returns ids and scores
         # only (the text and the rest cost about 2 ms more a search), the copy the rest.
         id_column = ID_COLUMNS[name]
-        found = self._fts_query(tbl, text, [id_column], where).limit(k).to_arrow()
+        found = self._fts_query(name, text, [id_column], where).limit(k).to_arrow()
         rows = flat.rows_by_id(id_column, found.column(id_column).to_pylist(), columns)
         if rows is None:  # an id the copy lacks (not at a pinned version): read them all
-            return self._search_text_rows(tbl, text, k, where, columns)
+            return self._search_text_rows(name, text, k, where, columns)
         for row, score in zip(rows, found.column("_score").to_pylist(), strict=True):
             row["score"] = float(score)
         rows.sort(key=lambda r: -r["score"])
         return rows
 
-    @staticmethod
-    def _fts_query(tbl: Any, text: str, columns: Sequence[str], where: str | None) -> Any:
-        """LanceDB's BM25 query of ``text`` on ``tbl`` selecting ``columns`` and ``_score``,
-        prefiltered by ``where``."""
+    def _fts_query(self, name: str, text: str, columns: Sequence[str], where: str | None) -> Any:
+        """LanceDB's BM25 query of ``text`` on table ``name`` (its :meth:`fts_column`)
+        selecting ``columns`` and ``_score``, prefiltered by ``where``."""
         from lancedb.query import MatchQuery
 
-        query = tbl.search(MatchQuery(text, FTS_COLUMN), query_type="fts").select(
+        tbl = self.table(name)
+        query = tbl.search(MatchQuery(text, self.fts_column(name)), query_type="fts").select(
             [*columns, "_score"]
         )
         return query if where is None else query.where(where, prefilter=True)
 
     def _search_text_rows(
-        self, tbl: Any, text: str, k: int, where: str | None, columns: Sequence[str]
+        self, name: str, text: str, k: int, where: str | None, columns: Sequence[str]
     ) -> list[dict[str, Any]]:
         """:meth:`search_text` reading every hit column from LanceDB."""
-        rows = self._fts_query(tbl, text, columns, where).limit(k).to_arrow().to_pylist()
+        rows = self._fts_query(name, text, columns, where).limit(k).to_arrow().to_pylist()
         for row in rows:
             row["score"] = float(row.pop("_score"))
         rows.sort(key=lambda r: -r["score"])

@@ -15,10 +15,16 @@ import pyarrow as pa
 from coinrag.schemas.tables import INDEX_TABLES, PlaceInDocument, arrow_schema, column_names
 
 META_FILE = "coinrag-index.json"
-ID_COLUMNS = {"chunks": "chunk_id", "nuggets": "nugget_id", "documents": "doc_id"}
+ID_COLUMNS = {
+    "chunks": "chunk_id",
+    "windows": "window_id",
+    "nuggets": "nugget_id",
+    "documents": "doc_id",
+}
 FTS_TABLES = ("chunks", "nuggets")  # tables searched by their words (documents: by chunks')
 SCALAR_COLUMNS = {
     "chunks": ("chunk_id", "doc_id"),
+    "windows": ("window_id", "chunk_id", "doc_id"),
     "nuggets": ("nugget_id", "chunk_id", "doc_id"),
     "documents": ("doc_id",),
 }
@@ -46,8 +52,10 @@ NUGGET_HIT_COLUMNS = (
     *PLACE_COLUMNS,
 )
 DOCUMENT_HIT_COLUMNS = ("doc_id", "doc_version", "title")
+WINDOW_HIT_COLUMNS = ("window_id", "chunk_id", "doc_id", "char_start", "char_end")
 HIT_COLUMNS = {
     "chunks": CHUNK_HIT_COLUMNS,
+    "windows": WINDOW_HIT_COLUMNS,
     "nuggets": NUGGET_HIT_COLUMNS,
     "documents": DOCUMENT_HIT_COLUMNS,
 }
@@ -112,6 +120,12 @@ def lance_schema(table: str, dim: int, embedder_fp: str) -> pa.Schema:
             f = f.with_nullable(False)
         fields.append(f)
     return pa.schema(fields, metadata={"coinrag.embedder_fp": embedder_fp, "coinrag.dim": str(dim)})
+
+
+def same_columns(have: pa.Schema, want: pa.Schema) -> bool:
+    """Whether a table's schema has exactly the columns (names and types) of ``want``: a table
+    written by an older coinrag (a column added since) does not."""
+    return {(f.name, f.type) for f in have} == {(f.name, f.type) for f in want}
 
 
 def vectors_array(vectors: np.ndarray, dim: int) -> pa.FixedSizeListArray:

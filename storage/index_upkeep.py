@@ -59,7 +59,7 @@ class IndexUpkeep:
                 if column not in have:
                     tbl.create_index(column, config=BTree(), replace=True)
                     made.setdefault(name, []).append(f"btree:{column}")
-            if name in FTS_TABLES and not self._has_fts(tbl):
+            if name in FTS_TABLES and not self._has_fts(tbl, name):
                 tbl.create_index(FTS_COLUMN, config=FTS(**FTS_CONFIG), replace=True)
                 made.setdefault(name, []).append(f"fts:{FTS_COLUMN}")
                 self._has_ann.pop(f"fts:{name}", None)
@@ -76,10 +76,11 @@ class IndexUpkeep:
             self._write_meta()
         return made
 
-    def _has_fts(self, tbl: Any) -> bool:
-        return any(
-            idx.index_type == "FTS" and FTS_COLUMN in idx.columns for idx in tbl.list_indices()
-        )
+    def _has_fts(self, tbl: Any, name: str) -> bool:
+        """Whether ``tbl`` has its full-text index on the column its words are searched in
+        (``fts_column``: the older ``text`` of a table written before ``search_text``)."""
+        column = self.fts_column(name)
+        return any(idx.index_type == "FTS" and column in idx.columns for idx in tbl.list_indices())
 
     def lacks_text_index(self) -> bool:
         """Whether a table of :data:`FTS_TABLES` holds rows but no full-text index (an index
@@ -91,7 +92,7 @@ class IndexUpkeep:
         key = f"fts:{name}"
         if key not in self._has_ann:
             tbl = self.table(name)
-            self._has_ann[key] = tbl is not None and self._has_fts(tbl)
+            self._has_ann[key] = tbl is not None and self._has_fts(tbl, name)
         return self._has_ann[key]
 
     def _keep_from(self, name: str) -> int | None:

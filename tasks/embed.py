@@ -1,4 +1,5 @@
-"""Embed + index stage: vectors for chunks, nuggets and documents, written to the LanceDB index.
+"""Embed + index stage: vectors for chunks, their windows, nuggets and documents, written to the
+LanceDB index.
 
 Keys (see docs/design.md):
 
@@ -6,15 +7,23 @@ Keys (see docs/design.md):
   by ``(embedder_fp, text_hash)`` where ``text_hash`` is ``keys.text_hash`` of the exact string
   given to the embedder. A text is embedded at most once per embedder, whatever rows it belongs
   to, in this build or any later one (the same nugget text in two documents: one vector);
-- an index row is keyed by its row identity (``chunk_id``, ``nugget_id``, ``doc_id``): a row that
-  is already in the index for the same embedder (and, for documents, the same ``doc_version``)
-  is not rewritten, so an unchanged rebuild writes nothing.
+- an index row is keyed by its row identity (``chunk_id``, ``window_id``, ``nugget_id``,
+  ``doc_id``): a row that is already in the index for the same embedder (and, for documents, the
+  same ``doc_version``) is not rewritten, so an unchanged rebuild writes nothing. A chunk's
+  windows are written with the chunk, and for every chunk the ``windows`` table lacks.
 
-What is embedded:
+What is embedded (and searched by words: the ``search_text`` column of chunks and nuggets, while
+``text`` stays the text shown as evidence and kept as KV):
 
-- a chunk: its full text (the embedder truncates to its ``max_length``: 256 word pieces for
-  MiniLM);
-- a nugget: its source text, stripped of surrounding whitespace;
+- the heading prefix: a chunk's or nugget's heading path (``" > ".join(section)``, outermost
+  first) and a newline, before its text; nothing for one without a section;
+- a chunk: its search text (the embedder truncates it to its ``max_length``: 256 word pieces for
+  MiniLM, about a third of a 512-token chunk), in the ``chunks`` table;
+- a chunk's windows (``inference.windows``): its text cut into pieces of at most the embedder's
+  ``max_length`` word pieces with the heading prefix, a quarter of each overlapping the one
+  before, together covering every token; each in the ``windows`` table. A chunk that fits is
+  one window, its search text (the chunk's own vector: the same text, embedded once);
+- a nugget: the heading prefix and its source text, stripped of surrounding whitespace;
 - a document: ``title + "\\n" + the start of its text``, truncated by the embedder to its
   ``max_length`` tokens (so the first ~250 tokens for MiniLM; the text is cut at
   ``8 * max_length`` characters before tokenising). The title is ``metadata["title"]`` if present,
@@ -25,11 +34,14 @@ What is embedded:
 
 The inputs are the *complete* current view of the given documents: index rows of those documents
 (``doc_id`` in ``documents``, ``chunks`` or ``nuggets``) that are not in the inputs (an old
-version's chunks, nuggets no longer recovered) are deleted. Documents not given are left alone;
-:meth:`storage.index.LanceIndex.delete_documents` removes a deleted document.
+version's chunks and their windows, nuggets no longer recovered) are deleted. Documents not
+given are left alone; :meth:`storage.index.LanceIndex.delete_documents` removes a deleted
+document.
 
 A new embedder (another fingerprint) resets the index: its tables are rebuilt from the cache of
 the new embedder (which starts empty), while the old embedder's cached vectors stay in Parquet.
+A table written by an older coinrag (without ``search_text``; no ``windows`` table) is emptied
+and written again the same way (``LanceIndex.open_for_write``), embedding only the new texts.
 """
 
 from __future__ import annotations
@@ -44,7 +56,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from coinrag.inference.embedders import Embedder
-from coinrag.schemas.keys import CODE_VERSION, text_hash
+from coinrag.inference.windows import Window
+from coinrag.schemas.keys import CODE_VERSION, text_hash, window_id
 from coinrag.schemas.settings import BuildSettings
 from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow
 from coinrag.storage.index import LanceIndex
@@ -64,14 +77,17 @@ class EmbedCounts:
     embedded: int = 0  # of those, computed now
     cached: int = 0  # of those, read from the embedding cache (not embedded again)
     chunks_written: int = 0
+    windows_written: int = 0
     nuggets_written: int = 0
     documents_written: int = 0
     chunks_unchanged: int = 0  # already in the index: not rewritten
     nuggets_unchanged: int = 0
     documents_unchanged: int = 0
     chunks_deleted: int = 0  # stale rows of the given documents
+    windows_deleted: int = 0
     nuggets_deleted: int = 0
     index_reset: bool = False  # the index had another embedder and was rebuilt
+    tables_migrated: list[str] = field(default_factory=list)  # written by an older coinrag
     indexes_built: dict[str, list[str]] = field(default_factory=dict)
     embed_seconds: float = 0.0
     index_seconds: float = 0.0
@@ -116,9 +132,45 @@ def document_text(doc: Any, max_length: int) -> str:
     return f"{document_title(doc)}\n{doc.text[: max_length * DOC_CHARS_PER_TOKEN]}"
 
 
+def heading(section: Sequence[str] | None) -> str:
+    """A heading path as searched: ``["FAQ", "Performance"]`` -> ``"FAQ > Performance"``
+    (empty titles left out; "" for none)."""
+    return " > ".join(t.strip() for t in section or () if t and t.strip())
+
+
+def search_text(text: str, section: Sequence[str] | None) -> str:
+    """The text searched (embedded, and indexed by words) for a row of ``text`` under
+    ``section``: the heading path, a newline, the text; the text alone without a section.
+
+    >>> search_text("Use a list.", ["Programming FAQ", "Performance"])
+    'Programming FAQ > Performance\nUse a list.'
+    """
+    path = heading(section)
+    return f"{path}\n{text}" if path else text
+
+
 def nugget_text(nugget: NuggetRow) -> str:
-    """The string embedded for a nugget (its source text without surrounding whitespace)."""
-    return nugget.text.strip() or nugget.text
+    """The string embedded for a nugget: its source text without surrounding whitespace, after
+    its heading prefix (:func:`search_text`)."""
+    return search_text(nugget.text.strip() or nugget.text, nugget.section)
+
+
+@dataclass(frozen=True)
+class PlannedWindow:
+    """A window of a chunk to write (``inference.windows.Window``), its ordinal in the chunk."""
+
+    chunk: ChunkRow
+    ordinal: int
+    window: Window
+
+
+def chunk_windows(embedder: Embedder, chunks: Sequence[ChunkRow]) -> list[PlannedWindow]:
+    """Every window of these chunks (``Embedder.windows`` of the text after its heading)."""
+    return [
+        PlannedWindow(c, i, w)
+        for c in chunks
+        for i, w in enumerate(embedder.windows(c.text, heading(c.section)))
+    ]
 
 
 def cached_vectors(
@@ -240,11 +292,14 @@ class IndexPlan:
     chunks: list[ChunkRow]
     nuggets: list[NuggetRow]
     documents: list[Any]
+    windowed: list[ChunkRow]  # chunks whose windows the index lacks
+    windows: list[PlannedWindow] = field(default_factory=list)  # theirs (:func:`chunk_windows`)
 
     def texts(self, max_length: int) -> dict[str, list[str]]:
         """table -> the strings embedded for its new rows, in row order."""
         return {
-            "chunks": [c.text for c in self.chunks],
+            "chunks": [search_text(c.text, c.section) for c in self.chunks],
+            "windows": [w.window.text for w in self.windows],
             "nuggets": [nugget_text(n) for n in self.nuggets],
             "documents": [document_text(d, max_length) for d in self.documents],
         }
@@ -265,19 +320,25 @@ def plan_index(
     documents = list({d.doc_id: d for d in documents}.values())
     scope = {d.doc_id for d in documents} | {c.doc_id for c in chunks} | {n.doc_id for n in nuggets}
     have_chunks = index.columns("chunks", ["chunk_id", "doc_id"]).to_pydict()
+    have_windows = index.columns("windows", ["chunk_id", "doc_id"]).to_pydict()
     have_nuggets = index.columns("nuggets", ["nugget_id", "doc_id"]).to_pydict()
     have_docs = index.columns("documents", ["doc_id", "doc_version"]).to_pydict()
     counts.chunks_deleted = _delete_stale(index, "chunks", "chunk_id", have_chunks, chunks, scope)
+    counts.windows_deleted = _delete_stale(
+        index, "windows", "chunk_id", have_windows, chunks, scope
+    )
     counts.nuggets_deleted = _delete_stale(
         index, "nuggets", "nugget_id", have_nuggets, nuggets, scope
     )
     existing_chunks = set(have_chunks["chunk_id"])
     existing_nuggets = set(have_nuggets["nugget_id"])
     existing_docs = dict(zip(have_docs["doc_id"], have_docs["doc_version"], strict=True))
+    windowed = set(have_windows["chunk_id"])
     plan = IndexPlan(
         chunks=[c for c in chunks if c.chunk_id not in existing_chunks],
         nuggets=[n for n in nuggets if n.nugget_id not in existing_nuggets],
         documents=[d for d in documents if existing_docs.get(d.doc_id) != _doc_version(d)],
+        windowed=[c for c in chunks if c.chunk_id not in windowed],
     )
     counts.chunks_unchanged = len(chunks) - len(plan.chunks)
     counts.nuggets_unchanged = len(nuggets) - len(plan.nuggets)
@@ -322,22 +383,36 @@ def write_index(
             return np.zeros((0, dim), dtype=np.float32)
         return np.stack([vectors[h] for h in hashes[table]]).astype(np.float32, copy=False)
 
-    docs = plan.documents
+    docs, windows = plan.documents, plan.windows
     computed: dict[str, dict[str, list[Any]]] = {
-        "chunks": {},
-        "nuggets": {},
+        "chunks": {"search_text": [search_text(c.text, c.section) for c in plan.chunks]},
+        "windows": {
+            "window_id": [
+                window_id(w.chunk.chunk_id, w.window.char_start, w.window.char_end) for w in windows
+            ],
+            **{
+                name: [getattr(w.chunk, name) for w in windows]
+                for name in ("chunk_id", "doc_id", "doc_version")
+            },
+            "ordinal": [w.ordinal for w in windows],
+            "char_start": [w.window.char_start for w in windows],
+            "char_end": [w.window.char_end for w in windows],
+        },
+        "nuggets": {"search_text": [search_text(n.text, n.section) for n in plan.nuggets]},
         "documents": {
             "doc_version": [_doc_version(d) for d in docs],
             "title": [document_title(d) for d in docs],
         },
     }
+    rows_of = {"chunks": plan.chunks, "windows": windows, "nuggets": plan.nuggets}
     written = {}
-    for table, rows in (("chunks", plan.chunks), ("nuggets", plan.nuggets), ("documents", docs)):
+    for table, rows in (*rows_of.items(), ("documents", docs)):
         written[table] = 0
         if rows:
             columns = index_columns(table, rows, fp, run_id, **computed[table])
             written[table] = index.upsert(table, index.build_table(table, columns, matrix(table)))
     counts.chunks_written = written["chunks"]
+    counts.windows_written = written["windows"]
     counts.nuggets_written = written["nuggets"]
     counts.documents_written = written["documents"]
 
@@ -362,8 +437,10 @@ def embed_stage(
     index, counts.index_reset = LanceIndex.open_for_write(
         store, embedder.fingerprint, embedder.dim, getattr(embedder, "name", "")
     )
+    counts.tables_migrated = list(index.migrated)
     t0 = time.perf_counter()
     plan = plan_index(index, chunks, nuggets, documents, counts)
+    plan.windows = chunk_windows(embedder, plan.windowed)
     counts.index_seconds += time.perf_counter() - t0
 
     # Vectors: the cache first, then the embedder for what it lacks.
@@ -379,12 +456,14 @@ def embed_stage(
     write_index(index, embedder, plan, vectors, hashes, run_id, counts)
     changed = (
         counts.chunks_written
+        + counts.windows_written
+        + counts.windows_deleted
         + counts.nuggets_written
         + counts.documents_written
         + counts.chunks_deleted
         + counts.nuggets_deleted
     )
-    if changed or counts.index_reset or index.lacks_text_index():
+    if changed or counts.index_reset or counts.tables_migrated or index.lacks_text_index():
         min_rows = (options or EmbedOptions()).vector_index_min_rows
         counts.indexes_built = index.ensure_indexes(min_rows=min_rows)
     counts.index_seconds += time.perf_counter() - t1

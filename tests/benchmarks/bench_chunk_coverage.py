@@ -1,28 +1,31 @@
-"""Whole-chunk coverage of dense chunk search: which chunk score finds the evidence best.
+"""Whole-chunk coverage of dense chunk search, and the fusion of dense with lexical search.
 
 The default embedder (all-MiniLM-L6-v2) keeps 256 word pieces, about a third of a 512-token chunk
 of the generation model (~700 word pieces of the Python docs), so a chunk's one vector says
-nothing about most of its text. This benchmark compares, on a built store (its index: chunk and
-nugget vectors, the full-text index) and question files with gold ``doc_ids`` (hit@kc: a chunk of
-a gold document among the top ``kc``), the chunk scores:
+nothing about most of its text. The index therefore holds each chunk's windows (the ``windows``
+table, ``inference/windows.py``: pieces the embedder sees whole, covering the chunk). This
+benchmark compares, on a built store (its index: chunk, window and nugget vectors, the
+full-text index) and question files with gold ``doc_ids`` (hit@kc: a chunk of a gold document
+among the top ``kc``), the chunk scores:
 
-- ``first``: the chunk's vector (its text as the embedder truncates it: what the index holds);
-- ``nuggets``: the best cosine of the chunk's nuggets (they cover the chunk end to end; a chunk
-  without nuggets keeps ``first``);
-- ``first+nuggets``: the larger of the two; ``avg``: their mean; ``rrf(first,nuggets)``: the
-  two rankings fused by reciprocal rank;
-- with ``--windows`` (costly: the embedder runs over every chunk again): ``mean`` / ``max`` of
-  the chunk cut into windows of the embedder's length (:func:`text_windows`);
-- ``lexical``: BM25 over the whole chunk text (the index's full-text index);
-- ``hybrid-<dense>``: reciprocal rank fusion (``inference.retrieve.rrf_fuse``, depth
-  ``--depth``) of that dense score and lexical; ``hybrid-3way``: of ``first``, ``nuggets`` and
-  lexical (three rankings).
+- ``first``: the chunk's vector (its search text as the embedder truncates it);
+- ``windows``: the best cosine of the chunk's windows (what dense search uses); ``wmean``: the
+  cosine of the mean of its window vectors;
+- ``nuggets``: the best cosine of the chunk's nuggets (a chunk without nuggets keeps ``first``);
+- ``avg(a,b)`` / ``max(a,b)``: the mean / larger of two of those;
+- ``lexical``: BM25 over the whole search text (the index's full-text index);
+- ``hybrid-<dense>``: that dense ranking and lexical's (each its top ``--depth`` rows) fused as
+  hybrid search fuses them (``inference.retrieve.relative_scores``: min-max normalised scores,
+  dense weighted ``HYBRID_DENSE_WEIGHT``); ``hybrid-<dense>-a<w>``: with dense weighted ``w``
+  (``--weights``); ``rrf-<dense>``: equal-weight reciprocal rank fusion (k 60), the fusion
+  hybrid search used before, and ``rrf-<dense>-wL<w>`` with lexical weighted ``w``.
 
-Cosines are exact (numpy), as the chunk table's flat search; the nugget table's ANN index
-returns the exact top-10 (``bench_retrieval.py``). Runnable alone::
+Variants that need a table the store lacks (nuggets of an ``extractor = "none"`` store, windows
+of an index written before them) are left out. Cosines are exact (numpy), as a reader's
+in-memory search. Runnable alone::
 
     python tests/benchmarks/bench_chunk_coverage.py --store STORE \\
-        --questions faq/questions.jsonl infra/python_natural_questions.jsonl [--windows]
+        --questions faq/questions.jsonl infra/python_natural_questions.jsonl
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -39,7 +41,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from coinrag.inference.embedders import load_embedder  # noqa: E402
-from coinrag.inference.retrieve import HYBRID_DEPTH, rrf_fuse  # noqa: E402
+from coinrag.inference.retrieve import (  # noqa: E402
+    HYBRID_DENSE_WEIGHT,
+    HYBRID_DEPTH,
+    relative_scores,
+)
 from coinrag.schemas.qa import load_questions  # noqa: E402
 from coinrag.storage.index import LanceIndex  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
@@ -57,39 +63,59 @@ def top(scores: np.ndarray, depth: int) -> list[int]:
     return [int(i) for i in idx[np.argsort(-scores[idx])]]
 
 
-def text_windows(tokenizer: Any, text: str, max_length: int, min_tail: float = 0.5) -> list[str]:
-    """``text`` cut into consecutive windows of at most ``max_length - 2`` tokens of
-    ``tokenizer`` (the room an encoder has besides its two special tokens), as substrings of
-    ``text`` cut at token boundaries. A text that fits is one window (itself). A last window
-    shorter than ``min_tail`` of a window is moved back to end at the text's end (it then
-    overlaps the one before), so every window carries about a window of text.
-
-    E.g. with one token per word and ``max_length`` 5 (3 tokens a window), ``"a b c d e"``
-    gives ``["a b c", "c d e"]``: the tail ``"d e"`` is moved back.
-    """
-    width = max(1, int(max_length) - 2)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = [o for o in enc["offset_mapping"] if o[1] > o[0]]
-    if len(offsets) <= width:
-        return [text]
-    starts = list(range(0, len(offsets), width))
-    if len(offsets) - starts[-1] < min_tail * width:
-        starts[-1] = len(offsets) - width
-    return [text[offsets[s][0] : offsets[min(s + width, len(offsets)) - 1][1]] for s in starts]
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al. 2009; LanceDB's RRFReranker)
 
 
-def window_vectors(embedder, texts: list[str], cache: Path | None):
-    if cache is not None and cache.exists():
-        data = np.load(cache)
-        if int(data["n"]) == len(texts):
-            return data["windows"], data["owner"]
-    windows = [text_windows(embedder.tokenizer, t, embedder.max_length) for t in texts]
-    flat = [w for ws in windows for w in ws]
-    owner = np.array([i for i, ws in enumerate(windows) for _ in ws], dtype=np.int64)
-    vec = embedder.embed_documents(flat)
-    if cache is not None:
-        np.savez(cache, windows=vec, owner=owner, n=np.array(len(texts)))
-    return vec, owner
+def fused(scores: dict[int, float]) -> list[int]:
+    return sorted(scores, key=lambda item: -scores[item])
+
+
+def rrf(rankings: list[list[int]], weights: list[float], k: int = RRF_K) -> list[int]:
+    """Weighted reciprocal rank fusion: ``sum(w / (k + rank))`` over the rankings."""
+    scores: dict[int, float] = {}
+    for ranking, w in zip(rankings, weights, strict=True):
+        for rank, item in enumerate(ranking, start=1):
+            scores[item] = scores.get(item, 0.0) + w / (k + rank)
+    return sorted(scores, key=lambda item: -scores[item])
+
+
+def best_of(owner: np.ndarray, scores: np.ndarray, n: int) -> np.ndarray:
+    """Per chunk (``owner``: each row's chunk position) the best of its rows' scores; -2 for
+    a chunk without rows."""
+    best = np.full(n, -2.0, dtype=np.float32)
+    np.maximum.at(best, owner, scores)
+    return best
+
+
+def owners(index: LanceIndex, table: str, row_of: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A table's vectors and each row's chunk position (empty if the table is absent)."""
+    if index.table(table) is None or index.count(table) == 0:
+        return np.zeros((0, 0), np.float32), np.zeros(0, np.int64)
+    data = index.columns(table, ["chunk_id", "vector"])
+    owner = np.array([row_of[c] for c in data.column("chunk_id").to_pylist()], np.int64)
+    return matrix(data), owner
+
+
+def dense_scores(
+    q: np.ndarray, first: np.ndarray, tables: dict[str, tuple[np.ndarray, np.ndarray]], n: int
+) -> dict[str, np.ndarray]:
+    """Every dense chunk score of the module docstring for query vector ``q``."""
+    own = first @ q
+    scores = {"first": own}
+    wvec, wowner = tables["windows"]
+    if len(wvec):
+        scores["windows"] = best_of(wowner, wvec @ q, n)
+        scores["wmean"] = tables["wmean"][0] @ q
+    nvec, nowner = tables["nuggets"]
+    if len(nvec):
+        best = best_of(nowner, nvec @ q, n)
+        for name in [k for k in ("first", "windows") if k in scores]:
+            base = scores[name]
+            nug = np.where(best > -2.0, best, base)
+            scores.setdefault("nuggets", nug)
+            scores[f"avg({name},nuggets)"] = (base + nug) / 2
+            scores[f"max({name},nuggets)"] = np.maximum(base, nug)
+    return scores
 
 
 def main() -> None:
@@ -98,33 +124,29 @@ def main() -> None:
     ap.add_argument("--questions", nargs="+", required=True)
     ap.add_argument("--kc", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--depth", type=int, default=HYBRID_DEPTH, help="rows per ranking fused")
-    ap.add_argument("--windows", action="store_true", help="also embed every chunk's windows")
-    ap.add_argument("--cache", type=Path, default=None, help=".npz of the window vectors")
+    ap.add_argument("--weights", nargs="*", type=float, default=[], help="dense weights tried")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    store = Store.at(args.store)
-    index = LanceIndex.open(store)
-    chunks = index.columns("chunks", ["chunk_id", "doc_id", "text", "vector"])
+    index = LanceIndex.open(Store.at(args.store))
+    chunks = index.columns("chunks", ["chunk_id", "doc_id", "vector"])
     ids = chunks.column("chunk_id").to_pylist()
     docs = chunks.column("doc_id").to_pylist()
     first = matrix(chunks)
     row_of = {c: i for i, c in enumerate(ids)}
-    nuggets = index.columns("nuggets", ["chunk_id", "vector"])
-    nvec = matrix(nuggets)
-    nowner = np.array([row_of[c] for c in nuggets.column("chunk_id").to_pylist()], np.int64)
     n = len(ids)
-    embedder = load_embedder(None)
-    variants = ["first", "nuggets", "first+nuggets", "avg"]
-    wvec = wowner = None
-    if args.windows:
-        wvec, wowner = window_vectors(embedder, chunks.column("text").to_pylist(), args.cache)
-        variants += ["mean", "max"]
+    tables = {name: owners(index, name, row_of) for name in ("windows", "nuggets")}
+    wvec, wowner = tables["windows"]
+    if len(wvec):
         mean = np.zeros_like(first)
         np.add.at(mean, wowner, wvec)
-        mean /= np.linalg.norm(mean, axis=1, keepdims=True)
-    print(f"{n} chunks, {len(nvec)} nuggets ({len(nvec) / n:.1f} per chunk)")
-
+        tables["wmean"] = (mean / np.linalg.norm(mean, axis=1, keepdims=True), wowner)
+    print(
+        f"{n} chunks, {len(wvec)} windows ({len(wvec) / n:.2f} per chunk), "
+        f"{len(tables['nuggets'][0])} nuggets"
+    )
+    embedder = load_embedder(None)
+    depth = max(args.depth, max(args.kc))
     results = {}
     for qpath in args.questions:
         questions = [q for q in load_questions(qpath) if q.doc_ids]
@@ -132,39 +154,31 @@ def main() -> None:
         hits: dict[str, dict[int, list[float]]] = {}
         for qi, q in enumerate(questions):
             gold = set(q.doc_ids)
-            chunk_cos = first @ qv[qi]
-            best_nugget = np.full(n, -2.0, dtype=np.float32)
-            np.maximum.at(best_nugget, nowner, nvec @ qv[qi])
-            scores = {
-                "first": chunk_cos,
-                "nuggets": np.where(best_nugget > -2.0, best_nugget, chunk_cos),
-                "first+nuggets": np.maximum(chunk_cos, best_nugget),
-                "avg": (chunk_cos + np.where(best_nugget > -2.0, best_nugget, chunk_cos)) / 2,
-            }
-            if wvec is not None:
-                best_window = np.full(n, -2.0, dtype=np.float32)
-                np.maximum.at(best_window, wowner, wvec @ qv[qi])
-                scores["mean"] = mean @ qv[qi]
-                scores["max"] = best_window
-            depth = max(args.depth, max(args.kc))
+            scores = dense_scores(qv[qi], first, tables, n)
             ranks = {name: top(s, depth) for name, s in scores.items()}
             lexical = index.search_text("chunks", q.question, depth)
-            ranks["lexical"] = [row_of[r["chunk_id"]] for r in lexical]
-            for name in variants:
-                ranks[f"hybrid-{name}"] = rrf_fuse([ranks[name][: args.depth], ranks["lexical"]])
-            first_nuggets = [ranks["first"][: args.depth], ranks["nuggets"][: args.depth]]
-            ranks["rrf(first,nuggets)"] = rrf_fuse(first_nuggets)
-            ranks["hybrid-3way"] = rrf_fuse([*first_nuggets, ranks["lexical"]])
+            lex = [(row_of[r["chunk_id"]], r["score"]) for r in lexical]
+            for name, s in scores.items():
+                dense = [(i, float(s[i])) for i in ranks[name][: args.depth]]
+                pair = [dense, lex[: args.depth]]
+                weight = HYBRID_DENSE_WEIGHT
+                ranks[f"hybrid-{name}"] = fused(relative_scores(pair, [weight, 1 - weight]))
+                for w in args.weights:
+                    ranks[f"hybrid-{name}-a{w}"] = fused(relative_scores(pair, [w, 1 - w]))
+                ids = [[i for i, _ in ranking] for ranking in pair]
+                ranks[f"rrf-{name}"] = rrf(ids, [1.0, 1.0])
+                ranks[f"rrf-{name}-wL0.5"] = rrf(ids, [1.0, 0.5])
+            ranks["lexical"] = [i for i, _ in lex]
             for name, order in ranks.items():
                 for kc in args.kc:
                     hit = any(docs[i] in gold for i in order[:kc])
                     hits.setdefault(name, {}).setdefault(kc, []).append(float(hit))
         print(f"\n{qpath} ({len(questions)} questions): hit@kc %")
-        print(f"{'variant':<22}" + "".join(f"{'@' + str(k):>8}" for k in args.kc))
+        print(f"{'variant':<34}" + "".join(f"{'@' + str(k):>8}" for k in args.kc))
         table = {}
         for name, per in hits.items():
             table[name] = {k: 100 * float(np.mean(v)) for k, v in per.items()}
-            print(f"{name:<22}" + "".join(f"{table[name][k]:>8.1f}" for k in args.kc))
+            print(f"{name:<34}" + "".join(f"{table[name][k]:>8.1f}" for k in args.kc))
         results[qpath] = table
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

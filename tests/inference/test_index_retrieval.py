@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from coinrag.inference.embedders import FlagEmbedder, load_embedder  # noqa: E402
 from coinrag.inference.models import tokenizer_fingerprint  # noqa: E402
 from coinrag.inference.retrieve import NUGGET_FANOUT, Retriever, order_nuggets  # noqa: E402
+from coinrag.inference.windows import text_windows  # noqa: E402
 from coinrag.schemas.keys import CODE_VERSION, fingerprint, nugget_id, text_hash  # noqa: E402
 from coinrag.schemas.tables import ChunkRow, EmbeddingRow, NuggetRow  # noqa: E402
 from coinrag.storage.index import EmbedderMismatch, LanceIndex  # noqa: E402
@@ -126,8 +127,17 @@ def built(tmp_path_factory, minilm, corpus, rows):
     return store, counts
 
 
+def words(text: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """A whitespace tokenizer for windows: each word one token (``inference.windows.Tokenize``)."""
+    import re
+
+    offsets = [m.span() for m in re.finditer(r"\S+", text)]
+    return offsets, list(range(len(offsets)))
+
+
 class HashEmbedder:
-    """A cheap deterministic stand-in embedder (vectors from text hashes): another identity."""
+    """A cheap deterministic stand-in embedder (vectors from text hashes, windows of words):
+    another identity."""
 
     def __init__(self, dim: int = 16, salt: str = "a") -> None:
         self.name = f"hash-{salt}"
@@ -150,6 +160,9 @@ class HashEmbedder:
 
     def embed_queries(self, texts):
         return self.embed_documents(texts)
+
+    def windows(self, text, prefix=""):
+        return text_windows(text, prefix, words, self.max_length - 2)
 
 
 def ids_of(index: LanceIndex, table: str, column: str) -> list[str]:
@@ -507,6 +520,7 @@ def test_ann_index_with_prefilter(tmp_path):
         "doc_version": ["v"] * len(cids),
         "content_key": ["ck"] * len(cids),
         "text": ["t"] * len(cids),
+        "search_text": ["t"] * len(cids),
         "tok_start": [i % per * 5 for i in range(len(cids))],
         "tok_end": [i % per * 5 + 4 for i in range(len(cids))],
         "embedder_fp": ["embedder-synthetic"] * len(cids),
@@ -529,10 +543,11 @@ def test_ann_index_with_prefilter(tmp_path):
     assert [r["nugget_id"] for r in got] == [cols["nugget_id"][i] for i in want]
 
 
-def test_dense_chunk_score_is_the_mean_of_its_vector_and_its_best_nugget(built, minilm):
-    """A chunk's dense score is (its own cosine + its best nugget's cosine) / 2: recomputed by
-    hand over every chunk and nugget vector, the top-kc chunks are the same, and so are their
-    scores (a chunk none of whose nuggets is among the nuggets searched scores its own)."""
+def test_dense_chunk_score_is_the_mean_of_its_windows_and_its_best_nugget(built, minilm):
+    """A chunk's dense score is (its own cosine + its best nugget's cosine) / 2, its own the
+    best of its windows': recomputed by hand over every window and nugget vector, the top-kc
+    chunks are the same, and so are their scores (a chunk none of whose nuggets is among the
+    nuggets searched scores its own)."""
     store, _ = built
     retriever = Retriever(store, minilm, mode="dense")
     index = retriever.index
@@ -543,12 +558,15 @@ def test_dense_chunk_score_is_the_mean_of_its_vector_and_its_best_nugget(built, 
         mat = vec.flatten().to_numpy().reshape(len(vec), -1).astype(np.float32)
         return data.column("chunk_id").to_pylist(), mat
 
-    chunk_ids, chunk_vec = vectors("chunks")
+    window_chunks, window_vec = vectors("windows")
     nugget_chunks, nugget_vec = vectors("nuggets")
+    assert set(window_chunks) == set(vectors("chunks")[0])  # every chunk has its windows
     helped = 0
     for question in QUESTIONS:
         q = minilm.embed_queries([question])[0]
-        own = dict(zip(chunk_ids, (chunk_vec @ q).tolist(), strict=True))
+        own: dict[str, float] = {}
+        for cid, s in zip(window_chunks, (window_vec @ q).tolist(), strict=True):
+            own[cid] = max(own.get(cid, -2.0), s)
         best: dict[str, float] = {}
         for cid, s in zip(nugget_chunks, (nugget_vec @ q).tolist(), strict=True):
             best[cid] = max(best.get(cid, -2.0), s)

@@ -12,12 +12,13 @@ import pytest
 from test_index_retrieval import HashEmbedder, cut
 
 from coinrag.inference.retrieve import (
+    HYBRID_DENSE_WEIGHT,
+    HYBRID_DEPTH,
     SEARCH_MODES,
     HybridSearch,
     Query,
     Retriever,
-    rrf_fuse,
-    rrf_scores,
+    relative_scores,
     search_mode,
 )
 from coinrag.schemas.settings import RETRIEVAL_MODES, BuildSettings, SettingsError
@@ -54,14 +55,28 @@ def store_and_rows(tmp_path, smollm2_tokenizer):
     return store, docs
 
 
-def test_rrf_by_hand():
-    # a: 1/61 + 1/62; c: 1/63 + 1/61; b: 1/62 (k = 60)
-    scores = rrf_scores([["a", "b", "c"], ["c", "a"]])
-    assert scores["a"] == pytest.approx(1 / 61 + 1 / 62)
-    assert scores["c"] == pytest.approx(1 / 63 + 1 / 61)
-    assert rrf_fuse([["a", "b", "c"], ["c", "a"]]) == ["a", "c", "b"]
-    assert rrf_fuse([["x", "y"], []]) == ["x", "y"]  # one empty list: the other's order
-    assert rrf_fuse([["p", "q"], ["q", "p"]]) == ["p", "q"]  # a tie keeps first appearance
+def _fused(lists, weights=(0.75, 0.25)):
+    scores = relative_scores(lists, weights)
+    return sorted(scores, key=lambda item: -scores[item])
+
+
+def test_relative_score_fusion_by_hand():
+    # dense 0.9, 0.5, 0.1 -> 1, 0.5, 0; lexical 12, 4 -> 1, 0 (any scale)
+    scores = relative_scores([[("a", 0.9), ("b", 0.5), ("c", 0.1)], [("c", 12.0), ("a", 4.0)]],
+                             [0.75, 0.25])  # fmt: skip
+    assert scores == pytest.approx({"a": 0.75, "b": 0.375, "c": 0.25})
+    # the lexical scores' scale does not matter, only their spread
+    scaled = relative_scores([[("a", 0.9), ("b", 0.5)], [("b", 1200.0), ("a", 400.0)]], [1, 1])
+    assert scaled == relative_scores([[("a", 0.9), ("b", 0.5)], [("b", 1.2), ("a", 0.4)]], [1, 1])
+    assert _fused([[("x", 2.0), ("y", 1.0)], []]) == ["x", "y"]  # one empty list: the other
+    assert relative_scores([[("p", 0.3)], [("q", 5.0)]], [0.75, 0.25]) == {"p": 0.75, "q": 0.25}
+    assert _fused([[("p", 1.0), ("q", 0.0)], [("q", 1.0), ("p", 0.0)]], [1, 1]) == ["p", "q"]
+    # a strong lexical match lifts a chunk past a dense one it nearly ties with, not past one
+    # dense is sure of
+    near = [("d1", 0.80), ("d2", 0.79), ("d3", 0.40)]
+    assert _fused([near, [("d2", 20.0), ("d3", 5.0)]])[0] == "d2"
+    sure = [("d1", 0.80), ("d2", 0.50), ("d3", 0.40)]
+    assert _fused([sure, [("d2", 20.0), ("d3", 5.0)]])[0] == "d1"
 
 
 def test_modes_are_the_settings_modes():
@@ -128,7 +143,7 @@ def test_an_index_without_full_text_is_refused_then_repaired(tmp_path, smollm2_t
     embed_stage(store, chunks, nuggets, docs, emb, "r1")
     index = LanceIndex.open_latest(store)
     for name in FTS_TABLES:  # as an index built before lexical search existed
-        index.table(name).drop_index("text_idx")
+        index.table(name).drop_index("search_text_idx")
     stale = LanceIndex.open_latest(store)
     assert stale.lacks_text_index()
     with pytest.raises(LexicalIndexMissing, match="run `coinrag build` on the store once"):
@@ -136,7 +151,7 @@ def test_an_index_without_full_text_is_refused_then_repaired(tmp_path, smollm2_t
     assert Retriever(store, emb, stale, mode="dense").chunks_only("Amazon", 2).evidence
     counts = embed_stage(store, chunks, nuggets, docs, emb, "r2")  # an unchanged rebuild
     assert counts.chunks_written == counts.nuggets_written == 0
-    assert "fts:text" in counts.indexes_built["chunks"]
+    assert "fts:search_text" in counts.indexes_built["chunks"]
     assert _lexical_docs(LanceIndex.open_latest(store), "Amazon") == {"rivers"}
 
 
@@ -151,13 +166,18 @@ def test_retriever_modes(store_and_rows):
     dense = retriever.chunks_only(question, kc=2, mode="dense")
     assert dense.mode == "dense" and dense.embed_ms > 0.0
     hybrid = retriever.chunks_only(question, kc=4, mode="hybrid")
-    # RRF by hand over the two rankings (each of depth HYBRID_DEPTH)
+    # the fusion by hand over the two rankings (each of depth HYBRID_DEPTH)
     index = retriever.index
-    # (hybrid's dense half: a chunk by its best nugget, NuggetVotes)
-    dense_rows = HybridSearch.dense.rank(index, "chunks", Query(question, emb), 20)
-    d = [r["chunk_id"] for r in dense_rows]
-    lex = [r["chunk_id"] for r in index.search_text("chunks", question, 20)]
-    assert [h.chunk_id for h in hybrid.chunks] == rrf_fuse([d, lex])[:4]
+    dense_rows = HybridSearch.dense.rank(index, "chunks", Query(question, emb), HYBRID_DEPTH)
+    d = [(r["chunk_id"], r["score"]) for r in dense_rows]
+    assert d == [
+        (h.chunk_id, h.score)
+        for h in retriever.chunks_only(question, HYBRID_DEPTH, mode="dense").chunks
+    ]
+    lex = [(r["chunk_id"], r["score"]) for r in index.search_text("chunks", question, HYBRID_DEPTH)]
+    scores = relative_scores([d, lex], [HYBRID_DENSE_WEIGHT, 1 - HYBRID_DENSE_WEIGHT])
+    assert [h.chunk_id for h in hybrid.chunks] == sorted(scores, key=lambda c: -scores[c])[:4]
+    assert [h.score for h in hybrid.chunks] == pytest.approx(sorted(scores.values())[::-1][:4])
     assert hybrid.chunks[0].doc_id == "birds"  # first in lexical, fused to the top
     # two-stage: nuggets inside the stage-1 chunks only, in every mode
     for mode in RETRIEVAL_MODES:
