@@ -86,7 +86,7 @@ class PlaceInDocument:
 
     def section_text(self) -> str:
         """The heading path as one line: ``"Programming FAQ > Performance"``."""
-        return " > ".join(self.section or [])
+        return " > ".join(t.strip() for t in self.section or () if t and t.strip())
 
     def citation(self, doc_id: str) -> str:
         """Where a span is, for a person: ``"faq/programming.pdf p. 12 | Programming FAQ >

@@ -59,7 +59,7 @@ from coinrag.inference.embedders import Embedder
 from coinrag.inference.windows import Window
 from coinrag.schemas.keys import CODE_VERSION, text_hash, window_id
 from coinrag.schemas.settings import BuildSettings
-from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow
+from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow, PlaceInDocument
 from coinrag.storage.index import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_table
@@ -135,7 +135,7 @@ def document_text(doc: Any, max_length: int) -> str:
 def heading(section: Sequence[str] | None) -> str:
     """A heading path as searched: ``["FAQ", "Performance"]`` -> ``"FAQ > Performance"``
     (empty titles left out; "" for none)."""
-    return " > ".join(t.strip() for t in section or () if t and t.strip())
+    return PlaceInDocument(section=list(section or ())).section_text()
 
 
 def search_text(text: str, section: Sequence[str] | None) -> str:
