@@ -155,6 +155,9 @@ BUILD_SETTINGS = {
     "extractor": None,
     "llm_model": "gpt-4o-mini",
     "model": "smollm2",
+    "html_mode": "main",  # how a folder's files are read (issue 32)
+    "exclude": "",
+    "max_file_bytes": 200 * 2**20,
     "chunker": "fixed",
     "chunk_size": 512,
     "tau": 0.7,
