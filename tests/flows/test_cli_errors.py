@@ -67,7 +67,7 @@ def test_build_refuses_bad_inputs_before_any_work(tmp_path: Path, corpus: Path) 
         (["build", str(tmp_path / "docs.csv"), "--store", store],
          ["unknown format .csv", ".jsonl"]),
         (["build", str(tmp_path / "nothing"), "--store", store], ["does not exist"]),
-        (["build", str(tmp_path), "--store", store], ["no .txt or .md files"]),
+        (["build", str(tmp_path), "--store", store], ["holds no files coinrag reads"]),
     ]  # fmt: skip
     before = sorted(p.name for p in tmp_path.iterdir())
     for args, words in cases:
