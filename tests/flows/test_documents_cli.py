@@ -2,7 +2,7 @@
 page of the Python docs' HTML, a Word file made here, Markdown, text, and bad files) built by
 ``coinrag build``; pages and sections in every chunk and nugget, in ``query --json``, the API,
 ``eval`` and the lineage views; a second build parses nothing; a renamed file recomputes no KV;
-a removed one is pruned."""
+a removed one is pruned; a deleted one is gone from the answers."""
 
 from __future__ import annotations
 
@@ -211,3 +211,8 @@ def test_rebuilds_parse_nothing_reuse_kv_for_a_rename_and_prune_a_removed_file(
         "manual",
         "harbour",
     }
+    deleted = CliRunner().invoke(app, ["delete", "faq/general.html", "--store", str(store)])
+    assert deleted.exit_code == 0, deleted.output
+    assert "faq/general.html" not in live_documents(Store.at(store))
+    left = _query(store, "Is Python free to use for commercial purposes?")
+    assert all(e["doc_id"] != "faq/general.html" for e in left["evidence"])
