@@ -3,6 +3,8 @@
 #   general.pdf, design.pdf  Debian's Python FAQ pages printed by headless Chromium with its
 #                            DEFAULT header (date, title) and footer (file:// URL, "n/N") and
 #                            an outline (--generate-pdf-document-outline);
+#   bool.pdf                 c-api/bool.html the same way: one page (its header and footer
+#                            repeat nowhere);
 #   hyphens.pdf              a 2-page serif page at many widths: soft hyphens, hard hyphens and
 #                            compounds broken at line ends (same header and footer);
 #   labels.pdf               general.pdf's pages 1-4 with page labels i, ii, 1, A-7 and its
@@ -37,6 +39,8 @@ for page in general design; do
   print "file://$DOCS/faq/$page.html" "$TMP/$page.pdf"
   pack "$TMP/$page.pdf" "$OUT/$page.pdf"
 done
+print "file://$DOCS/c-api/bool.html" "$TMP/bool.pdf"
+pack "$TMP/bool.pdf" "$OUT/bool.pdf"
 
 {
   echo '<!doctype html><html><head><meta charset="utf-8"><title>Hyphenation sample</title>'

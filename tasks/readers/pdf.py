@@ -11,9 +11,11 @@ Each page, in four steps (page units: points, origin bottom-left, y up):
    digits (or a row that is only a Roman numeral) made ``#``. A row whose (band, key) comes back
    on at least :func:`running_threshold` pages is a running header / footer and all its lines go,
    on every page. Headless Chromium's default ``12/5/26, 1:16 AM <title>`` and
-   ``file:///... 3/7`` are such rows. A 1-page document keeps everything (nothing repeats); a
-   2-page one loses a band row only when both pages have it; from 3 pages on a row must come back
-   on ``max(3, 40 %)`` of the pages, so body text that merely repeats once is never taken.
+   ``file:///... 3/7`` are such rows. A 2-page document loses a band row only when both pages
+   have it; from 3 pages on a row must come back on ``max(3, 40 %)`` of the pages, so body text
+   that merely repeats once is never taken. On any number of pages (a 1-page document too) a
+   band row also goes when it marks itself (:func:`marks_itself`): a bottom row ending in the
+   page's own counter ``n/N``, a top row holding the PDF's title and more (a date).
 3. **Reading order.** PDFium's order is the content stream's: Chromium draws a code block after
    the paragraphs around it, and a two-column paper may be drawn in any order. The kept lines are
    ordered by recursive XY cuts: a region is cut at its widest blank gaps (every gap at least
@@ -179,21 +181,59 @@ def band_rows(lines: list[TextLine], bottom: float, top: float) -> Iterator[tupl
             yield band, row
 
 
-def running_lines(pages: list[list[TextLine]], boxes: list[tuple[float, float]]) -> list[set[int]]:
+def marks_itself(row_text: str, band: str, page: int, n_pages: int, title: str | None) -> bool:
+    """Whether a band row is a running line by its own text, on any number of pages: a bottom
+    row ending in the page's own counter ``page/n_pages`` (Chromium's ``file:///... 1/1``), or a
+    top row holding the document's title and more (Chromium's ``12/5/26, 1:16 AM <title>``).
+
+    >>> marks_itself("file:///a.html 1/1", "bottom", 1, 1, None)
+    True
+    >>> marks_itself("12/5/26, 1:16 AM About — Docs", "top", 1, 1, "About — Docs")
+    True
+    >>> marks_itself("About — Docs", "top", 1, 1, "About — Docs")  # a heading like the title
+    False
+    """
+    text = re.sub(r"\s+", " ", row_text).strip()
+    if band == "bottom":
+        return re.search(rf"(?:^|\s){page}\s?/\s?{n_pages}$", text) is not None
+    title = re.sub(r"\s+", " ", title or "").strip()
+    return bool(title) and title in text and text != title
+
+
+def running_lines(
+    pages: list[list[TextLine]], boxes: list[tuple[float, float]], title: str | None = None
+) -> list[set[int]]:
     """For each page, the indices of its lines that are running headers / footers (see the
-    module); ``boxes[i]``: page ``i``'s (bottom, top)."""
+    module): band rows that repeat across pages, and rows that mark themselves
+    (:func:`marks_itself`); ``boxes[i]``: page ``i``'s (bottom, top); ``title``: the PDF's."""
     threshold = running_threshold(len(pages))
     found: list[list[tuple[tuple[str, str], list[int]]]] = []
+    own: list[set[int]] = []
     seen: Counter[tuple[str, str]] = Counter()
-    for lines, (bottom, top) in zip(pages, boxes, strict=True):
+    for page, (lines, (bottom, top)) in enumerate(zip(pages, boxes, strict=True), start=1):
         rows = [
             ((band, row_key([lines[i] for i in row])), row)
             for band, row in band_rows(lines, bottom, top)
         ]
         found.append(rows)
+        own.append(
+            {
+                i
+                for (band, _), row in rows
+                if marks_itself(_row_text(lines, row), band, page, len(pages), title)
+                for i in row
+            }
+        )
         seen.update({key for key, _ in rows})
     running = {key for key, n in seen.items() if threshold is not None and n >= threshold}
-    return [{i for key, row in rows if key in running for i in row} for rows in found]
+    return [
+        {i for key, row in rows if key in running for i in row} | mine
+        for rows, mine in zip(found, own, strict=True)
+    ]
+
+
+def _row_text(lines: list[TextLine], row: list[int]) -> str:
+    return " ".join(lines[i].text for i in sorted(row, key=lambda i: lines[i].x0))
 
 
 # ---- 3. reading order -------------------------------------------------------------------------
@@ -487,7 +527,7 @@ class PdfReader(Reader, name="pdf"):
     module)."""
 
     suffixes = (".pdf",)
-    version = "1"
+    version = "2"  # 2: a band row that marks itself (its page counter, title and date) goes
 
     def read(self, data: bytes, name: str) -> ReadDocument:
         with _PDFIUM_LOCK:
@@ -500,7 +540,8 @@ class PdfReader(Reader, name="pdf"):
 
 def _read(doc: Any, name: str) -> ReadDocument:
     raw, boxes = _raw_pages(doc, name)
-    drop = running_lines(raw, boxes)
+    title = doc.get_metadata_value("Title").strip() or None
+    drop = running_lines(raw, boxes, title)
     ordered = [
         reading_order([line for j, line in enumerate(lines) if j not in gone])
         for lines, gone in zip(raw, drop, strict=True)
@@ -526,7 +567,7 @@ def _read(doc: Any, name: str) -> ReadDocument:
     blank = [i + 1 for i, page in enumerate(pages) if not page.text.strip()]
     return ReadDocument(
         PAGE_SEPARATOR.join(page.text for page in pages),
-        doc.get_metadata_value("Title").strip() or None,
+        title,
         pages=tuple(Page(s, i + 1, labels[i]) for i, s in enumerate(starts)),
         headings=outline_headings(doc, pages, starts),
         extra={"pages_without_text": blank} if blank else {},

@@ -130,7 +130,21 @@ def one_or_two_pages(n: int) -> bytes:
     return buf.getvalue()
 
 
+def test_a_one_page_chromium_pdf_loses_its_header_and_footer_by_their_own_marks() -> None:
+    """Nothing repeats on one page: the footer ends in the page's own counter "1/1" and the
+    header holds the PDF's title and a date (tasks/readers/pdf.py: marks_itself)."""
+    data = (FIXTURES / "bool.pdf").read_bytes()
+    doc = PdfReader().read(data, "bool.pdf")
+    raw = pdfium.PdfDocument(data)[0].get_textpage().get_text_range()
+    assert len(doc.pages) == 1 and doc.title and doc.title in raw and "1/1" in raw
+    assert "file://" not in doc.text and "1/1" not in doc.text
+    assert doc.title not in doc.text and not HEADER.search(doc.text)
+    assert doc.text.lstrip("Go\n").startswith("Boolean Objects")
+
+
 def test_one_page_keeps_its_header_two_pages_lose_it() -> None:
+    """A page cut out of a longer PDF (its counter says 1/7, it has no title): nothing marks
+    its header or footer, and nothing repeats."""
     one = PdfReader().read(one_or_two_pages(1), "one.pdf")
     assert one.title is None
     assert "file:///usr/share/doc/python3.11/html/faq/general.html 1/7" in one.text
