@@ -378,9 +378,9 @@ class LanceIndex(IndexSearch, IndexUpkeep):
             return []
         flat = self._flat_for(name, where)
         if flat is not None and set(extra) <= {"vector"}:  # the unit vector, from memory
-            rows = flat.rows_with_vectors(where, HIT_COLUMNS[name])[:limit]
+            rows = flat.rows_with_vectors(where, self.present(name, HIT_COLUMNS[name]))[:limit]
             return rows if extra else [{k: v for k, v in r.items() if k != "vector"} for r in rows]
-        columns = [*HIT_COLUMNS[name], *extra]
+        columns = [*self.present(name, HIT_COLUMNS[name]), *extra]
         return tbl.search().where(where).select(columns).limit(limit).to_arrow().to_pylist()
 
     def count(self, name: str) -> int:

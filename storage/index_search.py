@@ -61,13 +61,24 @@ class IndexSearch:
             fits = rows * self.dim * (2 if half else 4) <= self.flat_max_bytes
             if tbl is not None and fits and (large_tables_in_memory() or not half):
                 words = [self.fts_column(name)] if name in FTS_TABLES else []
-                columns = list(dict.fromkeys([*HIT_COLUMNS[name], *words, "vector"]))
+                columns = self.present(name, [*dict.fromkeys([*HIT_COLUMNS[name], *words])])
+                columns.append("vector")
                 data = tbl.search().select(columns).limit(None).to_arrow()
                 vec = data.column("vector").combine_chunks()
                 mat = vec.flatten().to_numpy().astype(np.float32).reshape(len(vec), self.dim)
                 flat = FlatTable(data.drop_columns(["vector"]), mat, half=half)
             self._flat_tables[name] = flat
         return self._flat_tables[name]
+
+    def present(self, name: str, columns: Sequence[str]) -> list[str]:
+        """``columns`` that table ``name`` has: a table written by an older coinrag lacks the
+        newer hit columns (the place columns: ``schemas.tables.PlaceInDocument``), which its
+        hits then do not carry (read as None) until a build writes the table again."""
+        tbl = self.table(name)
+        if tbl is None:
+            return list(columns)
+        names = set(tbl.schema.names)
+        return [c for c in columns if c in names]
 
     def fts_column(self, name: str) -> str:
         """The column table ``name``'s words are searched in (``index_ann.fts_column``: the
@@ -165,7 +176,7 @@ class IndexSearch:
         if found is None:
             return None
         at, scores = found
-        rows = flat.rows.select(list(columns)).take(pa.array(at)).to_pylist()
+        rows = flat.rows.select(self.present(name, columns)).take(pa.array(at)).to_pylist()
         for row, score in zip(rows, scores.tolist(), strict=True):
             row["score"] = float(score)
         return rows
@@ -186,6 +197,7 @@ class IndexSearch:
         if tbl is None or k <= 0:
             return []
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        columns = self.present(name, columns)
         in_memory = self._flat_for(name, where)
         if in_memory is not None:
             return in_memory.search(q, k, columns, where if where is not None else None)
@@ -278,7 +290,7 @@ class IndexSearch:
 
         tbl = self.table(name)
         query = tbl.search(MatchQuery(text, self.fts_column(name)), query_type="fts").select(
-            [*columns, "_score"]
+            [*self.present(name, columns), "_score"]
         )
         return query if where is None else query.where(where, prefilter=True)
 

@@ -156,16 +156,17 @@ def test_unchanged_rebuild_embeds_nothing_and_stale_windows_go(
 
 
 def _as_older_coinrag(store: Store) -> None:
-    """Rewrite the index as coinrag wrote it before windows and search text: no ``windows``
-    table, no ``search_text`` column, the full-text index on ``text``."""
+    """Rewrite the index as coinrag wrote it before windows, search text and places: no
+    ``windows`` table, no ``search_text`` nor place columns, the full-text index on ``text``."""
     from lancedb.index import FTS
 
     from coinrag.storage.index_ann import FTS_CONFIG
+    from coinrag.storage.index_tables import PLACE_COLUMNS
 
     index = LanceIndex.open_latest(store)
     index.db.drop_table("windows")
     for name in [n for n in FTS_TABLES if index.table(n) is not None]:
-        data = index.table(name).to_arrow().drop_columns(["search_text"])
+        data = index.table(name).to_arrow().drop_columns(["search_text", *PLACE_COLUMNS])
         tbl = index.db.create_table(name, data, mode="overwrite")
         tbl.create_index("text", config=FTS(**FTS_CONFIG), replace=True)
 
