@@ -255,7 +255,7 @@ class IndexSearch:
 
         A reader answers from its in-memory copy where it has one (:meth:`_lexical`): LanceDB's
         rows and scores within float32 rounding, ties among equal scores by row order."""
-        columns = HIT_COLUMNS[name]
+        columns = self.present(name, HIT_COLUMNS[name])
         tbl = self.table(name)
         if tbl is None or k <= 0 or not text.strip():
             return []
