@@ -120,6 +120,7 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         self._text_tables: dict[str, Bm25Index | None] = {}  # their BM25 copies (text search)
         self.flat_max_bytes = FLAT_MAX_BYTES  # the largest table (its vectors) kept in memory
         self._counts: dict[str, int] = {}  # a reader's row counts
+        self._column_names: dict[str, frozenset[str]] = {}  # a reader's tables' columns
 
     # ------------------------------------------------------------------ opening
 

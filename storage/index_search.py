@@ -44,6 +44,7 @@ class IndexSearch:
     _fts_columns: dict[str, str]
     _flat_tables: dict[str, FlatTable | None]
     _text_tables: dict[str, Bm25Index | None]
+    _column_names: dict[str, frozenset[str]]
 
     def _flat(self, name: str) -> FlatTable | None:
         """The reader's in-memory copy of table ``name`` (pinned versions), read on first use:
@@ -74,10 +75,14 @@ class IndexSearch:
         """``columns`` that table ``name`` has: a table written by an older coinrag lacks the
         newer hit columns (the place columns: ``schemas.tables.PlaceInDocument``), which its
         hits then do not carry (read as None) until a build writes the table again."""
-        tbl = self.table(name)
-        if tbl is None:
-            return list(columns)
-        names = set(tbl.schema.names)
+        names = self._column_names.get(name)
+        if names is None:
+            tbl = self.table(name)
+            if tbl is None:
+                return list(columns)
+            names = frozenset(tbl.schema.names)
+            if self.versions is not None:  # a reader's versions are fixed: asked once
+                self._column_names[name] = names
         return [c for c in columns if c in names]
 
     def fts_column(self, name: str) -> str:

@@ -143,9 +143,11 @@ def _stem(rel: str) -> str:
     return f"{head}/{stem}" if head else stem
 
 
-def origin_of(doc: ReadDocument, file: SourceFile, reader: Reader, data: bytes) -> FileOrigin:
-    """The ``FileOrigin`` columns of a document read from ``file`` (``data``: its bytes)."""
-    stat = file.path.stat()
+def origin_of(
+    doc: ReadDocument, file: SourceFile, reader: Reader, data: bytes, stat: os.stat_result
+) -> FileOrigin:
+    """The ``FileOrigin`` columns of a document read from ``file`` (``data``: its bytes,
+    ``stat``: the file's status when it was read)."""
     for i, page in enumerate(doc.pages):
         if page.number != i + 1:
             raise ValueError(f"{file.rel}: page {i} is numbered {page.number}, not {i + 1}")
@@ -224,7 +226,7 @@ def read_file(file: SourceFile, options: ReadOptions, known: Any | None = None) 
         return FileRead(file, reason=exc.reason, detail=exc.detail)
     except Exception as exc:  # a library's failure on a malformed file: a reject, not a crash
         return FileRead(file, reason="corrupt", detail=f"{rel}: {type(exc).__name__}: {exc}")
-    origin = origin_of(doc, file, reader, data)
+    origin = origin_of(doc, file, reader, data, stat)
     return FileRead(file, doc.text, {"path": rel}, origin, parsed=True)
 
 
