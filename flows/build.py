@@ -25,8 +25,8 @@ from prefect.utilities.annotations import quote
 
 from coinrag.flows.progress import ProgressLog, result_with_ticks
 from coinrag.flows.scaleout import Runner, task_runner
-from coinrag.inference.kv_dtype import resolve_kv_dtype
-from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
+from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+from coinrag.inference.model.loading import load_tokenizer, tokenizer_fingerprint
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.settings import BuildSettings
 from coinrag.schemas.tables import EXTRACTION_ABANDONED, ChunkRow
@@ -53,7 +53,7 @@ from coinrag.tasks.extractors.factory import make_extractor
 from coinrag.tasks.ingest import IngestResult, ingest_stage
 from coinrag.tasks.ingest_files import ReadOptions
 from coinrag.tasks.kv import KvOptions, KvWorkers, build_kept_ranges, run_kv_stage
-from coinrag.tasks.recover import RecoverCounts, current_nuggets, recover_stage
+from coinrag.tasks.recover.stage import RecoverCounts, current_nuggets, recover_stage
 
 
 @task(name="ingest", cache_policy=NO_CACHE)
@@ -143,7 +143,7 @@ def embed_task(
 ) -> dict[str, Any]:
     """Embed and index (``tasks.embed.embed_stage``; ``parts``: where the vectors are computed,
     None: here)."""
-    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import load_embedder
     from coinrag.tasks.embed import EmbedOptions, embed_stage
 
     embedder = load_embedder(settings.embedder)
@@ -392,7 +392,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
     and ``warnings`` (work settled as not worth asking again: chunk texts abandoned after
     malformed replies in ``abandon_after`` builds)."""
     s = BuildSettings(**(settings or {})).validate()
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.model.threads import set_process_threads
 
     set_process_threads(s.threads)  # this process's torch/BLAS pools (a served build's too)
     st = Store.at(store).init()

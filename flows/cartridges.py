@@ -26,8 +26,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from coinrag.flows.progress import ProgressLog
-from coinrag.inference.models import LoadedModel, load_model
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.loading import LoadedModel, load_model
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import model_rope
 from coinrag.schemas.keys import fingerprint, new_run_id, sha256_hex
 from coinrag.schemas.settings import CartridgeSettings

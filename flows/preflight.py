@@ -110,12 +110,12 @@ def runtime_settings(given: dict[str, Any]) -> RuntimeSettings:
 def model(ref: str | None, exact: bool = True) -> None:
     """``--model`` names a model folder, a GGUF file, the packaged default, or a KVLink
     adapter folder (``kvlink.json``) whose base model is one of those; with ``exact`` (any
-    use of its KV), a model whose KV is reproduced exactly (``inference.support``: from its
+    use of its KV), a model whose KV is reproduced exactly (``inference.model.support``: from its
     ``config.json`` or GGUF header, no weights loaded), else exit 2 naming the model type and
     the feature."""
-    from coinrag.inference.link import is_link_adapter, read_link_adapter_info
-    from coinrag.inference.models import ModelNotFound, locate_model
-    from coinrag.inference.support import UnsupportedModel, check_model_reference
+    from coinrag.inference.context.link import is_link_adapter, read_link_adapter_info
+    from coinrag.inference.model.loading import ModelNotFound, locate_model
+    from coinrag.inference.model.support import UnsupportedModel, check_model_reference
 
     try:
         if ref is not None and is_link_adapter(ref):
@@ -133,7 +133,7 @@ def model(ref: str | None, exact: bool = True) -> None:
 
 def embedder(ref: str | None) -> None:
     """``--embedder`` names a local encoder folder or the packaged default."""
-    from coinrag.inference.embedders import EmbedderNotFound, locate_embedder
+    from coinrag.inference.retrieval.embedders import EmbedderNotFound, locate_embedder
 
     try:
         locate_embedder(ref)

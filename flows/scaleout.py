@@ -128,10 +128,10 @@ class Runner(Registered, ABC):
         return self._tasks.submit(task, parameters)
 
     def worker_threads(self) -> int:
-        """The ``threads`` of each worker process (``inference.threads.worker_threads``): a
+        """The ``threads`` of each worker process (``inference.model.threads.worker_threads``): a
         local cluster's ``workers`` share this machine's CPUs; a remote cluster's resolve their
         own."""
-        from coinrag.inference.threads import worker_threads
+        from coinrag.inference.model.threads import worker_threads
 
         s = self.settings
         return worker_threads(s.threads, None if s.runner_address else s.workers)
@@ -160,7 +160,7 @@ class LocalRunner(Runner, name="default"):
         return stage(**{k: quote(v) for k, v in parameters.items()})  # passed as they are
 
     def kv_workers(self) -> KvWorkers:
-        from coinrag.inference.prompt import RagPrompt
+        from coinrag.inference.model.prompt import RagPrompt
 
         loaded = _kv_model(self.settings)
         return LocalKv(loaded, RagPrompt.for_tokenizer(loaded.tokenizer))
@@ -273,8 +273,8 @@ def _worker_threads(settings: BuildSettings) -> int:
 def _kv_model(settings: BuildSettings, dtype: str | None = None) -> Any:
     """The KV model of ``settings`` in this process (memoised): ``dtype`` as given (a worker
     computing for a layout), else ``kv_dtype`` resolved here (logged)."""
-    from coinrag.inference.kv_dtype import resolve_kv_dtype
-    from coinrag.inference.models import load_shared_model
+    from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.model.loading import load_shared_model
 
     if dtype is None:
         kv_dtype = resolve_kv_dtype(settings.kv_dtype, settings.device)
@@ -285,7 +285,7 @@ def _kv_model(settings: BuildSettings, dtype: str | None = None) -> Any:
 
 def _apply_worker_threads(settings: BuildSettings) -> int:
     """Set this worker process's torch/BLAS threads (:func:`_worker_threads`); returns them."""
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.model.threads import set_process_threads
 
     return set_process_threads(_worker_threads(settings))
 
@@ -294,7 +294,7 @@ def _apply_worker_threads(settings: BuildSettings) -> int:
 def kv_prepare_task(store: Store, settings: BuildSettings, options: KvOptions, keep: str) -> KvPrep:
     """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
     KV decides), and the layout carries the result to the other workers."""
-    from coinrag.inference.prompt import RagPrompt
+    from coinrag.inference.model.prompt import RagPrompt
 
     threads = _apply_worker_threads(settings)
     get_run_logger().info("kv: %d thread(s) per worker", threads)
@@ -357,7 +357,7 @@ class TaskKv(KvWorkers):
 
 @lru_cache(maxsize=1)
 def _worker_embedder(ref: str) -> Any:
-    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import load_embedder
 
     return load_embedder(ref)
 
@@ -366,7 +366,7 @@ def _worker_embedder(ref: str) -> Any:
 def embed_part_task(embedder_ref: str, texts: list[str], threads: int = 0) -> np.ndarray:
     """``(len(texts), dim)`` float32 vectors of one part of the texts to embed, computed with
     ``threads`` threads (:meth:`Runner.worker_threads`' answer; 0: auto on the worker)."""
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.model.threads import set_process_threads
 
     set_process_threads(threads)
     return _worker_embedder(embedder_ref).embed_documents(texts)

@@ -32,7 +32,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from coinrag.inference.context import FINETUNE_CONTEXTS
+from coinrag.inference.context.builders import FINETUNE_CONTEXTS
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.qa import load_examples
 from coinrag.schemas.settings import FinetuneSettings, settings_from_toml

@@ -1,5 +1,5 @@
-"""The tables ``coinrag eval`` writes (``inference/evaluate.py``, ``inference/report.py``): each
-column named once here.
+"""The tables ``coinrag eval`` writes (``inference/evaluation/evaluate.py``,
+``inference/evaluation/report.py``): each column named once here.
 
 - :data:`PER_QUESTION_SCHEMA` (``per_question.parquet``): one row per question x (dataset,
   model, method, retrieval, kc, k);
@@ -73,8 +73,8 @@ PER_QUESTION_SCHEMA = pa.schema(
 )
 
 
-# ``coinrag eval --retrieval-only`` (``inference/evaluate_retrieval.py``): which documents each
-# evidence kind found, per search mode. ``evidence``: chunks (the top-kc chunks) | two_stage
+# ``coinrag eval --retrieval-only`` (``inference/evaluation/retrieval_only.py``): which documents
+# each evidence kind found, per search mode. ``evidence``: chunks (the top-kc chunks) | two_stage
 # (CoinRAG's nuggets inside them) | one_stage (nuggets of the whole index); ``hit``: a gold
 # document among them (hit@kc for chunks); ``recall``: the fraction of the gold documents among
 # them; ``rank``: 1-based rank of the first item of a gold document; ``mrr``: mean of 1/rank (0

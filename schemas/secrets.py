@@ -5,7 +5,7 @@ given secrets, the secrets this process registered (:func:`register_secrets`: th
 server's API keys, every key it has read, rotated-out ones included), anything shaped like an
 API key, bearer tokens, URL credentials and URL key parameters (``?api_key=``, ``&token=``)
 with ``***``. The LLM clients
-(``inference.llm_client``) and the ``runs`` table's error column (``storage.runs.failing_run``)
+(``inference.llm.client``) and the ``runs`` table's error column (``storage.runs.failing_run``)
 scrub through it; :class:`ScrubSecrets` scrubs log records (the query server puts it on its
 loggers and uvicorn's: a key sent in a URL never reaches the access log).
 """

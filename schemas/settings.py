@@ -57,7 +57,7 @@ from coinrag.schemas.training_settings import check_visibility as check_visibili
 
 EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
-# (inference/kv_dtype.py decides, per machine).
+# (inference/model/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 (quantized per block:
 # keys per channel, values per token; storage/kv/codecs.py states the error bounds).
@@ -65,7 +65,7 @@ KV_CODECS = ("none", "int8", "int4")
 # What the KV store keeps of each chunk (storage/kv/kept.py): the whole chunk's KV (every method
 # can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
 KV_KEEPS = ("chunks", "nuggets")
-# How the model runs query prefill and decoding (inference/forward.py): eager (a preallocated
+# How the model runs query prefill and decoding (inference/model/forward.py): eager (a preallocated
 # KV buffer, the model's layers driven over it) | compiled (the same step under torch.compile,
 # bucketed shapes, warmed up before serving) | auto (compiled for coinrag api and eval, eager
 # for a one-shot coinrag query).
@@ -76,8 +76,9 @@ CHUNKERS = ("fixed", "sentence", "content", "section")
 # Document readers by file format (tasks/readers/): what a folder SOURCE reads.
 READERS = ("text", "markdown", "html", "pdf", "docx")
 HTML_MODES = ("main", "whole")  # html reader: the main content (trafilatura) or the whole body
-# How retrieval ranks chunks, nuggets and documents (inference.retrieve.SEARCH_MODES; a test keeps
-# them equal): by embedding (dense), by BM25 over the words (lexical), or both fused (hybrid).
+# How retrieval ranks chunks, nuggets and documents (inference.retrieval.retriever.SEARCH_MODES; a
+# test keeps them equal): by embedding (dense), by BM25 over the words (lexical), or both fused
+# (hybrid).
 RETRIEVAL_MODES = ("dense", "lexical", "hybrid")
 DEFAULT_RETRIEVAL = "hybrid"
 RUNNERS = ("default", "dask", "ray")
@@ -98,14 +99,15 @@ RAG_METHODS = (
 )
 DEFAULT_RAG_METHODS = ("coinrag", "turborag", "standard")  # eval's default (cartridge: trained)
 LOCAL_STORE_METHODS = ("cartridge",)  # read assets only a local store holds (cartridges)
-# Fine-tuning: who encodes the context (inference.context.FINETUNE_CONTEXTS maps each to a class).
+# Fine-tuning: who encodes the context (inference.context.builders.FINETUNE_CONTEXTS maps each to a
+# class).
 FINETUNE_MODES = ("live", "frozen")
 
 
 def threads_setting() -> Any:
     """The ``threads`` setting (one declaration, a field of each settings class that runs
     models): torch's and the BLAS/OpenMP pools' threads, set once per process
-    (``inference/threads.py``; 0 = auto: 1 on at most 2 usable CPUs, else min(physical cores,
+    (``inference/model/threads.py``; 0 = auto: 1 on at most 2 usable CPUs, else min(physical cores,
     4))."""
     return setting(
         0,
@@ -118,7 +120,7 @@ def threads_setting() -> Any:
 
 def forward_setting() -> Any:
     """The ``forward`` setting (one declaration, a field of each settings class that answers
-    questions): how the model runs query prefill and decoding (``inference/forward.py``)."""
+    questions): how the model runs query prefill and decoding (``inference/model/forward.py``)."""
     return setting(
         "auto",
         "Model forward: eager | compiled (torch.compile, warmed up first) | auto (default: "

@@ -346,8 +346,8 @@ class NuggetIndexRow(PlaceInDocument):
 class WindowIndexRow:
     """A row of the LanceDB ``windows`` table (upserted by window_id): one piece of a chunk
     that the embedder sees whole, ``[char_start, char_end)`` of the chunk's ``text``, embedded
-    after the chunk's heading path (``inference.windows``). A chunk's windows cover every one
-    of its tokens, consecutive ones overlapping; a chunk that fits the embedder is one window
+    after the chunk's heading path (``inference.retrieval.windows``). A chunk's windows cover every
+    one of its tokens, consecutive ones overlapping; a chunk that fits the embedder is one window
     (its ``search_text``, the vector of its ``chunks`` row)."""
 
     window_id: str  # keys.window_id(chunk_id, char_start, char_end)
@@ -479,7 +479,7 @@ class CartridgeManifestRow:
     doc_version: str
     model_fp: str
     cartridge_fp: str  # everything the cartridge depends on but the document
-    prefix_sha: str  # the RAG prompt prefix it stands after (inference/prompt.py)
+    prefix_sha: str  # the RAG prompt prefix it stands after (inference/model/prompt.py)
     p: int  # tokens
     init: str  # first_tokens | random_text
     step: int  # optimizer steps of the training run when saved

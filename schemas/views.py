@@ -23,7 +23,7 @@ from coinrag.schemas.tables import DocumentRow, KvManifestRow, PlaceInDocument, 
 # The producers whose current value decides staleness (the names of ``current_producers`` rows).
 # ``model_fp`` is the generation model as it computes the KV (at ``kv_dtype``);
 # ``cartridge_model_fp`` the same model as cartridges are trained and served with (at its
-# default dtype, ``inference.models.default_dtype``): the two differ when the dtypes do.
+# default dtype, ``inference.model.loading.default_dtype``): the two differ when the dtypes do.
 PRODUCERS = (
     "tokenizer_fp",
     "chunker_fp",

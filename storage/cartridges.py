@@ -6,9 +6,10 @@ Layout contract (the KV layout of ``storage/kv/layout.py``, with canonical posit
 
 In memory a cartridge is a KV block ``(layers, 2, kv_heads, p, head_dim)``, keys after RoPE, as
 ``storage/kv/layout.py`` states. Its keys are stored at the **canonical positions** ``0..p-1``:
-whoever places the cartridge at position ``start`` re-rotates them with ``inference/rope.py``
-(``training/cartridges.py`` and ``inference/methods/cartridge.py`` both go through
-``inference.assemble.assemble_cartridges``), so one stored cartridge can stand anywhere.
+whoever places the cartridge at position ``start`` re-rotates them with
+``inference/rope/__init__.py`` (``training/cartridges.py`` and ``inference/methods/cartridge.py``
+both go through ``inference.context.assemble.assemble_cartridges``), so one stored cartridge can
+stand anywhere.
 
 On disk::
 

@@ -45,7 +45,7 @@ import pyarrow.compute as pc
 from coinrag.schemas.leases import published_index_versions
 from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, NuggetRow, RunRow
 from coinrag.storage.corpus import live_versions
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.kv import KeptRanges, KvReclaim, KvStore, entry_key
 from coinrag.storage.readers import READERS_DIR, fresh_leases, readers_dir, stale_lease_paths
 from coinrag.storage.store import Store

@@ -8,8 +8,8 @@ document version -> chunk -> nugget -> KV entry -> index row -> cartridge, train
 ```
 
 in either direction. The views and their columns are defined in ``schemas/views.py``; the index
-tables are read through :class:`storage.index.LanceIndex` at the versions the last completed run
-published (every column but ``vector``, as searches see them) and registered as Arrow tables
+tables are read through :class:`storage.index.lance.LanceIndex` at the versions the last completed
+run published (every column but ``vector``, as searches see them) and registered as Arrow tables
 ``index_chunks``, ``index_nuggets``, ``index_documents``. Which documents are live is not
 decided here: ``live_documents`` is :func:`storage.corpus.live_events` (committed runs only,
 tombstones), registered as a table and joined to ``documents``.
@@ -319,7 +319,7 @@ def _register_index(con: duckdb.DuckDBPyConnection, store: Store) -> None:
     """``index_<name>``: the published LanceDB index rows (the versions ``[published]`` of
     ``STORE/coinrag.toml`` names, as searches read them), every column but the vector; empty
     tables when nothing is published yet."""
-    from coinrag.storage.index import IndexNotBuilt, LanceIndex
+    from coinrag.storage.index.lance import IndexNotBuilt, LanceIndex
 
     try:
         index: LanceIndex | None = LanceIndex.open(store)

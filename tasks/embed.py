@@ -19,7 +19,8 @@ What is embedded (and searched by words: the ``search_text`` column of chunks an
   first) and a newline, before its text; nothing for one without a section;
 - a chunk: its search text (the embedder truncates it to its ``max_length``: 256 word pieces for
   MiniLM, about a third of a 512-token chunk), in the ``chunks`` table;
-- a chunk's windows (``inference.windows``): its text cut into pieces of at most the embedder's
+- a chunk's windows (``inference.retrieval.windows``): its text cut into pieces of at most the
+embedder's
   ``max_length`` word pieces with the heading prefix, a quarter of each overlapping the one
   before, together covering every token; each in the ``windows`` table. A chunk that fits is
   one window, its search text (the chunk's own vector: the same text, embedded once);
@@ -35,7 +36,7 @@ What is embedded (and searched by words: the ``search_text`` column of chunks an
 The inputs are the *complete* current view of the given documents: index rows of those documents
 (``doc_id`` in ``documents``, ``chunks`` or ``nuggets``) that are not in the inputs (an old
 version's chunks and their windows, nuggets no longer recovered) are deleted. Documents not
-given are left alone; :meth:`storage.index.LanceIndex.delete_documents` removes a deleted
+given are left alone; :meth:`storage.index.lance.LanceIndex.delete_documents` removes a deleted
 document.
 
 A new embedder (another fingerprint) resets the index: its tables are rebuilt from the cache of
@@ -55,12 +56,12 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from coinrag.inference.embedders import Embedder
-from coinrag.inference.windows import Window
+from coinrag.inference.retrieval.embedders import Embedder
+from coinrag.inference.retrieval.windows import Window
 from coinrag.schemas.keys import CODE_VERSION, text_hash, window_id
 from coinrag.schemas.settings import BuildSettings
 from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetRow, PlaceInDocument
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_table
 
@@ -157,7 +158,8 @@ def nugget_text(nugget: NuggetRow) -> str:
 
 @dataclass(frozen=True)
 class PlannedWindow:
-    """A window of a chunk to write (``inference.windows.Window``), its ordinal in the chunk."""
+    """A window of a chunk to write (``inference.retrieval.windows.Window``), its ordinal in the
+    chunk."""
 
     chunk: ChunkRow
     ordinal: int
@@ -206,7 +208,7 @@ class EmbedOptions:
     build's ``embed_batch_size``), where each part's vectors are computed (``parts``: e.g. one
     task per part on a runner's workers, ``flows/scaleout.py``; None: by the stage's embedder,
     here, one part after another), and ``vector_index_min_rows`` (rows from which LanceDB
-    builds vector indexes: ``storage.index.LanceIndex.ensure_indexes``; None: its default)."""
+    builds vector indexes: ``storage.index.lance.LanceIndex.ensure_indexes``; None: its default)."""
 
     part_size: int = BuildSettings.embed_batch_size
     parts: EmbedParts | None = None

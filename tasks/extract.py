@@ -33,7 +33,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from coinrag.inference.llm_client import CallRecord
+from coinrag.inference.llm.client import CallRecord
 from coinrag.schemas.keys import CODE_VERSION
 from coinrag.schemas.tables import (
     CALL_SALVAGED,

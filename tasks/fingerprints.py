@@ -20,13 +20,13 @@ def current_producers(settings: BuildSettings) -> dict[str, str]:
 
     ``tau`` is the recovery threshold as text (``"0.7"``).
     """
-    from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.kv_dtype import resolve_kv_dtype
-    from coinrag.inference.models import (
+    from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.model.loading import (
         load_tokenizer,
         reference_model_fingerprint,
         tokenizer_fingerprint,
     )
+    from coinrag.inference.retrieval.embedders import load_embedder
     from coinrag.tasks.chunk import chunker_fingerprint
     from coinrag.tasks.extractors.factory import make_extractor
 

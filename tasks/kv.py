@@ -2,15 +2,15 @@
 
 For every chunk whose ``content_key`` has no valid entry in the KV store of
 ``kv_fp = (model_fp, prompt prefix)``, the model encodes the chunk after the prefix's cached KV
-``C_p`` (``inference/encode.py``: where a chunk sits, how chunks are batched and why the result
-is the chunk's own KV) and the chunk's part of the cache is stored (``storage/kv/``; the layout:
-``storage/kv/layout.py``). This module is the stage around that: what to compute, in which units,
-written how, and what it did.
+``C_p`` (``inference/model/encode.py``: where a chunk sits, how chunks are batched and why the
+result is the chunk's own KV) and the chunk's part of the cache is stored (``storage/kv/``; the
+layout: ``storage/kv/layout.py``). This module is the stage around that: what to compute, in which
+units, written how, and what it did.
 
 - ``C_p`` is computed once and stored; a later run reads it back and computes against the stored
   copy, so every entry of a kv_fp was computed against the same bits of ``C_p``.
 - Chunks are sorted by length (stable, so document order among equal lengths; most chunks have
-  exactly ``chunk_size`` tokens) and batched by ``inference.encode.KvBatching``.
+  exactly ``chunk_size`` tokens) and batched by ``inference.model.encode.KvBatching``.
 - Units of work (:func:`kv_groups`): the sorted chunks are cut into groups of whole shards
   holding at least one whole batch; a group is computed batch by batch and stored as its
   shards. One driver, :func:`run_kv_stage`, plans, stores and counts; where the groups are
@@ -55,14 +55,14 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.encode import (
+from coinrag.inference.model.encode import (
     KvBatching,
     compute_group_kv,
     compute_prefix_kv,
     kv_layout,
     pad_id,
 )
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import ForwardFrequencies
 from coinrag.schemas.settings import BuildSettings
 from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow
@@ -122,10 +122,10 @@ def build_kept_ranges(
 ) -> dict[str, KeptRanges] | None:
     """What the KV stage keeps of each chunk for the setting ``keep`` (``kv_keep``): None for
     whole chunks, else :func:`kept_ranges` of the chunks' nuggets made by this extractor and
-    tau (the nuggets the index gets: ``tasks.recover.current_nuggets``)."""
+    tau (the nuggets the index gets: ``tasks.recover.stage.current_nuggets``)."""
     if keep == "chunks":
         return None
-    from coinrag.tasks.recover import current_nuggets
+    from coinrag.tasks.recover.stage import current_nuggets
 
     nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, tau)
     return kept_ranges(chunks, nuggets)
@@ -205,7 +205,7 @@ class KvOptions:
         )
 
     def layout_options(self, keep: str) -> dict[str, Any]:
-        """The keyword arguments of ``inference.encode.kv_layout`` (``keep``: ``chunks`` |
+        """The keyword arguments of ``inference.model.encode.kv_layout`` (``keep``: ``chunks`` |
         ``nuggets``, what is stored of each chunk)."""
         return {
             "kv_codec": self.kv_codec,
@@ -230,7 +230,7 @@ class KvPrep:
 def prepare_kv(
     store: Store, loaded: Any, prompt: RagPrompt, options: KvOptions, keep: str
 ) -> KvPrep:
-    """:class:`KvPrep` of a loaded model (``inference.models.LoadedModel``) and ``prompt``,
+    """:class:`KvPrep` of a loaded model (``inference.model.loading.LoadedModel``) and ``prompt``,
     the layout of ``options`` and ``keep`` (``chunks`` | ``nuggets``): ``C_p`` computed only
     when ``store`` lacks one that passes its check (read only: the driver creates the store
     and writes or repairs ``C_p``)."""
@@ -333,7 +333,7 @@ def group_entries(
 
 
 class LocalKv(KvWorkers):
-    """The stage's model work in this process, on ``loaded`` (``inference.models.
+    """The stage's model work in this process, on ``loaded`` (``inference.model.loading.
     LoadedModel``), each chunk encoded after ``prompt``'s prefix. Groups are computed lazily,
     so the driver's writer stores one shard while the next group is computed."""
 
@@ -388,7 +388,7 @@ def kv_stage(
     kept: Mapping[str, KeptRanges] | None = None,
 ) -> KvCounts:
     """:func:`run_kv_stage` in this process (:class:`LocalKv`): ``loaded`` is an
-    ``inference.models.LoadedModel`` (``.model``, ``.tokenizer``, ``.model_fp``), ``prompt``
+    ``inference.model.loading.LoadedModel`` (``.model``, ``.tokenizer``, ``.model_fp``), ``prompt``
     the RAG prompt whose prefix the chunks are encoded after."""
     return run_kv_stage(
         store, chunks, LocalKv(loaded, prompt), run_id, options, progress, kept=kept

@@ -113,14 +113,14 @@ def estimate_kv_space(
 
 
 def build_layout(settings: BuildSettings, tokenizer: Any) -> KvLayout:
-    """The KV layout the build's KV stage will use (``inference.encode.kv_layout``, as the
+    """The KV layout the build's KV stage will use (``inference.model.encode.kv_layout``, as the
     stage calls it), from the model's config and cached weights hash: no weights loaded."""
     from transformers import AutoConfig
 
-    from coinrag.inference.encode import KvModel, kv_layout
-    from coinrag.inference.kv_dtype import resolve_kv_dtype
-    from coinrag.inference.models import reference_model_fingerprint, resolve_model_dir
-    from coinrag.inference.prompt import RagPrompt
+    from coinrag.inference.model.encode import KvModel, kv_layout
+    from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+    from coinrag.inference.model.loading import reference_model_fingerprint, resolve_model_dir
+    from coinrag.inference.model.prompt import RagPrompt
     from coinrag.tasks.kv import KvOptions
 
     dtype = resolve_kv_dtype(settings.kv_dtype, settings.device).dtype  # as the stage loads it

@@ -1,8 +1,8 @@
 """The teacher of self-study: the target model answers each question with the document in context.
 
 The target model answers every question with the document in context, in the project's RAG
-prompt (``prefix_ids + doc_ids + query_ids(question)``, ``inference/prompt.py``): greedy, at most
-``max_new_tokens`` tokens, ending with its EOS token when it stops. Per answer position the
+prompt (``prefix_ids + doc_ids + query_ids(question)``, ``inference/model/prompt.py``): greedy, at
+most ``max_new_tokens`` tokens, ending with its EOS token when it stops. Per answer position the
 teacher's top-k (k = 20) log-softmax values and ids are kept (``TeacherAnswerRow``), cached by
 ``(teacher_fp, context_hash, question_id)``. The document's KV is computed once and the questions
 of a document are answered in batches (left-padded between the document and the question, with
@@ -22,12 +22,12 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
-from coinrag.inference.constrained import left_pad
-from coinrag.inference.encode import full_cache
-from coinrag.inference.generate import _eos_ids
-from coinrag.inference.layers import AttentionLayers
-from coinrag.inference.models import LoadedModel
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.constrained import left_pad
+from coinrag.inference.model.encode import full_cache
+from coinrag.inference.model.generate import _eos_ids
+from coinrag.inference.model.layers import AttentionLayers
+from coinrag.inference.model.loading import LoadedModel
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.schemas.keys import CODE_VERSION, fingerprint, sha256_hex
 from coinrag.schemas.settings import TeacherSettings
 from coinrag.schemas.tables import DocumentRow, TeacherAnswerRow
@@ -79,7 +79,7 @@ def teacher_answers(
     batches: query ids left-padded to ``(B, Q)`` *after* the context, padding masked out, real
     tokens at positions ``T..T+len-1``, so every row computes what a lone forward of
     ``prefix + doc + query`` computes. ``on_batch(n)`` after each batch of ``n`` questions.
-    The caches keep every position of every layer (``inference.encode.full_cache``); a model
+    The caches keep every position of every layer (``inference.model.encode.full_cache``); a model
     with sliding-window layers answers one question at a time (no padding: its windows count
     cache slots, which padding would shift).
     """

@@ -61,7 +61,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The packaged SmolLM2 tokenizer (converted once into the coinrag cache)."""
-    from coinrag.inference.models import load_tokenizer
+    from coinrag.inference.model.loading import load_tokenizer
 
     return load_tokenizer(None)
 

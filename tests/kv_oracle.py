@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.assemble import KvSlice, assemble_context
-from coinrag.inference.encode import from_cache, to_dynamic_cache
+from coinrag.inference.context.assemble import KvSlice, assemble_context
+from coinrag.inference.model.encode import from_cache, to_dynamic_cache
 from coinrag.inference.rope import RopeSpec
 
 

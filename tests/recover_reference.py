@@ -1,6 +1,6 @@
-"""A deliberately naive reference for :mod:`tasks.span_match`, plus candidate generators.
+"""A deliberately naive reference for :mod:`tasks.recover.match`, plus candidate generators.
 
-``reference_recover`` has the same semantics as ``tasks.span_match.recover_candidates`` but does
+``reference_recover`` has the same semantics as ``tasks.recover.match.recover_candidates`` but does
 everything the obvious way: per-character canonicalisation in a loop, substring search by trying
 every position, and the fuzzy stage by scoring *every* whole-word window of every allowed length.
 Only the per-character folding rule (``fold_char``) is shared with the package: it is the spec.
@@ -22,7 +22,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
-from coinrag.tasks.span_match import AbandonedCandidate, RecoveredSpan, fold_char
+from coinrag.tasks.recover.match import AbandonedCandidate, RecoveredSpan, fold_char
 
 DIGITS = "0123456789"
 SEPARATORS = ",_\u2009\u202f"
@@ -156,7 +156,7 @@ def reference_recover(
     candidates: Sequence[str],
     tau: float = 0.7,
 ) -> tuple[list[RecoveredSpan], list[AbandonedCandidate]]:
-    """Same contract as ``tasks.span_match.recover_candidates``, computed by brute force."""
+    """Same contract as ``tasks.recover.match.recover_candidates``, computed by brute force."""
     canon, where = reference_canonical(chunk_text)
     words = words_of(canon)
     recovered: list[RecoveredSpan] = []

@@ -7,6 +7,11 @@ nothing imports it. Function-local imports count too. The folders are installed 
 ``coinrag`` (``coinrag.tasks.chunk``): an import of a bare folder name fails the test.
 ``KNOWN_UPWARD`` and ``KNOWN_LONG`` list what still breaks a rule; they only shrink: an entry
 that is fixed fails the test until it is removed, so the lists stay exact.
+
+Inside a folder the same rule holds between its levels (``LEVELS``, top to bottom): its rooms
+(subfolders) and groups of its own modules (``HALL_GROUPS``; the rest of them are level "").
+A module imports its own level and the levels below it, never one above. No folder or room
+holds more than ``MAX_MODULES`` modules.
 """
 
 from __future__ import annotations
@@ -17,6 +22,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RANK = {"flows": 0, "training": 1, "tasks": 1, "inference": 2, "storage": 3, "schemas": 4}
 FOLDERS = (*RANK, "infra")
+# Each folder's levels, top to bottom: its rooms (subfolders) and groups of its own modules
+# (``HALL_GROUPS``; "" is the rest of them). A module imports only its level and those after it.
+LEVELS = {
+    "inference": (
+        "",
+        "server",
+        "evaluation",
+        "methods",
+        "context",
+        "retrieval",
+        "model",
+        "rope",
+        "llm",
+    ),
+    "storage": ("", "index", "kv", "base"),
+    "tasks": ("", "recover", "chunking", "extractors", "question_generators", "readers"),
+    "flows": ("cli", ""),
+}
+HALL_GROUPS = {
+    "storage": {"base": {"store", "tables", "readers", "location", "object_lock"}},
+    "tasks": {"chunking": {"chunk", "chunk_content", "chunk_section", "place"}},
+}
+MAX_MODULES = 20  # .py files in one folder or room, __init__.py included
 MAX_LINES = 700
 MAX_FUNCTION_LINES = 80  # a function longer than this is a long one
 MAX_PARAMETERS = 8  # besides self/cls
@@ -31,11 +59,11 @@ KNOWN_LONG_FUNCTIONS = {
     "tasks/extractors/openai_chat.py:_extract_one",
 }
 KNOWN_WIDE_FUNCTIONS = {
-    "inference/evaluate.py:evaluate",
+    "inference/evaluation/evaluate.py:evaluate",
     "inference/methods/engine.py:__init__",
     "flows/cli/api.py:api",
     "tasks/chunk.py:chunk_document",
-    "inference/evaluate_retrieval.py:evaluate_retrieval",
+    "inference/evaluation/retrieval_only.py:evaluate_retrieval",
 }
 
 
@@ -159,3 +187,54 @@ def test_tests_mirror_the_folders() -> None:
     assert folders - {"benchmarks", "fixtures", "__pycache__"} <= set(RANK)
     top = {p.name for p in (REPO / "tests").glob("test_*.py")}
     assert top == {"test_layout.py", "test_readme.py"}
+
+
+def _level(path_or_module: str) -> tuple[str, str] | None:
+    """(folder, level) of a repository path (``inference/model/encode.py``) or a project
+    module (``coinrag.inference.model.encode``); None outside the ranked folders."""
+    parts = path_or_module.removesuffix(".py").replace("/", ".").split(".")
+    if parts[0] == PACKAGE:
+        parts = parts[1:]
+    if not parts or parts[0] not in RANK:
+        return None
+    folder, rest = parts[0], parts[1:]
+    if rest and rest[0] in LEVELS.get(folder, ()) and (REPO / folder / rest[0]).is_dir():
+        return folder, rest[0]
+    name = rest[0] if rest else ""
+    group = next((g for g, names in HALL_GROUPS.get(folder, {}).items() if name in names), "")
+    return folder, group
+
+
+def test_levels_inside_folders_import_down_only() -> None:
+    """Inside a folder, a module imports its own level and the levels below it only."""
+    bad = []
+    for path in _sources():
+        rel = path.relative_to(REPO).as_posix()
+        src = _level(rel)
+        if src is None or path.name == "__init__.py" and src[1] == "":
+            continue
+        folder, level = src
+        levels = LEVELS.get(folder, ("",))
+        for line, imported in _imports(path):
+            dst = _level(imported)
+            if dst is None or dst[0] != folder or dst[1] == level:
+                continue
+            if levels.index(dst[1]) < levels.index(level):
+                bad.append(f"{rel}:{line} {level or 'hall'} imports {dst[1] or 'hall'} above it")
+    assert not bad, "imports against the levels:\n" + "\n".join(bad)
+
+
+def test_rooms_are_listed_and_small() -> None:
+    """Every subfolder of a ranked folder is one of its ``LEVELS`` (and every listed room
+    exists); no folder or room holds more than ``MAX_MODULES`` modules."""
+    for folder in RANK:
+        rooms = {p.name for p in (REPO / folder).iterdir() if (p / "__init__.py").exists()}
+        groups = set(HALL_GROUPS.get(folder, {}))
+        assert rooms == set(LEVELS.get(folder, ())) - groups - {""}, (folder, rooms)
+    crowded = {
+        d.relative_to(REPO).as_posix(): n
+        for folder in RANK
+        for d in [REPO / folder, *(p for p in (REPO / folder).iterdir() if p.is_dir())]
+        if (n := len(list(d.glob("*.py")))) > MAX_MODULES
+    }
+    assert not crowded, f"over {MAX_MODULES} modules: {crowded}"

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.encode import prefix_kv
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.encode import prefix_kv
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import ModelRope
 from coinrag.schemas.settings import CartridgeTrainSettings
 from coinrag.schemas.tables import CartridgeManifestRow

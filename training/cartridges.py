@@ -8,7 +8,7 @@ forward, the loss, and the mixed-visibility sampler. The training loop with the 
 
 Where a cartridge stands (positions)
 ------------------------------------
-The student sees the project's RAG prompt (``inference/prompt.py``) with cartridges in the
+The student sees the project's RAG prompt (``inference/model/prompt.py``) with cartridges in the
 context slot, and the teacher sees the same prompt with the document's tokens there::
 
     student:  C_p ⊕ Rot(Z_1; |p|) ⊕ Rot(Z_2; |p| + p_1) ⊕ ...  ⊕ query ⊕ answer
@@ -17,18 +17,18 @@ context slot, and the teacher sees the same prompt with the document's tokens th
 ``C_p`` is the model's own KV of the prompt prefix (system message, start of the user turn,
 ``"Context:\\n"``), frozen; ``query`` is ``RagPrompt.query_ids(question)`` (question, end of the
 user turn, assistant header). A cartridge is **stored with its keys at the canonical positions
-0..p-1** and placed by ``inference.assemble.assemble_context`` (``KvSlice(Z, old_start=0)``), which
-re-rotates the keys to contiguous positions after ``C_p``: exact RoPE rotations
-(``inference/rope.py``), differentiable, so the parameter itself is position-free and any cartridge
-can stand anywhere. Isolated training always places the own cartridge at ``|p|``; mixed visibility
-places it at a random slot among distractors. Serving uses the same function, so the structure
-trained on is the structure served. RoPE variants whose frequencies depend on the sequence length
-(dynamic NTK, LongRoPE) are refused: a canonical position has no forward length.
+0..p-1** and placed by ``inference.context.assemble.assemble_context`` (``KvSlice(Z,
+old_start=0)``), which re-rotates the keys to contiguous positions after ``C_p``: exact RoPE
+rotations (``inference/rope/__init__.py``), differentiable, so the parameter itself is position-free
+and any cartridge can stand anywhere. Isolated training always places the own cartridge at ``|p|``;
+mixed visibility places it at a random slot among distractors. Serving uses the same function, so
+the structure trained on is the structure served. RoPE variants whose frequencies depend on the
+sequence length (dynamic NTK, LongRoPE) are refused: a canonical position has no forward length.
 
 Initialisation
 --------------
 ``first_tokens``: the KV of the document's first ``p`` tokens encoded right after the prefix
-(``inference.encode.document_kv``), rotated back to ``0..p-1``. With ``p`` = the document's
+(``inference.model.encode.document_kv``), rotated back to ``0..p-1``. With ``p`` = the document's
 length the student's context *is* the teacher's, so student == teacher before training (the
 plumbing oracle of ``tests/training/test_cartridges.py``). ``random_text``: the same for ``p``
 random
@@ -61,9 +61,14 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.assemble import KvSlice, assemble_cartridges, assemble_context, check_rope
-from coinrag.inference.encode import document_kv, to_dynamic_cache
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.context.assemble import (
+    KvSlice,
+    assemble_cartridges,
+    assemble_context,
+    check_rope,
+)
+from coinrag.inference.model.encode import document_kv, to_dynamic_cache
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import ModelRope
 from coinrag.schemas.keys import fingerprint
 from coinrag.schemas.settings import CartridgeSettings, CartridgeTrainSettings, check_visibility

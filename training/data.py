@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coinrag.inference.prompt import RagPrompt
-from coinrag.inference.retrieve import Evidence, Retriever
+from coinrag.inference.model.prompt import RagPrompt
+from coinrag.inference.retrieval.retriever import Evidence, Retriever
 from coinrag.schemas.qa import QAExample
 from coinrag.schemas.settings import FinetuneSettings
 

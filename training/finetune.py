@@ -4,9 +4,10 @@ For every QA example the online CoinRAG context is rebuilt exactly as inference 
 two-stage retrieval (top-``kc`` chunks, then the top-``k`` nuggets inside them), restricted to
 the example's own documents (gold + distractors, HotpotQA style), then ``C_ctx = C_p ⊕
 Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` after the RAG prompt prefix, by the context builder serving uses
-(``inference/context.py``). The loss is the cross-entropy of the short answer (plus EOS) given
-``(C_ctx, q)``: the input is ``query_ids(question) + answer_ids + [eos]`` prefilled at positions
-after ``C_ctx``, the labels are the answer tokens only (token mean over the effective batch).
+(``inference/context/builders.py``). The loss is the cross-entropy of the short answer (plus EOS)
+given ``(C_ctx, q)``: the input is ``query_ids(question) + answer_ids + [eos]`` prefilled at
+positions after ``C_ctx``, the labels are the answer tokens only (token mean over the effective
+batch).
 
 RAFT noise: with probability ``raft_p`` (0.15) an example's gold evidence (nuggets of its gold
 documents) is left out of the context, so the model also learns to answer (or not be misled)
@@ -23,7 +24,7 @@ Modes
 - ``frozen``: ``C_p`` and the chunk KV are read from the KV store (computed by the base model),
   only the query/answer pass is trained.
 
-The mode picks the context builder (``inference.context.FINETUNE_CONTEXTS``: ``live`` ->
+The mode picks the context builder (``inference.context.builders.FINETUNE_CONTEXTS``: ``live`` ->
 ``LiveKvContext``, ``frozen`` -> ``StoredKvContext``, the one serving reads with).
 
 Why ``live`` is the default: the paper fine-tunes the generator on the structure it meets
@@ -69,8 +70,8 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.context import FINETUNE_CONTEXTS
-from coinrag.inference.encode import causal_lm
+from coinrag.inference.context.builders import FINETUNE_CONTEXTS
+from coinrag.inference.model.encode import causal_lm
 from coinrag.schemas.settings import FinetuneSettings
 from coinrag.storage.cache import file_sha256  # noqa: F401  (the data hash; one for the tree)
 from coinrag.training.job import Prepared, TrainJob
@@ -98,8 +99,8 @@ def run_training(
     """Train on a store whose documents are already built (see ``flows/train.py`` for the flow
     that builds them first). Returns a summary with ``model_fp`` and ``base_model_fp``.
     ``OUT/checkpoints`` is removed once the model is saved unless ``control.keep_checkpoints``."""
-    from coinrag.inference.encode import pad_id
-    from coinrag.inference.models import model_fingerprint, weights_sha256
+    from coinrag.inference.model.encode import pad_id
+    from coinrag.inference.model.loading import model_fingerprint, weights_sha256
 
     cfg.validate()
     control = control or RunControl()

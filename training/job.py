@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coinrag.inference.context import ContextBuilder
-from coinrag.inference.encode import causal_lm
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.context.builders import ContextBuilder
+from coinrag.inference.model.encode import causal_lm
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.schemas.qa import QAExample, load_examples
 from coinrag.schemas.settings import BuildSettings, FinetuneSettings
 from coinrag.storage.cache import file_sha256
@@ -67,12 +67,12 @@ class Prepared:
         """Open ``job``: the model computes in the store's ``kv_dtype`` when ``at_kv_dtype``
         (frozen, as serving computes), else in ``cfg.dtype``; plans as ``objective``
         retrieves."""
-        from coinrag.inference.embedders import load_embedder
-        from coinrag.inference.kv_dtype import resolve_kv_dtype
-        from coinrag.inference.models import load_model
-        from coinrag.inference.retrieve import Retriever
+        from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+        from coinrag.inference.model.loading import load_model
+        from coinrag.inference.retrieval.embedders import load_embedder
+        from coinrag.inference.retrieval.retriever import Retriever
         from coinrag.schemas.settings import settings_from_toml
-        from coinrag.storage.index import LanceIndex
+        from coinrag.storage.index.lance import LanceIndex
 
         store = Store.at(job.store)
         settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
@@ -159,8 +159,8 @@ def kv_identity(
     cast when the context is assembled), stored with its ``kv_codec``, keeping what its
     ``kv_keep`` keeps (frozen mode reads only nugget slices, which a store of nugget spans
     holds)."""
-    from coinrag.inference.encode import kv_layout
-    from coinrag.inference.models import model_fingerprint, weights_sha256
+    from coinrag.inference.model.encode import kv_layout
+    from coinrag.inference.model.loading import model_fingerprint, weights_sha256
 
     model_fp = model_fingerprint(
         causal_lm(loaded.model).config,

@@ -6,7 +6,7 @@ evidence fitting, checkpoints and resume, the step loop, the loss plot); only th
 For every QA example: the top-``kc`` chunks among its own documents (as ``kvlink`` retrieves
 at serving time), their **stored** KV (``StoredKvContext``, the base model's), ``n_link`` link
 tokens after each chunk and ``query + answer`` prefilled in one forward over them
-(``inference.link.link_forward``, the serving path); the loss is the answer's cross-entropy.
+(``inference.context.link.link_forward``, the serving path); the loss is the answer's cross-entropy.
 Only the link embeddings train (scope ``links``): the base model stays frozen and in eval
 mode, so the store's chunk KV stays valid bit for bit and training equals serving exactly.
 The model computes in the store's ``kv_dtype`` (the dtype serving uses). The paper's full
@@ -28,15 +28,15 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.context import ContextBuilder, StoredKvContext
-from coinrag.inference.link import (
+from coinrag.inference.context.builders import ContextBuilder, StoredKvContext
+from coinrag.inference.context.link import (
     DEFAULT_MAX_DOCS,
     DEFAULT_N_LINK,
     LinkEmbeddings,
     link_forward,
     save_link_adapter,
 )
-from coinrag.inference.retrieve import Evidence, Retriever
+from coinrag.inference.retrieval.retriever import Evidence, Retriever
 from coinrag.schemas.settings import FinetuneSettings
 from coinrag.training.data import Plan
 from coinrag.training.job import Prepared, TrainJob
@@ -100,7 +100,7 @@ def run_kvlink_training(
     """Train link tokens for the store's model (or ``job.model``) on the QA JSONL
     ``job.data``; write the adapter folder ``job.out``. Returns a summary with ``kvlink_fp``
     and ``base_model_fp`` (plus ``control.lineage``)."""
-    from coinrag.inference.encode import pad_id
+    from coinrag.inference.model.encode import pad_id
 
     cfg.validate()
     if cfg.kc > max_docs:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.context import ContextBuilder
+from coinrag.inference.context.builders import ContextBuilder
 from coinrag.schemas.qa import DataError
 from coinrag.schemas.settings import FinetuneSettings
 from coinrag.training.checkpoint import LoopState, resume_or_start, save_checkpoint

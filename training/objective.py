@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coinrag.inference.context import ContextBuilder
-from coinrag.inference.encode import causal_lm, to_dynamic_cache
-from coinrag.inference.retrieve import Evidence, Retriever
+from coinrag.inference.context.builders import ContextBuilder
+from coinrag.inference.model.encode import causal_lm, to_dynamic_cache
+from coinrag.inference.retrieval.retriever import Evidence, Retriever
 from coinrag.inference.rope import reset_rotary
 from coinrag.schemas.settings import FinetuneSettings
 

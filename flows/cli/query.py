@@ -47,7 +47,7 @@ def query(
     if model is not None:
         preflight.model(model)
 
-    from coinrag.inference.threads import apply_runtime
+    from coinrag.inference.model.threads import apply_runtime
 
     apply_runtime(preflight.runtime_settings(common.given(overrides)), serving=False)
     from coinrag.inference.methods import RagEngine
@@ -97,13 +97,13 @@ def eval_cmd(
     preflight.output_folder(out, "--out")
     st = preflight.built_store(store)
 
-    from coinrag.inference.threads import apply_runtime
+    from coinrag.inference.model.threads import apply_runtime
 
     apply_runtime(preflight.runtime_settings(common.given(overrides)), serving=True)
     if options.retrieval_only:
         _eval_retrieval(store, questions, out, options)
         return
-    from coinrag.inference.evaluate import evaluate
+    from coinrag.inference.evaluation.evaluate import evaluate
     from coinrag.inference.methods import methods_for, unavailable_methods
     from coinrag.schemas.settings import DEFAULT_RAG_METHODS
 
@@ -133,7 +133,7 @@ def _eval_inputs(store: str, options: EvalOptions) -> tuple[list[Any] | None, di
     """The models (``--model LABEL=REF``) and ``--limit-for`` counts, checked with the methods
     before anything loads (exit 2 for a bad value)."""
     from coinrag.flows import preflight
-    from coinrag.inference.evaluate import EvalModel, split_method
+    from coinrag.inference.evaluation.evaluate import EvalModel, split_method
     from coinrag.schemas.settings import LOCAL_STORE_METHODS, RAG_METHODS
 
     with common.exit_on(2, ValueError):
@@ -155,7 +155,7 @@ def _eval_inputs(store: str, options: EvalOptions) -> tuple[list[Any] | None, di
 
 def _eval_retrieval(store: str, questions: Path, out: Path, options: EvalOptions) -> None:
     """``eval --retrieval-only``: hits of gold documents per search mode, no model."""
-    from coinrag.inference.evaluate_retrieval import (
+    from coinrag.inference.evaluation.retrieval_only import (
         RETRIEVAL_KCS,
         evaluate_retrieval,
         retrieval_text,

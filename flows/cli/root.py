@@ -20,7 +20,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from coinrag.flows.cli.common import DEBUG, console, error
-from coinrag.inference.quiet import quiet_libraries
+from coinrag.inference.model.quiet import quiet_libraries
 
 # Typer's own ways out (help, usage errors, typer.Exit): Typer reports them.
 TYPER_EXITS = (typer.exceptions.TyperException, typer.Exit, typer.Abort)

@@ -2,9 +2,9 @@
 kinds (each loaded once per engine), and the read errors they turn into what to rebuild.
 
 - :class:`Index`: the retriever over the store's LanceDB index, with the engine's embedder;
-- :class:`ChunkTokenIds`: chunks' token ids (``inference.context.ChunkTokens``);
+- :class:`ChunkTokenIds`: chunks' token ids (``inference.context.builders.ChunkTokens``);
 - :class:`StoredKv`: the store's KV for the engine's model at the store's ``kv_dtype``, as an
-  ``inference.context.StoredKvContext`` (``C_p`` read and checked once);
+  ``inference.context.builders.StoredKvContext`` (``C_p`` read and checked once);
   :class:`StoredChunkKv` (whole chunks: turborag) and :class:`StoredNuggetKv` (nugget spans:
   coinrag) are the two ways methods use it, one shared context. A store built with ``kv_keep =
   "nuggets"`` holds only the KV of nugget spans: :class:`StoredNuggetKv` reads them as from a
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coinrag.inference.context import (
+from coinrag.inference.context.builders import (
     ChunkTokens,
     ContextBuilder,
     IsolatedNuggetContext,
@@ -28,9 +28,9 @@ from coinrag.inference.context import (
     StoredKvContext,
     UnalignedContext,
 )
-from coinrag.inference.encode import kv_layout
 from coinrag.inference.methods.base import Asset, CorruptAssets, MissingAssets
-from coinrag.inference.retrieve import Evidence, Retriever
+from coinrag.inference.model.encode import kv_layout
+from coinrag.inference.retrieval.retriever import Evidence, Retriever
 from coinrag.schemas.settings import BuildSettings
 from coinrag.storage.kv import CorruptKvEntry, KvStore, MissingKvEntry, UnstoredKvSlice
 from coinrag.storage.store import Store
@@ -45,12 +45,12 @@ class Index(Asset[Retriever]):
 
     @classmethod
     def load(cls, engine: RagEngine) -> Retriever:
-        from coinrag.inference.embedders import load_embedder
+        from coinrag.inference.retrieval.embedders import load_embedder
 
         embedder = engine.embedder
         if isinstance(embedder, str):
             embedder = load_embedder(embedder)
-        from coinrag.storage.index import LanceIndex
+        from coinrag.storage.index.lance import LanceIndex
 
         index = LanceIndex.open(engine.store, engine.published)
         return Retriever(engine.store, embedder, index, mode=engine.retrieval)
@@ -130,7 +130,7 @@ class IsolatedNuggetKv(StoredKv):
 
     @classmethod
     def load(cls, engine: RagEngine) -> StoredKvContext:
-        from coinrag.inference.encode import pad_id
+        from coinrag.inference.model.encode import pad_id
 
         stored = engine.asset(StoredKv)
         return IsolatedNuggetContext.sharing(

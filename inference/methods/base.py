@@ -39,7 +39,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from coinrag.inference.generate import Generation
+from coinrag.inference.model.generate import Generation
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import RAG_METHODS, BuildSettings
 from coinrag.storage.kv import CorruptKvEntry

@@ -1,6 +1,6 @@
 """``cacheblend`` and ``cacheblend-v``: TurboRAG's context (the top-``kc`` chunks' stored KV,
 re-rotated), then the tokens whose K (LMCache) or V (the CacheBlend paper) deviate most at the
-check layer recomputed with the query (``inference.blend``). ``ratio`` (0.15) and
+check layer recomputed with the query (``inference.context.blend``). ``ratio`` (0.15) and
 ``check_layer`` (1) are LMCache's defaults."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, ClassVar
 
-from coinrag.inference.blend import (
+from coinrag.inference.context.blend import (
     DEFAULT_CHECK_LAYER,
     DEFAULT_RATIO,
     Deviation,
@@ -17,11 +17,11 @@ from coinrag.inference.blend import (
     blend,
     check_blendable,
 )
-from coinrag.inference.encode import causal_lm
-from coinrag.inference.generate import Generation, Prefilled, decode_greedy
 from coinrag.inference.methods.assets import ChunkTokenIds, Index, StoredChunkKv
 from coinrag.inference.methods.base import Turn
 from coinrag.inference.methods.turborag import TurboRag
+from coinrag.inference.model.encode import causal_lm
+from coinrag.inference.model.generate import Generation, Prefilled, decode_greedy
 
 if TYPE_CHECKING:
     from coinrag.inference.methods.engine import RagEngine

@@ -2,11 +2,12 @@
 store, concatenate them after the prompt prefix, prefill only the query, decode.
 
 The context is ``C_p ⊕ Rot(Z_1; |p|) ⊕ Rot(Z_2; |p| + p_1) ⊕ ...``: the same assembly function
-the cartridges were trained with (``inference.assemble.assemble_cartridges``: cartridges are
+the cartridges were trained with (``inference.context.assemble.assemble_cartridges``: cartridges are
 stored at canonical positions and re-rotated to contiguous slots), so serving sees the structure
 training saw. Selection: ``doc_ids`` given, or the top-``k`` documents of a retriever
-(``inference.retrieve.Retriever.documents(question, k)``, anything with that method works), kept
-in retrieval order. :meth:`CartridgeRag.oracle` loads the right document's cartridge only.
+(``inference.retrieval.retriever.Retriever.documents(question, k)``, anything with that method
+works), kept in retrieval order. :meth:`CartridgeRag.oracle` loads the right document's cartridge
+only.
 
 Which cartridges: the newest stored version per document of one ``cartridge_fp``. Without one
 given, the ``cartridge_fp`` of the most recently written version in the store is used (the last
@@ -19,8 +20,8 @@ gives the text-RAG baseline on the same prompt (``prefix + doc tokens + query``,
 As a method of the engine (:class:`CartridgeMethod`, ``--method cartridge``): the store's
 cartridges are an asset (:class:`Cartridges`, a local store's only), retrieval is
 :class:`TopDocuments` (``k`` documents that have a cartridge; ``kc`` unused), and the model
-computes in the dtype cartridges are trained in (``inference.models.default_dtype``), which may
-differ from the store's KV dtype.
+computes in the dtype cartridges are trained in (``inference.model.loading.default_dtype``), which
+may differ from the store's KV dtype.
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coinrag.inference.assemble import assemble_cartridges
-from coinrag.inference.encode import prefix_kv
-from coinrag.inference.generate import Generation, prefill_and_decode
+from coinrag.inference.context.assemble import assemble_cartridges
 from coinrag.inference.methods.base import (
     Asset,
     OnToken,
@@ -43,8 +42,10 @@ from coinrag.inference.methods.base import (
     RetrievalRequest,
     Turn,
 )
-from coinrag.inference.models import LoadedModel, default_dtype
-from coinrag.inference.prompt import RagPrompt, require_question
+from coinrag.inference.model.encode import prefix_kv
+from coinrag.inference.model.generate import Generation, prefill_and_decode
+from coinrag.inference.model.loading import LoadedModel, default_dtype
+from coinrag.inference.model.prompt import RagPrompt, require_question
 from coinrag.inference.rope import model_rope
 from coinrag.schemas.settings import DEFAULT_QUERY
 from coinrag.schemas.tables import CartridgeManifestRow

@@ -17,7 +17,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from coinrag.inference.embedders import Embedder
 from coinrag.inference.methods.assets import Index
 from coinrag.inference.methods.base import (
     METHODS,
@@ -29,9 +28,10 @@ from coinrag.inference.methods.base import (
     methods_for,
     store_settings,
 )
-from coinrag.inference.models import LoadedModel
-from coinrag.inference.prompt import RagPrompt, require_question
-from coinrag.inference.retrieve import Retriever, search_mode
+from coinrag.inference.model.loading import LoadedModel
+from coinrag.inference.model.prompt import RagPrompt, require_question
+from coinrag.inference.retrieval.embedders import Embedder
+from coinrag.inference.retrieval.retriever import Retriever, search_mode
 from coinrag.schemas.settings import (
     DEFAULT_QUERY,
     DEFAULT_RAG_METHODS,
@@ -122,9 +122,9 @@ class RagEngine:
         store's ``kv_dtype`` (the dtype its KV was built in). ``model`` may be a KVLink adapter
         folder (``coinrag train kvlink``): the transformer its ``kvlink.json`` names is loaded,
         and ``kvlink`` uses its links."""
-        from coinrag.inference.kv_dtype import resolve_kv_dtype
-        from coinrag.inference.link import is_link_adapter, read_link_adapter_info
-        from coinrag.inference.models import load_model
+        from coinrag.inference.context.link import is_link_adapter, read_link_adapter_info
+        from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+        from coinrag.inference.model.loading import load_model
 
         store = Store.at(store_path)
         if methods is None:
@@ -166,7 +166,7 @@ class RagEngine:
         methods, so every asset loads now. :class:`VersionRefused` when the version needs
         another model than the one loaded (another ``model``, ``kv_dtype`` or embedder, or no
         KV for this model); the message names both."""
-        from coinrag.inference.kv_dtype import resolve_kv_dtype
+        from coinrag.inference.model.kv_dtype import resolve_kv_dtype
 
         toml = self.store.read_toml() if toml is None else toml
         settings = settings_from_toml(toml, self.store.uri(self.store.settings_path))
@@ -234,7 +234,7 @@ class RagEngine:
     def model_at(self, dtype: str) -> LoadedModel:
         """The generation model computing in ``dtype`` (loaded once per dtype)."""
         if dtype not in self._models:
-            from coinrag.inference.models import load_model
+            from coinrag.inference.model.loading import load_model
 
             self._models[dtype] = load_model(self.model_ref, device=self.device, dtype=dtype)
         return self._models[dtype]

@@ -1,9 +1,9 @@
 """What the KV-reuse methods share: answer from a context assembled out of stored KV.
 
 ``C_ctx = C_p ⊕ Rot(C_b1[s1:e1]; Δ1) ⊕ ...`` is built from the retrieved evidence by the
-store's :class:`~inference.context.StoredKvContext` (the builder fine-tuning's ``frozen`` mode
-uses too), written into the model forward's KV buffer (``inference/forward.py``), and only
-the query is prefilled after it (``inference.generate.prefill_and_decode``). Which spans
+store's :class:`~inference.context.builders.StoredKvContext` (the builder fine-tuning's ``frozen``
+mode uses too), written into the model forward's KV buffer (``inference/model/forward.py``), and
+only the query is prefilled after it (``inference.model.generate.prefill_and_decode``). Which spans
 (whole chunks or nugget slices) is the subclass's retrieval.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from coinrag.inference.context import ContextBuilder
-from coinrag.inference.generate import Generation, prefill_and_decode
+from coinrag.inference.context.builders import ContextBuilder
 from coinrag.inference.methods.assets import StoredKv, stored_context
 from coinrag.inference.methods.base import Asset, RagMethod, Turn
+from coinrag.inference.model.generate import Generation, prefill_and_decode
 
 if TYPE_CHECKING:
     import torch

@@ -1,5 +1,5 @@
 """``kvlink``: the top-``kc`` chunks' stored KV placed with a gap after each, trained link tokens
-and the query prefilled in one forward over it (``inference.link``), then greedy decoding.
+and the query prefilled in one forward over it (``inference.context.link``), then greedy decoding.
 
 The link tokens come from an adapter folder ``coinrag train kvlink`` writes
 (``kvlink.json`` + ``link_embeddings.safetensors``), given as the engine's model
@@ -16,11 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coinrag.inference.generate import Generation, Prefilled, decode_greedy
-from coinrag.inference.link import LinkAdapterInfo, LinkEmbeddings, link_forward, load_link_adapter
+from coinrag.inference.context.link import (
+    LinkAdapterInfo,
+    LinkEmbeddings,
+    link_forward,
+    load_link_adapter,
+)
 from coinrag.inference.methods.assets import Index, StoredChunkKv, StoredKv, kv_read_errors
 from coinrag.inference.methods.base import Asset, MissingAssets, Turn
 from coinrag.inference.methods.turborag import TurboRag
+from coinrag.inference.model.generate import Generation, Prefilled, decode_greedy
 
 if TYPE_CHECKING:
     from coinrag.inference.methods.engine import RagEngine

@@ -1,6 +1,6 @@
 """How the chunk and nugget methods retrieve: :class:`IndexSearch`, a search of the engine's
-:class:`~inference.methods.assets.Index` (``inference.retrieve.Retriever``), and the evidence
-rows their answers carry; each subclass says only which search it runs.
+:class:`~inference.methods.assets.Index` (``inference.retrieval.retriever.Retriever``), and the
+evidence rows their answers carry; each subclass says only which search it runs.
 
 - :class:`TopChunks`: the top-``kc`` chunks, each whole (turborag, standard: one shared result
   per ``kc``);
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from coinrag.inference.methods.assets import Index
 from coinrag.inference.methods.base import Retrieval, RetrievalRequest
-from coinrag.inference.retrieve import RetrievalResult, Retriever
+from coinrag.inference.retrieval.retriever import RetrievalResult, Retriever
 
 if TYPE_CHECKING:
     from coinrag.inference.methods.engine import RagEngine
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 class IndexSearch(Retrieval):
     """A search of the engine's :class:`~inference.methods.assets.Index` (a ``Retriever``):
-    spans of chunks (:class:`~inference.retrieve.RetrievalResult`), each an evidence row."""
+    spans of chunks (:class:`~inference.retrieval.retriever.RetrievalResult`), each an evidence
+    row."""
 
     def __call__(self, engine: RagEngine, request: RetrievalRequest) -> RetrievalResult:
         return self.search(engine.asset(Index), request)

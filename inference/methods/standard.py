@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from coinrag.inference.generate import Generation, prefill_and_decode
 from coinrag.inference.methods.assets import ChunkTokenIds, Index
 from coinrag.inference.methods.base import RagMethod, Turn
 from coinrag.inference.methods.retrievals import TopChunks
+from coinrag.inference.model.generate import Generation, prefill_and_decode
 
 
 class StandardRag(RagMethod, name="standard"):

@@ -127,8 +127,8 @@ class ApiServer:
     def open(cls, config: ServerConfig) -> ApiServer:
         """Set the process's threads, load the model, embedder and store views of the methods,
         and warm them (one throwaway query per method): the first request pays no cold start."""
-        from coinrag.inference.forward import set_default_forward
-        from coinrag.inference.threads import set_process_threads
+        from coinrag.inference.model.forward import set_default_forward
+        from coinrag.inference.model.threads import set_process_threads
 
         settings = config.api_settings()
         threads = set_process_threads(settings.threads)
@@ -174,7 +174,7 @@ class ApiServer:
         """One throwaway query per method, on the model thread (the indexes' first search, the
         KV manifest and readers, the model's first forwards; a compiled forward compiles the
         shapes of a served answer: the default ``max_new_tokens``, so the same KV buffer)."""
-        from coinrag.inference.forward import forward_for
+        from coinrag.inference.model.forward import forward_for
 
         compiled = forward_for(engine.model).kind == "compiled"
 

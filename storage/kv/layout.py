@@ -12,28 +12,28 @@ One entry (the KV of one chunk, or of the prompt prefix, or a cartridge) is a te
     kv[layer, kind, head, token, dim]      shape (layers, 2, kv_heads, tokens, head_dim)
 
 ``kind`` 0 is K, 1 is V. transformers caches ``(batch, kv_heads, seq, head_dim)`` per layer
-(``DynamicCache.layers[i].keys`` / ``.values``); ``inference/encode.py`` is the one module that
-converts between such a cache and this layout (``cache_to_kv``, ``to_dynamic_cache``). The dtype
-is the model's (``bfloat16``, ``float16`` or ``float32``).
+(``DynamicCache.layers[i].keys`` / ``.values``); ``inference/model/encode.py`` is the one module
+that converts between such a cache and this layout (``cache_to_kv``, ``to_dynamic_cache``). The
+dtype is the model's (``bfloat16``, ``float16`` or ``float32``).
 
 After RoPE, at the positions of the forward that computed it
 -----------------------------------------------------------
 Keys are held *after* RoPE, exactly as transformers caches them. A chunk's entry was computed by
-``forward(chunk, past_key_values=C_p)`` (``inference/encode.py``): token ``t`` of the chunk sits
-at absolute position ``|p| + t``, right after the RAG prompt prefix ``p``
-(``inference/prompt.py``), attending to ``p`` and to the chunk's earlier tokens, in a forward of
-length ``|p| + tokens`` (RoPE types whose frequencies depend on the length, ``dynamic`` and
+``forward(chunk, past_key_values=C_p)`` (``inference/model/encode.py``): token ``t`` of the chunk
+sits at absolute position ``|p| + t``, right after the RAG prompt prefix ``p``
+(``inference/model/prompt.py``), attending to ``p`` and to the chunk's earlier tokens, in a forward
+of length ``|p| + tokens`` (RoPE types whose frequencies depend on the length, ``dynamic`` and
 ``longrope``, use that length). ``C_p`` (the prefix's own KV) sits at ``0 .. |p| - 1``. A
 cartridge (``training/cartridges.py``) is held at the canonical positions ``0 .. p - 1``. Values
 do not depend on position.
 
 After re-rotation (assembly)
 ----------------------------
-``inference/assemble.py`` moves slices of entries to new contiguous positions after ``C_p`` by
-re-rotating their keys (``inference/rope.py``: exact RoPE rotations, the length-dependent
-frequencies of the forward the assembled context stands for); values are copied as they are.
-The assembled context keeps this layout, ``(layers, 2, kv_heads, |p| + Σ n_i, head_dim)``, and
-enters the model as a batch-1 ``DynamicCache``.
+``inference/context/assemble.py`` moves slices of entries to new contiguous positions after ``C_p``
+by re-rotating their keys (``inference/rope/__init__.py``: exact RoPE rotations, the
+length-dependent frequencies of the forward the assembled context stands for); values are copied as
+they are. The assembled context keeps this layout, ``(layers, 2, kv_heads, |p| + Σ n_i, head_dim)``,
+and enters the model as a batch-1 ``DynamicCache``.
 
 On disk (``STORE/kv/<kv_fp>/``, a Zarr 3 group)
 -----------------------------------------------

@@ -553,7 +553,7 @@ class KvStore:
         chunk.n_tokens, head_dim)`` in the layout's dtype, or ``(KvEntry, kv)`` with ``kv``
         what the entry stores (``KvEntry.cut``: its kept ranges, concatenated); keys in the
         layout's frame (after RoPE, or rotated back to position 0 where
-        ``layout.keys_at_zero``: the model side, ``inference/encode.py``, hands them so, and
+        ``layout.keys_at_zero``: the model side, ``inference/model/encode.py``, hands them so, and
         the ranges are cut after that rotation). Entries are keyed by their key (the
         ``content_key`` of a whole chunk); a key repeated in ``entries`` is stored once (first
         wins). Each shard is written whole, read back and verified, renamed into place, and only

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from coinrag.inference.llm_client import CallRecord
+from coinrag.inference.llm.client import CallRecord
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import EXTRACTORS, BuildSettings
 

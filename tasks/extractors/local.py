@@ -8,8 +8,8 @@ it stops, and when the list ends; every candidate is verbatim by construction. T
 ``tasks/extractors/span_copy.py``.
 
 Two drivers make the same greedy choices, ``batch_size`` passages at a time (left-padded), both
-``inference/constrained.py``: ``driver="jump"`` (default) is a loop over one KV cache that feeds
-every forced token (inside a word, between two places to stop) in the same forward pass
+``inference/model/constrained.py``: ``driver="jump"`` (default) is a loop over one KV cache that
+feeds every forced token (inside a word, between two places to stop) in the same forward pass
 ("jump-forward") and runs the model only where there is a choice; ``driver="generate"`` is
 ``model.generate`` with the constraint as a ``LogitsProcessor``, one forward pass per token (the
 reference).
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from coinrag.inference.constrained import (
+from coinrag.inference.llm.client import CallRecord
+from coinrag.inference.model.constrained import (
     GreedyChoice,
     PromptPrefix,
     decode_constrained,
     decode_with_generate,
 )
-from coinrag.inference.llm_client import CallRecord
 from coinrag.schemas.keys import fingerprint, sha256_hex
 from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (
@@ -137,7 +137,7 @@ class SpanRules:
 class LocalConstrainedExtractor(Extractor, name="local"):
     """Verbatim nugget spans chosen by a local causal LM under constrained decoding.
 
-    Options: ``model`` (a reference for ``inference.models.load_model``; None = packaged
+    Options: ``model`` (a reference for ``inference.model.loading.load_model``; None = packaged
     SmolLM2-135M-Instruct; or an already loaded ``LoadedModel``), ``max_nuggets`` and
     ``spans`` (:class:`SpanRules`: at most ``max(max_nuggets, ceil(spans_per_head * heads))``
     spans per passage, ``heads`` its clauses with a place to start), ``device``, ``batch_size``
@@ -196,7 +196,7 @@ class LocalConstrainedExtractor(Extractor, name="local"):
     def loaded(self) -> Any:
         """The ``LoadedModel`` (loaded on first access)."""
         if self._loaded is None:
-            from coinrag.inference.models import load_shared_model
+            from coinrag.inference.model.loading import load_shared_model
 
             # Shared with the KV stage of the same build: one copy of the weights per process.
             ref = None if self.model_ref is None else str(self.model_ref)
@@ -207,13 +207,13 @@ class LocalConstrainedExtractor(Extractor, name="local"):
     def model_fp(self) -> str:
         """The model's fingerprint, computed without loading the weights when not loaded yet.
 
-        Same recipe as ``inference.models.load_model`` (config, weights hash, dtype, tokenizer):
-        asking which chunks are already extracted must not cost a model load.
+        Same recipe as ``inference.model.loading.load_model`` (config, weights hash, dtype,
+        tokenizer): asking which chunks are already extracted must not cost a model load.
         """
         if self._loaded is not None:
             return self._loaded.model_fp
         if self._model_fp is None:
-            from coinrag.inference.models import reference_model_fingerprint
+            from coinrag.inference.model.loading import reference_model_fingerprint
 
             self._model_fp = reference_model_fingerprint(self.model_ref, self.device)
         return self._model_fp

@@ -20,7 +20,7 @@ next round sends a *repair* request (the reply and its parse error quoted back,
 ``prompt.repair_messages``), and a malformed answer to that settles the request as
 ``status="malformed"`` (``tasks/extract.py`` settles those across builds).
 
-Ledger: one :class:`~inference.llm_client.CallRecord` per request per round (``attempt`` = the
+Ledger: one :class:`~inference.llm.client.CallRecord` per request per round (``attempt`` = the
 round), with ``custom_id``, ``batch_id``, tokens from the answer's ``usage`` and the cost at batch
 prices; status ``ok``, ``salvaged``, ``malformed``, ``expired`` or ``error``.
 
@@ -47,7 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from coinrag.inference.llm_client import (
+from coinrag.inference.llm.client import (
     CallRecord,
     LlmEndpoint,
     MalformedResponse,
@@ -55,7 +55,7 @@ from coinrag.inference.llm_client import (
     classify_error,
     new_call_id,
 )
-from coinrag.inference.llm_pricing import call_cost
+from coinrag.inference.llm.pricing import call_cost
 from coinrag.schemas.keys import sha256_hex
 from coinrag.schemas.settings import BuildSettings
 from coinrag.tasks.extractors.base import (

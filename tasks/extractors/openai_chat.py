@@ -3,8 +3,8 @@
 Works with api.openai.com and with any OpenAI-compatible server (``base_url=``). The official
 ``openai.OpenAI`` client reads ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL`` itself; its own retries
 are switched off (``max_retries=0``) so that every HTTP attempt is retried, timed and ledgered
-here, as one :class:`~inference.llm_client.CallRecord` each (the client, retries, error
-classes and scrubbing are ``inference/llm_client.py``'s, shared with self-study).
+here, as one :class:`~inference.llm.client.CallRecord` each (the client, retries, error
+classes and scrubbing are ``inference/llm/client.py``'s, shared with self-study).
 
 Retries: 429 (honouring ``Retry-After`` / ``retry-after-ms``), 5xx, 408/409, timeouts and
 connection errors, with exponential backoff and jitter, up to ``max_attempts`` per request; after
@@ -26,7 +26,7 @@ does not support it falls back to ``json_object``, then to plain prompting, and 
 decision for the rest of the extractor's life. The fingerprint holds the *requested* mode.
 
 The API key never appears in a ledger row, a log line or an error message produced here: every
-text coming from the client is passed through ``inference.llm_client.scrub``.
+text coming from the client is passed through ``inference.llm.client.scrub``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 import openai
 
-from coinrag.inference.llm_client import (
+from coinrag.inference.llm.client import (
     CallRecord,
     LlmEndpoint,
     MalformedResponse,

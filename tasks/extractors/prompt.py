@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from coinrag.inference.llm_client import MalformedResponse
+from coinrag.inference.llm.client import MalformedResponse
 from coinrag.schemas.keys import sha256_hex
 
 SYSTEM_PROMPT = (

@@ -37,9 +37,9 @@ ceil(spans_per_head * heads))`` spans per passage: every head, plus spans of the
 A start token may begin several words (``" the"``); all of them stay candidates and the following
 tokens narrow them down, so the model's choice is never silently redirected.
 
-The machine is driven by ``inference.constrained.decode_constrained`` (``tasks/extractors/local.py``
-builds one per passage); any choice among ``allowed()``, even a random one, gives verbatim,
-ordered, non-overlapping, word-aligned spans.
+The machine is driven by ``inference.model.constrained.decode_constrained``
+(``tasks/extractors/local.py`` builds one per passage); any choice among ``allowed()``, even a
+random one, gives verbatim, ordered, non-overlapping, word-aligned spans.
 """
 
 from __future__ import annotations

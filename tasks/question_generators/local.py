@@ -1,5 +1,5 @@
 """Questions from a local causal LM (backend ``local``): sampled under the JSON-array skeleton
-(``skeleton.py``) by ``inference.constrained.decode_constrained``, each call with a generator
+(``skeleton.py``) by ``inference.model.constrained.decode_constrained``, each call with a generator
 seeded from its call key. The output always parses; usability is measured by the same filter
 as the OpenAI path (``accept.py``).
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.constrained import SampledChoice, decode_constrained
-from coinrag.inference.llm_client import CallRecord, new_call_id
+from coinrag.inference.llm.client import CallRecord, new_call_id
+from coinrag.inference.model.constrained import SampledChoice, decode_constrained
 from coinrag.schemas.settings import CartridgeSettings
 from coinrag.tasks.question_generators.accept import MalformedQuestions, parse_questions
 from coinrag.tasks.question_generators.base import (
@@ -63,7 +63,7 @@ class QuestionSampling:
 class LocalQuestionGenerator(QuestionGenerator, name="local"):
     """Questions from a local causal LM under the JSON-array skeleton constraint (module doc).
 
-    ``model``: a reference for ``inference.models.load_model`` (None: packaged SmolLM2) or a
+    ``model``: a reference for ``inference.model.loading.load_model`` (None: packaged SmolLM2) or a
     loaded ``LoadedModel``. Calls are run ``batch_size`` at a time; each samples with a
     generator seeded from its call key, so a call's questions do not depend on the batch.
     """
@@ -98,7 +98,7 @@ class LocalQuestionGenerator(QuestionGenerator, name="local"):
     @property
     def loaded(self) -> Any:
         if self._loaded is None:
-            from coinrag.inference.models import load_model
+            from coinrag.inference.model.loading import load_model
 
             self._loaded = load_model(self.model_ref, device=self.device)
         return self._loaded

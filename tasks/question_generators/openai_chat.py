@@ -1,5 +1,5 @@
 """Questions from chat completions (backend ``openai``): GPT-4o-mini or any OpenAI-compatible
-endpoint, through ``inference/llm_client.py`` as the extractors use it (client without its own
+endpoint, through ``inference/llm/client.py`` as the extractors use it (client without its own
 retries, retries with backoff and ``Retry-After``, fatal errors stop the run, secrets scrubbed);
 every HTTP attempt is a ledger row (``extraction_calls``, backend ``selfstudy-openai``). An
 answer that is not a JSON array is ``malformed`` (cached, not retried; ``accept.py``).
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from coinrag.inference.llm_client import (
+from coinrag.inference.llm.client import (
     CallRecord,
     LlmEndpoint,
     MalformedResponse,

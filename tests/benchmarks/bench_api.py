@@ -169,7 +169,7 @@ def interleaved(
     server at 1 client, one question each in turn, so both see the same machine load: the
     in-process TTFTs and the served phase."""
     from coinrag.inference.methods import RagEngine
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.model.threads import set_process_threads
 
     set_process_threads(args.threads)
     engine = RagEngine.open(str(store), max_new_tokens=args.max_new_tokens, methods=[args.method])

@@ -1,4 +1,4 @@
-"""Assembly of a context from stored KV slices (``inference.assemble.place_slices``), one
+"""Assembly of a context from stored KV slices (``inference.context.assemble.place_slices``), one
 thread, SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf16), keys stored at position 0
 (a quantized store) so every slice is rotated:
 
@@ -19,8 +19,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from coinrag.inference.assemble import KvSlice, place_slices  # noqa: E402
-from coinrag.inference.models import load_model  # noqa: E402
+from coinrag.inference.context.assemble import KvSlice, place_slices  # noqa: E402
+from coinrag.inference.model.loading import load_model  # noqa: E402
 from coinrag.inference.rope import RopeSpec  # noqa: E402
 
 LAYERS, HEADS, DIM, PREFIX = 30, 3, 64, 32

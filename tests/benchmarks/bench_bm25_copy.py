@@ -1,4 +1,4 @@
-"""The reader's in-memory BM25 copy (``storage/index_bm25.py``) against LanceDB's full-text
+"""The reader's in-memory BM25 copy (``storage/index/bm25.py``) against LanceDB's full-text
 index on a real store, read-only: exactness and per-query time. Runnable alone::
 
     OMP_NUM_THREADS=1 nice -n 19 python tests/benchmarks/bench_bm25_copy.py STORE Q.jsonl ...
@@ -8,7 +8,7 @@ for every question (``{"question": ...}`` per line of each file) the top-``--k``
 unfiltered and (nuggets) prefiltered to the nuggets of LanceDB's top-``--kc`` chunks for that
 question (the second stage of two-stage retrieval), and counts: identical top-k (ids in order),
 identical up to the order (and the choice at the cut) among rows of equal scores within
-float32 rounding (``storage.index_bm25.same_answers``), other, and how many return the same
+float32 rounding (``storage.index.bm25.same_answers``), other, and how many return the same
 set of ids; the largest relative score difference; the mean and median time per query of each
 (LanceDB returning ids and scores only).
 """
@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from coinrag.storage.index import LanceIndex
-from coinrag.storage.index_bm25 import Bm25Index, same_answers
-from coinrag.storage.index_search import IndexSearch
-from coinrag.storage.index_tables import ID_COLUMNS, in_filter
+from coinrag.storage.index.bm25 import Bm25Index, same_answers
+from coinrag.storage.index.lance import LanceIndex
+from coinrag.storage.index.search import IndexSearch
+from coinrag.storage.index.tables import ID_COLUMNS, in_filter
 from coinrag.storage.store import Store
 
 

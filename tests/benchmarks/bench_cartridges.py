@@ -46,12 +46,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from coinrag.flows.cartridges import build_pool, train_key  # noqa: E402
-from coinrag.inference.assemble import assemble_cartridges  # noqa: E402
-from coinrag.inference.encode import document_kv, prefix_kv, to_dynamic_cache  # noqa: E402
-from coinrag.inference.generate import prefill_and_decode  # noqa: E402
+from coinrag.inference.context.assemble import assemble_cartridges  # noqa: E402
 from coinrag.inference.methods.cartridge import CartridgeRag, text_rag_answer  # noqa: E402
-from coinrag.inference.models import load_model  # noqa: E402
-from coinrag.inference.prompt import RagPrompt  # noqa: E402
+from coinrag.inference.model.encode import document_kv, prefix_kv, to_dynamic_cache  # noqa: E402
+from coinrag.inference.model.generate import prefill_and_decode  # noqa: E402
+from coinrag.inference.model.loading import load_model  # noqa: E402
+from coinrag.inference.model.prompt import RagPrompt  # noqa: E402
 from coinrag.inference.rope import RopeSpec  # noqa: E402
 from coinrag.schemas.keys import CODE_VERSION, doc_version  # noqa: E402
 from coinrag.schemas.settings import CartridgeSettings, TeacherSettings  # noqa: E402
@@ -133,7 +133,7 @@ class MiniLMRetriever:
     """Top-k documents by cosine similarity of MiniLM vectors (title + summary)."""
 
     def __init__(self, docs: dict[str, str]) -> None:
-        from coinrag.inference.embedders import load_embedder
+        from coinrag.inference.retrieval.embedders import load_embedder
 
         self.embedder = load_embedder("minilm")
         self.ids = list(docs)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
+from coinrag.inference.model.loading import load_tokenizer, tokenizer_fingerprint
 from coinrag.tasks.chunk import chunk_document
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (store_fixtures)

@@ -3,7 +3,7 @@
 The default embedder (all-MiniLM-L6-v2) keeps 256 word pieces, about a third of a 512-token chunk
 of the generation model (~700 word pieces of the Python docs), so a chunk's one vector says
 nothing about most of its text. The index therefore holds each chunk's windows (the ``windows``
-table, ``inference/windows.py``: pieces the embedder sees whole, covering the chunk). This
+table, ``inference/retrieval/windows.py``: pieces the embedder sees whole, covering the chunk). This
 benchmark compares, on a built store (its index: chunk, window and nugget vectors, the
 full-text index) and question files with gold ``doc_ids`` (hit@kc: a chunk of a gold document
 among the top ``kc``), the chunk scores:
@@ -15,9 +15,9 @@ among the top ``kc``), the chunk scores:
 - ``avg(a,b)`` / ``max(a,b)``: the mean / larger of two of those;
 - ``lexical``: BM25 over the whole search text (the index's full-text index);
 - ``hybrid-<dense>``: that dense ranking and lexical's (each its top ``--depth`` rows) fused as
-  hybrid search fuses them (``inference.retrieve.relative_scores``: min-max normalised scores,
-  dense weighted ``HYBRID_DENSE_WEIGHT``); ``hybrid-<dense>-a<w>``: with dense weighted ``w``
-  (``--weights``); ``rrf-<dense>``: equal-weight reciprocal rank fusion (k 60), the fusion
+  hybrid search fuses them (``inference.retrieval.retriever.relative_scores``: min-max normalised
+  scores, dense weighted ``HYBRID_DENSE_WEIGHT``); ``hybrid-<dense>-a<w>``: with dense weighted
+  ``w`` (``--weights``); ``rrf-<dense>``: equal-weight reciprocal rank fusion (k 60), the fusion
   hybrid search used before, and ``rrf-<dense>-wL<w>`` with lexical weighted ``w``.
 
 Variants that need a table the store lacks (nuggets of an ``extractor = "none"`` store, windows
@@ -40,14 +40,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from coinrag.inference.embedders import load_embedder  # noqa: E402
-from coinrag.inference.retrieve import (  # noqa: E402
+from coinrag.inference.retrieval.embedders import load_embedder  # noqa: E402
+from coinrag.inference.retrieval.retriever import (  # noqa: E402
     HYBRID_DENSE_WEIGHT,
     HYBRID_DEPTH,
     relative_scores,
 )
 from coinrag.schemas.qa import load_questions  # noqa: E402
-from coinrag.storage.index import LanceIndex  # noqa: E402
+from coinrag.storage.index.lance import LanceIndex  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from coinrag.inference.models import load_tokenizer, tokenizer_fingerprint
+from coinrag.inference.model.loading import load_tokenizer, tokenizer_fingerprint
 from coinrag.tasks.chunk import chunk_document
 from coinrag.tasks.chunk_content import ContentParams
 

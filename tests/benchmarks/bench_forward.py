@@ -13,7 +13,7 @@ about the sample), opens one engine (one model), then:
 1. per forward kind, the warm-up: one untimed answer per method (``coinrag eval``'s warm-up;
    compiled: the graphs of its shapes compile here) and its wall time. The kinds:
    ``plain`` = what every method ran before (the transformers model call on a
-   ``DynamicCache``, logits of every query position), ``eager`` = ``inference/forward.py``'s
+   ``DynamicCache``, logits of every query position), ``eager`` = ``inference/model/forward.py``'s
    static KV buffer, uncompiled, ``compiled`` = the same step under torch.compile;
 2. ``--questions`` questions, each answered by every method with every kind in turn
    (interleaved, so all see the same machine load): per method and kind TTFT mean and
@@ -101,7 +101,7 @@ def plain_forward(model: Any) -> Any:
     logits of every query position (a forward kind of its own, ``plain``)."""
     import torch
 
-    from coinrag.inference.forward import ForwardRun, TransformersForward
+    from coinrag.inference.model.forward import ForwardRun, TransformersForward
 
     class PlainRun(ForwardRun):
         def __init__(self, cache: Any, position: int) -> None:
@@ -144,13 +144,13 @@ def main() -> None:
     args = parser.parse_args()
     start_load = load()
 
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.model.threads import set_process_threads
 
     threads = set_process_threads(args.threads)
     store = args.store or build_store(args.docs, Path(tempfile.mkdtemp(prefix="bench-fwd-")))
 
-    from coinrag.inference.forward import install_forward, use_forward
     from coinrag.inference.methods import RagEngine
+    from coinrag.inference.model.forward import install_forward, use_forward
 
     if args.questions_file:
         lines = args.questions_file.read_text(encoding="utf-8").splitlines()

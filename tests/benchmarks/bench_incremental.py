@@ -17,7 +17,7 @@ computed and reused, texts embedded and embeddings read from the cache); rows an
 per store part after each build (``tables/`` per table, ``kv/`` entries, ``index/`` rows).
 Both builds run in this process: the temporary local Prefect API (when ``PREFECT_API_URL`` is
 unset) is started before the timed builds, and the generation model, loaded once per process
-(``inference.models.load_shared_model``), is loaded by the first build only; separate
+(``inference.model.loading.load_shared_model``), is loaded by the first build only; separate
 ``coinrag build`` processes would each pay that load too.
 """
 
@@ -131,7 +131,7 @@ def _bytes_under(path: Path) -> int:
 def store_footprint(store_dir: Path) -> dict[str, Any]:
     """Rows and bytes on disk per store part: tables (per table), kv, index, the rest."""
     from coinrag.schemas.tables import TABLES
-    from coinrag.storage.index import LanceIndex
+    from coinrag.storage.index.lance import LanceIndex
     from coinrag.storage.store import Store
     from coinrag.storage.tables import read_table, table_files
 

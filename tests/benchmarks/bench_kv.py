@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from coinrag.inference.encode import bare_forward_seconds  # noqa: E402
-from coinrag.inference.models import load_model, load_tokenizer, tokenizer_fingerprint  # noqa: E402
-from coinrag.inference.prompt import RagPrompt  # noqa: E402
+from coinrag.inference.model.encode import bare_forward_seconds  # noqa: E402
+from coinrag.inference.model.loading import load_model, load_tokenizer, tokenizer_fingerprint  # noqa: E402
+from coinrag.inference.model.prompt import RagPrompt  # noqa: E402
 from coinrag.storage.kv import KvLayout, KvStore  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
 from coinrag.tasks.chunk import chunk_document  # noqa: E402

@@ -25,7 +25,7 @@ the float context: per layer ``‖x̂ − x‖ / ‖x‖`` of the entries read (
 and worst layer), the attention logits of the float run's queries over the context keys
 (``mean |Δ| / mean |logit|`` per layer: mean over layers, worst layer), the next-token KL
 divergence over the query's positions and the top-1 agreement; then F1 / EM / recall of
-``coinrag eval`` (``inference.evaluate.evaluate``) on the same questions, per variant.
+``coinrag eval`` (``inference.evaluation.evaluate.evaluate``) on the same questions, per variant.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from coinrag.inference.assemble import KvSlice, assemble_context  # noqa: E402
-from coinrag.inference.encode import keys_to_position_zero, to_dynamic_cache  # noqa: E402
+from coinrag.inference.context.assemble import KvSlice, assemble_context  # noqa: E402
+from coinrag.inference.model.encode import keys_to_position_zero, to_dynamic_cache  # noqa: E402
 from coinrag.inference.rope import RopeSpec, reset_rotary  # noqa: E402
 from coinrag.storage.kv import KvLayout, KvStore  # noqa: E402
 from coinrag.storage.kv.codecs import dequantize, quantize  # noqa: E402
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-kv-codecs-"))
     work.mkdir(parents=True, exist_ok=True)
     questions_path, store = prepare(work, args.kv_dtype, args.store)
-    from coinrag.inference.evaluate import evaluate, load_questions
+    from coinrag.inference.evaluation.evaluate import evaluate, load_questions
     from coinrag.inference.methods import RagEngine
     from coinrag.inference.methods.assets import StoredKv
 

@@ -114,8 +114,8 @@ def coverage(store: Path) -> dict[str, float]:
 def answers(store: Path, questions: list[dict], kc: int, k: int) -> dict[str, float]:
     """Answer-word recall in the retrieved nuggets, the retrieved chunks, the gold page's
     nuggets (see the module docstring)."""
-    from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.schemas.tables import NuggetRow
     from coinrag.storage.store import Store
     from coinrag.storage.tables import read_rows
@@ -146,8 +146,8 @@ def answers(store: Path, questions: list[dict], kc: int, k: int) -> dict[str, fl
 
 
 def showcase(store: Path, kc: int, k: int) -> str:
-    from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.storage.store import Store
 
     two = Retriever(Store.at(store), load_embedder("minilm")).two_stage(

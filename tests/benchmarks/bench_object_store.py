@@ -72,8 +72,8 @@ def main() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     server = start_s3()
     from coinrag.flows.build import build_flow
-    from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.storage.gc import kv_fps
     from coinrag.storage.kv import KvStore
     from coinrag.storage.location import object_filesystem

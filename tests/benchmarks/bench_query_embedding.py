@@ -1,7 +1,7 @@
 """Where a question's embedding goes: the default embedder's forward in float32, with bf16
 weights (transformers' forward, and the lean BERT forward the bf16 question copy runs:
-``inference/lean_encoder.py``), and with int8 dynamic quantization, side by side in one run on
-one thread.
+``inference/retrieval/lean_encoder.py``), and with int8 dynamic quantization, side by side in one
+run on one thread.
 
 For each variant: median and p90 ms of ``embed one question`` (tokenizer + forward + mean
 pooling + L2 normalisation) over the question file, and the smallest cosine of its vectors to
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from coinrag.inference.embedders import load_embedder
-from coinrag.inference.lean_encoder import LeanBertEncoder
+from coinrag.inference.retrieval.embedders import load_embedder
+from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder
 
 
 def _vector(model: torch.nn.Module | LeanBertEncoder, tokenizer, question: str) -> np.ndarray:

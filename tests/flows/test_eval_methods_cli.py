@@ -92,7 +92,7 @@ def trained_links(tiny_store: dict, sample_corpus: Path) -> Path:
 
 
 def test_train_kvlink_then_answer_with_its_links(tiny_store: dict, trained_links: Path) -> None:
-    from coinrag.inference.link import load_link_adapter
+    from coinrag.inference.context.link import load_link_adapter
     from coinrag.schemas.tables import RunRow
     from coinrag.storage.store import Store
     from coinrag.storage.tables import read_rows

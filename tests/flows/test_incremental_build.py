@@ -14,7 +14,7 @@ from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from coinrag.flows.build import build_flow
 from coinrag.schemas.keys import text_hash
 from coinrag.schemas.tables import ChunkRow, EmbeddingRow, KvManifestRow, NuggetRow
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
 from coinrag.tasks.embed import nugget_text
@@ -131,7 +131,7 @@ def test_producer_changes_invalidate_exactly_their_dependents(
 ):
     from test_index_retrieval import _save_tiny
 
-    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import load_embedder
 
     src = write_corpus(tmp_path / "docs.jsonl", sample_docs(sample_corpus, 3))
     store = tmp_path / "store"

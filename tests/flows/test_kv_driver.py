@@ -18,9 +18,9 @@ import torch
 from store_fixtures import TINY_DIMS
 
 from coinrag.flows.scaleout import DaskRunner, LocalRunner, RayRunner, Runner
-from coinrag.inference.encode import KvModel, kv_layout
-from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.encode import KvModel, kv_layout
+from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.schemas.keys import fingerprint
 from coinrag.schemas.settings import BuildSettings, SettingsError
 from coinrag.storage.kv import KvStore, to_storage

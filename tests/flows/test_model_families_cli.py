@@ -27,8 +27,8 @@ from transformers import (
     SmolLM3Config,
 )
 
-from coinrag.inference.models import locate_model
-from coinrag.inference.support import (
+from coinrag.inference.model.loading import locate_model
+from coinrag.inference.model.support import (
     UnsupportedModel,
     check_config,
     check_model_reference,

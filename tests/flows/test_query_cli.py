@@ -96,7 +96,7 @@ def test_query_errors(built_store: Path, tmp_path: Path) -> None:
 def test_the_forward_setting_keeps_the_answer(built_store: Path) -> None:
     """``--forward eager`` (the static KV buffer) answers what ``auto`` does on a CPU; the
     one-shot query never compiles unless asked."""
-    from coinrag.inference.forward import _DEFAULT
+    from coinrag.inference.model.forward import _DEFAULT
 
     auto = _query(built_store, "coinrag")
     assert _DEFAULT == {"setting": "auto", "serving": False}

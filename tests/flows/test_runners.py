@@ -19,7 +19,7 @@ from coinrag.flows.cli import app
 from coinrag.flows.scaleout import task_runner
 from coinrag.schemas.settings import BuildSettings, SettingsError
 from coinrag.schemas.tables import TABLES, ChunkRow
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.kv import KvStore, to_storage
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows, read_table

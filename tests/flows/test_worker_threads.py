@@ -1,4 +1,4 @@
-"""Threads of scale-out workers (``inference.threads.worker_threads``, applied by the KV and
+"""Threads of scale-out workers (``inference.model.threads.worker_threads``, applied by the KV and
 embedding tasks of ``flows/scaleout.py``): a local cluster's workers share this machine's CPUs;
 an explicit ``threads`` reaches every worker; a remote cluster's workers resolve their own."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coinrag.flows.scaleout import _worker_threads, embed_part_task
-from coinrag.inference import threads
+from coinrag.inference.model import threads
 from coinrag.schemas.settings import BuildSettings
 
 

@@ -1,5 +1,5 @@
-"""Oracles for CoinRAG's ablation contexts (``inference/context.py``), against transformers'
-own forward on tiny random-weight Qwen2 / Llama-3 / Qwen3 (fp32):
+"""Oracles for CoinRAG's ablation contexts (``inference/context/builders.py``), against
+transformers' own forward on tiny random-weight Qwen2 / Llama-3 / Qwen3 (fp32):
 
 - isolated encoding (``coinrag-isolated``): a nugget's tokens encoded alone after ``C_p`` by
   :func:`encode_after_prefix`, then the query, give the logits of one forward over
@@ -19,8 +19,8 @@ import torch
 from kv_oracle import cached_logits, chunk_kv, max_abs, prefix_kv, standard_logits
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from coinrag.inference.assemble import KvSlice, assemble_context
-from coinrag.inference.context import UnalignedContext, encode_after_prefix
+from coinrag.inference.context.assemble import KvSlice, assemble_context
+from coinrag.inference.context.builders import UnalignedContext, encode_after_prefix
 from coinrag.inference.rope import RopeSpec
 
 LOGIT_ATOL_FP32 = 2e-4

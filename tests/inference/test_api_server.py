@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
 from coinrag.inference.server.app import RUN_HEADER, ServerConfig
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.store import Store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "one_torch_thread")

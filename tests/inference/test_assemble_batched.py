@@ -1,7 +1,7 @@
 """The fast paths of assembly give the values of the plain ones bit for bit (RoPE acts on each
-token alone): slices written straight into the result (``inference.assemble.
+token alone): slices written straight into the result (``inference.context.assemble.
 _placed_into_one``) against a rotation per slice and a concatenation, and the rotation one
-layer at a time (``inference.rope_rotate._rotate_tiled``) against the whole tensor at once."""
+layer at a time (``inference.rope.rotate._rotate_tiled``) against the whole tensor at once."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from store_fixtures import TINY_ARCHITECTURES, TINY_DIMS, tiny_config
 
-from coinrag.inference.assemble import KvSlice, _rotated, place_slices, rotate_placed_keys
+from coinrag.inference.context.assemble import KvSlice, _rotated, place_slices, rotate_placed_keys
 from coinrag.inference.rope import RopeSpec
-from coinrag.inference.rope_rotate import _rotate, _rotate_tiled
+from coinrag.inference.rope.rotate import _rotate, _rotate_tiled
 
 
 def _kv(config, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

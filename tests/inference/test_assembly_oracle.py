@@ -21,9 +21,9 @@ import torch
 from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from coinrag.inference.assemble import KvSlice, assemble_context
-from coinrag.inference.encode import from_cache, to_dynamic_cache
-from coinrag.inference.generate import prefill_and_decode
+from coinrag.inference.context.assemble import KvSlice, assemble_context
+from coinrag.inference.model.encode import from_cache, to_dynamic_cache
+from coinrag.inference.model.generate import prefill_and_decode
 from coinrag.inference.rope import RopeSpec
 
 LOGIT_ATOL_FP32 = 2e-4
@@ -58,13 +58,13 @@ def _configs():
 @pytest.fixture(scope="module", params=["qwen2", "llama3", "qwen3", "smollm2"])
 def model_and_vocab(request):
     if request.param == "smollm2":
-        from coinrag.inference.models import load_model
+        from coinrag.inference.model.loading import load_model
 
         loaded = load_model(None)
         return loaded.model, loaded.tokenizer, 49152
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_configs()[request.param], dtype=torch.float32).eval()
-    from coinrag.inference.models import load_tokenizer
+    from coinrag.inference.model.loading import load_tokenizer
 
     return model, load_tokenizer(None), 500
 

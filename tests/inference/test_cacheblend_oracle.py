@@ -1,4 +1,4 @@
-"""CacheBlend (``inference/blend.py``) against transformers' own computation.
+"""CacheBlend (``inference/context/blend.py``) against transformers' own computation.
 
 Three chunks encoded as the store encodes them (each after the prompt prefix), blended with a
 query. The two ends of the recompute ratio are exact computations:
@@ -23,7 +23,7 @@ import torch
 from kv_oracle import cached_logits, greedy_after, max_abs, standard_logits, turbo_context
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from coinrag.inference.blend import (
+from coinrag.inference.context.blend import (
     KeyDeviation,
     UnsupportedBlend,
     ValueDeviation,
@@ -118,7 +118,7 @@ def test_selection_count_and_the_exact_first_chunk(tiny_case: Case) -> None:
 
 def test_smollm2_ends_of_the_ratio() -> None:
     """The same two oracles on SmolLM2-135M (30 layers, |logits| up to ~30)."""
-    from coinrag.inference.models import load_shared_model
+    from coinrag.inference.model.loading import load_shared_model
 
     loaded = load_shared_model(None)
     case = Case(loaded.model, 49152, lengths=(24, 20, 16), prefix_len=8, query_len=6)

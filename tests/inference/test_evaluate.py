@@ -10,14 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from coinrag.inference.evaluate import (
+from coinrag.inference.evaluation.evaluate import (
     doc_recall,
     evaluate,
     exact_match,
     normalize_answer,
     token_f1,
 )
-from coinrag.inference.report import aggregate, best_under_budget, p99
+from coinrag.inference.evaluation.report import aggregate, best_under_budget, p99
 from coinrag.schemas.qa import QuestionsError, load_questions
 
 # ---------------------------------------------------------------------------- metrics
@@ -221,9 +221,9 @@ def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
 
     from coinrag.flows.build import build_flow
     from coinrag.flows.cli import app
-    from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.evaluate_retrieval import evaluate_retrieval
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.evaluation.retrieval_only import evaluate_retrieval
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.storage.store import Store
 
     src = tmp_path / "docs.jsonl"

@@ -1,4 +1,4 @@
-"""The model forward of query prefill and decoding (``inference/forward.py``) against
+"""The model forward of query prefill and decoding (``inference/model/forward.py``) against
 transformers' own forward (the oracle): the same tokens at the same positions after the same
 context give the same next-token logits and the same greedy answer.
 
@@ -22,8 +22,8 @@ import torch
 from kv_oracle import cached_logits, greedy_after, max_abs, prefix_kv
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from coinrag.inference.encode import from_cache, to_dynamic_cache
-from coinrag.inference.forward import (
+from coinrag.inference.model.encode import from_cache, to_dynamic_cache
+from coinrag.inference.model.forward import (
     CompiledForward,
     StaticForward,
     TransformersForward,
@@ -35,7 +35,7 @@ from coinrag.inference.forward import (
     static_unsupported,
     use_forward,
 )
-from coinrag.inference.generate import prefill_and_decode
+from coinrag.inference.model.generate import prefill_and_decode
 from coinrag.schemas.settings import ApiSettings, RuntimeSettings, SettingsError
 
 LOGIT_ATOL_FP32 = 1e-4
@@ -50,7 +50,7 @@ def tiny(request):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     return load_model(None, dtype="bfloat16")
 

@@ -18,13 +18,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from coinrag.inference.embedders import FlagEmbedder, load_embedder  # noqa: E402
-from coinrag.inference.models import tokenizer_fingerprint  # noqa: E402
-from coinrag.inference.retrieve import NUGGET_FANOUT, Retriever, order_nuggets  # noqa: E402
-from coinrag.inference.windows import text_windows  # noqa: E402
+from coinrag.inference.model.loading import tokenizer_fingerprint  # noqa: E402
+from coinrag.inference.retrieval.embedders import FlagEmbedder, load_embedder  # noqa: E402
+from coinrag.inference.retrieval.retriever import NUGGET_FANOUT, Retriever, order_nuggets  # noqa: E402
+from coinrag.inference.retrieval.windows import text_windows  # noqa: E402
 from coinrag.schemas.keys import CODE_VERSION, fingerprint, nugget_id, text_hash  # noqa: E402
 from coinrag.schemas.tables import ChunkRow, EmbeddingRow, NuggetRow  # noqa: E402
-from coinrag.storage.index import EmbedderMismatch, LanceIndex  # noqa: E402
+from coinrag.storage.index.lance import EmbedderMismatch, LanceIndex  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
 from coinrag.storage.tables import read_rows  # noqa: E402
 from coinrag.tasks.chunk import chunk_document, token_spans_pairs  # noqa: E402
@@ -128,7 +128,8 @@ def built(tmp_path_factory, minilm, corpus, rows):
 
 
 def words(text: str) -> tuple[list[tuple[int, int]], list[int]]:
-    """A whitespace tokenizer for windows: each word one token (``inference.windows.Tokenize``)."""
+    """A whitespace tokenizer for windows: each word one token
+    (``inference.retrieval.windows.Tokenize``)."""
     import re
 
     offsets = [m.span() for m in re.finditer(r"\S+", text)]

@@ -34,10 +34,10 @@ from store_fixtures import TINY_DIMS, sample_docs, save_tiny_llama, synthetic_ch
 from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
-from coinrag.inference.assemble import KvSlice, assemble_context
-from coinrag.inference.encode import from_cache, keys_to_position_zero
-from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.context.assemble import KvSlice, assemble_context
+from coinrag.inference.model.encode import from_cache, keys_to_position_zero
+from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, rerotate_keys
 from coinrag.schemas.keys import fingerprint
 from coinrag.schemas.settings import KV_CODECS, BuildSettings, SettingsError
@@ -391,7 +391,7 @@ MODELS = {
 @pytest.fixture(scope="module", params=[*MODELS, "smollm2"])
 def model(request, smollm2_tokenizer) -> LoadedModel:
     if request.param == "smollm2":
-        from coinrag.inference.models import load_model
+        from coinrag.inference.model.loading import load_model
 
         return load_model(None, dtype="bfloat16")
     arch = request.param.split("-")[0]

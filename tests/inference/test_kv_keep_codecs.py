@@ -34,12 +34,12 @@ from typer.testing import CliRunner
 
 from coinrag.flows.build import build_flow
 from coinrag.flows.cli import app
-from coinrag.inference.assemble import KvSlice, assemble_context
-from coinrag.inference.encode import keys_to_position_zero
+from coinrag.inference.context.assemble import KvSlice, assemble_context
 from coinrag.inference.methods import RagEngine
 from coinrag.inference.methods.assets import StoredNuggetKv
-from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.encode import keys_to_position_zero
+from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, rerotate_keys
 from coinrag.schemas.tables import NuggetRow
 from coinrag.storage.gc import kv_fps
@@ -74,7 +74,7 @@ def one_thread():
 @pytest.fixture(scope="module", params=[*MODELS, "smollm2"])
 def model(request, smollm2_tokenizer) -> LoadedModel:
     if request.param == "smollm2":
-        from coinrag.inference.models import load_model
+        from coinrag.inference.model.loading import load_model
 
         return load_model(None, dtype="bfloat16")
     arch = request.param.split("-")[0]
@@ -228,8 +228,8 @@ def test_the_context_decoded_into_place_equals_the_general_assembly(model, store
     per slice) gives the same bits, for every store here (whole chunks and kept ranges, the
     float and the quantized codecs), aligned and unaligned (``coinrag-noalign``), in inference
     and in grad mode; dynamic NTK RoPE takes the general path."""
-    from coinrag.inference.context import ContextBuilder, StoredKvContext, UnalignedContext
-    from coinrag.inference.retrieve import Evidence
+    from coinrag.inference.context.builders import ContextBuilder, StoredKvContext, UnalignedContext
+    from coinrag.inference.retrieval.retriever import Evidence
 
     by, chunks, _ = stores
     prompt = RagPrompt.for_tokenizer(model.tokenizer)

@@ -25,9 +25,9 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS, synthetic_chunk
 
-from coinrag.inference.encode import cache_to_kv, compute_chunk_kv, compute_prefix_kv, decoder
-from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.encode import cache_to_kv, compute_chunk_kv, compute_prefix_kv, decoder
+from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.schemas.keys import fingerprint
 from coinrag.schemas.tables import KvManifestRow
 from coinrag.storage.kv import (
@@ -106,7 +106,7 @@ def qwen2(smollm2_tokenizer) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def smollm2() -> LoadedModel:
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     return load_model(None)
 
@@ -253,7 +253,7 @@ def test_batched_matches_one_by_one(tmp_path, smollm2_tokenizer, prompt, text, d
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_oracle(tmp_path, smollm2, smollm2_tokenizer, prompt, text, dtype):
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     loaded = smollm2 if dtype == "float32" else load_model(None, dtype=dtype)
     chunks = make_chunks(smollm2_tokenizer, text, 24, 3)

@@ -1,4 +1,4 @@
-"""KVLink online inference (``inference/link.py``) against one transformers forward.
+"""KVLink online inference (``inference/context/link.py``) against one transformers forward.
 
 KVLink's own evaluation is one forward over ``prefix | doc_1 | links_1 | ... | query`` with its
 4D segment mask. Ours places each document's KV (re-rotated, gaps left for the links) and
@@ -21,9 +21,8 @@ import torch
 from kv_oracle import chunk_kv, greedy_after, max_abs, prefix_kv
 from store_fixtures import TINY_ARCHITECTURES, random_ids, tiny_model
 
-from coinrag.inference.assemble import KvSlice
-from coinrag.inference.encode import from_cache
-from coinrag.inference.link import (
+from coinrag.inference.context.assemble import KvSlice
+from coinrag.inference.context.link import (
     LinkEmbeddings,
     LinkLayout,
     kvlink_fingerprint,
@@ -32,6 +31,7 @@ from coinrag.inference.link import (
     save_link_adapter,
     segment_mask,
 )
+from coinrag.inference.model.encode import from_cache
 from coinrag.inference.rope import RopeSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""The lean BERT forward of question embedding (``inference/lean_encoder.py``) held to
+"""The lean BERT forward of question embedding (``inference/retrieval/lean_encoder.py``) held to
 transformers' own ``BertModel``: the same last hidden state (float32: within 1e-5 of max |h|,
 padded batches and token types included) on a tiny random BERT and on the packaged MiniLM; the
 bf16 question copy of the default embedder uses it and stays within the query dtype's cosine
@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from test_index_retrieval import QUESTIONS  # noqa: E402
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel  # noqa: E402
 
-from coinrag.inference.lean_encoder import LeanBertEncoder  # noqa: E402
+from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder  # noqa: E402
 
 FP32_RTOL = 1e-5  # of max |h|: float32 with other operation orders (fused Q/K/V)
 
@@ -63,7 +63,7 @@ def test_a_padded_batch_equals_bert_at_every_token():
 
 
 def test_the_packaged_minilm_equals_transformers_on_questions():
-    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import load_embedder
 
     embedder = load_embedder(None, query_dtype="float32")
     model = embedder._flag.model
@@ -77,7 +77,7 @@ def test_the_packaged_minilm_equals_transformers_on_questions():
 
 
 def test_the_bf16_question_copy_runs_the_lean_forward():
-    from coinrag.inference.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import load_embedder
 
     bf16, fp32 = (
         load_embedder(None, query_dtype="bfloat16"),

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from test_index_retrieval import HashEmbedder, cut
 
-from coinrag.inference.retrieve import (
+from coinrag.inference.retrieval.retriever import (
     HYBRID_DENSE_WEIGHT,
     HYBRID_DEPTH,
     SEARCH_MODES,
@@ -22,7 +22,7 @@ from coinrag.inference.retrieve import (
     search_mode,
 )
 from coinrag.schemas.settings import RETRIEVAL_MODES, BuildSettings, SettingsError
-from coinrag.storage.index import FTS_TABLES, ID_COLUMNS, LanceIndex, LexicalIndexMissing
+from coinrag.storage.index.lance import FTS_TABLES, ID_COLUMNS, LanceIndex, LexicalIndexMissing
 from coinrag.storage.store import Store
 from coinrag.tasks.embed import embed_stage
 from coinrag.tasks.ingest import SourceDocument

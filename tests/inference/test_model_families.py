@@ -16,7 +16,7 @@ config (``tests/model_families.py``), in SDPA and eager attention, against trans
 4. the methods that train run one step (nugget fine-tuning's live context and answer loss,
    a cartridge's distillation loss, KVLink's link tokens): finite gradients that reach what
    trains, and the loss moves after one optimizer step. Cartridges refuse length-dependent
-   RoPE (Phi-3's longrope) by design (``inference.assemble.check_rope``).
+   RoPE (Phi-3's longrope) by design (``inference.context.assemble.check_rope``).
 
 Tolerances: FP32_RTOL = 1e-5 of the largest magnitude (float32 rounding of other matmul shapes
 and of the rotation; observed <= 1e-6), LOGIT_ATOL_FP32 = 2e-4 (as
@@ -38,18 +38,18 @@ from model_families import WINDOW, family_cases, family_model
 from store_fixtures import random_ids, synthetic_chunk
 from transformers import DynamicCache
 
-from coinrag.inference.assemble import KvSlice, assemble_cartridges, assemble_context
-from coinrag.inference.context import encode_after_prefix
-from coinrag.inference.encode import (
+from coinrag.inference.context.assemble import KvSlice, assemble_cartridges, assemble_context
+from coinrag.inference.context.builders import encode_after_prefix
+from coinrag.inference.context.link import LinkEmbeddings, LinkLayout, link_forward, segment_mask
+from coinrag.inference.model.encode import (
     cache_to_kv,
     compute_chunk_kv,
     compute_prefix_kv,
     decoder,
     to_dynamic_cache,
 )
-from coinrag.inference.generate import prefill_and_decode
-from coinrag.inference.layers import AttentionLayers
-from coinrag.inference.link import LinkEmbeddings, LinkLayout, link_forward, segment_mask
+from coinrag.inference.model.generate import prefill_and_decode
+from coinrag.inference.model.layers import AttentionLayers
 from coinrag.inference.rope import LayerRopes, UnsupportedRope, model_rope
 from coinrag.training.cartridges import Example, example_loss, init_cartridge
 from coinrag.training.objective import answer_loss_sum
@@ -414,8 +414,8 @@ def test_teacher_and_full_document_cartridge_on_sliding_layers(family: str, smol
     """Self-study's teacher answers each question as one forward over prefix + document +
     question would (sliding models: one question at a time), and a cartridge holding the
     whole document at canonical positions gives the student the teacher's log-probs."""
-    from coinrag.inference.encode import prefix_kv
-    from coinrag.inference.prompt import RagPrompt
+    from coinrag.inference.model.encode import prefix_kv
+    from coinrag.inference.model.prompt import RagPrompt
     from coinrag.schemas.settings import TeacherSettings
     from coinrag.tasks.teacher import teacher_answers
     from coinrag.training.cartridges import student_logprobs
@@ -445,7 +445,7 @@ def test_quantized_frame_keys_at_position_zero(family: str) -> None:
     """A quantized store keeps keys rotated back to position 0 (``keys_to_position_zero``),
     each layer with its own RoPE; placed from there they equal the slices placed from where
     they were encoded."""
-    from coinrag.inference.encode import keys_to_position_zero
+    from coinrag.inference.model.encode import keys_to_position_zero
 
     model = _model(family, "eager")
     prefix_kv, (kv_a, kv_b) = _stored(model, [CHUNK_A, CHUNK_B])

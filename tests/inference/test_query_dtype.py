@@ -12,8 +12,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from test_index_retrieval import QUESTIONS  # noqa: E402
 
-from coinrag.inference.embedders import load_embedder  # noqa: E402
-from coinrag.inference.kv_dtype import resolve_kv_dtype  # noqa: E402
+from coinrag.inference.model.kv_dtype import resolve_kv_dtype  # noqa: E402
+from coinrag.inference.retrieval.embedders import load_embedder  # noqa: E402
 
 # measured: smallest cosine 0.999947 over 63 natural questions (bench_query_embedding.py)
 MIN_COSINE = 0.9999

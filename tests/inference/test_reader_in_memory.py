@@ -1,5 +1,5 @@
-"""A reader's in-memory copy of the index tables (``storage.index_ann.FlatTable``) and of their
-text (``storage.index_bm25.Bm25Index``), held to LanceDB's own answers on real tables in a temp
+"""A reader's in-memory copy of the index tables (``storage.index.ann.FlatTable``) and of their
+text (``storage.index.bm25.Bm25Index``), held to LanceDB's own answers on real tables in a temp
 dir: prefiltered searches, the float16 copy of a large table, text searches from the BM25 copy
 (and from LanceDB where it cannot answer), lexical hits completed from memory, and row lookups
 by id.
@@ -14,11 +14,11 @@ import pyarrow as pa
 import pytest
 from test_index_retrieval import HashEmbedder, cut
 
-import coinrag.storage.index_ann as index_ann
-import coinrag.storage.index_search as index_search
-from coinrag.storage.index import ID_COLUMNS, LanceIndex
-from coinrag.storage.index_bm25 import same_answers
-from coinrag.storage.index_tables import InFilter, in_filter
+import coinrag.storage.index.ann as index_ann
+import coinrag.storage.index.search as index_search
+from coinrag.storage.index.bm25 import same_answers
+from coinrag.storage.index.lance import ID_COLUMNS, LanceIndex
+from coinrag.storage.index.tables import InFilter, in_filter
 from coinrag.storage.store import Store
 from coinrag.tasks.embed import embed_stage
 from coinrag.tasks.ingest import SourceDocument
@@ -155,7 +155,7 @@ def test_a_one_shot_reader_searches_large_tables_by_their_index(indexes, monkeyp
     """``coinrag query`` (not serving) keeps only the tables under the ANN threshold in memory:
     a large one is searched by LanceDB, with the writer's answers; words are searched by
     LanceDB."""
-    from coinrag.storage.index_ann import keep_large_tables_in_memory, large_tables_in_memory
+    from coinrag.storage.index.ann import keep_large_tables_in_memory, large_tables_in_memory
 
     writer, reader, emb = indexes
     monkeypatch.setattr(index_search, "VECTOR_INDEX_MIN_ROWS", writer.count("chunks"))
@@ -178,7 +178,7 @@ def test_a_one_shot_reader_searches_large_tables_by_their_index(indexes, monkeyp
 def test_an_empty_table_in_memory_finds_nothing():
     import pyarrow as pa
 
-    from coinrag.storage.index_ann import FlatTable
+    from coinrag.storage.index.ann import FlatTable
 
     flat = FlatTable(pa.table({"chunk_id": pa.array([], pa.string())}), np.zeros((0, 4)))
     where = in_filter("chunk_id", ["a"])
@@ -236,7 +236,7 @@ def test_hybrid_search_runs_the_copys_words_on_its_own_thread(indexes, monkeypat
     """Hybrid search asks a second thread for the lexical half only where LanceDB answers it
     (the writer); a reader with BM25 copies searches words on its own thread; both rank the
     same rows."""
-    from coinrag.inference import retrieve
+    from coinrag.inference.retrieval import retriever as retrieve
 
     writer, reader, emb = indexes
     assert reader.searches_text_in_memory("chunks") and not writer.searches_text_in_memory("chunks")

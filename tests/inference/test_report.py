@@ -1,4 +1,4 @@
-"""``inference/report.py``: aggregation by dataset and model, Table 3 and the figures."""
+"""``inference/evaluation/report.py``: aggregation by dataset and model, Table 3 and the figures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from coinrag.inference.report import (
+from coinrag.inference.evaluation.report import (
     ablation_bars,
     aggregate,
     best_under_budget,

@@ -36,11 +36,11 @@ import torch
 from store_fixtures import TINY_DIMS, sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from coinrag.inference.assemble import KvSlice, assemble_context
-from coinrag.inference.encode import KvBatching, compute_group_kv, compute_prefix_kv
-from coinrag.inference.generate import prefill_and_decode
-from coinrag.inference.models import LoadedModel, tokenizer_fingerprint
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.context.assemble import KvSlice, assemble_context
+from coinrag.inference.model.encode import KvBatching, compute_group_kv, compute_prefix_kv
+from coinrag.inference.model.generate import prefill_and_decode
+from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import ForwardFrequencies, RopeSpec, reset_rotary
 from coinrag.schemas.keys import fingerprint
 from coinrag.storage.kv import KvStore
@@ -297,7 +297,7 @@ def test_a_query_prefill_forgets_the_previous_query(smollm2_tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_fp32():
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     return load_model(None).model
 

@@ -1,5 +1,5 @@
-"""Windows (``inference/windows.py``): every token of a text in some window, each window within
-the embedder's length; the pure cutting on generated word layouts, then the real MiniLM
+"""Windows (``inference/retrieval/windows.py``): every token of a text in some window, each window
+within the embedder's length; the pure cutting on generated word layouts, then the real MiniLM
 tokenizer on the sample corpus."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from coinrag.inference.embedders import FlagEmbedder, load_embedder
-from coinrag.inference.windows import PREFIX_FRACTION, text_windows, window_spans
+from coinrag.inference.retrieval.embedders import FlagEmbedder, load_embedder
+from coinrag.inference.retrieval.windows import PREFIX_FRACTION, text_windows, window_spans
 
 
 def _word_ids(rng: random.Random, n: int, longest: int) -> list[int | None]:

@@ -22,12 +22,12 @@ from typer.testing import CliRunner
 
 from coinrag.flows.build import build_flow
 from coinrag.flows.cli import app
-from coinrag.inference.embedders import load_embedder
 from coinrag.inference.methods import RagEngine
-from coinrag.inference.retrieve import Retriever
+from coinrag.inference.retrieval.embedders import load_embedder
+from coinrag.inference.retrieval.retriever import Retriever
 from coinrag.schemas.tables import ChunkRow, DeletionRow, KvManifestRow
 from coinrag.storage.corpus import live_versions
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.kv import KvStore
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows

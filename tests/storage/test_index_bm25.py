@@ -1,4 +1,4 @@
-"""The reader's in-memory BM25 copy (``storage/index_bm25.py``) held to LanceDB's own full-text
+"""The reader's in-memory BM25 copy (``storage/index/bm25.py``) held to LanceDB's own full-text
 index (lancedb 0.40.0, :data:`FTS_CONFIG`) on real tables in a temp dir: the same rows and
 scores within float32 rounding (``RTOL`` = 1e-6 relative, ``same_answers``), unfiltered and
 under an ``IN`` prefilter, for several k, on generated text and on the Python docs' pages.
@@ -20,8 +20,8 @@ import pytest
 from lancedb.index import FTS
 from lancedb.query import MatchQuery
 
-from coinrag.storage.index_ann import FTS_COLUMN, FTS_CONFIG
-from coinrag.storage.index_bm25 import (
+from coinrag.storage.index.ann import FTS_COLUMN, FTS_CONFIG
+from coinrag.storage.index.bm25 import (
     RTOL,
     STOP_WORDS,
     WORD,

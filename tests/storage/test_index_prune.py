@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from lancedb.table import LanceTable
 
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.publish import publish
 from coinrag.storage.store import Store
 

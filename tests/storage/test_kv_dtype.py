@@ -21,8 +21,8 @@ from store_fixtures import sample_docs, save_tiny_llama, write_corpus
 from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
-from coinrag.inference.kv_dtype import cpu_computes_bf16, read_cpuinfo, resolve_kv_dtype
-from coinrag.inference.models import default_dtype, reference_model_fingerprint
+from coinrag.inference.model.kv_dtype import cpu_computes_bf16, read_cpuinfo, resolve_kv_dtype
+from coinrag.inference.model.loading import default_dtype, reference_model_fingerprint
 from coinrag.schemas.settings import BuildSettings, SettingsError, load_settings
 from coinrag.schemas.tables import KvManifestRow, RunRow
 from coinrag.storage.kv import KvStore, parse_location

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from coinrag.flows.build import build_flow
 from coinrag.flows.cli import app
-from coinrag.inference.evaluate import evaluate
+from coinrag.inference.evaluation.evaluate import evaluate
 from coinrag.inference.methods import MissingAssets, RagEngine
 from coinrag.inference.methods.assets import StoredNuggetKv
 from coinrag.schemas.tables import ChunkRow, KvManifestRow, NuggetRow

@@ -28,7 +28,7 @@ from coinrag.schemas.tables import (
 )
 from coinrag.schemas.views import PRODUCERS, VIEWS
 from coinrag.storage.corpus import live_documents, live_versions
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.kv import parse_location
 from coinrag.storage.lineage import LineageError, open_lineage, run_query, walk
 from coinrag.storage.runs import finish_run, start_run

@@ -29,13 +29,13 @@ from typer.testing import CliRunner
 
 from coinrag.flows.build import build_flow
 from coinrag.flows.cli import app
-from coinrag.inference.embedders import load_embedder
 from coinrag.inference.methods import RagEngine
-from coinrag.inference.retrieve import Retriever
+from coinrag.inference.retrieval.embedders import load_embedder
+from coinrag.inference.retrieval.retriever import Retriever
 from coinrag.schemas.tables import ChunkRow, DocumentRow, EmbeddingRow, KvManifestRow, NuggetRow
 from coinrag.storage.corpus import live_versions
 from coinrag.storage.gc import kv_fps
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.kv import CorruptKvEntry, KvLayout, KvStore
 from coinrag.storage.location import StoreUrlError, object_filesystem, split_store_url
 from coinrag.storage.object_lock import LockContention, LockLost, ObjectLock
@@ -511,7 +511,7 @@ def test_staged_answers_move_into_an_object_store_table_once(s3) -> None:
     nothing left to move."""
     from datetime import UTC, datetime
 
-    from coinrag.inference.llm_client import CallRecord
+    from coinrag.inference.llm.client import CallRecord
     from coinrag.schemas.tables import ExtractionCallRow, ExtractionRow
     from coinrag.storage.tables import staged_files
     from coinrag.tasks.extract import ExtractCounts, ExtractionWriter, stage_result

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from coinrag.flows.cli import app
 from coinrag.schemas.leases import ReaderLease
 from coinrag.storage.gc import kv_fps
-from coinrag.storage.index import LanceIndex
+from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.kv import KvStore
 from coinrag.storage.readers import (
     ReaderLeaseHolder,

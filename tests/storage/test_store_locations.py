@@ -144,7 +144,7 @@ def test_file_sha256_is_cached_until_the_file_changes(tmp_path, monkeypatch):
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert file_sha256(path) == hashlib.sha256(b"other version").hexdigest()
 
-    from coinrag.inference import models
+    from coinrag.inference.model import loading as models
     from coinrag.training import finetune
 
     assert models.file_sha256 is finetune.file_sha256 is file_sha256

@@ -1,6 +1,7 @@
-"""inference/constrained.py: the one constrained-decoding driver makes the choices of the drivers
-it replaced, token for token (greedy: the extractor's jump-forward loop and ``model.generate``;
-sampled: the question generator's skeleton loop, per seed), on a tiny random-weight Llama.
+"""inference/model/constrained.py: the one constrained-decoding driver makes the choices of the
+drivers it replaced, token for token (greedy: the extractor's jump-forward loop and
+``model.generate``; sampled: the question generator's skeleton loop, per seed), on a tiny
+random-weight Llama.
 
 The replaced drivers were compared directly while they existed (commit "A6" of issue 14); the
 digests below are the tokens they chose then. Greedy decoding is also checked against
@@ -17,7 +18,7 @@ import pytest
 import torch
 from store_fixtures import tiny_llama
 
-from coinrag.inference.constrained import (
+from coinrag.inference.model.constrained import (
     GreedyChoice,
     SampledChoice,
     decode_constrained,
@@ -77,7 +78,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def loaded(smollm2_tokenizer):
-    from coinrag.inference.models import LoadedModel
+    from coinrag.inference.model.loading import LoadedModel
 
     model = tiny_llama(smollm2_tokenizer, 0, max_position_embeddings=2048, initializer_range=0.2)
     return LoadedModel(model, smollm2_tokenizer, Path("random-llama"), "model-x", "tok-x")

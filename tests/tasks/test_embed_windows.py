@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coinrag.inference.embedders import FlagEmbedder, load_embedder
-from coinrag.inference.models import tokenizer_fingerprint
-from coinrag.inference.retrieve import Retriever
+from coinrag.inference.model.loading import tokenizer_fingerprint
+from coinrag.inference.retrieval.embedders import FlagEmbedder, load_embedder
+from coinrag.inference.retrieval.retriever import Retriever
 from coinrag.schemas.keys import text_hash
 from coinrag.schemas.tables import ChunkRow, EmbeddingRow
-from coinrag.storage.index import FTS_TABLES, LanceIndex
+from coinrag.storage.index.lance import FTS_TABLES, LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
 from coinrag.tasks.chunk import chunk_document
@@ -160,8 +160,8 @@ def _as_older_coinrag(store: Store) -> None:
     ``windows`` table, no ``search_text`` nor place columns, the full-text index on ``text``."""
     from lancedb.index import FTS
 
-    from coinrag.storage.index_ann import FTS_CONFIG
-    from coinrag.storage.index_tables import PLACE_COLUMNS
+    from coinrag.storage.index.ann import FTS_CONFIG
+    from coinrag.storage.index.tables import PLACE_COLUMNS
 
     index = LanceIndex.open_latest(store)
     index.db.drop_table("windows")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from coinrag.inference.llm_client import LlmEndpoint
+from coinrag.inference.llm.client import LlmEndpoint
 from coinrag.schemas.settings import (
     BuildSettings,
     CartridgeSettings,

@@ -69,7 +69,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from coinrag.inference.models import load_tokenizer
+    from coinrag.inference.model.loading import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -256,7 +256,7 @@ def random_llama(tokenizer):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from coinrag.inference.models import LoadedModel
+    from coinrag.inference.model.loading import LoadedModel
 
     torch.manual_seed(0)
     config = LlamaConfig(

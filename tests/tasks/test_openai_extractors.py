@@ -10,8 +10,8 @@ import threading
 import openai
 import pytest
 
-from coinrag.inference.llm_client import LlmEndpoint, RetryPolicy, scrub
-from coinrag.inference.llm_pricing import call_cost, is_priced
+from coinrag.inference.llm.client import LlmEndpoint, RetryPolicy, scrub
+from coinrag.inference.llm.pricing import call_cost, is_priced
 from coinrag.schemas.keys import text_hash
 from coinrag.tasks.extractors.base import ExtractionRequest, ExtractionResult
 from coinrag.tasks.extractors.openai_batch import OpenAIBatchExtractor, custom_id_for

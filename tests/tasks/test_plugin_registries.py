@@ -7,8 +7,8 @@ import pytest
 
 from coinrag.flows.scaleout import Runner
 from coinrag.inference.methods.base import RagMethod
-from coinrag.inference.retrieve import SearchMode
-from coinrag.inference.rope_frequencies import ROPE_TYPES, DynamicRope, LongRope, RopeType
+from coinrag.inference.retrieval.retriever import SearchMode
+from coinrag.inference.rope.frequencies import ROPE_TYPES, DynamicRope, LongRope, RopeType
 from coinrag.schemas.registry import Registered, Registry, UnknownPlugin
 from coinrag.schemas.settings import (
     CHUNKERS,

@@ -1,5 +1,5 @@
-"""Tests of nugget recovery (tasks.span_match): rules, robustness, properties, a real tokenizer, and
-parity of the fast path with the brute-force reference (tests/recover_reference.py)."""
+"""Tests of nugget recovery (tasks.recover.match): rules, robustness, properties, a real tokenizer,
+and parity of the fast path with the brute-force reference (tests/recover_reference.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from recover_reference import (
     reference_recover,
 )
 
-from coinrag.tasks.span_canon import canonicalize
-from coinrag.tasks.span_match import (
+from coinrag.tasks.recover.canon import canonicalize
+from coinrag.tasks.recover.match import (
     AbandonedCandidate,
     RecoveredSpan,
     canonical_form,

@@ -1,4 +1,4 @@
-"""The token-boundary rule of nugget recovery (``tasks/span_tokens.py``): a boundary token that
+"""The token-boundary rule of nugget recovery (``tasks/recover/tokens.py``): a boundary token that
 holds any character of the candidate's matched text stays in the span, so no character of a
 recovered candidate is ever dropped and at most the marks its boundary tokens glue to it come
 along. Checked over generated texts and candidates with two real tokenizers (SmolLM2's, and a
@@ -20,9 +20,9 @@ from recover_reference import reference_recover
 from coinrag.schemas.keys import CODE_VERSION
 from coinrag.schemas.tables import ExtractionRow
 from coinrag.tasks.chunk import chunk_document
-from coinrag.tasks.recover import recover_chunk
-from coinrag.tasks.span_canon import canonical_form, is_word_char
-from coinrag.tasks.span_match import recover_candidates
+from coinrag.tasks.recover.canon import canonical_form, is_word_char
+from coinrag.tasks.recover.match import recover_candidates
+from coinrag.tasks.recover.stage import recover_chunk
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "flows" / "sample" / "wiki_sample.jsonl"

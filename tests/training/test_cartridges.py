@@ -27,12 +27,12 @@ from fake_openai_server import Action, FakeOpenAI
 from store_fixtures import TINY_DIMS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from coinrag.inference.assemble import assemble_cartridges
-from coinrag.inference.encode import from_cache, prefix_kv
-from coinrag.inference.llm_client import LlmEndpoint, RetryPolicy
+from coinrag.inference.context.assemble import assemble_cartridges
+from coinrag.inference.llm.client import LlmEndpoint, RetryPolicy
 from coinrag.inference.methods.cartridge import CartridgeRag, text_rag_answer
-from coinrag.inference.models import LoadedModel
-from coinrag.inference.prompt import RagPrompt
+from coinrag.inference.model.encode import from_cache, prefix_kv
+from coinrag.inference.model.loading import LoadedModel
+from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, rerotate_keys
 from coinrag.schemas.keys import CODE_VERSION, doc_version
 from coinrag.schemas.settings import CartridgeSettings, CartridgeTrainSettings, TeacherSettings
@@ -198,7 +198,7 @@ def test_full_document_cartridge_reproduces_teacher(tok, kind) -> None:
 
 @pytest.mark.slow
 def test_full_document_cartridge_reproduces_teacher_smollm2() -> None:
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     loaded = load_model(None)
     _check_full_doc_oracle(loaded.model, loaded.tokenizer, DOCS[1], QUESTIONS[:2], 6)
@@ -512,7 +512,7 @@ def test_train_flow_then_cartridge_rag(tok, tmp_path, monkeypatch) -> None:
     assert ("train-cartridges", "completed") in runs
     assert read_rows(store, TeacherAnswerRow)
 
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     loaded = load_model(str(model_dir))
     rag = CartridgeRag(store, loaded)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from store_fixtures import TINY_DIMS
 
-from coinrag.inference.context import LiveKvContext, StoredKvContext
+from coinrag.inference.context.builders import LiveKvContext, StoredKvContext
 from coinrag.schemas.qa import DataError, load_examples
 from coinrag.schemas.settings import FinetuneSettings
 from coinrag.training.data import make_plans, raft_drop, write_documents
@@ -90,11 +90,11 @@ def built(tmp_path_factory, tiny_model, prefect_harness):
 
 @pytest.fixture(scope="module")
 def parts(built):
-    from coinrag.inference.embedders import load_embedder
-    from coinrag.inference.encode import kv_layout
-    from coinrag.inference.models import load_model
-    from coinrag.inference.prompt import RagPrompt
-    from coinrag.inference.retrieve import Retriever
+    from coinrag.inference.model.encode import kv_layout
+    from coinrag.inference.model.loading import load_model
+    from coinrag.inference.model.prompt import RagPrompt
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.storage.kv import KvStore
     from coinrag.storage.store import Store
 
@@ -204,7 +204,7 @@ def test_training_context_equals_inference_context(built, parts, monkeypatch):
 
 
 def _grads(parts, mode: str, lora: bool = False):
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
 
     loaded = load_model(parts["loaded"].model_dir)
     net = attach_lora(loaded.model, _cfg(lora=True)) if lora else loaded.model
@@ -297,7 +297,7 @@ def test_resume_after_kill_same_next_loss(built, tmp_path):
 
 def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
     from coinrag.flows.train import train_nuggets
-    from coinrag.inference.models import load_model
+    from coinrag.inference.model.loading import load_model
     from coinrag.schemas.tables import RunRow
     from coinrag.storage.store import Store
     from coinrag.storage.tables import read_table
@@ -347,10 +347,10 @@ def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path
     import pyarrow.compute as pc
 
     from coinrag.flows.train import train_nuggets
-    from coinrag.inference.encode import from_cache, kv_layout
     from coinrag.inference.methods import RagEngine
-    from coinrag.inference.models import load_model
-    from coinrag.inference.prompt import RagPrompt
+    from coinrag.inference.model.encode import from_cache, kv_layout
+    from coinrag.inference.model.loading import load_model
+    from coinrag.inference.model.prompt import RagPrompt
     from coinrag.schemas.settings import load_settings
     from coinrag.schemas.tables import ChunkRow
     from coinrag.storage.kv import KvStore

