@@ -304,6 +304,7 @@ class BuildOutputs:
             "documents_new": self.documents_new,
             "documents_parsed": self.ingested.parsed,  # files a reader read now
             "files_skipped": self.ingested.skipped,  # hidden, excluded or of no known format
+            "files_left_out": len(self.ingested.left_out),  # read, but not documents (links)
             "documents_pruned": len(self.pruned),
             "rejects": len(self.ingested.rejects),
             "chunks": len(self.chunks),
@@ -433,6 +434,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
         )
         _report(run_id, summary, failures, out.extracted.abandoned)
         summary["rejected"] = [asdict(r) for r in out.ingested.rejects]
+        summary["left_out"] = [asdict(r) for r in out.ingested.left_out]
         summary["failures"] = failures
         summary["warnings"] = out.warnings(s)
         return summary

@@ -108,7 +108,7 @@ def print_build_summary(console: Console, summary: dict[str, Any]) -> None:
         if isinstance(value, dict):  # stage_seconds: one row per stage
             for name, sub in value.items():
                 table.add_row(f"{key}.{name}", str(sub))
-        elif key not in ("run_id", "rejected", "failures", "warnings"):
+        elif key not in ("run_id", "rejected", "left_out", "failures", "warnings"):
             table.add_row(key, str(value))
     console.print(table)
 

@@ -75,6 +75,16 @@ class SourceDocument:
 
 
 @dataclass(frozen=True)
+class LeftOutFile:
+    """A file a reader read that is not a document (a page of links): not built, not a reject;
+    ``reason`` and ``detail`` as a reject's."""
+
+    source: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
 class Reject:
     source: str
     doc_id: str | None
@@ -87,6 +97,7 @@ class IngestResult:
     documents: list[SourceDocument] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     skipped: int = 0  # files of a folder no reader takes, hidden or excluded
+    left_out: list[LeftOutFile] = field(default_factory=list)  # read, but not documents
 
     @property
     def parsed(self) -> int:
@@ -105,7 +116,7 @@ def _control_char(doc_id: str) -> str | None:
 
 def _iter_folder(
     root: Path, options: ReadOptions, known: Mapping[str, Any]
-) -> Iterator[SourceDocument | Reject | Skipped]:
+) -> Iterator[SourceDocument | Reject | Skipped | LeftOutFile]:
     files: list[SourceFile] = []
     for item in walk_source(root, options.exclude):
         if isinstance(item, SourceFile):
@@ -124,8 +135,10 @@ def _iter_folder(
         yield _document(read_file(file, options, known.get(file.doc_id)))
 
 
-def _document(read: FileRead) -> SourceDocument | Reject:
+def _document(read: FileRead) -> SourceDocument | Reject | LeftOutFile:
     file = read.file
+    if read.left_out:
+        return LeftOutFile(file.rel, read.reason or "", read.detail)
     if read.reason is not None:
         return Reject(file.rel, file.doc_id, read.reason, read.detail)
     return SourceDocument(
@@ -268,6 +281,9 @@ def ingest(
             continue
         if isinstance(item, Reject):
             result.rejects.append(item)
+            continue
+        if isinstance(item, LeftOutFile):
+            result.left_out.append(item)
             continue
         if not item.text.strip():
             result.rejects.append(Reject(item.source, item.doc_id, "empty_text", "no text"))

@@ -37,7 +37,7 @@ from typing import Any
 
 from coinrag.schemas.settings import READERS
 from coinrag.schemas.tables import FileOrigin
-from coinrag.tasks.readers.base import ReadDocument, Reader, ReadError
+from coinrag.tasks.readers.base import LeftOut, ReadDocument, Reader, ReadError
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,7 @@ class FileRead:
     reason: str | None = None
     detail: str = ""
     parsed: bool = False
+    left_out: bool = False  # reason and detail say why: a file that is not a document
 
 
 def read_file(file: SourceFile, options: ReadOptions, known: Any | None = None) -> FileRead:
@@ -223,7 +224,8 @@ def read_file(file: SourceFile, options: ReadOptions, known: Any | None = None) 
     try:
         doc = reader.read(data, rel)
     except ReadError as exc:
-        return FileRead(file, reason=exc.reason, detail=exc.detail)
+        left_out = isinstance(exc, LeftOut)
+        return FileRead(file, reason=exc.reason, detail=exc.detail, left_out=left_out)
     except Exception as exc:  # a library's failure on a malformed file: a reject, not a crash
         return FileRead(file, reason="corrupt", detail=f"{rel}: {type(exc).__name__}: {exc}")
     origin = origin_of(doc, file, reader, data, stat)

@@ -48,6 +48,8 @@ def build(
 
     render.print_build_summary(Console(), summary)
     rejected, failures = summary["rejected"], summary["failures"]
+    for r in summary.get("left_out", []):
+        console.print(f"left out {escape(r['source'])}: {r['reason']}: {escape(r['detail'])}")
     for r in rejected:
         console.print(f"[yellow]rejected[/] {r['doc_id'] or '-'}: {r['reason']}: {r['detail']}")
     if rejected:

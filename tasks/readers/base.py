@@ -46,6 +46,12 @@ class ReadError(ValueError):
         self.detail = detail
 
 
+class LeftOut(ReadError):
+    """The file reads fine but is not a document of its own (a page of links: an index or a
+    table of contents): left out of the build and named in its output, not a reject (the
+    build's exit code does not change)."""
+
+
 @dataclass(frozen=True)
 class Page:
     """A page of the text: it starts at character ``char_start``; ``number`` is 1-based;

@@ -11,6 +11,11 @@ Two modes, the reader's option ``html_mode`` (``schemas.settings.HTML_MODES``):
   the content it drops on documentation pages (:func:`prepare_for_trafilatura`). It runs with
   ``fast=True`` (no fallback extractors) and no dedup (its cache would make a page's text
   depend on the pages read before it);
+  A page that marks its content and whose content is mostly links (at least
+  ``NAVIGATION_LINK_SHARE`` of its characters inside ``<a>``: an index or a
+  table of contents, Sphinx's ``genindex-*.html``, ``contents.html`` and the toctree pages) is
+  left out (:class:`LeftOut` ``navigation_page``): it repeats every title of the site and would
+  outrank the pages it points to;
 - ``whole``: all the text of ``<body>``; only what a browser never shows is dropped
   (``script``, ``style``, ``template``, comments).
 
@@ -51,7 +56,7 @@ from typing import Any, ClassVar
 from lxml import etree, html
 
 from coinrag.schemas.settings import HTML_MODES
-from coinrag.tasks.readers.base import ReadDocument, Reader, ReadError
+from coinrag.tasks.readers.base import LeftOut, ReadDocument, Reader, ReadError
 from coinrag.tasks.readers.layout import LINE_BREAK, TextBuilder, squash
 
 PRESCAN_BYTES = 1024  # how far a <meta charset> is looked for, as in the HTML standard
@@ -113,6 +118,12 @@ _LOCAL_LINKS = etree.XPath("//a[starts-with(@href, '#')]")
 _MAIN = etree.XPath("//main")
 _ROLE_MAIN = etree.XPath("//*[@role='main']")
 _ANY_HEADING = etree.XPath("//h1 | //h2 | //h3 | //h4 | //h5 | //h6")
+_OUTER_LINKS = etree.XPath(".//a[not(ancestor::a)]")
+# A page's main content with this share of its characters in link text is navigation. On the
+# 530 pages of the Python docs' HTML the shares split in two: indexes and tables of contents
+# at 0.73-0.96 (genindex-*, contents, library/internet ...), the pages with content of their
+# own at 0.66 or less (tutorial/index, with its paragraphs, 0.66; faq/library 0.17).
+NAVIGATION_LINK_SHARE = 0.7
 
 
 def parse_html(text: str, name: str) -> html.HtmlElement:
@@ -353,6 +364,18 @@ class TrafilaturaWriter(PageWriter):
         ]
 
 
+def _folded_length(text: str) -> int:
+    return len(" ".join(text.split()))
+
+
+def link_share(el: etree._Element) -> float:
+    """The share of ``el``'s characters (runs of white space as one) that are link text (the
+    permalink anchors are gone already: :func:`parse_html`)."""
+    total = _folded_length(el.text_content())
+    links = sum(_folded_length(a.text_content()) for a in _OUTER_LINKS(el))
+    return links / total if total > 0 else 0.0
+
+
 def _is_dl_item(el: etree._Element) -> bool:
     return el.get("rend", "")[:3] in ("dt-", "dd-")
 
@@ -510,6 +533,21 @@ def _wrap_inline_runs(div: html.HtmlElement) -> None:
             child.addnext(run)
 
 
+def _check_not_navigation(root: html.HtmlElement, name: str) -> None:
+    """Raise :class:`LeftOut` ``navigation_page`` when the page's one main landmark is mostly
+    link text (a page without a landmark is not judged: its menus would count)."""
+    landmarks = _MAIN(root) or _ROLE_MAIN(root)
+    if len(landmarks) != 1:
+        return
+    share = link_share(landmarks[0])
+    if share >= NAVIGATION_LINK_SHARE:
+        raise LeftOut(
+            "navigation_page",
+            f"{name}: {share:.0%} of its main content is link text (an index or a table of "
+            f'contents); html_mode = "whole" keeps such pages',
+        )
+
+
 def page_title(root: html.HtmlElement) -> str | None:
     """The page's only ``<h1>``, else its ``og:title``, else its ``<title>`` (white space
     squashed); None: none of them."""
@@ -529,7 +567,7 @@ class HtmlReader(Reader, name="html"):
     """An HTML page: its main content (``html_mode="main"``) or its whole body (``"whole"``)."""
 
     suffixes = (".html", ".htm")
-    version = "1"
+    version = "2"  # 2: navigation pages left out
     option_names = ("html_mode",)
 
     def __init__(self, html_mode: str = "main", **options: Any) -> None:
@@ -545,6 +583,7 @@ class HtmlReader(Reader, name="html"):
         if self.options["html_mode"] == "whole":
             out = HtmlBodyWriter().write(root)
         else:
+            _check_not_navigation(root, name)
             body = main_content(root)
             out = TextBuilder() if body is None else TrafilaturaWriter().write(body)
         text = out.text()

@@ -63,6 +63,7 @@ def folder(tmp_path_factory) -> Path:
         encoding="utf-8",
     )
     (src / "plain.txt").write_text("Keldia exports dried kelp and brass.\n", encoding="utf-8")
+    shutil.copy(FIXTURES / "html" / "genindex-Y.html", src / "genindex-Y.html")  # left out
     # The bad files: one reject each, the rest built.
     (src / "broken.pdf").write_bytes((FIXTURES / "pdf" / "general.pdf").read_bytes()[:3000])
     shutil.copy(FIXTURES / "pdf" / "scanned.pdf", src / "scanned.pdf")
@@ -94,6 +95,8 @@ def test_the_folder_builds_and_each_bad_file_is_one_reject(built) -> None:
     }
     for name in rejects:
         assert name in result.output
+    # A page of links is left out, named, and is not a reject nor a document.
+    assert "left out genindex-Y.html: navigation_page" in " ".join(result.output.split())
     docs = live_documents(Store.at(store))
     assert {d: r.format for d, r in docs.items()} == {
         "faq/general.pdf": "pdf",

@@ -42,6 +42,20 @@ def test_hidden_excluded_and_unknown_files_are_skipped_not_rejected(tmp_path: Pa
     assert result.skipped == 3  # .hidden.txt, the excluded one, image.png (.git: never walked)
 
 
+def test_a_page_of_links_is_left_out_not_rejected(tmp_path: Path) -> None:
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "html"
+    _write(tmp_path, "faq/general.html", (fixtures / "general.html").read_bytes())
+    _write(tmp_path, "genindex-Y.html", (fixtures / "genindex-Y.html").read_bytes())
+    result = ingest(tmp_path)
+    assert [d.doc_id for d in result.documents] == ["faq/general"]
+    assert result.rejects == []
+    assert [(f.source, f.reason) for f in result.left_out] == [
+        ("genindex-Y.html", "navigation_page")
+    ]
+    whole = ingest(tmp_path, ReadOptions(html_mode="whole"))
+    assert [d.doc_id for d in whole.documents] == ["faq/general", "genindex-Y"]
+
+
 def test_file_origin_records_reader_hash_and_headings(tmp_path: Path) -> None:
     data = "# Guide\n\nIntro.\n\n## Install\n\nRun it.\n"
     _write(tmp_path, "guide.md", data)

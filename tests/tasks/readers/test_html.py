@@ -263,3 +263,37 @@ def test_nuggets_can_be_spans_of_the_text() -> None:
     )
     assert sentence in text
     assert [m for m in ("<p>", "<div", "<span", 'class="', "&lt;", "&amp;", "¶") if m in text] == []
+
+
+@pytest.mark.parametrize("page", ["faq_index", "genindex-Y"])
+def test_main_mode_leaves_out_a_page_of_links(page: str) -> None:
+    """A table of contents and an index page of the Python docs are navigation: left out
+    (``LeftOut``, not a reject) in the main mode, read whole in the whole mode."""
+    from coinrag.tasks.readers.base import LeftOut
+    from coinrag.tasks.readers.html import NAVIGATION_LINK_SHARE, link_share
+
+    data = (FIXTURES / f"{page}.html").read_bytes()
+    main = html.fromstring(data).xpath("//*[@role='main']")[0]
+    assert link_share(main) >= NAVIGATION_LINK_SHARE
+    with pytest.raises(LeftOut) as caught:
+        read(page)
+    assert caught.value.reason == "navigation_page"
+    assert f"{page}.html" in caught.value.detail and "link text" in caught.value.detail
+    assert read(page, "whole").text.strip()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_pages_with_content_of_their_own_are_not_navigation(page: str) -> None:
+    from coinrag.tasks.readers.html import NAVIGATION_LINK_SHARE, link_share
+
+    main = html.parse(str(FIXTURES / f"{page}.html")).getroot().xpath("//*[@role='main']")[0]
+    assert link_share(main) < NAVIGATION_LINK_SHARE / 2
+    assert read(page).text.strip()
+
+
+def test_link_share_counts_characters_of_link_text() -> None:
+    from coinrag.tasks.readers.html import link_share
+
+    el = html.fromstring('<div><p>ab <a href="x">cd</a> <a href="y"><b>ef</b></a></p></div>')
+    assert link_share(el) == pytest.approx(4 / 8)  # "ab cd ef": 8 characters, 4 in links
+    assert link_share(html.fromstring("<div></div>")) == 0.0
