@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from coinrag.inference.llm.client import CallRecord
 from coinrag.schemas.keys import fingerprint
-from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.registry import Backend, Registry
 from coinrag.schemas.settings import QUESTION_GENERATORS, CartridgeSettings
 from coinrag.tasks.question_generators.prompt import PROMPT_VERSION
 
@@ -53,10 +53,11 @@ def generator_fingerprint(backend: str, fields: dict[str, Any]) -> str:
     return fingerprint("qgen", {"backend": backend, "prompt_version": PROMPT_VERSION, **fields})
 
 
-class QuestionGenerator(Registered):
+class QuestionGenerator(Backend):
     """What the self-study stage needs from a backend; a backend is a subclass registered by
     name (``class LocalQuestionGenerator(QuestionGenerator, name="local")``), its module
-    imported on first look-up of ``QuestionGenerator.registry[name]``."""
+    imported on first look-up of ``QuestionGenerator.registry[name]``; its ``fingerprint`` is a
+    :func:`generator_fingerprint`."""
 
     registry: ClassVar[Registry[QuestionGenerator]] = Registry(
         "question generator",
@@ -66,20 +67,13 @@ class QuestionGenerator(Registered):
             "local": f"{__package__}.local",
         },
     )
-    name_attr: ClassVar[str] = "backend"
     backend: ClassVar[str]  # openai | local
-    llm_model: str
     n_questions: int
 
     @classmethod
     def from_settings(cls, settings: CartridgeSettings, loaded: Any = None) -> Any:
         """The generator ``settings`` describe (``loaded``: the target model, which a local
         generator uses)."""
-        raise NotImplementedError
-
-    @property
-    def fingerprint(self) -> str:
-        """:func:`generator_fingerprint` of everything the questions depend on; no secrets."""
         raise NotImplementedError
 
     def generate(
