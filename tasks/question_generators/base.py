@@ -56,8 +56,7 @@ def generator_fingerprint(backend: str, fields: dict[str, Any]) -> str:
 class QuestionGenerator(Backend):
     """What the self-study stage needs from a backend; a backend is a subclass registered by
     name (``class LocalQuestionGenerator(QuestionGenerator, name="local")``), its module
-    imported on first look-up of ``QuestionGenerator.registry[name]``; its ``fingerprint`` is a
-    :func:`generator_fingerprint`."""
+    imported on first look-up of ``QuestionGenerator.registry[name]``."""
 
     registry: ClassVar[Registry[QuestionGenerator]] = Registry(
         "question generator",
@@ -74,6 +73,16 @@ class QuestionGenerator(Backend):
     def from_settings(cls, settings: CartridgeSettings, loaded: Any = None) -> Any:
         """The generator ``settings`` describe (``loaded``: the target model, which a local
         generator uses)."""
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        """:func:`generator_fingerprint` of this backend and its :meth:`fingerprint_fields`."""
+        return generator_fingerprint(self.backend, self.fingerprint_fields())
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Everything the questions depend on but the backend and the prompt version (no key,
+        no URL)."""
         raise NotImplementedError
 
     def generate(

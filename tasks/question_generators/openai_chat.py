@@ -34,7 +34,6 @@ from coinrag.tasks.question_generators.base import (
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
-    generator_fingerprint,
 )
 from coinrag.tasks.question_generators.prompt import build_question_messages
 
@@ -73,19 +72,15 @@ class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
         endpoint = LlmEndpoint(settings.llm_model, base_url=settings.base_url, timeout_s=120.0)
         return cls(endpoint, n_questions=settings.n_questions)
 
-    @property
-    def fingerprint(self) -> str:
-        return generator_fingerprint(
-            self.backend,
-            {
-                "model": self.llm_model,
-                "n": self.n_questions,
-                "temperature": self.temperature,
-                # what is accepted from a free answer (the local skeleton's output is always an
-                # array of questions, so its fingerprint does not carry this)
-                "accepts": ACCEPTS_VERSION,
-            },
-        )
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {
+            "model": self.llm_model,
+            "n": self.n_questions,
+            "temperature": self.temperature,
+            # what is accepted from a free answer (the local skeleton's output is always an
+            # array of questions, so its fingerprint does not carry this)
+            "accepts": ACCEPTS_VERSION,
+        }
 
     def generate(
         self, requests: Sequence[QuestionRequest], progress: QuestionsDone | None = None
