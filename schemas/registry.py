@@ -15,7 +15,8 @@ a subclass declared with its name, which registers it::
 ``names`` are the names the settings allow (``schemas/settings.py`` declares them, so the CLI
 checks a value before anything loads); ``modules`` maps a name to the module defining it, imported
 on the first look-up, so a process imports only the plug-ins it uses (the ``openai`` client, a
-local model). ``in`` imports nothing; iterating imports every declared plug-in.
+local model). ``in`` imports nothing; iterating imports every declared plug-in. A kind whose
+plug-ins answer for a stage (extractors, question generators) derives :class:`Backend`.
 """
 
 from __future__ import annotations
@@ -98,3 +99,19 @@ class Registered:
             cls.name = name
             setattr(cls, cls.name_attr, name)
             cls.registry.register(name, cls)
+
+
+class Backend(Registered):
+    """Base of a kind of plug-in that answers for a stage from a model or rules (the nugget
+    extractors, the question generators): registered under its ``backend`` name, asking
+    ``llm_model`` (the model its ledger rows name), and fingerprinted."""
+
+    name_attr: ClassVar[str] = "backend"
+    backend: ClassVar[str]
+    llm_model: str
+
+    @property
+    def fingerprint(self) -> str:
+        """``keys.fingerprint`` of everything the answers depend on (no secrets: no key, no
+        URL)."""
+        raise NotImplementedError

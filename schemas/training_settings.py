@@ -7,12 +7,14 @@ of ``coinrag train kvlink``. Importable from ``schemas.settings`` as well."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeVar
 
 from coinrag.schemas.fields import setting
 
 QUESTION_GENERATORS = ("openai", "local")  # self-study question generators
+
+_View = TypeVar("_View", "TeacherSettings", "CartridgeTrainSettings")
 
 
 @dataclass(frozen=True)
@@ -132,26 +134,18 @@ class CartridgeSettings:
         return "openai" if os.environ.get("OPENAI_API_KEY") else "local"
 
     def teacher(self) -> TeacherSettings:
-        return TeacherSettings(
-            max_new_tokens=self.max_new_tokens,
-            top_k=self.top_k,
-            batch_size=self.teacher_batch_size,
-            max_doc_tokens=self.max_doc_tokens,
-        )
+        return self._view(TeacherSettings, batch_size=self.teacher_batch_size)
 
     def train(self) -> CartridgeTrainSettings:
-        return CartridgeTrainSettings(
-            lr=self.lr,
-            p_iso=self.p_iso,
-            k_min=self.k_min,
-            k_max=self.k_max,
-            budget=self.budget,
-            rotate_every=self.rotate_every,
-            batch_size=self.batch_size,
-            train_distractors=self.train_distractors,
-            checkpoint_every=self.checkpoint_every,
-            seed=self.seed,
-        )
+        return self._view(CartridgeTrainSettings)
+
+    def _view(self, cls: type[_View], **renamed: Any) -> _View:
+        """The settings dataclass ``cls`` with every field of it this object has under the same
+        name, then ``renamed`` (its fields held here under another name); the fields this
+        object lacks keep ``cls``'s defaults (e.g. ``CartridgeTrainSettings.betas``)."""
+        here = {f.name for f in fields(self)}
+        same = {f.name: getattr(self, f.name) for f in fields(cls) if f.name in here}
+        return cls(**{**same, **renamed})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

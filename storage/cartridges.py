@@ -43,7 +43,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,11 +114,7 @@ class CartridgeLayout:
     def identity(self) -> dict[str, Any]:
         return {
             "layout_version": LAYOUT_VERSION,
-            "model_fp": self.model_fp,
-            "layers": self.layers,
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
+            **asdict(self),
             "storage_dtype": _STORAGE_DTYPES[self.dtype],
             "axes": list(AXES),
             "positions": "canonical 0..p-1 (re-rotate keys to place)",

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
+from typing import Any, TypeVar
 
 import pyarrow.compute as pc
 
@@ -258,6 +259,9 @@ def _pending_calls(
     return list(todo.items())
 
 
+_CallRow = TypeVar("_CallRow", SelfStudyCallRow, SelfStudyQuestionRow)
+
+
 def _add(into: dict[str, int], reason: str, n: int = 1) -> None:
     into[reason] = into.get(reason, 0) + n
 
@@ -307,41 +311,38 @@ class _CallWriter:
             _add(counts.drop_reasons, reason, n)
         return kept
 
+    def _row(self, cls: type[_CallRow], key: str, p: CallPlan, **values: Any) -> _CallRow:
+        """A ``cls`` row of the call ``key`` of plan ``p``: the call's key, this generator and
+        run, every column of ``cls`` the plan has (``doc_id``, ``seed_type``, ...), then
+        ``values``."""
+        plan = {f.name: getattr(p, f.name) for f in fields(cls) if hasattr(p, f.name)}
+        return cls(
+            call_key=key,
+            generator_fp=self.fp,
+            run_id=self.run_id,
+            code_version=CODE_VERSION,
+            **plan,
+            **values,
+        )
+
     def _call_row(
         self, key: str, p: CallPlan, res: QuestionResult, n_questions: int
     ) -> SelfStudyCallRow:
-        return SelfStudyCallRow(
-            call_key=key,
-            generator_fp=self.fp,
+        return self._row(
+            SelfStudyCallRow,
+            key,
+            p,
             backend=self.generator.backend,
-            doc_id=p.doc_id,
-            doc_version=p.doc_version,
-            text_hash=p.text_hash,
-            char_start=p.char_start,
-            char_end=p.char_end,
-            seed_type=p.seed_type,
-            call_index=p.call_index,
             status=res.status,
             n_raw=len(res.items),
             n_questions=n_questions,
             error=res.error,
-            run_id=self.run_id,
-            code_version=CODE_VERSION,
         )
 
     def _question_rows(self, key: str, p: CallPlan, kept: list[str]) -> list[SelfStudyQuestionRow]:
         return [
-            SelfStudyQuestionRow(
-                question_id=question_id(key, i),
-                call_key=key,
-                doc_id=p.doc_id,
-                doc_version=p.doc_version,
-                seed_type=p.seed_type,
-                ordinal=i,
-                question=q,
-                generator_fp=self.fp,
-                run_id=self.run_id,
-                code_version=CODE_VERSION,
+            self._row(
+                SelfStudyQuestionRow, key, p, question_id=question_id(key, i), ordinal=i, question=q
             )
             for i, q in enumerate(kept)
         ]

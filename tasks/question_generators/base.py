@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from coinrag.inference.llm.client import CallRecord
 from coinrag.schemas.keys import fingerprint
-from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.registry import Backend, Registry
 from coinrag.schemas.settings import QUESTION_GENERATORS, CartridgeSettings
 from coinrag.tasks.question_generators.prompt import PROMPT_VERSION
 
@@ -53,7 +53,7 @@ def generator_fingerprint(backend: str, fields: dict[str, Any]) -> str:
     return fingerprint("qgen", {"backend": backend, "prompt_version": PROMPT_VERSION, **fields})
 
 
-class QuestionGenerator(Registered):
+class QuestionGenerator(Backend):
     """What the self-study stage needs from a backend; a backend is a subclass registered by
     name (``class LocalQuestionGenerator(QuestionGenerator, name="local")``), its module
     imported on first look-up of ``QuestionGenerator.registry[name]``."""
@@ -66,9 +66,7 @@ class QuestionGenerator(Registered):
             "local": f"{__package__}.local",
         },
     )
-    name_attr: ClassVar[str] = "backend"
     backend: ClassVar[str]  # openai | local
-    llm_model: str
     n_questions: int
 
     @classmethod
@@ -79,7 +77,12 @@ class QuestionGenerator(Registered):
 
     @property
     def fingerprint(self) -> str:
-        """:func:`generator_fingerprint` of everything the questions depend on; no secrets."""
+        """:func:`generator_fingerprint` of this backend and its :meth:`fingerprint_fields`."""
+        return generator_fingerprint(self.backend, self.fingerprint_fields())
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Everything the questions depend on but the backend and the prompt version (no key,
+        no URL)."""
         raise NotImplementedError
 
     def generate(

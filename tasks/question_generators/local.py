@@ -24,7 +24,6 @@ from coinrag.tasks.question_generators.base import (
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
-    generator_fingerprint,
 )
 from coinrag.tasks.question_generators.prompt import build_local_messages
 from coinrag.tasks.question_generators.skeleton import SkeletonMachine, skeleton_vocab
@@ -107,19 +106,15 @@ class LocalQuestionGenerator(QuestionGenerator, name="local"):
     def llm_model(self) -> str:
         return f"local@{self.loaded.model_fp}"
 
-    @property
-    def fingerprint(self) -> str:
-        return generator_fingerprint(
-            self.backend,
-            {
-                "model_fp": self.loaded.model_fp,
-                "n": self.n_questions,
-                "min_question_tokens": self.min_question_tokens,
-                "max_question_tokens": self.max_question_tokens,
-                **asdict(self.sampling),  # temperature, top_k, repetition_penalty, close_boost
-                "decoding": "json-skeleton-v2",
-            },
-        )
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {
+            "model_fp": self.loaded.model_fp,
+            "n": self.n_questions,
+            "min_question_tokens": self.min_question_tokens,
+            "max_question_tokens": self.max_question_tokens,
+            **asdict(self.sampling),  # temperature, top_k, repetition_penalty, close_boost
+            "decoding": "json-skeleton-v2",
+        }
 
     def prompt_ids(self, req: QuestionRequest) -> list[int]:
         tok = self.loaded.tokenizer

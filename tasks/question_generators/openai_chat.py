@@ -7,14 +7,12 @@ answer that is not a JSON array is ``malformed`` (cached, not retried; ``accept.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
+from coinrag.inference.llm.calls import ConcurrentCalls
 from coinrag.inference.llm.client import (
     CallRecord,
     LlmEndpoint,
@@ -34,14 +32,11 @@ from coinrag.tasks.question_generators.base import (
     QuestionRequest,
     QuestionResult,
     QuestionsDone,
-    generator_fingerprint,
 )
 from coinrag.tasks.question_generators.prompt import build_question_messages
 
-log = logging.getLogger(__name__)
 
-
-class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
+class OpenAIQuestionGenerator(QuestionGenerator, ConcurrentCalls, name="openai"):
     """Questions from chat completions (GPT-4o-mini or any OpenAI-compatible endpoint)."""
 
     def __init__(
@@ -55,15 +50,9 @@ class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
         """``endpoint``: the model, its client (``timeout_s`` per request) and retry policy
         (default: gpt-4o-mini through a new ``openai.OpenAI`` reading the environment's key and
         URL, 120 s); ``concurrency`` requests at a time."""
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        self.endpoint = endpoint or LlmEndpoint("gpt-4o-mini", timeout_s=120.0)
-        self.llm_model = self.endpoint.model
+        ConcurrentCalls.__init__(self, endpoint, concurrency, timeout_s=120.0)
         self.n_questions = n_questions
         self.temperature = temperature
-        self.concurrency = concurrency
-        self._fatal: str | None = None
-        self._lock = threading.Lock()
 
     @classmethod
     def from_settings(
@@ -73,26 +62,21 @@ class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
         endpoint = LlmEndpoint(settings.llm_model, base_url=settings.base_url, timeout_s=120.0)
         return cls(endpoint, n_questions=settings.n_questions)
 
-    @property
-    def fingerprint(self) -> str:
-        return generator_fingerprint(
-            self.backend,
-            {
-                "model": self.llm_model,
-                "n": self.n_questions,
-                "temperature": self.temperature,
-                # what is accepted from a free answer (the local skeleton's output is always an
-                # array of questions, so its fingerprint does not carry this)
-                "accepts": ACCEPTS_VERSION,
-            },
-        )
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {
+            "model": self.llm_model,
+            "n": self.n_questions,
+            "temperature": self.temperature,
+            # what is accepted from a free answer (the local skeleton's output is always an
+            # array of questions, so its fingerprint does not carry this)
+            "accepts": ACCEPTS_VERSION,
+        }
 
     def generate(
         self, requests: Sequence[QuestionRequest], progress: QuestionsDone | None = None
     ) -> list[QuestionResult]:
         """One result per request, in order; never raises for one bad call.
         ``progress(n_questions)`` after each call (from the worker threads, one at a time)."""
-        self._fatal = None
 
         def run(req: QuestionRequest) -> QuestionResult:
             try:
@@ -104,21 +88,15 @@ class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
                     progress(self.n_questions)
             return result
 
-        if not requests:
-            return []
-        workers = min(self.concurrency, len(requests))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selfstudy") as pool:
-            return list(pool.map(run, requests))
+        return self.each(run, requests, "selfstudy")
 
     def _one(self, req: QuestionRequest) -> QuestionResult:
         calls: list[CallRecord] = []
         messages = build_question_messages(req.text, req.seed_type, self.n_questions)
         attempt = 0
         while True:
-            if self._fatal is not None:
-                return QuestionResult(
-                    req.key, "failed", error=f"aborted: {self._fatal}", calls=calls
-                )
+            if (aborted := self.aborted) is not None:
+                return QuestionResult(req.key, "failed", error=aborted, calls=calls)
             attempt += 1
             started, t0 = datetime.now(UTC), time.perf_counter()
             try:
@@ -130,8 +108,7 @@ class OpenAIQuestionGenerator(QuestionGenerator, name="openai"):
                 status, retryable, fatal = classify_error(exc)
                 calls.append(self.endpoint.record(req.key, attempt, status, started, t0, error=msg))
                 if fatal:
-                    self._fatal = msg
-                    log.error("fatal endpoint error, failing the rest of the run: %s", msg)
+                    self.stop_run(msg)
                 if fatal or not retryable or attempt >= self.endpoint.retry.max_attempts:
                     error = f"{status} after {attempt} attempt(s): {msg}"
                     return QuestionResult(req.key, "failed", error=error, calls=calls)

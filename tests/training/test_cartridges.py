@@ -42,6 +42,7 @@ from coinrag.schemas.tables import (
     ExtractionCallRow,
     RunRow,
     SelfStudyCallRow,
+    SelfStudyQuestionRow,
     TeacherAnswerRow,
 )
 from coinrag.storage.cartridges import (
@@ -55,7 +56,7 @@ from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_rows
 from coinrag.tasks.question_generators.local import LocalQuestionGenerator
 from coinrag.tasks.question_generators.openai_chat import OpenAIQuestionGenerator
-from coinrag.tasks.questions import call_key, plan_calls, selfstudy_stage
+from coinrag.tasks.questions import call_key, plan_calls, question_id, selfstudy_stage
 from coinrag.tasks.teacher import teacher_answers
 from coinrag.training.budget import (
     LIVE,
@@ -421,8 +422,23 @@ def test_selfstudy_plans_with_the_cartridge_settings(tok, tiny, tmp_path) -> Non
     _, counts = selfstudy_stage(store, docs, gen, run_id="selfstudy-plan", settings=settings)
     plan = plan_calls(docs, seed=2, n_calls=3, chars_per_call=10)
     assert counts.planned == len(plan) == 3
-    made = {c.call_key for c in read_rows(store, SelfStudyCallRow)}
-    assert made == {call_key(gen.fingerprint, p) for p in plan}
+    calls = {c.call_key: c for c in read_rows(store, SelfStudyCallRow)}
+    by_key = {call_key(gen.fingerprint, p): p for p in plan}
+    assert set(calls) == set(by_key)
+    for key, c in calls.items():  # each call row carries its plan's columns
+        p = by_key[key]
+        assert (c.doc_id, c.doc_version, c.text_hash, c.seed_type) == (
+            p.doc_id,
+            p.doc_version,
+            p.text_hash,
+            p.seed_type,
+        )
+        assert (c.char_start, c.char_end, c.call_index) == (p.char_start, p.char_end, p.call_index)
+        assert (c.generator_fp, c.backend, c.run_id) == (gen.fingerprint, "local", "selfstudy-plan")
+    for q in read_rows(store, SelfStudyQuestionRow):  # and each question its call's
+        c = calls[q.call_key]
+        assert (q.doc_id, q.doc_version, q.seed_type) == (c.doc_id, c.doc_version, c.seed_type)
+        assert q.question_id == question_id(q.call_key, q.ordinal) and q.run_id == c.run_id
 
 
 def test_openai_generator_against_fake_server(tmp_path) -> None:
