@@ -124,6 +124,21 @@ _OUTER_LINKS = etree.XPath(".//a[not(ancestor::a)]")
 # at 0.73-0.96 (genindex-*, contents, library/internet ...), the pages with content of their
 # own at 0.66 or less (tutorial/index, with its paragraphs, 0.66; faq/library 0.17).
 NAVIGATION_LINK_SHARE = 0.7
+# How trafilatura reads a page here: only ``.body`` of its XML is used ("python" would render
+# a text too); no fallback extractors (``fast``); tables kept, images, formatting and links
+# dropped (the writer makes the text's own conventions); no dedup, whose cache would make a
+# page's text depend on the pages read before it.
+TRAFILATURA_OPTIONS = {
+    "output_format": "xml",
+    "fast": True,
+    "include_comments": False,
+    "include_tables": True,
+    "include_images": False,
+    "include_formatting": False,
+    "include_links": False,
+    "deduplicate": False,
+    "with_metadata": False,
+}
 
 
 def parse_html(text: str, name: str) -> html.HtmlElement:
@@ -414,18 +429,7 @@ def main_content(root: html.HtmlElement) -> etree._Element | None:
 def _trafilatura_body(root: html.HtmlElement) -> etree._Element | None:
     import trafilatura
 
-    document = trafilatura.bare_extraction(
-        root,
-        output_format="xml",  # only .body is used: "python" would render a text too
-        fast=True,
-        include_comments=False,
-        include_tables=True,
-        include_images=False,
-        include_formatting=False,
-        include_links=False,
-        deduplicate=False,
-        with_metadata=False,
-    )
+    document = trafilatura.bare_extraction(root, **TRAFILATURA_OPTIONS)
     return None if document is None else document.body
 
 
