@@ -67,9 +67,11 @@ KV_CODECS = ("none", "int8", "int4")
 KV_KEEPS = ("chunks", "nuggets")
 # How the model runs query prefill and decoding (inference/model/forward.py): eager (a preallocated
 # KV buffer, the model's layers driven over it) | compiled (the same step under torch.compile,
-# bucketed shapes, warmed up before serving) | auto (compiled for coinrag api and eval, eager
-# for a one-shot coinrag query).
-FORWARDS = ("auto", "eager", "compiled")
+# bucketed shapes, warmed up before serving) | graphs (the same step captured as one CUDA graph
+# per bucketed shape and replayed, inference/model/graphs.py) | auto (for coinrag api and eval:
+# graphs on a CUDA device, compiled on another accelerator, eager on a CPU; eager for a one-shot
+# coinrag query).
+FORWARDS = ("auto", "eager", "compiled", "graphs")
 # Where chunks end (tasks/chunk.py): every chunk_size tokens (fixed, the paper's) | at sentence
 # ends | content-defined (edit-stable) | at the document's headings (section).
 CHUNKERS = ("fixed", "sentence", "content", "section")
@@ -123,8 +125,9 @@ def forward_setting() -> Any:
     questions): how the model runs query prefill and decoding (``inference/model/forward.py``)."""
     return setting(
         "auto",
-        "Model forward: eager | compiled (torch.compile, warmed up first) | auto (default: "
-        "compiled for api and eval, eager for query).",
+        "Model forward: eager | compiled (torch.compile, warmed up first) | graphs (CUDA "
+        "graphs, captured at warm-up) | auto (default: for api and eval graphs on CUDA, "
+        "compiled on another accelerator, eager on a CPU; eager for query).",
         cli=True,
     )
 
