@@ -225,6 +225,7 @@ class BuildSettings:
         cli=True,
     )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
+    kv_fill_device: bool = True  # on a CUDA device: batches as large as its free memory holds
     retrieval: str = setting(
         DEFAULT_RETRIEVAL,
         "How queries of this store rank chunks and nuggets: dense | lexical | hybrid "
