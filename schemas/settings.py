@@ -132,6 +132,19 @@ def forward_setting() -> Any:
     )
 
 
+def resident_kv_setting() -> Any:
+    """The ``kv_resident_bytes`` setting (one declaration, a field of each settings class that
+    answers questions): device bytes of stored KV slices a reader keeps on a GPU between
+    questions (``inference/model/kv_transfer.py``; 0: none)."""
+    return setting(
+        0,
+        "Bytes of GPU memory that keep recently read KV slices between questions (default 0: "
+        "none; CUDA only).",
+        cli=True,
+        min=0,
+    )
+
+
 def check_forward(value: str) -> str:
     """``value`` if it is one of :data:`FORWARDS`, else a :class:`SettingsError` naming them."""
     if value not in FORWARDS:
@@ -413,9 +426,12 @@ class RuntimeSettings:
 
     threads: int = threads_setting()
     forward: str = forward_setting()
+    kv_resident_bytes: int = resident_kv_setting()
 
     def __post_init__(self) -> None:
         check_forward(self.forward)
+        if self.kv_resident_bytes < 0:
+            raise SettingsError(f"kv_resident_bytes must be >= 0, got {self.kv_resident_bytes}")
 
 
 @dataclass(frozen=True)
@@ -528,6 +544,7 @@ class ApiSettings:
 
     threads: int = threads_setting()
     forward: str = forward_setting()
+    kv_resident_bytes: int = resident_kv_setting()
     queue_limit: int = setting(
         16, "Requests waiting for the model at most; more get 503 (default {default}).", cli=True
     )
@@ -583,6 +600,8 @@ class ApiSettings:
             )
         if self.threads < 0:
             raise SettingsError(f"threads must be >= 0 (0: auto), got {self.threads}")
+        if self.kv_resident_bytes < 0:
+            raise SettingsError(f"kv_resident_bytes must be >= 0, got {self.kv_resident_bytes}")
         check_forward(self.forward)
         return self
 

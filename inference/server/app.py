@@ -128,11 +128,13 @@ class ApiServer:
         """Set the process's threads, load the model, embedder and store views of the methods,
         and warm them (one throwaway query per method): the first request pays no cold start."""
         from coinrag.inference.model.forward import set_default_forward
+        from coinrag.inference.model.kv_transfer import set_resident_kv_bytes
         from coinrag.inference.model.threads import set_process_threads
 
         settings = config.api_settings()
         threads = set_process_threads(settings.threads)
         set_default_forward(settings.forward, serving=True)
+        set_resident_kv_bytes(settings.kv_resident_bytes)
         started = time.perf_counter()
         store = Store.at(config.store)
         lease = ReaderLeaseHolder(store, list)  # leased before it is read (gc keeps it)

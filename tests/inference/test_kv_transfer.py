@@ -1,0 +1,71 @@
+"""Moving a question's KV to the model's device (``inference/model/kv_transfer.py``): on a CPU
+exactly the move of before (a plain buffer, ``to(device, dtype)``); the resident slices an LRU
+under a byte budget. The builder's resident path against its host path:
+``tests/inference/test_kv_keep_codecs.py``; on a GPU (``-m cuda``) the pinned buffer and its
+one non-blocking copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coinrag.inference.model.kv_transfer import (
+    ResidentKv,
+    host_buffer,
+    resident_kv_bytes,
+    set_resident_kv_bytes,
+    to_device,
+)
+from coinrag.schemas.settings import ApiSettings, RuntimeSettings, SettingsError
+
+
+def test_on_a_cpu_the_buffer_and_the_move_are_as_before() -> None:
+    buf = host_buffer((2, 2, 3, 5, 4), torch.bfloat16, "cpu")
+    assert not buf.is_pinned() and buf.dtype == torch.bfloat16 and buf.shape == (2, 2, 3, 5, 4)
+    buf.copy_(torch.randn(buf.shape))
+    moved = to_device(buf, torch.device("cpu"), torch.float32)
+    assert torch.equal(moved, buf.to("cpu", dtype=torch.float32))
+    assert to_device(buf, "cpu", torch.bfloat16) is buf  # nothing to move or cast: no copy
+
+
+def test_resident_slices_are_an_lru_under_the_budget() -> None:
+    """The docstring's example: 100 bytes, slices of 40."""
+    slices = {k: torch.zeros(10, dtype=torch.float32) for k in "abcd"}  # 40 bytes each
+    lru = ResidentKv(100)
+    lru.put("a", slices["a"])
+    lru.put("b", slices["b"])
+    assert lru.get("a") is slices["a"] and lru.bytes == 80
+    lru.put("c", slices["c"])  # b, the least recently used, is dropped
+    assert "b" not in lru and "a" in lru and "c" in lru and lru.bytes == 80
+    assert lru.get("b") is None and (lru.hits, lru.misses) == (1, 1)
+    lru.put("big", torch.zeros(26, dtype=torch.float32))  # 104 bytes: never kept
+    assert "big" not in lru and len(lru) == 2
+    lru.put("d", slices["d"])
+    assert set(lru._slices) == {"c", "d"} and lru.bytes == 80
+
+
+def test_the_kv_resident_bytes_setting() -> None:
+    assert RuntimeSettings().kv_resident_bytes == ApiSettings().kv_resident_bytes == 0
+    with pytest.raises(SettingsError, match="kv_resident_bytes must be >= 0, got -1"):
+        RuntimeSettings(kv_resident_bytes=-1)
+    with pytest.raises(SettingsError, match="kv_resident_bytes must be >= 0, got -1"):
+        ApiSettings(kv_resident_bytes=-1).validate()
+    before = resident_kv_bytes()
+    try:
+        set_resident_kv_bytes(2**30)
+        assert resident_kv_bytes() == 2**30
+        with pytest.raises(ValueError, match="got -5"):
+            set_resident_kv_bytes(-5)
+    finally:
+        set_resident_kv_bytes(before)
+
+
+@pytest.mark.cuda
+def test_on_cuda_one_pinned_buffer_one_non_blocking_copy() -> None:
+    buf = host_buffer((2, 2, 3, 5, 4), torch.float32, "cuda")
+    assert buf.is_pinned()
+    buf.copy_(torch.randn(buf.shape))
+    moved = to_device(buf, torch.device("cuda"), torch.bfloat16)
+    assert moved.device.type == "cuda" and moved.dtype == torch.bfloat16
+    assert torch.equal(moved.cpu(), buf.to(torch.bfloat16))  # the cast on the device: same bits
