@@ -120,7 +120,8 @@ class StepGraph:
                 self.call()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another thread's CUDA call (none should run) does not fail it
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 output = self.call()
         except RuntimeError as exc:
             self.failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
