@@ -242,11 +242,12 @@ class KvBatching:
 
 
 def right_padded(rows: Sequence[Sequence[int]], pad: int, device: Any) -> torch.Tensor:
-    """``(len(rows), longest)`` token ids, right-padded with ``pad``."""
+    """``(len(rows), longest)`` token ids, right-padded with ``pad``, on ``device``: copied
+    there without waiting for the device's queued work (on a GPU the KV pipeline launches the
+    next batch while the previous one still runs; a CPU tensor is returned as made)."""
     width = max(len(r) for r in rows)
-    return torch.tensor(
-        [list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device
-    )
+    ids = torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+    return ids.to(device, non_blocking=True)
 
 
 def forward_after_prefix(

@@ -92,7 +92,8 @@ class StepGraph:
             raise ValueError(f"{n} ids do not fit a step of {self.q} (1..{self.q})")
         padded = [*ids, *[int(ids[-1])] * (self.q - n)]
         host = [*padded, *range(position, position + self.q), n - 1]
-        self.inputs.copy_(torch.tensor(host, dtype=torch.long))
+        # non_blocking: the ids are staged at once, the copy queued before the step's kernels
+        self.inputs.copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
 
     def call(self) -> torch.Tensor:
         """The step over the static inputs, eagerly."""
