@@ -69,3 +69,57 @@ def test_on_cuda_one_pinned_buffer_one_non_blocking_copy() -> None:
     moved = to_device(buf, torch.device("cuda"), torch.bfloat16)
     assert moved.device.type == "cuda" and moved.dtype == torch.bfloat16
     assert torch.equal(moved.cpu(), buf.to(torch.bfloat16))  # the cast on the device: same bits
+
+
+@pytest.mark.cuda
+def test_stored_context_on_cuda_one_copy_and_resident(tmp_path, smollm2_tokenizer) -> None:
+    """A store built on the CPU, read for a model on the GPU: the host path (one pinned copy)
+    gives the CPU context's bits; with kv_resident_bytes the slices stay on the device, the
+    second question reads none, and the context assembled on the device is the CPU one up to
+    the rotation's float32 rounding there."""
+    pytest.importorskip("pandas")  # the builders read chunk tables (pyarrow, pandas)
+    import copy
+    from pathlib import Path
+
+    from store_fixtures import tiny_model
+    from test_kv_pipeline import _chunks
+
+    from coinrag.inference.context.builders import StoredKvContext
+    from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+    from coinrag.inference.model.prompt import RagPrompt
+    from coinrag.inference.retrieval.retriever import Evidence
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.store import Store
+    from coinrag.tasks.kv import KvOptions, kv_stage
+
+    tok = smollm2_tokenizer
+    model = tiny_model("qwen2", seed=7, vocab_size=len(tok))
+    tok_fp = tokenizer_fingerprint(tok)
+    loaded = LoadedModel(model, tok, Path("."), "model-37", tok_fp)
+    prompt = RagPrompt.for_tokenizer(tok)
+    chunks = _chunks(len(tok), tokenizer_fp=tok_fp)
+    store = Store.at(tmp_path / "s").init()
+    counts = kv_stage(store, chunks, loaded, prompt, "run-1", KvOptions(batch_size=2))
+    kv = KvStore.open(store, counts.kv_fp)
+    spans = [(0, 3, 9), (2, 10, 30), (4, 0, 21), (1, 30, 38)]
+    evidence = [
+        Evidence(chunks[i].chunk_id, "d", chunks[i].content_key, s, e, "", 0.0) for i, s, e in spans
+    ]
+    with torch.inference_mode():
+        want, _ = StoredKvContext(store, model, prompt, kv).build(evidence, 4)
+        on_gpu = StoredKvContext(store, copy.deepcopy(model).to("cuda"), prompt, kv)
+        assert on_gpu.resident is None
+        got, _ = on_gpu.build(evidence, 4)
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+        on_gpu.resident = ResidentKv(10**9)
+        first, _ = on_gpu.build(evidence, 4)
+        again, _ = on_gpu.build(evidence, 4)
+    assert on_gpu.resident.hits == len(evidence) and torch.equal(first, again)
+    scale = float(want.abs().max())
+    assert float((first.cpu() - want).abs().max()) <= 1e-6 * scale
+    before = resident_kv_bytes()
+    try:
+        set_resident_kv_bytes(10**9)
+        assert StoredKvContext(store, on_gpu.model, prompt, kv).resident is not None
+    finally:
+        set_resident_kv_bytes(before)
