@@ -459,7 +459,7 @@ def cell(values: list[float | None], fmt: str) -> str:
     return " / ".join("-" if v is None else format(v, fmt) for v in values)
 
 
-def tables(build: list[dict], rows: list[dict]) -> None:
+def tables(build: list[dict], rows: list[dict], args: argparse.Namespace) -> None:
     """The KV build and TTFT tables, before / after (/ resident) side by side, in markdown."""
     print("\n| KV build | chunks per forward | tokens/s | MFU |\n|---|---|---|---|")
     for r in build:
@@ -475,7 +475,8 @@ def tables(build: list[dict], rows: list[dict]) -> None:
         ("warm-up s", "warm", ".1f"),
     )
     print(
-        "\nms, before / after / resident\n\n| method | context tokens | "
+        f"\nms, before ({args.before}, a copy per slice) / after ({args.after}, one pinned copy)"
+        f" / resident ({args.after}, slices on the device)\n\n| method | context tokens | "
         + " | ".join(name for name, _, _ in columns)
         + " | prefill MFU |\n|"
         + "---|" * (len(columns) + 3)
@@ -566,7 +567,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     from coinrag.inference.model.forward import resolve_forward
 
     for kind in (args.before, args.after):
-        resolve_forward(kind, serving=True)  # a bad name fails before the model is made
+        try:  # a bad name fails before the model is made
+            resolve_forward(kind, serving=True)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run (tiny model on the CPU) here")
     return args
@@ -590,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix_kv = compute_prefix_kv(model, prefix_ids)
     build = kv_build(model, args, prefix_kv, peak)
     rows = ttft(model, args, prefix_kv, peak, started)
-    tables(build, rows)
+    tables(build, rows, args)
     same_answers(rows)
     goals(build, rows, args.dry_run)
     print(f"\ngpu_check done in {time.perf_counter() - started:.1f} s")
