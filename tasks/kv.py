@@ -15,10 +15,13 @@ units, written how, and what it did.
   holding at least one whole batch; a group is computed batch by batch and stored as its
   shards. One driver, :func:`run_kv_stage`, plans, stores and counts; where the groups are
   computed is its :class:`KvWorkers`: :class:`LocalKv` computes them one after the other in
-  this process (:func:`kv_stage`), a runner's workers (``flows/scaleout.py``) compute each on
-  a worker (:func:`stage_group_kv`: shards written under temporary names) and the driver, the
-  holder of the store's lock, publishes them in group order. Both give the same batches, the
-  same shard numbers and bit-identical entries.
+  this process (:func:`kv_stage`; its batches through ``inference/model/kv_pipeline.py``: on a
+  CUDA device the copy of one batch's KV to pinned host memory overlaps the next forward, and
+  with ``kv_fill_device`` a batch holds as many chunks as the device's free memory does), a
+  runner's workers (``flows/scaleout.py``) compute each on a worker (:func:`stage_group_kv`:
+  shards written under temporary names) and the driver, the holder of the store's lock,
+  publishes them in group order. Both give the same batches, the same shard numbers and
+  bit-identical entries (at the same batch size: a GPU's filled batches are larger).
 - Entries are written ``slots_per_shard`` at a time (one Zarr shard each, written whole); after a
   shard is verified its manifest rows are appended, then ``progress`` is called. With
   ``overlap`` (default) a background thread writes (or publishes) shard ``i`` while the next
