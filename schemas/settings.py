@@ -67,9 +67,11 @@ KV_CODECS = ("none", "int8", "int4")
 KV_KEEPS = ("chunks", "nuggets")
 # How the model runs query prefill and decoding (inference/model/forward.py): eager (a preallocated
 # KV buffer, the model's layers driven over it) | compiled (the same step under torch.compile,
-# bucketed shapes, warmed up before serving) | auto (compiled for coinrag api and eval, eager
-# for a one-shot coinrag query).
-FORWARDS = ("auto", "eager", "compiled")
+# bucketed shapes, warmed up before serving) | graphs (the same step captured as one CUDA graph
+# per bucketed shape and replayed, inference/model/graphs.py) | auto (for coinrag api and eval:
+# graphs on a CUDA device, compiled on another accelerator, eager on a CPU; eager for a one-shot
+# coinrag query).
+FORWARDS = ("auto", "eager", "compiled", "graphs")
 # Where chunks end (tasks/chunk.py): every chunk_size tokens (fixed, the paper's) | at sentence
 # ends | content-defined (edit-stable) | at the document's headings (section).
 CHUNKERS = ("fixed", "sentence", "content", "section")
@@ -123,9 +125,23 @@ def forward_setting() -> Any:
     questions): how the model runs query prefill and decoding (``inference/model/forward.py``)."""
     return setting(
         "auto",
-        "Model forward: eager | compiled (torch.compile, warmed up first) | auto (default: "
-        "compiled for api and eval, eager for query).",
+        "Model forward: eager | compiled (torch.compile, warmed up first) | graphs (CUDA "
+        "graphs, captured at warm-up) | auto (default: for api and eval graphs on CUDA, "
+        "compiled on another accelerator, eager on a CPU; eager for query).",
         cli=True,
+    )
+
+
+def resident_kv_setting() -> Any:
+    """The ``kv_resident_bytes`` setting (one declaration, a field of each settings class that
+    answers questions): device bytes of stored KV slices a reader keeps on a GPU between
+    questions (``inference/model/kv_transfer.py``; 0: none)."""
+    return setting(
+        0,
+        "Bytes of GPU memory that keep recently read KV slices between questions (default 0: "
+        "none; CUDA only).",
+        cli=True,
+        min=0,
     )
 
 
@@ -222,6 +238,7 @@ class BuildSettings:
         cli=True,
     )
     kv_batch_size: int = 4  # chunks per forward pass in the KV stage
+    kv_fill_device: bool = True  # on a CUDA device: batches as large as its free memory holds
     retrieval: str = setting(
         DEFAULT_RETRIEVAL,
         "How queries of this store rank chunks and nuggets: dense | lexical | hybrid "
@@ -409,9 +426,12 @@ class RuntimeSettings:
 
     threads: int = threads_setting()
     forward: str = forward_setting()
+    kv_resident_bytes: int = resident_kv_setting()
 
     def __post_init__(self) -> None:
         check_forward(self.forward)
+        if self.kv_resident_bytes < 0:
+            raise SettingsError(f"kv_resident_bytes must be >= 0, got {self.kv_resident_bytes}")
 
 
 @dataclass(frozen=True)
@@ -524,6 +544,7 @@ class ApiSettings:
 
     threads: int = threads_setting()
     forward: str = forward_setting()
+    kv_resident_bytes: int = resident_kv_setting()
     queue_limit: int = setting(
         16, "Requests waiting for the model at most; more get 503 (default {default}).", cli=True
     )
@@ -579,6 +600,8 @@ class ApiSettings:
             )
         if self.threads < 0:
             raise SettingsError(f"threads must be >= 0 (0: auto), got {self.threads}")
+        if self.kv_resident_bytes < 0:
+            raise SettingsError(f"kv_resident_bytes must be >= 0, got {self.kv_resident_bytes}")
         check_forward(self.forward)
         return self
 

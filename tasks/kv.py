@@ -15,10 +15,13 @@ units, written how, and what it did.
   holding at least one whole batch; a group is computed batch by batch and stored as its
   shards. One driver, :func:`run_kv_stage`, plans, stores and counts; where the groups are
   computed is its :class:`KvWorkers`: :class:`LocalKv` computes them one after the other in
-  this process (:func:`kv_stage`), a runner's workers (``flows/scaleout.py``) compute each on
-  a worker (:func:`stage_group_kv`: shards written under temporary names) and the driver, the
-  holder of the store's lock, publishes them in group order. Both give the same batches, the
-  same shard numbers and bit-identical entries.
+  this process (:func:`kv_stage`; its batches through ``inference/model/kv_pipeline.py``: on a
+  CUDA device the copy of one batch's KV to pinned host memory overlaps the next forward, and
+  with ``kv_fill_device`` a batch holds as many chunks as the device's free memory does), a
+  runner's workers (``flows/scaleout.py``) compute each on a worker (:func:`stage_group_kv`:
+  shards written under temporary names) and the driver, the holder of the store's lock,
+  publishes them in group order. Both give the same batches, the same shard numbers and
+  bit-identical entries (at the same batch size: a GPU's filled batches are larger).
 - Entries are written ``slots_per_shard`` at a time (one Zarr shard each, written whole); after a
   shard is verified its manifest rows are appended, then ``progress`` is called. With
   ``overlap`` (default) a background thread writes (or publishes) shard ``i`` while the next
@@ -45,6 +48,7 @@ units, written how, and what it did.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -55,12 +59,12 @@ from typing import Any
 
 import torch
 
-from coinrag.inference.model.encode import (
-    KvBatching,
+from coinrag.inference.model.encode import KvBatching, compute_prefix_kv, kv_layout, pad_id
+from coinrag.inference.model.kv_pipeline import (
     compute_group_kv,
-    compute_prefix_kv,
-    kv_layout,
-    pad_id,
+    device_free_bytes,
+    fill_batch_size,
+    groups_kv,
 )
 from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import ForwardFrequencies
@@ -195,6 +199,7 @@ class KvOptions:
     slots_per_shard: int = 0
     block_tokens: int = 0
     overlap: bool = True
+    fill_device: bool = BuildSettings.kv_fill_device
 
     @classmethod
     def from_settings(cls, settings: BuildSettings) -> KvOptions:
@@ -202,6 +207,7 @@ class KvOptions:
             batch_size=settings.kv_batch_size,
             check=settings.kv_verify,
             kv_codec=settings.kv_codec,
+            fill_device=settings.kv_fill_device,
         )
 
     def layout_options(self, keep: str) -> dict[str, Any]:
@@ -294,6 +300,11 @@ class KvWorkers(ABC):
     def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
         """Each group computed for ``job``, in the order of ``groups``."""
 
+    def batch_size(self, options: KvOptions, chunk_tokens: int, prefix_tokens: int) -> int:
+        """Chunks per forward for chunks of at most ``chunk_tokens`` tokens after
+        ``prefix_tokens``: ``options.batch_size`` unless the workers' device holds more."""
+        return options.batch_size
+
 
 @dataclass(frozen=True)
 class KvJob:
@@ -322,14 +333,19 @@ def group_entries(
 ) -> tuple[list[tuple[KvEntry, torch.Tensor]], dict[str, float]]:
     """What the store writes of one group (:func:`stored_parts`), computed in batches of
     ``batch_size``, and the seconds it took (``forward``, ``extract``)."""
-    if loaded.model_fp != layout.model_fp:
-        raise KvFingerprintMismatch(
-            loaded.model_fp, layout.model_fp, "this worker's model is not the build's"
-        )
+    check_model(loaded, layout)
     secs: dict[str, float] = {}
     pad = pad_id(loaded.tokenizer)
     computed = compute_group_kv(loaded.model, prefix_kv, group, batch_size, pad, secs, layout)
     return stored_parts(computed, kept), secs
+
+
+def check_model(loaded: Any, layout: KvLayout) -> None:
+    """KvFingerprintMismatch unless ``loaded`` is the model ``layout``'s KV is computed with."""
+    if loaded.model_fp != layout.model_fp:
+        raise KvFingerprintMismatch(
+            loaded.model_fp, layout.model_fp, "this worker's model is not the build's"
+        )
 
 
 class LocalKv(KvWorkers):
@@ -344,12 +360,27 @@ class LocalKv(KvWorkers):
         return prepare_kv(store, self.loaded, self.prompt, options, keep)
 
     def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
-        layout, batch_size = job.kv.layout, job.options.batch_size
-        for group in groups:
-            entries, secs = group_entries(
-                self.loaded, job.prefix_kv, group, layout, batch_size, job.kept
-            )
-            yield ComputedGroup(entries, secs)
+        """The groups through one pipeline (``inference/model/kv_pipeline.py``: on a CUDA
+        device the next group's first forward runs while a group is handed to the writer)."""
+        layout = job.kv.layout
+        check_model(self.loaded, layout)
+        pad = pad_id(self.loaded.tokenizer)
+        computed = groups_kv(
+            self.loaded.model, job.prefix_kv, groups, job.options.batch_size, pad, layout
+        )
+        for entries, secs in computed:
+            yield ComputedGroup(stored_parts(entries, job.kept), secs)
+
+    def batch_size(self, options: KvOptions, chunk_tokens: int, prefix_tokens: int) -> int:
+        """``options.batch_size``, raised on a CUDA device to :func:`~coinrag.inference.model.
+        kv_pipeline.fill_batch_size` of its free memory when ``options.fill_device``."""
+        free = device_free_bytes(self.loaded.model) if options.fill_device else None
+        if free is None or not chunk_tokens:
+            return options.batch_size
+        model = self.loaded.model
+        size = next(model.parameters()).element_size()
+        fill = fill_batch_size(model.config, size, chunk_tokens, prefix_tokens, free)
+        return max(options.batch_size, fill)
 
 
 def stage_group_kv(
@@ -432,6 +463,9 @@ def run_kv_stage(
     prefix_kv = stored_prefix_kv(kv, prep.prefix_ids)
     secs["prefix"] = time.perf_counter() - t0
     todo = plan_kv(kv, chunks, prep.tokenizer_fp, counts, options.check, rebuild, kept)
+    longest = max((c.n_tokens for c in todo), default=0)
+    sized = workers.batch_size(options, longest, len(prep.prefix_ids))
+    options = dataclasses.replace(options, batch_size=sized)
     groups = kv_groups(todo, options.batch_size, prep.layout.slots_per_shard)
     batching = KvBatching(options.batch_size, len(prep.prefix_ids), prep.frequencies)
     secs.update(forward=0.0, extract=0.0)

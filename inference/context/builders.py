@@ -40,6 +40,13 @@ from coinrag.inference.model.encode import (
     compute_prefix_kv,
     forward_after_prefix,
 )
+from coinrag.inference.model.kv_transfer import (
+    ResidentKv,
+    host_buffer,
+    on_cuda,
+    resident_kv_bytes,
+    to_device,
+)
 from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.retrieval.retriever import Evidence
 from coinrag.inference.rope import ForwardFrequencies, model_rope
@@ -161,6 +168,11 @@ class StoredKvContext(ContextBuilder):
         self.prefix_kv, ids = kv.read_prefix()
         if list(ids) != list(prompt.prefix_ids):
             raise PrefixMismatch("the stored prompt prefix differs from this prompt's")
+        budget = resident_kv_bytes()
+        # on a GPU with kv_resident_bytes: hot slices stay on the device (inference/model/
+        # kv_transfer.py); None: every slice read and the context assembled on the host
+        self.resident = ResidentKv(budget) if budget and on_cuda(self.device) else None
+        self._device_prefix: torch.Tensor | None = None
 
     @classmethod
     def for_finetuning(
@@ -182,10 +194,13 @@ class StoredKvContext(ContextBuilder):
         general path."""
         if not self.decodes_into_context or self.spec.seq_len_dependent:
             return super().build(evidence, n_query, timings)
+        if self.resident is not None:
+            return self.build_resident(evidence, timings)
         t0 = time.perf_counter()
         p = self.prompt.n_prefix
         lengths = [e.tok_end - e.tok_start for e in evidence]
-        ctx = self.prefix_kv.new_empty(self.kv.layout.entry_shape(p + sum(lengths)))
+        shape = self.kv.layout.entry_shape(p + sum(lengths))
+        ctx = host_buffer(shape, self.prefix_kv.dtype, self.device)  # pinned for a GPU
         ctx[..., :p, :] = self.prefix_kv
         old_starts = [p + e.tok_start for e in evidence]
         starts = self.slice_starts(p, old_starts, lengths)
@@ -198,7 +213,55 @@ class StoredKvContext(ContextBuilder):
         else:
             old = _runs(old_starts, lengths)
         rotate_placed_keys(ctx, p, old, _runs(starts, lengths), self.spec)
-        ctx = ctx.to(self.device, dtype=next(self.model.parameters()).dtype)
+        ctx = to_device(ctx, self.device, next(self.model.parameters()).dtype)  # one copy
+        if timings is not None:
+            timings["kv_load"] = timings.get("kv_load", 0.0) + (t1 - t0) * 1000
+            timings["assembly"] = timings.get("assembly", 0.0) + (time.perf_counter() - t1) * 1000
+        return ctx, ctx.shape[-2]
+
+    def build_resident(
+        self, evidence: Sequence[Evidence], timings: dict[str, float] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """:meth:`build` with the slices :attr:`resident` keeps on the device: the others read
+        into one host buffer (pinned on a GPU) and copied once, kept, and the context
+        assembled and its keys re-rotated where the model is (the same arithmetic as
+        :meth:`build`, on that device)."""
+        t0 = time.perf_counter()
+        resident, device = self.resident, self.device
+        assert resident is not None
+        layout, p = self.kv.layout, self.prompt.n_prefix
+        keys = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
+        lengths = [e.tok_end - e.tok_start for e in evidence]
+        found = [resident.get(k) for k in keys]
+        missing = [i for i, f in enumerate(found) if f is None]
+        if missing:
+            shape = layout.entry_shape(sum(lengths[i] for i in missing))
+            host = host_buffer(shape, layout.torch_dtype, device)
+            self.kv.read_slices_into([keys[i] for i in missing], host)
+            moved, at = to_device(host, device, layout.torch_dtype), 0
+            for i in missing:
+                found[i] = moved[..., at : at + lengths[i], :].clone()  # its own storage
+                resident.put(keys[i], found[i])
+                at += lengths[i]
+        if self._device_prefix is None:
+            self._device_prefix = self.prefix_kv.to(device)
+        shape = layout.entry_shape(p + sum(lengths))
+        ctx = torch.empty(shape, dtype=self.prefix_kv.dtype, device=device)
+        ctx[..., :p, :] = self._device_prefix
+        at = p
+        for kv, n in zip(found, lengths, strict=True):
+            ctx[..., at : at + n, :] = kv
+            at += n
+        t1 = time.perf_counter()
+        old_starts = [p + e.tok_start for e in evidence]
+        starts = self.slice_starts(p, old_starts, lengths)
+        if layout.keys_at_zero:
+            old = torch.zeros(sum(lengths), dtype=torch.long)
+        else:
+            old = _runs(old_starts, lengths)
+        new = _runs(starts, lengths)
+        rotate_placed_keys(ctx, p, old.to(device), new.to(device), self.spec)
+        ctx = ctx.to(dtype=next(self.model.parameters()).dtype)
         if timings is not None:
             timings["kv_load"] = timings.get("kv_load", 0.0) + (t1 - t0) * 1000
             timings["assembly"] = timings.get("assembly", 0.0) + (time.perf_counter() - t1) * 1000

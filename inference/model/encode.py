@@ -27,6 +27,8 @@ when it is the first chunk after the prefix in a standard RAG prompt. ``C_p`` is
   ``tests/inference/test_kv_store.py`` states the tolerance).
 - ``C_p`` is expanded over the batch into a fresh ``DynamicCache`` per batch (forward appends to
   the cache it is given).
+- The KV stage runs its batches through ``inference/model/kv_pipeline.py`` (the same forwards;
+  on a CUDA device the copy of one batch's KV to host memory overlaps the next batch's forward).
 
 Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``; ``inference.
 layers``): every forward here runs on a cache that keeps every position of every layer
@@ -55,7 +57,7 @@ from typing import Any
 import torch
 
 from coinrag.inference.model.prompt import RagPrompt
-from coinrag.inference.rope import ForwardFrequencies, ModelRope, model_rope, reset_rotary
+from coinrag.inference.rope import ForwardFrequencies, ModelRope, reset_rotary
 from coinrag.schemas.tables import ChunkRow
 from coinrag.storage.kv import KvLayout
 
@@ -240,11 +242,12 @@ class KvBatching:
 
 
 def right_padded(rows: Sequence[Sequence[int]], pad: int, device: Any) -> torch.Tensor:
-    """``(len(rows), longest)`` token ids, right-padded with ``pad``."""
+    """``(len(rows), longest)`` token ids, right-padded with ``pad``, on ``device``: copied
+    there without waiting for the device's queued work (on a GPU the KV pipeline launches the
+    next batch while the previous one still runs; a CPU tensor is returned as made)."""
     width = max(len(r) for r in rows)
-    return torch.tensor(
-        [list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device
-    )
+    ids = torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+    return ids.to(device, non_blocking=True)
 
 
 def forward_after_prefix(
@@ -271,6 +274,20 @@ def forward_after_prefix(
     return out.past_key_values
 
 
+def check_one_frequency(model: Any, prefix_tokens: int, batch: Sequence[ChunkRow]) -> None:
+    """ValueError when the chunks of ``batch`` after ``prefix_tokens`` need different RoPE
+    frequencies (dynamic / longrope: one padded forward would give the shorter ones wrong keys;
+    :class:`KvBatching` forms batches that do not)."""
+    frequencies = ForwardFrequencies.from_config(model.config)
+    if len({frequencies.key(prefix_tokens + c.n_tokens) for c in batch}) > 1:
+        raise ValueError(
+            f"chunks of {sorted({c.n_tokens for c in batch})} tokens after a "
+            f"{prefix_tokens}-token prefix need different RoPE frequencies "
+            f"({frequencies.thresholds}): one padded forward would give the shorter ones wrong "
+            "keys; batch them with KvBatching"
+        )
+
+
 def compute_chunk_kv(
     model: Any,
     prefix_kv: torch.Tensor,
@@ -286,13 +303,7 @@ def compute_chunk_kv(
     """
     t0 = time.perf_counter()
     p = prefix_kv.shape[3]
-    frequencies = ForwardFrequencies.from_config(model.config)
-    if len({frequencies.key(p + c.n_tokens) for c in batch}) > 1:
-        raise ValueError(
-            f"chunks of {sorted({c.n_tokens for c in batch})} tokens after a {p}-token prefix "
-            f"need different RoPE frequencies ({frequencies.thresholds}): one padded forward "
-            "would give the shorter ones wrong keys; batch them with KvBatching"
-        )
+    check_one_frequency(model, p, batch)
     with torch.inference_mode():
         cache = forward_after_prefix(model, prefix_kv, [c.token_ids for c in batch], pad_id)
     t1 = time.perf_counter()
@@ -301,31 +312,6 @@ def compute_chunk_kv(
         timings["forward"] = timings.get("forward", 0.0) + t1 - t0
         timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t1
     return [kv[b, :, :, :, : c.n_tokens] for b, c in enumerate(batch)]
-
-
-def compute_group_kv(
-    model: Any,
-    prefix_kv: torch.Tensor,
-    group: Sequence[ChunkRow],
-    batch_size: int,
-    pad_id: int = 0,
-    timings: dict[str, float] | None = None,
-    layout: KvLayout | None = None,
-) -> list[tuple[ChunkRow, torch.Tensor]]:
-    """``(chunk, kv)`` for a group of chunks (``tasks.kv.kv_groups``), in the group's order,
-    computed in the batches of :class:`KvBatching` (at most ``batch_size`` chunks each); kv is
-    ``(layers, 2, kv_heads, n_tokens, head_dim)``, in the frame ``layout`` stores
-    (:func:`stored_frame`; as the model cached it when no layout is given)."""
-    batching = KvBatching.for_model(model, prefix_kv.shape[3], batch_size)
-    spec = model_rope(model.config) if layout and layout.keys_at_zero else None
-    p = prefix_kv.shape[3]
-    out: list[tuple[ChunkRow, torch.Tensor]] = []
-    for batch in batching.split(group):
-        kvs = compute_chunk_kv(model, prefix_kv, batch, pad_id, timings)
-        if spec is not None:
-            kvs = [keys_to_position_zero(kv, spec, p) for kv in kvs]
-        out += zip(batch, kvs, strict=True)
-    return out
 
 
 def keys_to_position_zero(kv: torch.Tensor, spec: ModelRope, start: int) -> torch.Tensor:

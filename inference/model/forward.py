@@ -25,13 +25,17 @@ The implementations (chosen by subclass; :func:`use_forward` sets a model's, fro
   harmless: attention is causal, and a padded position is overwritten by the next token before
   any later position could see it. Prefills longer than ``max_compiled_query`` run the same
   step uncompiled (compute-bound there: nothing to gain, minutes of compilation to lose).
+- :class:`~coinrag.inference.model.graphs.GraphForward` ("graphs", ``inference/model/
+  graphs.py``): the same bucketed, whole-buffer step captured once per shape as a CUDA graph
+  and replayed (one launch per step); eager over the same static inputs without CUDA.
 - :class:`TransformersForward`: the transformers model call with a ``DynamicCache`` (with
   ``logits_to_keep=1``): the fallback for what the static step does not drive (RoPE whose
   frequencies depend on the forward's length: dynamic NTK, longrope; sliding-window or
   mixed-attention layers; other architectures than Llama / Qwen2 / Qwen3 / Mistral).
 
 Every implementation computes what transformers' own forward computes over the same tokens at the
-same positions: ``tests/inference/test_forward.py`` holds the static and compiled ones to it.
+same positions: ``tests/inference/test_forward.py`` holds the static, compiled and graphs ones
+to it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 
 from coinrag.inference.model.encode import cache_to_kv, causal_lm, to_dynamic_cache
 from coinrag.inference.rope import RopeSpec, UnsupportedRope
+from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import FORWARDS
 
 log = logging.getLogger(__name__)
@@ -94,10 +99,21 @@ class ForwardRun(ABC):
         return self.prefill([token_id])
 
 
-class ModelForward(ABC):
-    """How one model runs a query after a context (the subclass says how)."""
+class ModelForward(Registered, ABC):
+    """How one model runs a query after a context (the subclass says how). A subclass declared
+    with a ``name`` is the ``forward`` setting's value of that name (``kind``): ``eager``,
+    ``compiled``, ``graphs`` (``inference/model/graphs.py``, imported on first use)."""
 
-    kind: ClassVar[str] = ""  # the ``forward`` setting's value this is (eager / compiled)
+    registry: ClassVar[Registry[ModelForward]] = Registry(
+        "forward",
+        tuple(f for f in FORWARDS if f != "auto"),
+        modules={"graphs": "coinrag.inference.model.graphs"},
+    )
+    name_attr: ClassVar[str] = "kind"
+    kind: ClassVar[str] = ""  # the ``forward`` setting's value this is (eager / compiled / graphs)
+    # the warm-up answers at the served max_new_tokens: the shapes it compiles or captures are
+    # those of a served answer (the same KV buffer bucket)
+    warms_served_shapes: ClassVar[bool] = False
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -266,7 +282,7 @@ def _register_attention() -> None:
     AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 
-class _attention_of_static_step:
+class attention_of_static_step:
     """Within: ``lm``'s layers attend with :func:`static_attention` (its config names the
     attention function each layer looks up at call time); restored on exit."""
 
@@ -341,14 +357,12 @@ class KvBuffer:
             tensor[0, :, :t].copy_(context[i // 2, i % 2])
 
 
-class StaticForward(ModelForward):
+class StaticForward(ModelForward, name="eager"):
     """A preallocated KV buffer per capacity bucket, the model's layers driven over it.
 
     One sequence at a time per model (the buffer is shared: the server answers on one model
     thread, ``eval`` one question after another); a run whose buffer another run took since
     refuses to continue rather than read someone else's keys."""
-
-    kind = "eager"
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -402,7 +416,7 @@ class StaticForward(ModelForward):
         ids_t = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(position, position + n, device=self.device)
         last = torch.tensor([n - 1], device=self.device)
-        with _attention_of_static_step(self.lm):
+        with attention_of_static_step(self.lm):
             return static_step(self.lm, ids_t, positions, buffer.tensors, last, position + n, n > 1)
 
 
@@ -430,13 +444,13 @@ class _StaticRun(ForwardRun):
         return logits
 
 
-class CompiledForward(StaticForward):
+class CompiledForward(StaticForward, name="compiled"):
     """:class:`StaticForward`'s step under ``torch.compile`` (inductor, ``fullgraph=True``,
     static shapes: capacity and query buckets). The first call of a new shape compiles it
     (minutes on one loaded CPU thread): ``coinrag api`` and ``eval`` answer once untimed per
     method before serving."""
 
-    kind = "compiled"
+    warms_served_shapes = True
     max_compiled_query: ClassVar[int] = 256  # longer prefills run the step uncompiled
 
     def __init__(self, model: Any) -> None:
@@ -467,7 +481,7 @@ class CompiledForward(StaticForward):
         positions = torch.arange(position, position + q, device=self.device)
         last = torch.tensor([n - 1], device=self.device)
         self.shapes.add((q, capacity))
-        with _attention_of_static_step(self.lm):
+        with attention_of_static_step(self.lm):
             return self._compiled(self.lm, ids_t, positions, buffer.tensors, last, capacity, True)
 
 
@@ -475,21 +489,21 @@ class CompiledForward(StaticForward):
 
 
 _FORWARDS: weakref.WeakKeyDictionary[Any, ModelForward] = weakref.WeakKeyDictionary()
-_KINDS: dict[str, type[StaticForward]] = {"eager": StaticForward, "compiled": CompiledForward}
 _MADE: weakref.WeakKeyDictionary[Any, dict[str, ModelForward]] = weakref.WeakKeyDictionary()
 _DEFAULT: dict[str, Any] = {"setting": "eager", "serving": False}  # set_default_forward
 
 
 def make_forward(model: Any, kind: str = "eager") -> ModelForward:
-    """A new forward of ``kind`` (``eager`` | ``compiled``) for ``model``; the transformers
-    call where the static step cannot drive it (logged)."""
-    if kind not in _KINDS:
-        raise ValueError(f"forward {kind!r} is not one of {', '.join(_KINDS)}")
+    """A new forward of ``kind`` (``eager`` | ``compiled`` | ``graphs``) for ``model``; the
+    transformers call where the static step cannot drive it (logged)."""
+    if kind not in ModelForward.registry:
+        known = ", ".join(ModelForward.registry.known())
+        raise ValueError(f"forward {kind!r} is not one of {known}")
     why = static_unsupported(model)
     if why is not None:
         log.info("the %s forward falls back to transformers' own call: %s", kind, why)
         return TransformersForward(model)
-    return _KINDS[kind](model)
+    return ModelForward.registry[kind](model)
 
 
 def forward_for(model: Any) -> ModelForward:
@@ -505,7 +519,8 @@ def forward_for(model: Any) -> ModelForward:
 
 
 def use_forward(model: Any, kind: str) -> ModelForward:
-    """Make ``model`` run with a forward of ``kind`` (``eager`` | ``compiled``) from now on;
+    """Make ``model`` run with a forward of ``kind`` (``eager`` | ``compiled`` | ``graphs``) from
+    now on;
     the one of that kind it ran with before, if any (its buffers and compiled graphs kept: a
     benchmark switches back and forth)."""
     made = _MADE.setdefault(model, {})
@@ -527,17 +542,18 @@ def install_forward(model: Any, forward: ModelForward) -> ModelForward:
 
 def set_default_forward(setting: str, *, serving: bool) -> None:
     """What every model of this process runs with unless :func:`use_forward` says otherwise:
-    the ``forward`` setting (``auto`` | ``eager`` | ``compiled``) of a serving process
-    (``coinrag api``, ``eval``) or not (``coinrag query``); :func:`resolve_forward` decides per
-    model."""
+    the ``forward`` setting (``auto`` | ``eager`` | ``compiled`` | ``graphs``) of a serving
+    process (``coinrag api``, ``eval``) or not (``coinrag query``); :func:`resolve_forward`
+    decides per model."""
     resolve_forward(setting, serving=serving)  # a bad value fails here, not at first use
     _DEFAULT.update(setting=setting, serving=serving)
 
 
 def resolve_forward(setting: str, *, serving: bool, device: str = "cpu") -> str:
-    """The forward a process runs for the ``forward`` setting. ``auto``: ``compiled`` for a
-    serving process (``coinrag api``, ``eval``: the warm-up pays off over many questions) on
-    an accelerator, where a decode step is launch-bound; ``eager`` on a CPU (measured on one
+    """The forward a process runs for the ``forward`` setting. ``auto``, for a serving process
+    (``coinrag api``, ``eval``: the warm-up pays off over many questions): ``graphs`` on a CUDA
+    device (each step one graph launch: a decode step at 7B dims is launch-bound, RESULTS.md
+    "GPU check"), ``compiled`` on another accelerator; ``eager`` on a CPU (measured on one
     AVX-512 core: inductor's graphs are no faster than the eager static step, whose time is
     the matmuls, and compiling them takes minutes; README, "The model forward") and for a
     one-shot ``coinrag query``."""
@@ -547,4 +563,7 @@ def resolve_forward(setting: str, *, serving: bool, device: str = "cpu") -> str:
         return setting
     from coinrag.inference.model.kv_dtype import device_type
 
-    return "compiled" if serving and device_type(device) != "cpu" else "eager"
+    kind = device_type(device)
+    if not serving or kind == "cpu":
+        return "eager"
+    return "graphs" if kind == "cuda" else "compiled"

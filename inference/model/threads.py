@@ -89,12 +89,15 @@ def apply_runtime(settings: Any, *, serving: bool) -> int:
     """A reading process's runtime settings (``schemas.settings.RuntimeSettings``): its
     threads (:func:`set_process_threads`, returned), its model forward
     (``inference.model.forward.set_default_forward``; ``serving``: ``eval``, not a one-shot
-    ``query``) and whether its index readers hold large tables in memory (serving only:
+    ``query``), the device bytes its KV readers keep resident (``kv_resident_bytes``) and
+    whether its index readers hold large tables in memory (serving only:
     ``storage.index.ann.keep_large_tables_in_memory``)."""
     from coinrag.inference.model.forward import set_default_forward
+    from coinrag.inference.model.kv_transfer import set_resident_kv_bytes
     from coinrag.storage.index.ann import keep_large_tables_in_memory
 
     threads = set_process_threads(settings.threads)
     set_default_forward(settings.forward, serving=serving)
+    set_resident_kv_bytes(settings.kv_resident_bytes)
     keep_large_tables_in_memory(serving)
     return threads

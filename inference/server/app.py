@@ -128,11 +128,13 @@ class ApiServer:
         """Set the process's threads, load the model, embedder and store views of the methods,
         and warm them (one throwaway query per method): the first request pays no cold start."""
         from coinrag.inference.model.forward import set_default_forward
+        from coinrag.inference.model.kv_transfer import set_resident_kv_bytes
         from coinrag.inference.model.threads import set_process_threads
 
         settings = config.api_settings()
         threads = set_process_threads(settings.threads)
         set_default_forward(settings.forward, serving=True)
+        set_resident_kv_bytes(settings.kv_resident_bytes)
         started = time.perf_counter()
         store = Store.at(config.store)
         lease = ReaderLeaseHolder(store, list)  # leased before it is read (gc keeps it)
@@ -172,15 +174,16 @@ class ApiServer:
 
     def warm(self, engine: RagEngine) -> None:
         """One throwaway query per method, on the model thread (the indexes' first search, the
-        KV manifest and readers, the model's first forwards; a compiled forward compiles the
-        shapes of a served answer: the default ``max_new_tokens``, so the same KV buffer)."""
+        KV manifest and readers, the model's first forwards; a compiled or graphs forward
+        compiles or captures the shapes of a served answer: the default ``max_new_tokens``, so
+        the same KV buffer)."""
         from coinrag.inference.model.forward import forward_for
 
-        compiled = forward_for(engine.model).kind == "compiled"
+        served_shapes = forward_for(engine.model).warms_served_shapes
 
         def run() -> None:
             saved = engine.max_new_tokens
-            engine.max_new_tokens = saved if compiled else 2
+            engine.max_new_tokens = saved if served_shapes else 2
             try:
                 for method in engine.methods:
                     engine.answer(WARM_QUESTION, method)

@@ -36,6 +36,7 @@ from coinrag.inference.model.forward import (
     use_forward,
 )
 from coinrag.inference.model.generate import prefill_and_decode
+from coinrag.inference.model.graphs import GraphForward, StepGraph
 from coinrag.schemas.settings import ApiSettings, RuntimeSettings, SettingsError
 
 LOGIT_ATOL_FP32 = 1e-4
@@ -187,14 +188,64 @@ def test_buckets() -> None:
 
 def test_the_forward_setting() -> None:
     assert RuntimeSettings().forward == ApiSettings().forward == "auto"
-    with pytest.raises(SettingsError, match="forward must be one of auto, eager, compiled"):
+    with pytest.raises(SettingsError, match="forward must be one of auto, eager, compiled, graphs"):
         RuntimeSettings(forward="fast")
     with pytest.raises(SettingsError, match="got 'fast'"):
         ApiSettings(forward="fast").validate()
     assert resolve_forward("auto", serving=False, device="cuda") == "eager"  # one-shot query
-    assert resolve_forward("auto", serving=True, device="cuda") == "compiled"
+    assert resolve_forward("auto", serving=True, device="cuda") == "graphs"
+    assert resolve_forward("auto", serving=True, device="mps") == "compiled"
     assert resolve_forward("auto", serving=True, device="cpu") == "eager"  # RESULTS.md
     assert resolve_forward("compiled", serving=False) == "compiled"
+    assert RuntimeSettings(forward="graphs").forward == "graphs"
+    with pytest.raises(ValueError, match="forward 'fast' is not one of eager, compiled, graphs"):
+        make_forward(tiny_model("qwen2"), "fast")
+
+
+# ---------------------------------------------------------------------------- graphs
+
+
+def test_step_graph_static_inputs() -> None:
+    """One int64 tensor holds a step's ids (padded with the last), positions and last index;
+    the step reads views of it, so a captured graph sees each new question's inputs."""
+    seen = []
+    graph = StepGraph(4, "cpu", lambda ids, positions, last: seen.append((ids, positions, last)))
+    address = graph.inputs.data_ptr()
+    graph.load([7, 8], 30)
+    assert graph.inputs.tolist() == [7, 8, 8, 8, 30, 31, 32, 33, 1]
+    graph.run()
+    ids, positions, last = seen[-1]
+    assert ids.tolist() == [[7, 8, 8, 8]] and positions.tolist() == [30, 31, 32, 33]
+    assert last.tolist() == [1] and ids.data_ptr() == address
+    graph.load([5], 40)
+    assert graph.inputs.tolist() == [5, 5, 5, 5, 40, 41, 42, 43, 0]
+    assert graph.inputs.data_ptr() == address and graph.replays == 0 and graph.graph is None
+    with pytest.raises(ValueError, match="5 ids do not fit a step of 4"):
+        graph.load([1, 2, 3, 4, 5], 0)
+
+
+def test_graphs_forward_equals_eager_on_cpu(tiny) -> None:
+    """Without CUDA the graphs forward runs its bucketed whole-buffer step eagerly over the
+    static inputs: the greedy tokens of transformers' forward and of the eager one, first
+    logits within LOGIT_ATOL_FP32; one StepGraph per (query bucket, capacity), reused."""
+    model = tiny
+    context, query = random_ids(30, 1), random_ids(7, 2)
+    ctx, first, tokens = _oracle(model, context, query)
+    use_forward(model, "eager")
+    eager = _generate(model, _NoEos(), ctx, query)
+    forward = use_forward(model, "graphs")
+    assert isinstance(forward, GraphForward) and forward.warms_served_shapes
+    got = _generate(model, _NoEos(), ctx, query)
+    assert set(forward.graphs) == {(16, 256), (1, 256)}
+    steps = {key: (g, g.inputs.data_ptr()) for key, g in forward.graphs.items()}
+    assert got.token_ids == eager.token_ids == tokens
+    assert max_abs(got.first_logits, eager.first_logits) <= LOGIT_ATOL_FP32
+    assert max_abs(got.first_logits, first) <= LOGIT_ATOL_FP32
+    again = _generate(model, _NoEos(), ctx, query)
+    assert again.token_ids == tokens
+    assert {k: (g, g.inputs.data_ptr()) for k, g in forward.graphs.items()} == steps
+    assert all(g.graph is None and g.replays == 0 for g in forward.graphs.values())
+    use_forward(model, "eager")
 
 
 # ---------------------------------------------------------------------------- compiled
@@ -234,9 +285,9 @@ def test_compiled_forward_equals_eager_on_tiny_models(tiny) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["eager", "compiled", "graphs"])
 def test_forward_on_cuda_equals_transformers(kind: str) -> None:
-    """On a GPU (tests/benchmarks/gpu_check.sh): the static and compiled forwards of a tiny
+    """On a GPU (tests/benchmarks/gpu_check.sh): the static, compiled and graphs forwards of a tiny
     float32 Qwen2 give the greedy tokens and first-token logits of transformers' own call on
     the same device (TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -256,3 +307,30 @@ def test_forward_on_cuda_equals_transformers(kind: str) -> None:
     assert gen.first_logits.device.type == "cuda"
     assert max_abs(gen.first_logits, first) <= LOGIT_ATOL_FP32
     assert gen.token_ids == tokens
+
+
+@pytest.mark.cuda
+def test_graphs_on_cuda_replay_and_equal_eager() -> None:
+    """The graphs forward on a GPU: the prefill and the decode step each captured once and
+    replayed (the second question replays both, captures nothing), the answers equal to the
+    eager forward's on the same device (tokens equal, first logits within LOGIT_ATOL_FP32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model("qwen2", seed=3).to("cuda")
+    context, query = random_ids(30, 1), random_ids(7, 2)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([context], device="cuda"), use_cache=True)
+        ctx = from_cache(out.past_key_values)
+    use_forward(model, "eager")
+    eager = _generate(model, _NoEos(), ctx, query)
+    forward = use_forward(model, "graphs")
+    got = _generate(model, _NoEos(), ctx, query)
+    graphs = forward.graphs
+    assert set(graphs) == {(16, 256), (1, 256)}
+    assert all(g.graph is not None and not g.failed for g in graphs.values())
+    assert graphs[(1, 256)].replays == N_TOKENS - 1 and graphs[(16, 256)].replays == 1
+    again = _generate(model, _NoEos(), ctx, query)
+    assert set(forward.graphs) == {(16, 256), (1, 256)}
+    assert graphs[(16, 256)].replays == 2
+    assert got.token_ids == again.token_ids == eager.token_ids
+    assert max_abs(got.first_logits, eager.first_logits) <= LOGIT_ATOL_FP32
+    assert torch.equal(got.first_logits, again.first_logits)

@@ -23,6 +23,7 @@ and Qwen3; end to end, ``coinrag build --kv-keep nuggets --kv-codec int4`` again
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -250,6 +251,48 @@ def test_the_context_decoded_into_place_equals_the_general_assembly(model, store
     requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
     with pytest.raises(ValueError, match="need"):  # a wrong shape or dtype says what it needs
         kv.read_slices_into(requests, torch.empty(1, dtype=kv.layout.torch_dtype))
+
+
+def test_resident_slices_give_the_bits_of_the_host_path(model, stores) -> None:
+    """``kv_resident_bytes`` (on a GPU; here its gather and assembly on the CPU): the slices a
+    question lacks read into one buffer, kept, the context assembled from kept and read ones;
+    the same bits as ``StoredKvContext.build``'s host path, aligned and unaligned. A second
+    question reads nothing from the store; a budget smaller than one question's slices drops
+    the least recently used and still gives the same bits. Dynamic NTK RoPE takes the general
+    path (nothing kept)."""
+    from coinrag.inference.context.builders import StoredKvContext, UnalignedContext
+    from coinrag.inference.model.kv_transfer import ResidentKv
+    from coinrag.inference.retrieval.retriever import Evidence
+
+    by, chunks, _ = stores
+    prompt = RagPrompt.for_tokenizer(model.tokenizer)
+    evidence = [
+        Evidence(chunks[i].chunk_id, "d", chunks[i].content_key, s, e, "", 0.0)
+        for i, s, e in [*REQUESTS, (0, 5, 5)]
+    ]
+    for kv in by.values():
+        stored = StoredKvContext(kv.store, model.model, prompt, kv)
+        assert stored.resident is None  # a CPU: the host path
+        for builder in (stored, UnalignedContext.sharing(stored)):
+            with torch.inference_mode():
+                want, total = builder.build(evidence, 4)
+                per_token = math.prod(kv.layout.entry_shape(1)) * want.element_size()
+                half = per_token * sum(e.tok_end - e.tok_start for e in evidence) // 2
+                for budget in (10**9, half):
+                    builder.resident = ResidentKv(budget)
+                    timings: dict[str, float] = {}
+                    first, first_total = builder.build(evidence, 4, timings)
+                    again, _ = builder.build(evidence, 4)
+                    assert torch.equal(first, want) and torch.equal(again, want)
+                    assert first_total == total and set(timings) == {"kv_load", "assembly"}
+                    if builder.spec.seq_len_dependent:  # dynamic NTK: the general path
+                        assert builder.resident.hits == builder.resident.misses == 0
+                    elif budget == 10**9:
+                        assert builder.resident.hits == len(evidence)  # the second question
+                        assert len(builder.resident) == len(evidence)
+                    else:
+                        assert builder.resident.bytes <= budget
+                builder.resident = None
 
 
 def test_gc_moves_entries_of_kept_ranges_bit_for_bit(stores, tmp_path) -> None:

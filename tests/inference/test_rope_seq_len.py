@@ -37,8 +37,9 @@ from store_fixtures import TINY_DIMS, sample_docs, save_tiny_llama, synthetic_ch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from coinrag.inference.context.assemble import KvSlice, assemble_context
-from coinrag.inference.model.encode import KvBatching, compute_group_kv, compute_prefix_kv
+from coinrag.inference.model.encode import KvBatching, compute_prefix_kv
 from coinrag.inference.model.generate import prefill_and_decode
+from coinrag.inference.model.kv_pipeline import compute_group_kv
 from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
 from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import ForwardFrequencies, RopeSpec, reset_rotary

@@ -177,6 +177,7 @@ BUILD_SETTINGS = {
     "kv_codec": "none",
     "kv_keep": "chunks",
     "kv_batch_size": 4,
+    "kv_fill_device": True,  # how large a GPU's KV batches are (never what is stored; issue 37)
     "retrieval": "hybrid",  # how queries rank (issue 21): never part of a build fingerprint
     "index": True,
     "prune": False,
