@@ -36,6 +36,24 @@ _LATEST_EXTRACTION = (
     "ORDER BY x.status = 'ok' DESC, x.run_id DESC) = 1"
 )
 
+# Walks of the kinds storage.lineage.walk does not know: section -> SQL (one parameter: $id).
+_OWN_WALKS: dict[str, dict[str, str]] = {
+    "run": {
+        "run": "SELECT * EXCLUDE (counts_json) FROM latest_runs WHERE run_id = $id",
+        "costs": "SELECT * FROM run_costs WHERE run_id = $id",
+        "fingerprints": "SELECT name, fingerprint FROM run_fingerprints WHERE run_id = $id",
+        "documents": "SELECT doc_id, doc_version, source, n_chars FROM documents "
+        "WHERE run_id = $id ORDER BY doc_id LIMIT 200",
+        "kv_entries": "SELECT location, chunk_id, tokens, bytes FROM kv_entries "
+        "WHERE run_id = $id ORDER BY location LIMIT 200",
+    },
+    "kv": {
+        "kv_entry": "SELECT * FROM kv_entries WHERE location = $id",
+        "chunks": "SELECT chunk_id, doc_id, doc_version, ordinal, n_tokens, live, kv_kept "
+        "FROM lineage_chunks WHERE kv_location = $id",
+    },
+}
+
 
 def _dicts(relation: duckdb.DuckDBPyRelation) -> list[dict[str, Any]]:
     return relation.to_arrow_table().to_pylist()
@@ -145,16 +163,26 @@ class StoreExplorer:
             for row in self.sql(sql, ids=ids, **params):
                 by_chunk[row["chunk_id"]].setdefault(section, []).append(row)
 
-        group("nuggets", "SELECT * FROM _live_nuggets WHERE list_contains($ids, chunk_id) "
-              "ORDER BY chunk_id, char_start, char_end")
-        group("abandoned", "SELECT * FROM abandoned_extractions WHERE list_contains($ids, "
-              "chunk_id)")
+        group(
+            "nuggets",
+            "SELECT * FROM _live_nuggets WHERE list_contains($ids, chunk_id) "
+            "ORDER BY chunk_id, char_start, char_end",
+        )
+        group(
+            "abandoned", "SELECT * FROM abandoned_extractions WHERE list_contains($ids, chunk_id)"
+        )
         group("rejects", "SELECT * FROM abandoned WHERE list_contains($ids, chunk_id)")
-        group("kv", "SELECT DISTINCT l.chunk_id, k.* FROM lineage_chunks l JOIN kv_entries k "
-              "ON k.location = l.kv_location WHERE list_contains($ids, l.chunk_id)")
+        group(
+            "kv",
+            "SELECT DISTINCT l.chunk_id, k.* FROM lineage_chunks l JOIN kv_entries k "
+            "ON k.location = l.kv_location WHERE list_contains($ids, l.chunk_id)",
+        )
         group("index", "SELECT * FROM index_chunks WHERE list_contains($ids, chunk_id)")
-        group("index_nuggets", "SELECT nugget_id, chunk_id, embedder_fp, run_id FROM "
-              "index_nuggets WHERE list_contains($ids, chunk_id)")
+        group(
+            "index_nuggets",
+            "SELECT nugget_id, chunk_id, embedder_fp, run_id FROM "
+            "index_nuggets WHERE list_contains($ids, chunk_id)",
+        )
         hashes = [c["text_hash"] for c in chunks]
         extraction = {r["text_hash"]: r for r in self.sql(_LATEST_EXTRACTION, hashes=hashes)}
         for chunk in chunks:
@@ -166,17 +194,25 @@ class StoreExplorer:
         return {**docs[0], "chunks": chunks}
 
     def walk(self, kind: str, ident: str) -> dict[str, list[dict[str, Any]]]:
-        """:func:`storage.lineage.walk` as rows (``LineageError`` for an unknown id)."""
+        """The chain through one asset as rows: :func:`storage.lineage.walk` for a ``nugget``,
+        ``chunk`` or ``doc``; for a ``run`` its record, costs, fingerprints and what it made
+        (:data:`_RUN_WALK`); for a ``kv`` entry (its location) the entry and its chunks
+        (``LineageError`` for an unknown id)."""
+        if kind in _OWN_WALKS:
+            return {name: self.sql(sql, id=ident) for name, sql in _OWN_WALKS[kind].items()}
         with self.lock:
             sections = walk(self.con, kind, ident)
         return {name: table.to_pylist() for name, table in sections.items()}
 
     def kind_of(self, ident: str) -> str | None:
-        """Which lineage walk an id belongs to (``nugget``, ``chunk``, ``doc``), or None."""
+        """Which walk an id belongs to (``nugget``, ``chunk``, ``doc``, ``run``, ``kv``), or
+        None for an id the store does not hold."""
         (row,) = self.sql(
             "SELECT EXISTS (SELECT 1 FROM nuggets WHERE nugget_id = $id) AS nugget, "
             "EXISTS (SELECT 1 FROM chunks WHERE chunk_id = $id) AS chunk, "
-            "EXISTS (SELECT 1 FROM documents WHERE doc_id = $id) AS doc",
+            "EXISTS (SELECT 1 FROM documents WHERE doc_id = $id) AS doc, "
+            "EXISTS (SELECT 1 FROM latest_runs WHERE run_id = $id) AS run, "
+            "EXISTS (SELECT 1 FROM kv_entries WHERE location = $id) AS kv",
             id=ident,
         )
         return next((kind for kind, found in row.items() if found), None)

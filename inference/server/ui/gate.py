@@ -9,7 +9,7 @@ or ``--insecure``) lets every request in, as its API does.
 
 Every ``/ui`` answer carries :data:`SECURITY_HEADERS`: a Content-Security-Policy that allows
 scripts, styles, images and requests from the server's own origin only (no inline script or
-style, no frame, no other origin), no MIME sniffing, no referrer.
+style, no frame, no other origin), no MIME sniffing, no referrer sent to another origin.
 
 Example::
 
@@ -35,7 +35,7 @@ CSP = (
 SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # "no-referrer" would make a form post's Origin "null"
     "X-Frame-Options": "DENY",
     "Cache-Control": "no-store",
 }

@@ -74,8 +74,10 @@ def cut_document(text: str, chunks: list[dict[str, Any]]) -> list[Piece]:
             pieces.append(Piece("gap", text[at:start]))
         skip = start - chunk["char_start"]  # characters already shown by the previous chunk
         nuggets = [n for n in chunk.get("nuggets", []) if n["char_start"] >= skip]
-        shifted = [{**n, "char_start": n["char_start"] - skip, "char_end": n["char_end"] - skip}
-                   for n in nuggets]
+        shifted = [
+            {**n, "char_start": n["char_start"] - skip, "char_end": n["char_end"] - skip}
+            for n in nuggets
+        ]
         runs, overlapping = cut_chunk(chunk["text"][skip:], shifted)
         left_out = [n for n in chunk.get("nuggets", []) if n["char_start"] < skip]
         pieces.append(Piece("chunk", text[start:end], chunk, runs, overlapping + left_out))

@@ -57,8 +57,9 @@ class UiState:
             if self._explorer is None or self._run_id != version.run_id:
                 fingerprints = version.engine.fingerprints()
                 current = {p: fingerprints[p] for p in KV_PRODUCERS if p in fingerprints}
-                old, self._explorer = self._explorer, StoreExplorer.open(
-                    version.engine.store, current
+                old, self._explorer = (
+                    self._explorer,
+                    StoreExplorer.open(version.engine.store, current),
                 )
                 self._run_id = version.run_id
                 if old is not None:
