@@ -236,6 +236,7 @@ def test_highlighted_nuggets_are_the_nuggets_text(watched, ui_store: Path, tmp_p
         chunks = watched.page.locator("section.chunk")
         assert chunks.count() >= 1 and chunks.first.locator("header").inner_text()
     watched.goto(f"/ui/documents/{_quoted(docs[0])}")
+    watched.page.locator("section.chunk details").first.evaluate("d => { d.open = true; }")
     _screenshot(watched.page, "document", tmp_path)
     watched.check_clean()
 
@@ -300,3 +301,22 @@ def test_ask_page_streams_the_answer_of_coinrag_query(
         assert loaded == (spans if method == "coinrag" else 0)
     _screenshot(page, "ask", tmp_path)
     watched.check_clean()
+
+
+def test_no_ui_serves_the_api_only(ui_server) -> None:
+    """``--no-ui`` (the ``ui`` setting off): the app has no ``/ui`` route; the API's stay."""
+    import dataclasses
+
+    from coinrag.inference.server.app import create_app
+
+    _, server = ui_server
+    saved = server.settings
+    server.settings = dataclasses.replace(saved, ui=False)
+    try:
+        paths = {getattr(route, "path", "") for route in create_app(server).routes}
+    finally:
+        server.settings = saved
+    assert {"/query", "/query/stream", "/health"} <= paths
+    assert not [p for p in paths if p.startswith("/ui")]
+    usage = CliRunner().invoke(app, ["api", "--help"], terminal_width=200).output
+    assert "--no-ui" in usage and "--eval-dir" in usage
