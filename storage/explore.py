@@ -59,12 +59,27 @@ def _dicts(relation: duckdb.DuckDBPyRelation) -> list[dict[str, Any]]:
     return relation.to_arrow_table().to_pylist()
 
 
+# The live assets every page reads, copied once into in-memory tables when the explorer opens
+# (the views recompute their window functions over the Parquet files on every query: 25 ms a
+# query on a small store); a version's assets never change, a new version gets a new explorer.
+_SNAPSHOTS = {
+    "x_chunks": "SELECT * EXCLUDE (token_ids, token_spans) FROM _live_chunks",
+    "x_nuggets": "SELECT * FROM _live_nuggets",
+    "x_documents": "SELECT * FROM live_documents",
+    "x_kv": "SELECT DISTINCT c.chunk_id, k.* FROM kv_entries k "
+    "JOIN (SELECT chunk_id, content_key FROM x_chunks) c ON c.content_key = k.content_key",
+    "x_abandoned": "SELECT * FROM abandoned_extractions WHERE live",
+}
+
+
 class StoreExplorer:
     """Read-only queries of one store for the explorer pages (one connection, one lock)."""
 
     def __init__(self, store: Store, con: duckdb.DuckDBPyConnection) -> None:
         self.store, self.con = store, con
         self.lock = threading.Lock()
+        for name, sql in _SNAPSHOTS.items():
+            con.execute(f"CREATE TEMP TABLE {name} AS {sql}")
 
     @classmethod
     def open(cls, store: Store, current: Mapping[str, str] | None = None) -> StoreExplorer:
@@ -79,9 +94,9 @@ class StoreExplorer:
     def counts(self) -> dict[str, int]:
         """Live documents, chunks and nuggets."""
         (row,) = self.sql(
-            "SELECT (SELECT count(*) FROM live_documents) AS documents, "
-            "(SELECT count(*) FROM _live_chunks) AS chunks, "
-            "(SELECT count(*) FROM _live_nuggets) AS nuggets"
+            "SELECT (SELECT count(*) FROM x_documents) AS documents, "
+            "(SELECT count(*) FROM x_chunks) AS chunks, "
+            "(SELECT count(*) FROM x_nuggets) AS nuggets"
         )
         return row
 
@@ -91,7 +106,7 @@ class StoreExplorer:
         (row,) = self.sql(
             "SELECT count(*) AS entries, coalesce(sum(k.tokens), 0) AS tokens, "
             "coalesce(sum(k.bytes), 0) AS bytes FROM kv_entries k WHERE k.content_key IN "
-            "(SELECT content_key FROM _live_chunks)"
+            "(SELECT content_key FROM x_chunks)"
         )
         return {k: int(v) for k, v in row.items()}
 
@@ -124,17 +139,18 @@ class StoreExplorer:
 
     def documents(self, query: str, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
         """``(matches, rows)``: live documents whose id or source contains ``query`` (any
-        case), by id, ``limit`` from ``offset``; each with its format (the source's suffix),
-        characters, chunks, nuggets and abandoned extractions."""
-        where = "WHERE d.doc_id ILIKE $pattern OR d.source ILIKE $pattern"
+        case; ``%`` and ``_`` match themselves), by id, ``limit`` from ``offset``; each with its
+        source, characters, chunks, nuggets and abandoned extractions."""
+        like = "ILIKE $pattern ESCAPE '\\'"
+        where = f"WHERE d.doc_id {like} OR d.source {like}"
         pattern = "%" + query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        (total,) = self.sql(f"SELECT count(*) AS n FROM live_documents d {where}", pattern=pattern)
+        (total,) = self.sql(f"SELECT count(*) AS n FROM x_documents d {where}", pattern=pattern)
         rows = self.sql(
             "SELECT d.doc_id, d.source, d.n_chars, d.run_id, "
-            "(SELECT count(*) FROM _live_chunks c WHERE c.doc_id = d.doc_id) AS chunks, "
-            "(SELECT count(*) FROM _live_nuggets n WHERE n.doc_id = d.doc_id) AS nuggets, "
-            "(SELECT count(*) FROM abandoned_extractions a WHERE a.doc_id = d.doc_id AND a.live) "
-            f"AS abandoned FROM live_documents d {where} ORDER BY d.doc_id "
+            "(SELECT count(*) FROM x_chunks c WHERE c.doc_id = d.doc_id) AS chunks, "
+            "(SELECT count(*) FROM x_nuggets n WHERE n.doc_id = d.doc_id) AS nuggets, "
+            "(SELECT count(*) FROM x_abandoned a WHERE a.doc_id = d.doc_id) "
+            f"AS abandoned FROM x_documents d {where} ORDER BY d.doc_id "
             "LIMIT $limit OFFSET $offset",
             pattern=pattern,
             limit=limit,
@@ -148,12 +164,11 @@ class StoreExplorer:
         ``extraction`` (the latest answer for its text, ``status`` and ``error``), its
         ``abandoned`` (extractor gave up) and ``rejects`` (candidates not recovered), its
         ``kv`` entries and its ``index`` row (``None`` when not indexed) and index nuggets."""
-        docs = self.sql("SELECT * FROM live_documents WHERE doc_id = $id", id=doc_id)
+        docs = self.sql("SELECT * FROM x_documents WHERE doc_id = $id", id=doc_id)
         if not docs:
             return None
         chunks = self.sql(
-            "SELECT * EXCLUDE (token_ids, token_spans) FROM _live_chunks WHERE doc_id = $id "
-            "ORDER BY ordinal",
+            "SELECT * FROM x_chunks WHERE doc_id = $id ORDER BY ordinal",
             id=doc_id,
         )
         ids = [c["chunk_id"] for c in chunks]
@@ -165,18 +180,12 @@ class StoreExplorer:
 
         group(
             "nuggets",
-            "SELECT * FROM _live_nuggets WHERE list_contains($ids, chunk_id) "
+            "SELECT * FROM x_nuggets WHERE list_contains($ids, chunk_id) "
             "ORDER BY chunk_id, char_start, char_end",
         )
-        group(
-            "abandoned", "SELECT * FROM abandoned_extractions WHERE list_contains($ids, chunk_id)"
-        )
+        group("abandoned", "SELECT * FROM x_abandoned WHERE list_contains($ids, chunk_id)")
         group("rejects", "SELECT * FROM abandoned WHERE list_contains($ids, chunk_id)")
-        group(
-            "kv",
-            "SELECT DISTINCT l.chunk_id, k.* FROM lineage_chunks l JOIN kv_entries k "
-            "ON k.location = l.kv_location WHERE list_contains($ids, l.chunk_id)",
-        )
+        group("kv", "SELECT * FROM x_kv WHERE list_contains($ids, chunk_id) ORDER BY location")
         group("index", "SELECT * FROM index_chunks WHERE list_contains($ids, chunk_id)")
         group(
             "index_nuggets",
@@ -196,7 +205,7 @@ class StoreExplorer:
     def walk(self, kind: str, ident: str) -> dict[str, list[dict[str, Any]]]:
         """The chain through one asset as rows: :func:`storage.lineage.walk` for a ``nugget``,
         ``chunk`` or ``doc``; for a ``run`` its record, costs, fingerprints and what it made
-        (:data:`_RUN_WALK`); for a ``kv`` entry (its location) the entry and its chunks
+        (:data:`_OWN_WALKS`); for a ``kv`` entry (its location) the entry and its chunks
         (``LineageError`` for an unknown id)."""
         if kind in _OWN_WALKS:
             return {name: self.sql(sql, id=ident) for name, sql in _OWN_WALKS[kind].items()}

@@ -204,6 +204,8 @@ def test_every_page_loads_clean(watched, ui_server, ui_store: Path, tmp_path: Pa
     assert ids.count() > 5 and ids.first.get_attribute("href").startswith("/ui/lineage?id=")
     watched.goto("/ui/documents?q=curie")
     assert watched.page.locator("#documents tbody tr").count() == 1
+    watched.goto("/ui/documents?q=%25")  # "%" matches itself, not everything
+    assert watched.page.locator("#documents tbody tr").count() == 0
     auth = {"Authorization": f"Bearer {KEY}"}
     for path in ("/ui/lineage?id=no-such-id", "/ui/documents/no-such-doc"):
         missing = httpx.get(ui_server[0] + path, headers=auth)

@@ -13,10 +13,14 @@ Routes (each page needs a key when the server has keys: ``gate.py``):
 - ``/ui/evals``: the ``eval_dir`` setting's evaluation (``evals.py``);
 - ``/ui/login`` (GET, POST), ``POST /ui/logout``; ``/ui/static/...`` (CSS and the script,
   open: they hold no store data).
+
+Every ``/ui`` answer carries ``gate.SECURITY_HEADERS`` and ``Server-Timing: app;dur=MS``, the
+server's time to its headers (a page: all of its rendering; ``tests/benchmarks/bench_ui.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -94,9 +98,12 @@ def mount_ui(app: FastAPI, server: Any, handle: Handler) -> None:
 
     @app.middleware("http")
     async def ui_headers(request: Request, call_next: Callable) -> Response:
+        started = time.perf_counter()
         response = await call_next(request)
         if request.url.path == gate.HOME or request.url.path.startswith(gate.HOME + "/"):
             response.headers.update(gate.SECURITY_HEADERS)
+            elapsed_ms = (time.perf_counter() - started) * 1000  # to the headers of a stream
+            response.headers["Server-Timing"] = f"app;dur={elapsed_ms:.2f}"
         return response
 
     app.mount(f"{gate.HOME}/static", StaticFiles(directory=HERE / "static"), name="ui-static")
