@@ -63,7 +63,7 @@ def ui_server(ui_store: Path):
         store=str(ui_store),
         methods=("coinrag", "standard"),
         max_new_tokens=MAX_NEW_TOKENS,
-        settings={"threads": 1},
+        settings={"threads": 1, "eval_dir": str(ui_store.parent / "eval")},
         api_key=KEY,
     )
     with serving(config) as (base, server):
@@ -322,3 +322,38 @@ def test_no_ui_serves_the_api_only(ui_server) -> None:
     assert not [p for p in paths if p.startswith("/ui")]
     usage = CliRunner().invoke(app, ["api", "--help"], terminal_width=200).output
     assert "--no-ui" in usage and "--eval-dir" in usage
+
+
+def test_evaluations_page_shows_an_eval_out_folder(watched, ui_store: Path) -> None:
+    """``eval_dir``: the folder ``coinrag eval --out`` writes, read on each visit: Table 3, the
+    plots (served from the folder, behind the key) and each question's answer."""
+    watched.goto("/ui/evals")
+    assert "not a folder" in watched.page.locator("main").inner_text()
+    questions = ui_store.parent / "questions.jsonl"
+    rows = [
+        {"question": QUESTION, "answers": ["Stanley Kubrick"]},
+        {"question": "Who was Marie Curie?", "answers": ["a physicist"]},
+    ]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    args = [
+        "eval",
+        str(questions),
+        "--store",
+        str(ui_store),
+        "--out",
+        str(ui_store.parent / "eval"),
+    ]
+    args += ["--methods", "coinrag", "--kc", "1", "--k", "3", "--max-new-tokens", "3"]
+    result = CliRunner().invoke(app, [*args, "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    watched.goto("/ui/evals")
+    main = watched.page.locator("main")
+    assert "Who was Marie Curie?" in main.inner_text()
+    assert main.locator("table").first.locator("td", has_text="coinrag").count() >= 1
+    images = main.locator("figure img")
+    assert images.count() >= 3
+    for i in range(images.count()):
+        assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 0")
+    plot = images.first.get_attribute("src")
+    assert httpx.get(watched.base + plot, follow_redirects=False).status_code == 303  # no key
+    watched.check_clean()
