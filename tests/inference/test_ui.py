@@ -302,6 +302,13 @@ def test_ask_page_streams_the_answer_of_coinrag_query(
         spans = sum(e["tok_end"] - e["tok_start"] for e in cli["evidence"])
         assert loaded == (spans if method == "coinrag" else 0)
     _screenshot(page, "ask", tmp_path)
+    # each piece of evidence links to its place, highlighted in its document's text
+    first = page.locator("section.method[data-method=coinrag] .evidence li").first
+    evidence_text = first.locator("mark").text_content()
+    first.locator("a").click()
+    page.wait_for_url("**/ui/documents/**#cited")
+    assert page.locator("mark.cited#cited").text_content() == evidence_text
+    page.go_back()
     watched.check_clean()
 
 

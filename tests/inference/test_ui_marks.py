@@ -1,6 +1,6 @@
 """The explorer's pure parts: a document cut into chunks and nugget runs from the stored
 offsets (``inference/server/ui/marks.py``), and where signing in may send a browser
-(``inference/server/ui/gate.py``)."""
+(``inference/server/ui/gate.py``), and how a cited span is named in a link (``views.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from coinrag.inference.server.ui.gate import safe_next
 from coinrag.inference.server.ui.marks import cut_chunk, cut_document
+from coinrag.inference.server.ui.views import parse_cite
 
 TEXT = "Intro. Kubrick made 2001. It is long. Clarke wrote it."
 
@@ -82,3 +83,18 @@ def test_a_chunk_overlapping_the_previous_one_starts_where_it_ends() -> None:
 )
 def test_sign_in_only_sends_to_a_page_of_the_explorer(target, expected) -> None:
     assert safe_next(target) == expected
+
+
+@pytest.mark.parametrize(
+    "cite, expected",
+    [
+        ("ch-1a2b:27-41", ("ch-1a2b", 27, 41)),
+        ("ch:x:0-5", ("ch:x", 0, 5)),
+        ("ch-1a2b:27", None),
+        (":1-2", None),
+        ("ch:-1-2", None),
+        ("", None),
+    ],
+)
+def test_a_cited_span_is_a_chunk_and_two_offsets(cite, expected) -> None:
+    assert parse_cite(cite) == expected

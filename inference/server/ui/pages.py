@@ -6,7 +6,8 @@ Routes (each page needs a key when the server has keys: ``gate.py``):
 
 - ``/ui``: the store (published version, counts, KV bytes against raw bf16, runs, disk,
   stale assets); ``/ui/documents?q=&page=``: the live documents; ``/ui/documents/{doc_id}``
-  (URL-encoded): its text with chunk boundaries and each nugget a ``<mark data-nugget=ID>``;
+  (URL-encoded): its text with chunk boundaries and each nugget a ``<mark data-nugget=ID>``
+  (``?cite=CHUNK_ID:START-END``: a piece of an answer's evidence highlighted, ``#cited``);
 - ``/ui/lineage?id=``: the walk through a document, chunk or nugget id;
 - ``/ui/ask``, and ``POST /ui/ask/stream``: the API's streaming query (the same handler and
   events as ``POST /query/stream``), signed in by the cookie;
@@ -115,6 +116,8 @@ def mount_ui(app: FastAPI, server: Any, handle: Handler) -> None:
 def _mount_gate(app: FastAPI, pages: Pages) -> None:
     @app.get(f"{gate.HOME}/login")
     def login_form(request: Request, next: str = gate.HOME) -> Response:
+        if not pages.server.keys.enabled:  # a server without keys: nothing to sign in to
+            return RedirectResponse(gate.safe_next(next), status_code=303)
         return pages.render("login.html", next=gate.safe_next(next), error=None)
 
     @app.post(f"{gate.HOME}/login")
@@ -151,11 +154,11 @@ def _mount_pages(app: FastAPI, pages: Pages) -> None:
         )
 
     @app.get(f"{gate.HOME}/documents/{{doc_id:path}}")
-    def document(request: Request, doc_id: str) -> Response:
+    def document(request: Request, doc_id: str, cite: str = "") -> Response:
         refused = _gated(pages, request)
         if refused is not None:
             return refused
-        context = pages.state.document_page(doc_id)
+        context = pages.state.document_page(doc_id, cite)
         if context is None:
             return pages.not_found(f"document {doc_id!r} (no live version in this store)")
         return pages.render("document.html", **context)

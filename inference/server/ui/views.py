@@ -35,6 +35,15 @@ def raw_bf16_bytes_per_token(config: Any) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * 2
 
 
+def parse_cite(cite: str) -> tuple[str, int, int] | None:
+    """``"ch-1a2b:27-41" -> ("ch-1a2b", 27, 41)``; None for anything else."""
+    chunk_id, _, span = cite.rpartition(":")
+    start, _, end = span.partition("-")
+    if not chunk_id or not start.isdigit() or not end.isdigit():
+        return None
+    return chunk_id, int(start), int(end)
+
+
 def reuses_kv(method: str) -> bool:
     """Whether ``method`` loads its context's KV from the store (coinrag, turborag) instead
     of computing it (standard)."""
@@ -57,13 +66,10 @@ class UiState:
             if self._explorer is None or self._run_id != version.run_id:
                 fingerprints = version.engine.fingerprints()
                 current = {p: fingerprints[p] for p in KV_PRODUCERS if p in fingerprints}
-                old, self._explorer = (
-                    self._explorer,
-                    StoreExplorer.open(version.engine.store, current),
-                )
+                # the previous explorer is not closed here: a page may still be reading it
+                # (its connection goes with its last reference)
+                self._explorer = StoreExplorer.open(version.engine.store, current)
                 self._run_id = version.run_id
-                if old is not None:
-                    old.close()
             return self._explorer
 
     def close(self) -> None:
@@ -99,7 +105,9 @@ class UiState:
         pages = max(1, -(-total // PAGE_SIZE))
         return {"query": query, "page": page, "pages": pages, "total": total, "rows": rows}
 
-    def document_page(self, doc_id: str) -> dict[str, Any] | None:
+    def document_page(self, doc_id: str, cite: str = "") -> dict[str, Any] | None:
+        """``cite``: ``"CHUNK_ID:START-END"``, a span of evidence (chunk-local tokens) to
+        highlight: the nugget with exactly those offsets, or the whole chunk."""
         doc = self.explorer().document(doc_id)
         if doc is None:
             return None
@@ -107,6 +115,7 @@ class UiState:
         return {
             "doc": doc,
             "pieces": cut_document(doc["text"], doc["chunks"]),
+            "cited": parse_cite(cite),
             "kv_codec": fingerprints.get("kv_codec", "-"),
             "kv_dtype": fingerprints.get("kv_dtype", "-"),
         }

@@ -91,7 +91,9 @@ function evidenceList(list, answer) {
     item.dataset.chunk = ev.chunk_id || "";
     item.dataset.doc = ev.doc_id || "";
     const link = el("a", "id", ev.citation || ev.doc_id);
-    link.href = "/ui/documents/" + encodeURIComponent(ev.doc_id) + "#chunk-" + (ev.chunk_id || "");
+    const cite = (ev.chunk_id || "") + ":" + ev.tok_start + "-" + ev.tok_end;
+    link.href = "/ui/documents/" + encodeURIComponent(ev.doc_id) + "?cite=" +
+      encodeURIComponent(cite) + "#cited";
     item.append(link, el("span", "muted", " tokens " + ev.tok_start + "–" + ev.tok_end), el("br"));
     item.append(el("mark", "evidence-text", ev.text || ""));
     list.append(item);
