@@ -21,6 +21,8 @@ server's time to its headers (a page: all of its rendering; ``tests/benchmarks/b
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,6 +40,7 @@ from coinrag.inference.server.ui.views import UiState
 from coinrag.storage.lineage import LineageError
 
 HERE = Path(__file__).resolve().parent
+log = logging.getLogger("coinrag.api")
 Handler = Callable[..., Awaitable[Response]]
 
 
@@ -75,6 +78,14 @@ class Pages:
         self.env = templates()
         folder = server.settings.eval_dir
         self.evals = EvalFolder(Path(folder)) if folder else None
+        # open the explorer now, in the background: the first page then does not wait for it
+        threading.Thread(target=self._warm, name="ui-warm", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self.state.explorer()
+        except Exception:  # the first page opens it again, and shows the error
+            log.exception("opening the store explorer failed")
 
     def render(self, name: str, status: int = 200, **context: Any) -> HTMLResponse:
         keys = self.server.keys.enabled
