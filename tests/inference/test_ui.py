@@ -290,6 +290,9 @@ def test_ask_page_streams_the_answer_of_coinrag_query(
             for i in range(items.count())
         ]
         assert shown == [(e["chunk_id"], e["text"]) for e in cli["evidence"]]
+        scores = [float(items.nth(i).get_attribute("data-score")) for i in range(items.count())]
+        assert scores == [e["score"] for e in cli["evidence"]]
+        assert "0.75 × dense + 0.25 × lexical" in card.locator(".scores").text_content()
         stages = card.locator(".waterfall .bar-row")
         assert [stages.nth(i).get_attribute("data-stage") for i in range(stages.count())] == [
             "retrieval",

@@ -85,6 +85,17 @@ function kvMap(box, answer, reusesKv, bytesPerToken) {
   box.append(summary);
 }
 
+// What an evidence's score is, per search mode (the weight comes from the server).
+function scoreFormula(mode, denseWeight) {
+  const lexicalWeight = (1 - denseWeight).toFixed(2);
+  return {
+    dense: "score: cosine similarity to the question (a chunk: the mean of its own and its best nugget's)",
+    lexical: "score: BM25 of the question's terms",
+    hybrid: "score: " + denseWeight + " × dense + " + lexicalWeight +
+      " × lexical, each ranking min-max normalised over its top rows (relative score fusion)",
+  }[mode] || "score: the search mode's";
+}
+
 function evidenceList(list, answer) {
   for (const ev of answer.evidence) {
     const item = el("li");
@@ -94,13 +105,15 @@ function evidenceList(list, answer) {
     const cite = (ev.chunk_id || "") + ":" + ev.tok_start + "-" + ev.tok_end;
     link.href = "/ui/documents/" + encodeURIComponent(ev.doc_id) + "?cite=" +
       encodeURIComponent(cite) + "#cited";
-    item.append(link, el("span", "muted", " tokens " + ev.tok_start + "–" + ev.tok_end), el("br"));
+    item.dataset.score = String(ev.score);
+    const score = typeof ev.score === "number" ? " · score " + ev.score.toFixed(3) : "";
+    item.append(link, el("span", "muted", " tokens " + ev.tok_start + "–" + ev.tok_end + score), el("br"));
     item.append(el("mark", "evidence-text", ev.text || ""));
     list.append(item);
   }
 }
 
-async function askOne(card, body, reusesKv, bytesPerToken) {
+async function askOne(card, body, reusesKv, bytesPerToken, denseWeight) {
   const answerBox = card.querySelector(".answer");
   const status = card.querySelector(".status");
   status.textContent = "waiting for the model…";
@@ -126,6 +139,7 @@ async function askOne(card, body, reusesKv, bytesPerToken) {
       waterfall(card.querySelector(".waterfall"), data.timings);
       kvMap(card.querySelector(".kvmap"), data, reusesKv, bytesPerToken);
       evidenceList(card.querySelector(".evidence"), data);
+      card.querySelector(".scores").textContent = scoreFormula(data.retrieval, denseWeight);
       card.dataset.state = "done";
     } else if (name === "error") {
       status.textContent = "error " + data.status + ": " + data.error;
@@ -155,7 +169,10 @@ async function onSubmit(event) {
     return [card, body, box.dataset.reusesKv === "true"];
   });
   try {
-    for (const [card, body, reuses] of jobs) await askOne(card, body, reuses, bytesPerToken);
+    const denseWeight = Number(form.dataset.hybridDenseWeight);
+    for (const [card, body, reuses] of jobs) {
+      await askOne(card, body, reuses, bytesPerToken, denseWeight);
+    }
   } finally {
     button.disabled = false;
   }
