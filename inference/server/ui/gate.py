@@ -19,10 +19,13 @@ Example::
 
 from __future__ import annotations
 
+import time
 from typing import Any
 from urllib.parse import parse_qs, quote
 
 from fastapi import Request
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 COOKIE = "coinrag_ui_key"
 COOKIE_PATH = "/ui"
@@ -94,3 +97,32 @@ def cookie_options(request: Request) -> dict[str, Any]:
         "path": COOKIE_PATH,
         "secure": request.url.scheme == "https",
     }
+
+
+def is_ui_path(path: str) -> bool:
+    return path == HOME or path.startswith(HOME + "/")
+
+
+class UiHeaders:
+    """ASGI middleware: :data:`SECURITY_HEADERS` and ``Server-Timing: app;dur=MS`` (the time to
+    the answer's headers: a page's whole rendering) on every ``/ui`` answer; every other
+    request (``/query``, its streams) passes through untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_ui_path(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers.update(SECURITY_HEADERS)
+                elapsed_ms = (time.perf_counter() - started) * 1000
+                headers["Server-Timing"] = f"app;dur={elapsed_ms:.2f}"
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -108,15 +107,7 @@ def mount_ui(app: FastAPI, server: Any, handle: Handler) -> None:
     ``handle``: the API's query handler (``create_app``'s), reused for the Ask page."""
     pages = Pages(server)
 
-    @app.middleware("http")
-    async def ui_headers(request: Request, call_next: Callable) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        if request.url.path == gate.HOME or request.url.path.startswith(gate.HOME + "/"):
-            response.headers.update(gate.SECURITY_HEADERS)
-            elapsed_ms = (time.perf_counter() - started) * 1000  # to the headers of a stream
-            response.headers["Server-Timing"] = f"app;dur={elapsed_ms:.2f}"
-        return response
+    app.add_middleware(gate.UiHeaders)
 
     app.mount(f"{gate.HOME}/static", StaticFiles(directory=HERE / "static"), name="ui-static")
     _mount_gate(app, pages)
