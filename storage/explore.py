@@ -140,14 +140,16 @@ class StoreExplorer:
     def documents(self, query: str, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
         """``(matches, rows)``: live documents whose id or source contains ``query`` (any
         case; ``%`` and ``_`` match themselves), by id, ``limit`` from ``offset``; each with its
-        source, format (the reader's, ``record`` for a JSONL / Parquet row), title, characters,
+        source, format (the reader's, ``record`` for a JSONL / Parquet row), title (a record's
+        ``title`` field where the reader gave none), characters,
         chunks, nuggets and abandoned extractions."""
         like = "ILIKE $pattern ESCAPE '\\'"
         where = f"WHERE d.doc_id {like} OR d.source {like}"
         pattern = "%" + query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         (total,) = self.sql(f"SELECT count(*) AS n FROM x_documents d {where}", pattern=pattern)
         rows = self.sql(
-            "SELECT d.doc_id, d.source, coalesce(d.format, 'record') AS format, d.title, "
+            "SELECT d.doc_id, d.source, coalesce(d.format, 'record') AS format, "
+            "coalesce(d.title, json_extract_string(d.metadata_json, '$.title')) AS title, "
             "d.n_chars, d.run_id, "
             "(SELECT count(*) FROM x_chunks c WHERE c.doc_id = d.doc_id) AS chunks, "
             "(SELECT count(*) FROM x_nuggets n WHERE n.doc_id = d.doc_id) AS nuggets, "

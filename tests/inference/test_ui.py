@@ -253,6 +253,8 @@ def test_a_document_holding_script_shows_as_text(watched) -> None:
     watched.goto(f"/ui/lineage?id={_quoted(MARKUP_DOC['id'])}")
     watched.goto(f"/ui/documents?q={_quoted('<doc>')}")
     assert watched.page.locator("#documents a.id").first.inner_text() == MARKUP_DOC["id"]
+    title = watched.page.locator("#documents tbody td").nth(1)  # the record's title, as text
+    assert title.inner_text() == MARKUP_DOC["title"] and title.locator("b").count() == 0
     watched.check_clean()  # no alert dialog, no console error
 
 
