@@ -585,6 +585,16 @@ class ApiSettings:
         cli=True,
     )
     client_burst: int = 20  # requests one client may send at once (its token bucket's size)
+    ui: bool = setting(
+        True,
+        "Serve the store explorer under /ui (behind the same keys; --no-ui: the API only).",
+        cli=True,
+    )
+    eval_dir: str | None = setting(
+        None,
+        "A `coinrag eval --out` folder the explorer's Evaluations page shows (/ui/evals).",
+        cli=True,
+    )
 
     def validate(self) -> ApiSettings:
         names = ("queue_limit", "max_body_bytes", "max_question_chars", "max_kc", "max_k")

@@ -53,7 +53,8 @@ def api(
 
     Loads the model, embedder, index and KV readers once and warms them; follows every version
     a build, delete or gc publishes (in-flight requests finish on theirs). Runs until Ctrl-C.
-    Listening beyond loopback (--host 0.0.0.0) needs an API key (or --insecure).
+    Listening beyond loopback (--host 0.0.0.0) needs an API key (or --insecure). Also serves
+    the store explorer at /ui behind the same key (--no-ui: the API only).
     """
     import dataclasses
     import logging

@@ -41,7 +41,8 @@ class IndexSearch(Retrieval):
         return found.embed_ms + found.search_ms
 
     def evidence(self, found: RetrievalResult) -> list[dict[str, Any]]:
-        """``{doc_id, chunk_id, tok_start, tok_end, text}`` per span, with where it is: the
+        """``{doc_id, chunk_id, tok_start, tok_end, text, score}`` per span (``score``: the
+        search mode's, :class:`~inference.retrieval.retriever.Evidence`), with where it is: the
         ``schemas.tables.PlaceInDocument`` columns (``path``, ``page_first``, ``page_last``,
         ``page_labels``, ``section``) and ``citation`` (``"faq/programming.pdf p. 12 |
         Programming FAQ > Performance"``)."""
@@ -52,6 +53,7 @@ class IndexSearch(Retrieval):
                 "tok_start": e.tok_start,
                 "tok_end": e.tok_end,
                 "text": e.text,
+                "score": e.score,
                 **asdict(e.place),
                 "citation": e.place.citation(e.doc_id),
             }

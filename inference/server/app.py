@@ -13,6 +13,8 @@ Endpoints:
   answer JSON (or ``event: error`` with ``{"error", "status"}``).
 - ``GET /health``: the run served, its ``[published]`` record and fingerprints, the queue.
 - ``GET /metrics``: Prometheus text (``inference/server/metrics.py``).
+- ``/ui``: the store explorer (``inference/server/ui/``), unless the ``ui`` setting is off
+  (``--no-ui``).
 
 With API keys (``inference/server/auth.py``) every route needs ``Authorization: Bearer KEY``,
 but ``/health``, which answers a request without a valid key with ``{"status": "ok"}`` only
@@ -229,11 +231,15 @@ class ApiServer:
         finally:
             self.holder.release(version)
 
-    def client(self, request: Request) -> str | None:
+    def client(self, request: Request, cookie: str | None = None) -> str | None:
         """Who sends ``request``: its API key's client (None: no valid key), or its address
-        when the server has no keys."""
+        when the server has no keys. ``cookie``: a key the explorer's sign-in cookie holds,
+        tried when the ``Authorization`` header carries no valid key (``/ui`` only)."""
         if self.keys.enabled:
-            return self.keys.client(request.headers.get("authorization"))
+            found = self.keys.client(request.headers.get("authorization"))
+            if found is None and cookie:
+                found = self.keys.client(f"Bearer {cookie}")
+            return found
         return "address:" + (request.client.host if request.client else "unknown")
 
     def admit(
@@ -456,8 +462,14 @@ def create_app(server: ApiServer) -> FastAPI:
         metrics.queue_depth.set(server.queue.admitted)
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def handle(request: Request, endpoint: str, force_stream: bool) -> Response:
-        client = server.client(request)
+    async def handle(
+        request: Request,
+        endpoint: str,
+        force_stream: bool,
+        authorize: Callable[[Request], str | None] = server.client,
+    ) -> Response:
+        """Answer one query request (``authorize``: who sent it, None for no valid key)."""
+        client = authorize(request)
         if client is None:
             metrics.requests.labels(endpoint, "-", "401").inc()
             return server.unauthorized(endpoint)
@@ -486,6 +498,10 @@ def create_app(server: ApiServer) -> FastAPI:
     async def query_stream(request: Request) -> Response:
         return await handle(request, "stream", True)
 
+    if server.settings.ui:
+        from coinrag.inference.server.ui.pages import mount_ui
+
+        mount_ui(app, server, handle)
     return app
 
 

@@ -264,6 +264,36 @@ LIGHT = "The speed of light is the speed of electromagnetic waves"  # the second
 CUT_OFF = json.dumps({"nuggets": [LIGHT, "Light travels"]})[:-14]
 
 
+def _explorer_marks_abandoned(store: Store, row: dict) -> None:
+    """The store explorer's document page (``coinrag api``'s ``/ui``) marks the abandoned
+    chunk with its reason, from what ``storage/explore.py`` reads."""
+    from markupsafe import escape  # as Jinja escapes
+
+    from coinrag.inference.server.ui.marks import cut_document
+    from coinrag.inference.server.ui.pages import templates
+    from coinrag.storage.explore import StoreExplorer
+
+    doc = StoreExplorer.open(store).document(row["doc_id"])
+    (chunk,) = [c for c in doc["chunks"] if c["chunk_id"] == row["chunk_id"]]
+    assert chunk["extraction"]["status"] == "abandoned" and not chunk["nuggets"]
+    assert [a["error"] for a in chunk["abandoned"]] == [row["error"]]
+    html = (
+        templates()
+        .get_template("document.html")
+        .render(
+            signed_in=False,
+            doc=doc,
+            pieces=cut_document(doc["text"], doc["chunks"]),
+            cited=None,
+            kv_codec="none",
+            kv_dtype="bfloat16",
+        )
+    )
+    section = html.split(f'id="chunk-{row["chunk_id"]}"')[0].rsplit("<section", 1)[1]
+    assert 'class="chunk failed' in section
+    assert str(escape(row["error"])) in html
+
+
 def test_malformed_replies_settle_after_three_builds_and_are_not_asked_again(
     tmp_path, sample_corpus, monkeypatch
 ) -> None:
@@ -328,6 +358,7 @@ def test_malformed_replies_settle_after_three_builds_and_are_not_asked_again(
         chunk = row["chunk_id"]
         st = Store.at(store)
         assert not [r for r in read_rows(st, NuggetRow) if r.chunk_id == chunk]
+        _explorer_marks_abandoned(st, row)
         indexed = runner.invoke(
             app,
             ["lineage", "--store", str(store), "--json"]

@@ -1,0 +1,1 @@
+"""The store explorer of ``coinrag api``: pages under ``/ui`` (``pages.py``)."""
