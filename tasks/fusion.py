@@ -1,7 +1,8 @@
 """Synthetic questions of a store, and the hybrid fusion weight chosen on them for its index.
 
 No evaluation file is ever looked at to choose the weight: the questions are the store's own
-**headings**, each asked for the page it heads (a heading path's last part where readers filled
+**headings** (and, where there are nuggets, nugget texts: up to the same total, headings first),
+each asked for the page it heads (a heading path's last part where readers filled
 ``section``, as in HTML; else the reST / Markdown titles found in the chunk text: a line
 underlined by ``=``, ``-``, ``~``, ``^``, ``*``, ``#``, ``"``, ``'`` or ``+`` at least as long, or
 ``#`` / ``##`` ... lines), kept when they have at least 3 words and head one page only (``See
@@ -100,6 +101,17 @@ def page_split(doc_id: str) -> str:
     return next(name for name, bound in SPLITS if bucket < bound)
 
 
+def store_nuggets(rows: Iterable[dict[str, Any]]) -> list[SyntheticQuestion]:
+    """One question per distinct nugget text of at least ``MIN_HEADING_WORDS`` words (nugget
+    rows with ``doc_id`` and ``text``) that occurs on one page only."""
+    pages: dict[str, set[str]] = {}
+    for row in rows:
+        text = " ".join((row["text"] or "").split())
+        if len(text.split()) >= MIN_HEADING_WORDS:
+            pages.setdefault(text, set()).add(row["doc_id"])
+    return [SyntheticQuestion(t, next(iter(d)), "nugget") for t, d in pages.items() if len(d) == 1]
+
+
 def excluding(
     questions: Sequence[SyntheticQuestion], evaluation: Iterable[str]
 ) -> tuple[list[SyntheticQuestion], int]:
@@ -118,8 +130,9 @@ class FusionChoice:
     held_out: dict[float, dict[str, float]]  # weight -> scores on the held-out questions
     n_train: int
     n_held_out: int
-    excluded: int  # headings dropped for equalling an evaluation question
+    excluded: int  # questions dropped for equalling an evaluation question
     embedder_fp: str
+    chosen_on: str = "headings"  # the kinds of synthetic question, e.g. "headings+nuggets"
 
     def record(self) -> dict[str, Any]:
         """The index's ``fusion`` record (TOML-able: numbers and tables of them)."""
@@ -128,7 +141,7 @@ class FusionChoice:
         return {
             "dense_weight": w,
             "method": FUSION_METHOD,
-            "chosen_on": "headings",
+            "chosen_on": self.chosen_on,
             "embedder_fp": self.embedder_fp,
             "questions": self.n_train,
             "held_out_questions": self.n_held_out,
@@ -152,18 +165,26 @@ def choose_fusion(
     """Choose ``index``'s dense weight on its store's headings (never on ``evaluation``'s
     questions, see the module docstring); nothing is written."""
     rows = index.columns("chunks", ["doc_id", "section", "text"]).to_pylist()
-    questions, excluded = excluding(store_headings(rows), evaluation)
+    found = store_headings(rows)
+    if index.count("nuggets"):
+        found += store_nuggets(index.columns("nuggets", ["doc_id", "text"]).to_pylist())
+    questions, excluded = excluding(found, evaluation)
     questions = [q for q in questions if page_split(q.doc_id) != "retriever"]
-    if len(questions) > max_questions:
-        questions = random.Random(seed).sample(questions, max_questions)
+    rng = random.Random(seed)
+    headings = [q for q in questions if q.kind == "heading"]
+    nuggets = [q for q in questions if q.kind == "nugget"]
+    # Headings first (they read like a searcher's words); nuggets fill the rest.
+    questions = rng.sample(headings, min(len(headings), max_questions))
+    questions += rng.sample(nuggets, min(len(nuggets), max_questions - len(questions)))
     train, held = [], []
     for q in questions:
         lists = question_lists(index, Query(q.text, embedder), [q.doc_id])
         (train if page_split(q.doc_id) == "fusion" else held).append(lists)
     if not train:
         raise ValueError(
-            f"{index.store.uri(index.store.index_dir)}: no heading of {MIN_HEADING_WORDS}+ words "
-            "to choose a fusion weight on; the default weight stays"
+            f"{index.store.uri(index.store.index_dir)}: no heading or nugget of "
+            f"{MIN_HEADING_WORDS}+ words on a fusion page to choose a fusion weight on; the "
+            "default weight stays"
         )
     scored = score_weights(train, WEIGHT_GRID)
     weight = choose_weight(scored, HYBRID_DENSE_WEIGHT)
@@ -176,4 +197,5 @@ def choose_fusion(
         len(held),
         excluded,
         embedder.fingerprint,
+        "+".join(sorted({f"{q.kind}s" for q in questions})),
     )

@@ -31,9 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from coinrag.inference.retrieval.embedders import LINEAGE_FILE
 from coinrag.schemas.training_settings import RetrieverTrainSettings
-
-LINEAGE_FILE = "coinrag-embedder.json"
 
 
 def pairs_sha256(pairs: Sequence[Any]) -> str:
