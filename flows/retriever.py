@@ -128,15 +128,23 @@ def train_retriever_flow(
     settings: dict[str, Any] | None = None,
     reembed: bool = True,
     source: str | None = None,
+    versioned_out: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune the store's embedder on its own pairs (``tasks/retriever_pairs.py``,
     ``training/retriever.py``), write the folder ``out``, then (``reembed``) build ``source``
     (default: what the last build read) into the store with ``embedder = out``: the index is
     re-embedded and published as a new version, and the store's settings name the new
     embedder, so queries and later incremental builds use it; then the fusion is chosen again
-    for the new vectors. Returns the summary (``base_embedder_fp``, ``embedder_fp``, counts)."""
+    for the new vectors. The base is the store's embedder followed back to the one it was
+    adapted from (``embedders.root_embedder``). ``versioned_out``: write ``out/<run id>``
+    (a deployment retraining after each build: never overwrite the folder readers load).
+    Returns the summary (``base_embedder_fp``, ``embedder_fp``, counts)."""
     from coinrag.inference.model.threads import set_process_threads
-    from coinrag.inference.retrieval.embedders import load_embedder, locate_embedder
+    from coinrag.inference.retrieval.embedders import (
+        load_embedder,
+        locate_embedder,
+        root_embedder,
+    )
     from coinrag.schemas.training_settings import RetrieverTrainSettings
     from coinrag.storage.gc import last_build_source
     from coinrag.tasks.retriever_pairs import training_pairs
@@ -152,10 +160,16 @@ def train_retriever_flow(
     if reembed and not src:
         raise ValueError(f"{st.root}: no completed build to re-embed from; pass source")
     evaluation, files = evaluation_questions(exclude_questions)
-    out_dir = Path(out).expanduser().resolve()
-    base = store_embedder(st)
     run_id = new_run_id("train")
-    params = {"out": str(out_dir), "base_embedder": build.embedder, "source": src}
+    out_dir = Path(out).expanduser().resolve() / (run_id if versioned_out else "")
+    if build.embedder not in ("", None) and Path(build.embedder).resolve() == out_dir:
+        raise ValueError(
+            f"--out {out_dir} is the store's embedder in use; write the new one to another "
+            "folder (readers load the store's embedder from its folder)"
+        )
+    base_ref = root_embedder(build.embedder)
+    base = store_embedder(st, base_ref)
+    params = {"out": str(out_dir), "base_embedder": base_ref, "source": src}
     params |= {"exclude_questions": files, "settings": cfg.to_dict(), "reembed": reembed}
     with st.write_lock(run_id):
         run = start_run(st, run_id, "train-retriever", params)
@@ -164,11 +178,12 @@ def train_retriever_flow(
         pairs, counts = training_pairs(LanceIndex.open(st), evaluation, cfg.max_pairs, cfg.seed)
         counts["pairs_seconds"] = round(time.perf_counter() - t0, 1)
         logger.info("%d training pairs (%s)", len(pairs), counts)
-        lineage = {"base_embedder": build.embedder, "base_embedder_fp": base.fingerprint}
-        lineage |= {"base_dir": str(locate_embedder(build.embedder)), "store": str(st.root)}
+        lineage = {"base_embedder": base_ref, "base_embedder_fp": base.fingerprint}
+        lineage |= {"replaces": build.embedder, "store": str(st.root)}
+        lineage |= {"base_dir": str(locate_embedder(base_ref))}
         lineage |= {"run_id": run_id, "exclude_questions": files, "pair_counts": counts}
         trained = finetune_embedder(
-            locate_embedder(build.embedder), base.max_length, pairs, out_dir, cfg, lineage
+            locate_embedder(base_ref), base.max_length, pairs, out_dir, cfg, lineage
         )
         adapted = load_embedder(out_dir, device=build.device)
         summary = {"base_embedder_fp": base.fingerprint, "embedder_fp": adapted.fingerprint}

@@ -350,6 +350,17 @@ def adapted_embedder(recorded: str | None, requested: str) -> str:
     return recorded if lineage.get("base_embedder") == requested else requested
 
 
+def root_embedder(ref: str) -> str:
+    """The embedder ``ref`` was adapted from, followed back to one that was not adapted (its
+    :data:`LINEAGE_FILE`'s ``base_embedder``): what ``train retriever`` fine-tunes again, so
+    that retraining never stacks adaptations."""
+    seen = {ref}
+    while (base := _read_json(Path(ref) / LINEAGE_FILE).get("base_embedder")) and base not in seen:
+        seen.add(base)
+        ref = base
+    return ref
+
+
 def load_embedder(
     ref: str | os.PathLike[str] | None = None,
     *,
