@@ -1,8 +1,9 @@
 """The training pipelines' settings: the cartridge pipeline (``coinrag train cartridges``; the
 module doc of ``schemas/settings.py`` introduces them): :class:`CartridgeSettings`, and the two
 views of it the stages take, :class:`TeacherSettings` (``tasks/teacher.py``) and
-:class:`CartridgeTrainSettings` (``training/budget.py``); and :class:`KvLinkOptions`, the options
-of ``coinrag train kvlink``. Importable from ``schemas.settings`` as well."""
+:class:`CartridgeTrainSettings` (``training/budget.py``); :class:`KvLinkOptions`, the options
+of ``coinrag train kvlink``; and :class:`RetrieverTrainSettings`, those of ``coinrag train
+retriever``. Importable from ``schemas.settings`` as well."""
 
 from __future__ import annotations
 
