@@ -385,6 +385,20 @@ def run_stages(
     )
 
 
+def _keep_adapted_embedder(st: Store, s: BuildSettings) -> BuildSettings:
+    """``s`` with the store's adapted embedder where it was adapted from ``s.embedder``
+    (``embedders.adapted_embedder``: incremental builds keep what `train retriever` made)."""
+    from dataclasses import replace
+
+    from coinrag.inference.retrieval.embedders import adapted_embedder
+
+    recorded = (st.read_toml().get("build") or {}).get("embedder")
+    chosen = adapted_embedder(recorded, s.embedder)
+    if chosen != s.embedder:
+        get_run_logger().info("embedder %s: the store's, adapted from %s", chosen, s.embedder)
+    return replace(s, embedder=chosen) if chosen != s.embedder else s
+
+
 @flow(name="coinrag-build")
 def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build (or update) STORE from SOURCE; return the summary counts, with ``rejected`` (the
@@ -397,6 +411,7 @@ def build_flow(source: str, store: str, settings: dict[str, Any] | None = None) 
 
     set_process_threads(s.threads)  # this process's torch/BLAS pools (a served build's too)
     st = Store.at(store).init()
+    s = _keep_adapted_embedder(st, s)
     run_id = new_run_id("build")
     params = {"source": str(Path(source).expanduser().resolve()), **s.to_dict()}
     params["extractor"] = s.resolved_extractor()

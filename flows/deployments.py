@@ -1,5 +1,6 @@
 """Prefect deployments of the build flow (``flows/build.py``) and of the nugget fine-tuning flow
-(``flows/train.py``): scheduled and on-change rebuilds, retraining after each build.
+(``flows/train.py``) and of the retriever's (``flows/retriever.py``): scheduled and on-change
+rebuilds, retraining after each build.
 
 :func:`make_build_deployment` returns one ``RunnerDeployment`` of ``coinrag-build`` with fixed
 parameters (source, store, settings) that runs
@@ -109,6 +110,7 @@ def make_serve_deployments(
     """The build deployment, plus the training deployment run after each of its builds.
 
     Training is added only when both ``train_data`` (QA JSONL) and ``train_out`` are given.
+    (The retriever's: :func:`make_retriever_deployment` with ``build_deployment=name``.)
     """
     if (train_data is None) != (train_out is None):
         raise ValueError("train_data and train_out go together: give both or neither")
@@ -164,6 +166,55 @@ def make_train_deployment(
             )
         ]
     return train_nuggets_flow.to_deployment(**kwargs)
+
+
+RETRIEVER_DEPLOYMENT_NAME = "coinrag-train-retriever-after-build"
+
+
+def make_retriever_deployment(
+    store: str,
+    out: str,
+    exclude_questions: list[str],
+    *,
+    build_deployment: str | None = None,
+    cron: str | None = None,
+    name: str = RETRIEVER_DEPLOYMENT_NAME,
+    **flow_parameters: Any,
+) -> Any:
+    """A ``RunnerDeployment`` of :func:`flows.retriever.train_retriever_flow` (not registered
+    yet): after each completed run of the build deployment ``build_deployment``, or on ``cron``.
+
+    Its own re-embedding build is a ``coinrag-build`` subflow run without a deployment, so the
+    trigger is narrowed to the build deployment's runs (a trigger on every build flow run would
+    retrain after its own re-embedding): one of ``build_deployment`` and ``cron`` is required.
+    Each run writes ``out/<run id>`` (``versioned_out``): the folder readers load is never
+    overwritten. ``flow_parameters``: ``settings``, ``source``, ... (TypeError for others)."""
+    from prefect.events import DeploymentEventTrigger
+
+    from coinrag.flows.retriever import train_retriever_flow
+
+    if (build_deployment is None) == (cron is None):
+        raise ValueError("give exactly one of build_deployment (train after its builds) and cron")
+    parameters = {"store": store, "out": out, "exclude_questions": list(exclude_questions)}
+    parameters |= {**flow_parameters, "versioned_out": True}
+    inspect.signature(train_retriever_flow.fn).bind(**parameters)  # TypeError: not a parameter
+    kwargs: dict[str, Any] = {"name": name, "parameters": parameters, "tags": ["coinrag", "train"]}
+    if cron:
+        kwargs["cron"] = cron
+    else:
+        kwargs["triggers"] = [
+            DeploymentEventTrigger(
+                name="after-build",
+                expect={"prefect.flow-run.Completed"},
+                match_related={
+                    "prefect.resource.role": "deployment",
+                    "prefect.resource.name": build_deployment,
+                },
+                posture="Reactive",
+                threshold=1,
+            )
+        ]
+    return train_retriever_flow.to_deployment(**kwargs)
 
 
 def serve_build(deployments: list[Any]) -> None:

@@ -1,8 +1,9 @@
 """The training pipelines' settings: the cartridge pipeline (``coinrag train cartridges``; the
 module doc of ``schemas/settings.py`` introduces them): :class:`CartridgeSettings`, and the two
 views of it the stages take, :class:`TeacherSettings` (``tasks/teacher.py``) and
-:class:`CartridgeTrainSettings` (``training/budget.py``); and :class:`KvLinkOptions`, the options
-of ``coinrag train kvlink``. Importable from ``schemas.settings`` as well."""
+:class:`CartridgeTrainSettings` (``training/budget.py``); :class:`KvLinkOptions`, the options
+of ``coinrag train kvlink``; and :class:`RetrieverTrainSettings`, those of ``coinrag train
+retriever``. Importable from ``schemas.settings`` as well."""
 
 from __future__ import annotations
 
@@ -175,3 +176,38 @@ class KvLinkOptions:
         """The training run's settings (``FinetuneSettings`` fields)."""
         names = ("kc", "lr", "batch_size", "epochs", "max_steps", "checkpoint_every")
         return {name: getattr(self, name) for name in names}
+
+
+@dataclass(frozen=True)
+class RetrieverTrainSettings:
+    """``coinrag train retriever`` (``training/retriever.py``): fine-tune the store's embedder
+    on its own pairs (``tasks/retriever_pairs.py``) with in-batch and BM25 hard negatives
+    (InfoNCE over ``scale`` times the cosines), AdamW at ``lr`` with a linear warm-up over the
+    first ``warmup`` of the steps; at most ``max_pairs`` pairs, ``epochs`` passes, and never
+    past ``max_minutes`` of training (the one-thread budget of a whole-corpus run)."""
+
+    max_pairs: int = setting(3000, "Training pairs at most (a seeded sample).", cli=True, min=1)
+    batch_size: int = setting(32, "Pairs per optimizer step.", cli=True, min=2)
+    epochs: int = setting(1, "Passes over the pairs.", cli=True, min=1)
+    lr: float = setting(3e-5, "Learning rate (AdamW).", cli=True, min=0.0)
+    warmup: float = setting(0.1, "Share of the steps of linear warm-up.", cli=True, min=0.0)
+    scale: float = setting(20.0, "Logit scale of the cosines (InfoNCE).", cli=True, min=0.0)
+    query_max_length: int = setting(48, "Word pieces kept of a query.", cli=True, min=4)
+    passage_max_length: int = setting(256, "Word pieces kept of a passage.", cli=True, min=8)
+    max_minutes: float = setting(
+        8.0, "Stop training after this many minutes (the time budget).", cli=True, min=0.0
+    )
+    seed: int = setting(0, "Seed of the pair sample and the batches.", cli=True)
+
+    def validate(self) -> RetrieverTrainSettings:
+        if self.max_pairs < 1 or self.batch_size < 2 or self.epochs < 1:
+            raise ValueError(
+                f"need max_pairs >= 1, batch_size >= 2 and epochs >= 1, got {self.max_pairs}, "
+                f"{self.batch_size}, {self.epochs}"
+            )
+        if self.lr <= 0 or self.max_minutes <= 0:
+            raise ValueError(f"lr and max_minutes must be > 0, got {self.lr}, {self.max_minutes}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

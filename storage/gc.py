@@ -103,6 +103,11 @@ def last_build_tau(store: Store) -> float | None:
     return None if tau is None else float(tau)
 
 
+def last_build_source(store: Store) -> str | None:
+    """The SOURCE the last completed build read (None if none completed)."""
+    return (_last_build_json(store, "parameters_json") or {}).get("source")
+
+
 def _live_chunks(store: Store, columns: list[str]) -> dict[str, list]:
     """``columns`` of the chunks of live document versions, cut with the tokenizer and
     chunker of the last completed build."""

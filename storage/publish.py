@@ -57,3 +57,26 @@ def publish(
         record["index"] = previous["index"]
     store.write_settings(settings, record)
     return record
+
+
+def publish_fusion(store: Store, run_id: str, flow: str, fusion: dict[str, Any]) -> dict[str, Any]:
+    """Record ``fusion`` with the published index version: in ``coinrag-index.json`` (kept by
+    later builds with the same embedder) and in ``[published.index]`` (what readers open), the
+    table versions unchanged. The caller holds the write lock. Returns the record."""
+    previous = store.published() or {}
+    if not previous.get("index"):
+        raise ValueError(
+            f"{store.uri(store.index_dir)}: no published index to record a fusion with; "
+            "run `coinrag build` first"
+        )
+    latest = LanceIndex.open_latest(store)
+    if latest is not None and latest.meta.embedder_fp == previous["index"]["embedder_fp"]:
+        latest.record_fusion(fusion)
+    record = {
+        "run_id": run_id,
+        "flow": flow,
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "index": {**previous["index"], "fusion": dict(fusion)},
+    }
+    store.write_settings(None, record)
+    return record

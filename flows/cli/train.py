@@ -12,7 +12,7 @@ from coinrag.flows.cli.common import LocalStore, fail
 from coinrag.flows.cli_lists import ListOptionsCommand
 from coinrag.flows.settings_options import with_options, with_settings_options
 from coinrag.schemas.settings import FinetuneSettings
-from coinrag.schemas.training_settings import KvLinkOptions
+from coinrag.schemas.training_settings import KvLinkOptions, RetrieverTrainSettings
 
 train_app = typer.Typer(help="Training flows over a built store.", no_args_is_help=True)
 TRAIN_ERRORS = (KeyError, ValueError, FileNotFoundError)  # a flow's refusal of its inputs: exit 1
@@ -140,5 +140,68 @@ def train_kvlink_cmd(
             options.max_docs,
             model=options.model,
             settings=options.training(),
+        )
+    common.print_json(summary)
+
+
+ExcludeOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--exclude-questions",
+        help="Question JSONL files (evaluation sets) whose questions are never trained or "
+        "tuned on; repeat the option for each file.",
+    ),
+]
+
+
+@train_app.command("fusion", cls=ListOptionsCommand)
+def train_fusion_cmd(
+    store: LocalStore,
+    exclude_questions: ExcludeOption = None,
+    max_questions: Annotated[
+        int | None, typer.Option(min=10, help="Headings asked (default 800).")
+    ] = None,
+) -> None:
+    """Choose hybrid search's fusion weight for the store's index on its own headings and
+    record it with the published index version."""
+    from coinrag.flows.retriever import tune_fusion_flow
+
+    _training_store(store, None, None, "coinrag train fusion")
+    common.prefect_run()
+    with common.exit_on(1, *TRAIN_ERRORS):
+        summary = tune_fusion_flow(
+            str(store), [str(p) for p in exclude_questions or []], max_questions
+        )
+    common.print_json(summary)
+
+
+@train_app.command("retriever", cls=ListOptionsCommand)
+@with_options(RetrieverTrainSettings)
+def train_retriever_cmd(
+    store: LocalStore,
+    out: Annotated[Path, typer.Option("--out", help="Folder for the fine-tuned embedder.")],
+    options: RetrieverTrainSettings,
+    exclude_questions: ExcludeOption = None,
+    no_reembed: Annotated[
+        bool, typer.Option("--no-reembed", help="Only write the embedder folder.")
+    ] = False,
+) -> None:
+    """Fine-tune the store's embedder on its own headings (and nuggets), re-embed the index
+    with it as a new published version, and choose the fusion again."""
+    from coinrag.flows.retriever import train_retriever_flow
+
+    try:
+        options.validate()
+    except ValueError as exc:
+        fail(str(exc), 2)
+    _training_store(store, None, out, "coinrag train retriever")
+    common.prefect_run()
+    with common.exit_on(1, *TRAIN_ERRORS):
+        summary = train_retriever_flow(
+            str(store),
+            str(out),
+            [str(p) for p in exclude_questions or []],
+            settings=options.to_dict(),
+            reembed=not no_reembed,
         )
     common.print_json(summary)

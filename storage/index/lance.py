@@ -54,6 +54,7 @@ of :class:`LanceIndex`. Every name stays importable from here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -135,6 +136,7 @@ class LanceIndex(IndexSearch, IndexUpkeep):
             dim=int(data["dim"]),
             embedder_name=data.get("embedder_name", ""),
             vector_indexes=data.get("vector_indexes") or {},
+            fusion=data.get("fusion") or None,
         )
 
     def _write_meta(self) -> None:
@@ -163,6 +165,7 @@ class LanceIndex(IndexSearch, IndexUpkeep):
                 embedder_fp=state["embedder_fp"],
                 dim=int(state["dim"]),
                 embedder_name=state.get("embedder_name", ""),
+                fusion=state.get("fusion") or None,
             )
             return cls(store, meta, {k: int(v) for k, v in (state.get("versions") or {}).items()})
         meta = cls.read_meta(store)
@@ -180,19 +183,33 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         return None if meta is None else cls(store, meta)
 
     def published_state(self) -> dict[str, Any]:
-        """What a build records as published: the embedder and each table's latest version."""
+        """What a build records as published: the embedder, the fusion chosen for this index
+        (if any) and each table's latest version."""
         versions = {}
         for name in INDEX_TABLES:
             tbl = self.table(name)
             if tbl is not None:
                 tbl.checkout_latest()
                 versions[name] = int(tbl.version)
-        return {
+        state: dict[str, Any] = {
             "embedder_fp": self.meta.embedder_fp,
             "dim": self.meta.dim,
             "embedder_name": self.meta.embedder_name,
             "versions": versions,
         }
+        if self.meta.fusion:
+            state["fusion"] = dict(self.meta.fusion)
+        return state
+
+    def record_fusion(self, fusion: Mapping[str, Any]) -> None:
+        """Record ``fusion`` (``{"dense_weight": w, ...}``) as this index's hybrid fusion in
+        ``coinrag-index.json``; the next publish makes it part of the published index record.
+        A new embedder resets it (its weight was chosen for other vectors)."""
+        weight = float(fusion["dense_weight"])
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"fusion dense_weight {weight} is not in [0, 1]")
+        self.meta = dataclasses.replace(self.meta, fusion=dict(fusion))
+        self._write_meta()
 
     @classmethod
     def open_for_write(
@@ -245,9 +262,7 @@ class LanceIndex(IndexSearch, IndexUpkeep):
             kept = {k: v for k, v in (self.meta.vector_indexes or {}).items()}
             for name in self.migrated:
                 kept.pop(name, None)
-            self.meta = IndexMeta(
-                self.meta.embedder_fp, self.meta.dim, self.meta.embedder_name, kept
-            )
+            self.meta = dataclasses.replace(self.meta, vector_indexes=kept)
             self._write_meta()
 
     def _reset(self, name: str) -> None:

@@ -91,22 +91,28 @@ class IndexNotBuilt(FileNotFoundError):
 
 @dataclass(frozen=True)
 class IndexMeta:
+    """What ``coinrag-index.json`` (and the published ``[published.index]`` record) says of the
+    index: its embedder, its vector indexes, and ``fusion``: how hybrid search fuses the dense
+    and lexical rankings of this index, as chosen for it on synthetic questions of the store
+    (``{"dense_weight": 0.6, "chosen_on": {...}}``, ``tasks/fusion.py``; None: not chosen yet,
+    the code's default weight applies)."""
+
     embedder_fp: str
     dim: int
     embedder_name: str = ""
     vector_indexes: Mapping[str, Mapping[str, Any]] | None = None  # table -> {type, rows}
+    fusion: Mapping[str, Any] | None = None
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "embedder_fp": self.embedder_fp,
-                "dim": self.dim,
-                "embedder_name": self.embedder_name,
-                "vector_indexes": dict(self.vector_indexes or {}),
-            },
-            indent=2,
-            sort_keys=True,
-        )
+        data: dict[str, Any] = {
+            "embedder_fp": self.embedder_fp,
+            "dim": self.dim,
+            "embedder_name": self.embedder_name,
+            "vector_indexes": dict(self.vector_indexes or {}),
+        }
+        if self.fusion:
+            data["fusion"] = dict(self.fusion)
+        return json.dumps(data, indent=2, sort_keys=True)
 
 
 def lance_schema(table: str, dim: int, embedder_fp: str) -> pa.Schema:

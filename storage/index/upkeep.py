@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -70,9 +71,7 @@ class IndexUpkeep:
                 vector_indexes[name] = {"type": VECTOR_INDEX_TYPE, "rows": rows}
                 made.setdefault(name, []).append(f"{VECTOR_INDEX_TYPE.lower()}:vector")
         if vector_indexes != dict(self.meta.vector_indexes or {}):
-            self.meta = IndexMeta(
-                self.meta.embedder_fp, self.meta.dim, self.meta.embedder_name, vector_indexes
-            )
+            self.meta = dataclasses.replace(self.meta, vector_indexes=vector_indexes)
             self._write_meta()
         return made
 

@@ -403,3 +403,17 @@ def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path
     engine = RagEngine.open(str(store_dir))  # the store's model now: the fine-tuned one
     assert engine.loaded.model_fp == s["model_fp"]
     assert engine.answer(built["ex"][0].question, method="coinrag", kc=2, k=4).timings["ttft"] > 0
+
+
+def test_retriever_deployment_constructs():
+    from coinrag.flows.deployments import make_retriever_deployment
+
+    dep = make_retriever_deployment("/s", "/o", ["/q.jsonl"], build_deployment="b")
+    assert dep.parameters["versioned_out"] is True
+    assert dep.triggers[0].match_related.root["prefect.resource.name"] == "b"
+    assert dep.triggers[0].match_related.root["prefect.resource.role"] == "deployment"
+    assert make_retriever_deployment("/s", "/o", [], cron="0 3 * * *").schedules
+    with pytest.raises(ValueError, match="exactly one"):
+        make_retriever_deployment("/s", "/o", [])
+    with pytest.raises(TypeError, match="lr"):  # not a parameter of the flow
+        make_retriever_deployment("/s", "/o", [], cron="0 3 * * *", lr=1e-3)

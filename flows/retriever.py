@@ -1,0 +1,203 @@
+"""The retrieval flows over a built store: ``coinrag train fusion`` and ``coinrag train
+retriever``.
+
+```
+train fusion:    published index -> store headings (no evaluation question) -> rankings
+                 -> weight per grid point -> best on the fusion pages -> recorded with the index
+train retriever: store -> (heading, section text) pairs of the retriever pages (no evaluation
+                 question) -> fine-tuned embedder folder -> build with embedder=OUT (re-embeds
+                 the index: a new published version) -> train fusion for the new vectors
+```
+
+Both are runs of the runs table (``tune-fusion``, ``train-retriever``) with their parameters
+(the evaluation files' paths and sha256) and counts; the fusion is published with the index
+version (``storage.publish.publish_fusion``), so a reader opened before it keeps the weight it
+opened with and one opened after reads the new one. Every evaluation file named is read and its
+questions never become training or tuning questions (``tasks.fusion.excluding``; the count of
+dropped ones is recorded).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from coinrag.schemas.keys import new_run_id
+from coinrag.schemas.settings import settings_from_toml
+from coinrag.storage.cache import file_sha256
+from coinrag.storage.index.lance import LanceIndex
+from coinrag.storage.publish import publish_fusion
+from coinrag.storage.runs import failing_run, finish_run, start_run
+from coinrag.storage.store import Store
+
+FUSION_FLOW_NAME = "coinrag-train-fusion"
+
+
+def evaluation_questions(paths: Sequence[str]) -> tuple[list[str], list[dict[str, str]]]:
+    """Every ``question`` of these JSONL files, and each file's path and sha256 (what a run
+    records); a missing file or a line without a question is an error naming it."""
+    questions: list[str] = []
+    files = []
+    for raw in paths:
+        path = Path(raw).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"--exclude-questions {raw}: no such file")
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            question = json.loads(line).get("question")
+            if not isinstance(question, str):
+                raise ValueError(f"{path}:{n}: no 'question' string; is this a question file?")
+            questions.append(question)
+        files.append({"path": str(path), "sha256": file_sha256(str(path))})
+    return questions, files
+
+
+def store_embedder(st: Store, embedder: str | None = None) -> Any:
+    """The embedder of the store's published index (``embedder``: a reference to load instead;
+    the build settings' ``embedder`` by default), loaded on one thread's budget."""
+    from coinrag.inference.retrieval.embedders import load_embedder
+
+    settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
+    return load_embedder(embedder or settings.embedder, device=settings.device)
+
+
+@flow(name=FUSION_FLOW_NAME)
+def tune_fusion_flow(
+    store: str,
+    exclude_questions: Sequence[str] = (),
+    max_questions: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Choose the store's hybrid fusion weight on its own headings (``tasks/fusion.py``) and
+    publish it with the index version. Returns the fusion record with ``run_id``."""
+    from coinrag.inference.model.threads import set_process_threads
+    from coinrag.tasks.fusion import MAX_QUESTIONS, choose_fusion
+
+    logger = get_run_logger()
+    st = Store.at(store)
+    st.require_local("coinrag train fusion")
+    settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
+    set_process_threads(settings.threads)
+    evaluation, files = evaluation_questions(exclude_questions)
+    run_id = new_run_id("fusion")
+    params = {"exclude_questions": files, "max_questions": max_questions, "seed": seed}
+    with st.write_lock(run_id):
+        run = start_run(st, run_id, "tune-fusion", params)
+        with failing_run(st, run):
+            index = LanceIndex.open(st)
+            embedder = store_embedder(st)
+            choice = choose_fusion(
+                index, embedder, evaluation, max_questions or MAX_QUESTIONS, seed
+            )
+            record = choice.record()
+            publish_fusion(st, run_id, "tune-fusion", record)
+        counts = {
+            "questions": choice.n_train,
+            "held_out_questions": choice.n_held_out,
+            "excluded_as_evaluation": choice.excluded,
+            "dense_weight": choice.dense_weight,
+        }
+        fps = {"embedder_fp": index.embedder_fp}
+        finish_run(st, run, "completed", fingerprints=fps, counts=counts)
+    logger.info(
+        "fusion of %s: dense weight %.2f (chosen on %d headings, reported on %d; %d evaluation "
+        "questions excluded)",
+        st.root,
+        choice.dense_weight,
+        choice.n_train,
+        choice.n_held_out,
+        choice.excluded,
+    )
+    return {**record, "run_id": run_id}
+
+
+RETRIEVER_FLOW_NAME = "coinrag-train-retriever"
+
+
+@flow(name=RETRIEVER_FLOW_NAME)
+def train_retriever_flow(
+    store: str,
+    out: str,
+    exclude_questions: Sequence[str] = (),
+    settings: dict[str, Any] | None = None,
+    reembed: bool = True,
+    source: str | None = None,
+    versioned_out: bool = False,
+) -> dict[str, Any]:
+    """Fine-tune the store's embedder on its own pairs (``tasks/retriever_pairs.py``,
+    ``training/retriever.py``), write the folder ``out``, then (``reembed``) build ``source``
+    (default: what the last build read) into the store with ``embedder = out``: the index is
+    re-embedded and published as a new version, and the store's settings name the new
+    embedder, so queries and later incremental builds use it; then the fusion is chosen again
+    for the new vectors. The base is the store's embedder followed back to the one it was
+    adapted from (``embedders.root_embedder``). ``versioned_out``: write ``out/<run id>``
+    (a deployment retraining after each build: never overwrite the folder readers load).
+    Returns the summary (``base_embedder_fp``, ``embedder_fp``, counts)."""
+    from coinrag.inference.model.threads import set_process_threads
+    from coinrag.inference.retrieval.embedders import (
+        load_embedder,
+        locate_embedder,
+        root_embedder,
+    )
+    from coinrag.schemas.training_settings import RetrieverTrainSettings
+    from coinrag.storage.gc import last_build_source
+    from coinrag.tasks.retriever_pairs import training_pairs
+    from coinrag.training.retriever import finetune_embedder
+
+    logger = get_run_logger()
+    cfg = RetrieverTrainSettings(**(settings or {})).validate()
+    st = Store.at(store)
+    st.require_local("coinrag train retriever")
+    build = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
+    set_process_threads(build.threads)
+    src = source or last_build_source(st)
+    if reembed and not src:
+        raise ValueError(f"{st.root}: no completed build to re-embed from; pass source")
+    evaluation, files = evaluation_questions(exclude_questions)
+    run_id = new_run_id("train")
+    out_dir = Path(out).expanduser().resolve() / (run_id if versioned_out else "")
+    if build.embedder not in ("", None) and Path(build.embedder).resolve() == out_dir:
+        raise ValueError(
+            f"--out {out_dir} is the store's embedder in use; write the new one to another "
+            "folder (readers load the store's embedder from its folder)"
+        )
+    base_ref = root_embedder(build.embedder)
+    base = store_embedder(st, base_ref)
+    params = {"out": str(out_dir), "base_embedder": base_ref, "source": src}
+    params |= {"exclude_questions": files, "settings": cfg.to_dict(), "reembed": reembed}
+    with st.write_lock(run_id):
+        run = start_run(st, run_id, "train-retriever", params)
+    with failing_run(st, run, relock=True):
+        t0 = time.perf_counter()
+        pairs, counts = training_pairs(LanceIndex.open(st), evaluation, cfg.max_pairs, cfg.seed)
+        counts["pairs_seconds"] = round(time.perf_counter() - t0, 1)
+        logger.info("%d training pairs (%s)", len(pairs), counts)
+        lineage = {"base_embedder": base_ref, "base_embedder_fp": base.fingerprint}
+        lineage |= {"replaces": build.embedder, "store": str(st.root)}
+        lineage |= {"base_dir": str(locate_embedder(base_ref))}
+        lineage |= {"run_id": run_id, "exclude_questions": files, "pair_counts": counts}
+        trained = finetune_embedder(
+            locate_embedder(base_ref), base.max_length, pairs, out_dir, cfg, lineage
+        )
+        adapted = load_embedder(out_dir, device=build.device)
+        summary = {"base_embedder_fp": base.fingerprint, "embedder_fp": adapted.fingerprint}
+        summary |= {"model_dir": str(out_dir), "counts": {**counts, **trained}}
+        if reembed:
+            from coinrag.flows.build import build_flow
+
+            t1 = time.perf_counter()
+            rebuild = {**build.to_dict(), "embedder": str(out_dir)}
+            summary["build"] = build_flow(str(src), str(st.root), rebuild)
+            summary["counts"]["reembed_seconds"] = round(time.perf_counter() - t1, 1)
+            summary["fusion"] = tune_fusion_flow(str(st.root), list(exclude_questions))
+    fps = {k: summary[k] for k in ("base_embedder_fp", "embedder_fp")}
+    with st.write_lock(run_id):
+        finish_run(st, run, "completed", fingerprints=fps, counts=summary["counts"])
+    logger.info("train-retriever %s: %s -> %s", run_id, base.fingerprint, adapted.fingerprint)
+    return {**summary, "run_id": run_id}

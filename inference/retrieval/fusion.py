@@ -1,0 +1,110 @@
+"""Choosing hybrid search's fusion weight for one index on questions whose answer page is known.
+
+Hybrid search fuses a dense and a lexical ranking of chunks by their min-max normalised scores,
+``w * dense + (1 - w) * lexical`` (``retriever.relative_scores``). Which ``w`` is best depends on
+the corpus and the embedder (on the Python docs with nuggets dense search was far stronger than
+BM25; without nuggets about as strong), so it is chosen per index: each question's two rankings
+are computed once (:func:`question_lists`), then every weight of a grid is scored by the hit
+rate of the fused top ``kc`` chunks (a hit: a chunk of a gold page among them) at kc 1, 2, 4, 8
+and by the reciprocal rank of the first gold page within 8 (:func:`score_weights`); the weight
+with the best mean of those five on the training questions wins (:func:`choose_weight`; ties go
+to the weight closest to the code's default). The grid holds 0 (lexical alone) and 1 (dense
+alone), so on its training questions the chosen fusion is never below either part.
+
+Worked example: a question whose gold page ``p`` is dense's 2nd and lexical's 1st chunk::
+
+    lists = [[{"chunk_id": "a", "doc_id": "q", "score": 0.9}, {"chunk_id": "b", "doc_id": "p",
+              "score": 0.8}, {"chunk_id": "c", "doc_id": "r", "score": 0.1}],
+             [{"chunk_id": "b", "doc_id": "p", "score": 9.0}, {"chunk_id": "a", ...: 1.0}]]
+    score_weights([QuestionLists(lists, {"p"})], [0.5, 1.0])
+    -> {0.5: {"hit@1": 1.0, ...}, 1.0: {"hit@1": 0.0, "hit@2": 1.0, ..., "mrr": 0.5}}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coinrag.inference.retrieval.retriever import (
+    HYBRID_DEPTH,
+    HybridSearch,
+    Query,
+    fuse_rankings,
+)
+from coinrag.storage.index.lance import LanceIndex
+
+FUSION_KCS = (1, 2, 4, 8)  # the chunk counts a weight is scored at
+WEIGHT_GRID = tuple(round(0.05 * i, 2) for i in range(21))  # 0, 0.05, ..., 1
+
+
+@dataclass(frozen=True)
+class QuestionLists:
+    """One question's dense and lexical chunk rankings (rows with ``chunk_id``, ``doc_id`` and
+    ``score``, best first, ``HYBRID_DEPTH`` each) and the pages that answer it."""
+
+    lists: Sequence[Sequence[dict[str, Any]]]
+    gold: frozenset[str]
+
+
+def normalise(text: str) -> str:
+    """Lower-case words only, one space apart: ``"Why is it  so?"`` -> ``"why is it so"``."""
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def quotes(row: dict[str, Any], question: str) -> bool:
+    """Whether a chunk row holds ``question``'s words verbatim (in its heading path or text)."""
+    words = f" {normalise(question)} "
+    return words in f" {normalise(' '.join(row.get('section') or []) + ' ' + row['text'])} "
+
+
+def question_lists(
+    index: LanceIndex, query: Query, gold: Sequence[str], mask_verbatim: bool = True
+) -> QuestionLists:
+    """The two rankings hybrid search fuses for ``query`` over ``index``'s chunks;
+    ``mask_verbatim``: without the chunks that hold the question word for word (:func:`quotes`).
+
+    Why mask: a synthetic question made from the store (a heading) is written in the answer
+    chunk, so BM25 finds that chunk by construction; a user's question is not. Masking asks the
+    question of the page's other chunks (the rest of its section or page), whose words the
+    question does not copy, which is what a user's question is like."""
+    lists = HybridSearch().lists(index, "chunks", query, HYBRID_DEPTH)
+    if mask_verbatim:
+        lists = [[row for row in ranking if not quotes(row, query.text)] for ranking in lists]
+    return QuestionLists(lists, frozenset(gold))
+
+
+def gold_rank(question: QuestionLists, weight: float, depth: int = max(FUSION_KCS)) -> int | None:
+    """1-based rank of the first chunk of a gold page in the fused top ``depth`` (None: none)."""
+    fused = fuse_rankings(question.lists, "chunk_id", depth, weight)
+    for rank, row in enumerate(fused, start=1):
+        if row["doc_id"] in question.gold:
+            return rank
+    return None
+
+
+def score_weights(
+    questions: Sequence[QuestionLists], weights: Sequence[float] = WEIGHT_GRID
+) -> dict[float, dict[str, float]]:
+    """Per weight: ``hit@kc`` for kc in :data:`FUSION_KCS` and ``mrr`` (within 8), fractions
+    in [0, 1] over ``questions`` (empty: all 0)."""
+    out: dict[float, dict[str, float]] = {}
+    n = max(1, len(questions))
+    for weight in weights:
+        ranks = [gold_rank(q, weight) for q in questions]
+        found = [r for r in ranks if r is not None]
+        scores = {f"hit@{kc}": sum(r <= kc for r in found) / n for kc in FUSION_KCS}
+        scores["mrr"] = sum(1.0 / r for r in found) / n
+        out[float(weight)] = scores
+    return out
+
+
+def objective(scores: dict[str, float]) -> float:
+    """What a weight is chosen by: the mean of its hit@1, 2, 4, 8 and MRR."""
+    return sum(scores.values()) / len(scores)
+
+
+def choose_weight(scored: dict[float, dict[str, float]], default: float) -> float:
+    """The weight of the best :func:`objective` (ties: the one closest to ``default``)."""
+    return max(scored, key=lambda w: (round(objective(scored[w]), 9), -abs(w - default)))

@@ -1,0 +1,142 @@
+"""Hybrid fusion chosen per index: scoring weights on known-answer questions, the weight
+recorded with the index version (coinrag-index.json and the published record) and read back by
+readers, kept by incremental builds, dropped by a new embedder, and used by hybrid search.
+
+Real LanceDB tables in temp dirs, written by the real embed stage; vectors come from the cheap
+deterministic ``HashEmbedder``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_index_retrieval import HashEmbedder, cut
+from test_lexical_retrieval import _docs
+
+from coinrag.inference.retrieval.fusion import (
+    QuestionLists,
+    choose_weight,
+    gold_rank,
+    question_lists,
+    quotes,
+    score_weights,
+)
+from coinrag.inference.retrieval.retriever import (
+    HYBRID_DENSE_WEIGHT,
+    DenseSearch,
+    LexicalSearch,
+    Query,
+    Retriever,
+    dense_weight,
+)
+from coinrag.storage.index.lance import META_FILE, LanceIndex
+from coinrag.storage.publish import publish, publish_fusion
+from coinrag.storage.store import Store
+from coinrag.tasks.embed import embed_stage
+
+
+def _row(chunk: str, doc: str, score: float) -> dict:
+    return {"chunk_id": chunk, "doc_id": doc, "score": score, "text": chunk}
+
+
+def test_score_weights_worked_example():
+    dense = [_row("a", "q", 0.9), _row("b", "p", 0.8), _row("c", "r", 0.1)]
+    lexical = [_row("b", "p", 9.0), _row("a", "q", 1.0)]
+    question = QuestionLists([dense, lexical], frozenset({"p"}))
+    assert gold_rank(question, 1.0) == 2  # dense alone: b second
+    assert gold_rank(question, 0.0) == 1  # lexical alone: b first
+    scored = score_weights([question], [0.0, 0.5, 1.0])
+    assert scored[1.0] == {"hit@1": 0.0, "hit@2": 1.0, "hit@4": 1.0, "hit@8": 1.0, "mrr": 0.5}
+    assert scored[0.5]["hit@1"] == 1.0  # b: 0.5 * 0.875 + 0.5 * 1 beats a: 0.5 * 1 + 0
+    assert choose_weight(scored, HYBRID_DENSE_WEIGHT) == 0.5  # tie 0 / 0.5: nearer the default
+    missed = QuestionLists([dense, lexical], frozenset({"zzz"}))
+    assert gold_rank(missed, 0.5) is None
+    assert score_weights([missed], [0.5])[0.5]["mrr"] == 0.0
+
+
+def test_quotes_masks_the_chunk_that_holds_the_question():
+    row = {"text": "Intro.\nSorting HOW TO\n==============\nText.", "section": None}
+    assert quotes(row, "sorting how-to")  # words, not punctuation
+    assert not quotes(row, "sorting to")  # ... as a whole phrase of words, in order
+    assert quotes({"text": "body", "section": ["Library", "Sorting Basics"]}, "Sorting Basics")
+    assert not quotes({"text": "the resorting of lists", "section": None}, "sorting")
+
+
+@pytest.fixture()
+def store(tmp_path, smollm2_tokenizer):
+    st = Store.at(tmp_path / "s").init()
+    docs = _docs()
+    chunks, nuggets = cut(smollm2_tokenizer, docs)
+    embed_stage(st, chunks, nuggets, docs, HashEmbedder(), "r1")
+    publish(st, "r1", "build")
+    return st, docs, chunks, nuggets
+
+
+FUSION = {"dense_weight": 0.3, "method": "minmax-convex-v1", "questions": 12}
+
+
+def test_fusion_recorded_with_the_index_version_and_read_back(store, smollm2_tokenizer):
+    st, docs, chunks, nuggets = store
+    assert LanceIndex.open(st).meta.fusion is None
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT  # none chosen: the default
+    before = st.published()
+    reader = LanceIndex.open(st)  # opened before: keeps what it opened
+    publish_fusion(st, "f1", "tune-fusion", FUSION)
+    after = st.published()
+    assert after["index"]["versions"] == before["index"]["versions"]
+    assert after["index"]["fusion"] == FUSION and after["run_id"] == "f1"
+    assert json.loads((st.index_dir / META_FILE).read_text())["fusion"] == FUSION
+    assert dense_weight(LanceIndex.open(st)) == 0.3
+    assert dense_weight(reader) == HYBRID_DENSE_WEIGHT
+    # An incremental build with the same embedder keeps it; a new embedder drops it.
+    embed_stage(st, chunks, nuggets, docs, HashEmbedder(), "r2")
+    publish(st, "r2", "build")
+    assert st.published()["index"]["fusion"] == FUSION
+    assert dense_weight(LanceIndex.open(st)) == 0.3
+    embed_stage(st, chunks, nuggets, docs, HashEmbedder(salt="b"), "r3")
+    publish(st, "r3", "build")
+    assert "fusion" not in st.published()["index"]
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT
+
+
+def test_bad_fusion_refused(store):
+    st = store[0]
+    with pytest.raises(ValueError, match="not in"):
+        publish_fusion(st, "f1", "tune-fusion", {"dense_weight": 1.5})
+
+
+@pytest.mark.parametrize(("weight", "part"), [(1.0, DenseSearch), (0.0, LexicalSearch)])
+def test_hybrid_uses_the_recorded_weight(store, weight, part):
+    """Weight 1 ranks as dense alone, 0 as lexical alone, in both stages of two-stage retrieval
+    and in document selection: the recorded weight is the one searched with."""
+    st = store[0]
+    publish_fusion(st, "f1", "tune-fusion", {"dense_weight": weight})
+    retriever = Retriever(st, HashEmbedder(), mode="hybrid")
+    question = "penguins of Antarctica river water"
+    index = retriever.index
+    query = Query(question, retriever.embedder)
+
+    def above_last(rows):  # the part's rows above its lowest (normalised 0: a tie with absent)
+        low = min(r["score"] for r in rows)
+        return [r for r in rows if r["score"] > low]
+
+    alone = [r["chunk_id"] for r in above_last(part().rank(index, "chunks", query, 30))][:3]
+    hybrid = [h.chunk_id for h in retriever.two_stage(question, kc=3, k=4).chunks]
+    assert alone and hybrid[: len(alone)] == alone
+    nuggets = above_last(part().rank(index, "nuggets", query, 30))[:4]
+    fused = retriever.one_stage(question, k=4).evidence
+    assert nuggets and {(e.chunk_id, e.tok_start) for e in fused} >= {
+        (n["chunk_id"], n["tok_start"]) for n in nuggets
+    }
+    docs = [d["doc_id"] for d in retriever.documents(question, k=2)]
+    assert docs[0] == part().documents(index, query, 2)[0]["doc_id"]
+
+
+def test_question_lists_mask_verbatim(store):
+    st = store[0]
+    index = LanceIndex.open(st)
+    query = Query("Amazon river", HashEmbedder())
+    masked = question_lists(index, query, ["rivers"])
+    plain = question_lists(index, query, ["rivers"], mask_verbatim=False)
+    assert any(r["doc_id"] == "rivers" for r in plain.lists[1])
+    assert not any("Amazon river" in r["text"] for ranking in masked.lists for r in ranking)
