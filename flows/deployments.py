@@ -143,29 +143,40 @@ def make_train_deployment(
     to completed runs of that build deployment (its name): the training flow's own document
     build is a ``coinrag-build`` subflow run without a deployment, so it cannot retrigger training.
     """
-    from prefect.events import DeploymentEventTrigger
 
     from coinrag.flows.train import train_nuggets_flow
 
     parameters = {"store": store, "data": data, "out": out, **flow_parameters, "rebuild_kv": False}
     inspect.signature(train_nuggets_flow.fn).bind(**parameters)  # TypeError: not a parameter
+    kwargs = _training_schedule(name, parameters, cron, build_deployment)
+    return train_nuggets_flow.to_deployment(**kwargs)
+
+
+def _training_schedule(
+    name: str, parameters: dict[str, Any], cron: str | None, build_deployment: str | None
+) -> dict[str, Any]:
+    """``to_deployment`` keywords of a training deployment: on ``cron``, else after each
+    completed run of the build deployment ``build_deployment`` (of any ``coinrag-build`` flow
+    run when None)."""
+    from prefect.events import DeploymentEventTrigger
+
     kwargs: dict[str, Any] = {"name": name, "parameters": parameters, "tags": ["coinrag", "train"]}
     if cron:
         kwargs["cron"] = cron
-    else:
-        kwargs["triggers"] = [
-            DeploymentEventTrigger(
-                name="after-build",
-                expect={"prefect.flow-run.Completed"},
-                match_related={
-                    "prefect.resource.role": "deployment" if build_deployment else "flow",
-                    "prefect.resource.name": build_deployment or BUILD_FLOW_NAME,
-                },
-                posture="Reactive",
-                threshold=1,
-            )
-        ]
-    return train_nuggets_flow.to_deployment(**kwargs)
+        return kwargs
+    kwargs["triggers"] = [
+        DeploymentEventTrigger(
+            name="after-build",
+            expect={"prefect.flow-run.Completed"},
+            match_related={
+                "prefect.resource.role": "deployment" if build_deployment else "flow",
+                "prefect.resource.name": build_deployment or BUILD_FLOW_NAME,
+            },
+            posture="Reactive",
+            threshold=1,
+        )
+    ]
+    return kwargs
 
 
 RETRIEVER_DEPLOYMENT_NAME = "coinrag-train-retriever-after-build"
@@ -189,7 +200,6 @@ def make_retriever_deployment(
     retrain after its own re-embedding): one of ``build_deployment`` and ``cron`` is required.
     Each run writes ``out/<run id>`` (``versioned_out``): the folder readers load is never
     overwritten. ``flow_parameters``: ``settings``, ``source``, ... (TypeError for others)."""
-    from prefect.events import DeploymentEventTrigger
 
     from coinrag.flows.retriever import train_retriever_flow
 
@@ -198,22 +208,7 @@ def make_retriever_deployment(
     parameters = {"store": store, "out": out, "exclude_questions": list(exclude_questions)}
     parameters |= {**flow_parameters, "versioned_out": True}
     inspect.signature(train_retriever_flow.fn).bind(**parameters)  # TypeError: not a parameter
-    kwargs: dict[str, Any] = {"name": name, "parameters": parameters, "tags": ["coinrag", "train"]}
-    if cron:
-        kwargs["cron"] = cron
-    else:
-        kwargs["triggers"] = [
-            DeploymentEventTrigger(
-                name="after-build",
-                expect={"prefect.flow-run.Completed"},
-                match_related={
-                    "prefect.resource.role": "deployment",
-                    "prefect.resource.name": build_deployment,
-                },
-                posture="Reactive",
-                threshold=1,
-            )
-        ]
+    kwargs = _training_schedule(name, parameters, cron, build_deployment)
     return train_retriever_flow.to_deployment(**kwargs)
 
 

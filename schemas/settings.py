@@ -49,9 +49,11 @@ from typing import Any
 from coinrag.schemas.fields import SettingsError as SettingsError
 from coinrag.schemas.fields import check_choices as check_choices
 from coinrag.schemas.fields import setting as setting
+from coinrag.schemas.training_settings import FINETUNE_MODES as FINETUNE_MODES
 from coinrag.schemas.training_settings import QUESTION_GENERATORS as QUESTION_GENERATORS
 from coinrag.schemas.training_settings import CartridgeSettings as CartridgeSettings
 from coinrag.schemas.training_settings import CartridgeTrainSettings as CartridgeTrainSettings
+from coinrag.schemas.training_settings import FinetuneSettings as FinetuneSettings
 from coinrag.schemas.training_settings import TeacherSettings as TeacherSettings
 from coinrag.schemas.training_settings import check_visibility as check_visibility
 
@@ -101,9 +103,6 @@ RAG_METHODS = (
 )
 DEFAULT_RAG_METHODS = ("coinrag", "turborag", "standard")  # eval's default (cartridge: trained)
 LOCAL_STORE_METHODS = ("cartridge",)  # read assets only a local store holds (cartridges)
-# Fine-tuning: who encodes the context (inference.context.builders.FINETUNE_CONTEXTS maps each to a
-# class).
-FINETUNE_MODES = ("live", "frozen")
 
 
 def threads_setting() -> Any:
@@ -641,63 +640,6 @@ def load_api_settings(
         return ApiSettings(**values).validate()
     except TypeError as exc:
         raise SettingsError(str(exc)) from exc
-
-
-# ---------------------------------------------------------------------------- fine-tuning
-
-
-@dataclass
-class FinetuneSettings:
-    """Everything that decides what nugget-aware fine-tuning computes (the paper's values as
-    defaults; ``training/finetune.py``). The fields marked ``cli=True`` are options of
-    ``coinrag train nuggets`` (generated from here)."""
-
-    mode: str = setting("live", "live (default) | frozen", cli=True)  # FINETUNE_MODES
-    lora: bool = setting(False, "Train LoRA adapters (merged).", cli=True)
-    epochs: int = 1
-    lr: float = 5e-6
-    batch_size: int = 16  # effective batch: examples per optimizer step (gradient accumulation)
-    max_length: int = 1024  # prefix + context + query + answer tokens
-    kc: int = 5
-    k: int = 10
-    raft_p: float = 0.15
-    seed: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    warmup_ratio: float = 0.03
-    schedule: str = "linear"  # linear (warmup, then decay to 0) | constant (after warmup)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    checkpoint_every: int = 50  # optimizer steps
-    max_steps: int | None = setting(None, "Stop after N optimizer steps.", cli=True, min=1)
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 elsewhere
-
-    def validate(self) -> FinetuneSettings:
-        if self.mode not in FINETUNE_MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(FINETUNE_MODES)}")
-        if not 0.0 <= self.raft_p <= 1.0:
-            raise ValueError(f"raft_p {self.raft_p} is outside [0, 1]")
-        if self.schedule not in ("linear", "constant"):
-            raise ValueError(f"schedule {self.schedule!r} is not linear or constant")
-        for name in ("epochs", "batch_size", "max_length", "kc", "k", "checkpoint_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError("max_steps must be >= 1")
-        if self.lr <= 0:
-            raise ValueError("lr must be > 0")
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def identity(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint (checkpoint_every may change)."""
-        d = self.to_dict()
-        d.pop("checkpoint_every")
-        return d
 
 
 # ---------------------------------------------------------------------------- cartridges

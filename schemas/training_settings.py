@@ -2,7 +2,8 @@
 module doc of ``schemas/settings.py`` introduces them): :class:`CartridgeSettings`, and the two
 views of it the stages take, :class:`TeacherSettings` (``tasks/teacher.py``) and
 :class:`CartridgeTrainSettings` (``training/budget.py``); :class:`KvLinkOptions`, the options
-of ``coinrag train kvlink``; and :class:`RetrieverTrainSettings`, those of ``coinrag train
+of ``coinrag train kvlink``; :class:`FinetuneSettings`, those of ``coinrag train nuggets``;
+and :class:`RetrieverTrainSettings`, those of ``coinrag train
 retriever``. Importable from ``schemas.settings`` as well."""
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any, TypeVar
 from coinrag.schemas.fields import setting
 
 QUESTION_GENERATORS = ("openai", "local")  # self-study question generators
+# Fine-tuning: who encodes the context (inference.context.builders.FINETUNE_CONTEXTS maps each to
+# a class).
+FINETUNE_MODES = ("live", "frozen")
 
 _View = TypeVar("_View", "TeacherSettings", "CartridgeTrainSettings")
 
@@ -211,3 +215,60 @@ class RetrieverTrainSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# ---------------------------------------------------------------------------- fine-tuning
+
+
+@dataclass
+class FinetuneSettings:
+    """Everything that decides what nugget-aware fine-tuning computes (the paper's values as
+    defaults; ``training/finetune.py``). The fields marked ``cli=True`` are options of
+    ``coinrag train nuggets`` (generated from here)."""
+
+    mode: str = setting("live", "live (default) | frozen", cli=True)  # FINETUNE_MODES
+    lora: bool = setting(False, "Train LoRA adapters (merged).", cli=True)
+    epochs: int = 1
+    lr: float = 5e-6
+    batch_size: int = 16  # effective batch: examples per optimizer step (gradient accumulation)
+    max_length: int = 1024  # prefix + context + query + answer tokens
+    kc: int = 5
+    k: int = 10
+    raft_p: float = 0.15
+    seed: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_ratio: float = 0.03
+    schedule: str = "linear"  # linear (warmup, then decay to 0) | constant (after warmup)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    checkpoint_every: int = 50  # optimizer steps
+    max_steps: int | None = setting(None, "Stop after N optimizer steps.", cli=True, min=1)
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 elsewhere
+
+    def validate(self) -> FinetuneSettings:
+        if self.mode not in FINETUNE_MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(FINETUNE_MODES)}")
+        if not 0.0 <= self.raft_p <= 1.0:
+            raise ValueError(f"raft_p {self.raft_p} is outside [0, 1]")
+        if self.schedule not in ("linear", "constant"):
+            raise ValueError(f"schedule {self.schedule!r} is not linear or constant")
+        for name in ("epochs", "batch_size", "max_length", "kc", "k", "checkpoint_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.lr <= 0:
+            raise ValueError("lr must be > 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint (checkpoint_every may change)."""
+        d = self.to_dict()
+        d.pop("checkpoint_every")
+        return d
