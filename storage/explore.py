@@ -33,8 +33,8 @@ DISK_FOLDERS = ("tables", "kv", "index", "cartridges", "models", "reports")
 _LATEST_EXTRACTION = (
     "SELECT text_hash, status, error, backend, llm_model, run_id FROM extractions x "
     "WHERE list_contains($hashes, text_hash) QUALIFY row_number() OVER (PARTITION BY text_hash "
-    "ORDER BY x.status = 'ok' DESC, x.run_id DESC) = 1"
-)
+    "ORDER BY x.status = 'ok' DESC, x.run_id DESC, x.status = 'abandoned' DESC) = 1"
+)  # the run that gives up writes its last malformed answer and the abandoned row: the latter
 
 # Walks of the kinds storage.lineage.walk does not know: section -> SQL (one parameter: $id).
 _OWN_WALKS: dict[str, dict[str, str]] = {
