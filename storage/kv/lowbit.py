@@ -23,8 +23,10 @@ relative error keys 0.202 -> 0.151, values 0.508 -> 0.376 on average; ``int4``: 
 The unclipped range is a candidate, so a group's squared error is never above ``n (step / 2)²``
 with ``step < (max - min + lo_unit) / 3 + step_unit``: the int2 step of the group, widened by
 1/127 of the largest minimum and 1/255 of the largest step among the groups of its head in that
-block; over a layer ``‖x̂ − x‖² <= Σ (step / 2)²`` (``tests/inference/test_kv_codecs.py`` holds
-it on real models). Both products are exact in float32 (8-bit integers times float16), so every
+block (the cost of one-byte scales: a group far smaller than the largest of its head and block,
+say a value token 1000x smaller, has its minimum on that coarse grid); over a layer
+``‖x̂ − x‖² <= Σ (step / 2)²`` (``tests/inference/test_kv_codecs.py`` holds it on real
+models). Both products are exact in float32 (8-bit integers times float16), so every
 reader dequantizes the same values.
 
 E.g. SmolLM2-135M (30 layers, 3 KV heads, head dim 64) in 64-token blocks: 2 bits of code per
@@ -75,8 +77,8 @@ def quantize_fine_scales(
     kept on ties, so a group's error is never above that of the unclipped quantization.
 
     E.g. one group ``[-1.0, 0.0, 2.0]`` at 2 bits (levels 3), no clipping: lo_unit = 1/127
-    rounded up (0.007877), z = -127 (lo = -1.00038), step_unit = (2 + 1.00038) / 3 / 255
-    rounded up, c = 255 (step = 1.00049): codes ``[0, 1, 3]``.
+    rounded up (0.007881), z = -127 (lo = -1.00091), step_unit = (2 + 1.00091) / 3 / 255
+    rounded up, c = 255 (step = 1.00096): codes ``[0, 1, 3]``.
     """
     group_dims = (3, 4)
     mn, mx = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
