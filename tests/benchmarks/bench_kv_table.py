@@ -15,7 +15,8 @@ WORK/faq --subset N``: the FAQ pages plus ``N`` other pages). Each setting gets 
 ``WORK/store``: the first build does every stage, later ones add their KV beside it and eval
 reads it after ``coinrag.toml``'s ``kv_dtype`` / ``kv_codec`` / ``kv_keep`` are set to the
 setting's) (``coinrag build SOURCE --extractor rules --kv-dtype D --kv-codec C``; a second run
-with the same WORK reuses a built store and its eval results), so every build's stage times
+with the same WORK reuses a built store and its eval results, and an eval's output folder an
+interrupted run left), so every build's stage times
 cover every stage. Both commands run as child processes with ``OMP_NUM_THREADS=--threads``;
 their peak RSS is the child's (``os.wait4``: the process and the children it waited for, as
 ``/usr/bin/time``).
@@ -243,8 +244,13 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
     ]
     if args.limit:
         eval_cmd += ["--limit", str(args.limit)]
-    print(f"{name}: {' '.join(eval_cmd)}", flush=True)
-    row["eval"] = run_child(eval_cmd, env, args.work / f"eval-{name}.log")
+    if (out / "results.parquet").is_file():  # an eval an interrupted run of this script left
+        print(f"{name}: {out} already has an eval: reused", flush=True)
+        row["eval"] = {"wall_s": None, "peak_rss_mib": None, "load_before": None}
+        row["eval"] |= {"load_after": None}
+    else:
+        print(f"{name}: {' '.join(eval_cmd)}", flush=True)
+        row["eval"] = run_child(eval_cmd, env, args.work / f"eval-{name}.log")
     row["results"] = eval_results(out)
     row["kv_load_ms"] = kv_load_ms(out)
     result_path.write_text(json.dumps(row, indent=1, default=str))
