@@ -227,6 +227,8 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
     if args.one_store:  # the store's settings say which KV eval reads: this variant's
         set_kv_settings(store, dtype, codec, keep)
     out = args.work / f"eval-{name}"
+    # a store of nugget spans cannot serve whole chunks: turborag is left out there
+    methods = [m for m in args.methods if keep == "chunks" or m != "turborag"]
     eval_cmd = [
         COINRAG,
         "eval",
@@ -236,7 +238,7 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
         "--out",
         str(out),
         "--methods",
-        *args.methods,
+        *methods,
         "--kc",
         str(args.kc),
         "--k",
