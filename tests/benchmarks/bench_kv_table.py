@@ -285,6 +285,7 @@ def first_token_logits(
     from coinrag.inference.methods.base import Turn
     from coinrag.inference.methods.engine import RagEngine
     from coinrag.inference.methods.kv_reuse import KvReuseMethod
+    from coinrag.inference.model.generate import prefill_and_decode
 
     engine = RagEngine.open(str(store), max_new_tokens=1, methods=methods)
     out: dict[str, torch.Tensor] = {}
@@ -298,7 +299,17 @@ def first_token_logits(
                 timings = {"retrieval": 0.0, "kv_load": 0.0, "assembly": 0.0}
                 evidence = rag.retrieval.evidence(found)
                 turn = Turn(q, found, kc, k, None, timings, evidence, found.mode)
-                gen, _ = rag.generate(turn)
+                query_ids, ctx, total = rag.query_and_context(turn)  # what generate() prefills
+                loaded = rag.loaded
+                gen = prefill_and_decode(
+                    loaded.model,
+                    loaded.tokenizer,
+                    ctx,
+                    total,
+                    query_ids,
+                    max_new_tokens=1,
+                    keep_first_logits=True,
+                )
                 rows.append(gen.first_logits.float())
             out[name] = torch.stack(rows)
     finally:
