@@ -21,7 +21,7 @@ the build setting ``kv_codec``). Its methods take the entry geometry ``g`` (a
 
 Why no lossless (entropy) pass over the codes: a block's payload has a fixed size, so readers
 compute where a block lies from token counts (``storage/kv/shard.py``); and the codes are close
-to incompressible (SmolLM2, one 512-token chunk: order-0 entropy of int4 codes 3.73-3.80 bits of
+to incompressible (SmolLM2, one 512-token chunk: order-0 entropy of int4 codes 3.73-3.95 bits of
 4, of int2's 1.93-1.95 of 2; zstd over whole int2 payloads 0.1359 of raw bf16 against 0.1411,
 over int4's 0.3198 against 0.3281), not worth variable-size blocks.
 
