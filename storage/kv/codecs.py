@@ -290,7 +290,7 @@ def _fp16_down(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _fp16_up(x: torch.Tensor) -> torch.Tensor:
+def fp16_up(x: torch.Tensor) -> torch.Tensor:
     """float32 ``x`` >= 0 -> the smallest float16 >= x."""
     y = x.to(torch.float16)
     below = y.to(torch.float32) < x
@@ -315,7 +315,7 @@ def quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, ...]
     """
     lo = _fp16_down(x.amin(dim=dim, keepdim=True))
     lo32 = lo.to(torch.float32)
-    step = _fp16_up((x.amax(dim=dim, keepdim=True) - lo32) / levels)
+    step = fp16_up((x.amax(dim=dim, keepdim=True) - lo32) / levels)
     step32 = step.to(torch.float32)
     safe = torch.where(step32 > 0, step32, torch.ones_like(step32))
     codes = torch.round((x - lo32) / safe).clamp_(0, levels).to(torch.uint8)

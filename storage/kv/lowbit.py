@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from coinrag.storage.kv.codecs import KvGeometry, QuantizedCodec, _fp16_up
+from coinrag.storage.kv.codecs import KvGeometry, QuantizedCodec, fp16_up
 
 LO_LEVELS = 127  # |z| <= 127 of int8: the minimum's grid
 STEP_LEVELS = 255  # c <= 255 of uint8: the step's grid
@@ -82,10 +82,10 @@ def quantize_fine_scales(
     """
     group_dims = (3, 4)
     mn, mx = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    lo_unit = _fp16_up(mn.abs().amax(dim=group_dims, keepdim=True) / LO_LEVELS)
+    lo_unit = fp16_up(mn.abs().amax(dim=group_dims, keepdim=True) / LO_LEVELS)
     lo32 = lo_unit.to(torch.float32)
     s_max = (mx - _fine_lo(mn, lo32) * lo32) / levels  # the unclipped steps: the widest
-    step_unit = _fp16_up(s_max.amax(dim=group_dims, keepdim=True) / STEP_LEVELS)
+    step_unit = fp16_up(s_max.amax(dim=group_dims, keepdim=True) / STEP_LEVELS)
     step32 = step_unit.to(torch.float32)
     best: tuple[torch.Tensor, ...] = ()
     work = torch.empty_like(x)
