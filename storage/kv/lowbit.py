@@ -88,24 +88,27 @@ def quantize_fine_scales(
     step_unit = fp16_up(s_max.amax(dim=group_dims, keepdim=True) / STEP_LEVELS)
     step32 = step_unit.to(torch.float32)
     best: tuple[torch.Tensor, ...] = ()
-    work = torch.empty_like(x)
-    for a in clips:  # each candidate's error in one buffer, in place (5 passes over x)
+    u, q = torch.empty_like(x), torch.empty_like(x)
+    for a in clips:  # each candidate's codes and error, in place (7 passes over x)
         cut = (mx - mn) * a
         z = _fine_lo(mn + cut, lo32)
         lo = z * lo32
         c = _fine_step((mx - cut - lo) / levels, step32)
         step = c * step32
         inv = 1 / torch.where(step > 0, step, torch.ones_like(step))
-        torch.sub(x, lo, out=work).mul_(inv).round_().clamp_(0, levels)
-        err = work.mul_(step).add_(lo).sub_(x).square_().sum(dim=dim, keepdim=True)
+        torch.sub(x, lo, out=u).mul_(inv)  # the codes before rounding
+        torch.round(u, out=q).clamp_(0, levels)
+        err = u.sub_(q).square_().sum(dim=dim, keepdim=True).mul_(step.square())
         if best:
             better = err < best[0]
-            err, z, c = (torch.where(better, n, o) for n, o in zip((err, z, c), best, strict=True))
-        best = (err, z, c)
-    _, z, c = best
-    lo, step = z * lo32, c * step32
-    inv = 1 / torch.where(step > 0, step, torch.ones_like(step))
-    codes = torch.sub(x, lo, out=work).mul_(inv).round_().clamp_(0, levels)
+            err, z, c = (
+                torch.where(better, n, o) for n, o in zip((err, z, c), best[:3], strict=True)
+            )
+            codes = torch.where(better, q, best[3])
+        else:
+            codes, q = q, torch.empty_like(x)
+        best = (err, z, c, codes)
+    _, z, c, codes = best
     return codes.to(torch.uint8), z.to(torch.int8), c.to(torch.uint8), lo_unit, step_unit
 
 
