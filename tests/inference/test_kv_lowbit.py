@@ -105,6 +105,7 @@ def test_smollm2_per_layer_error_within_its_measured_ceiling() -> None:
     assert (rel["int2"] > rel["int4"]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_an_int2_store_serves_verifies_and_is_repaired(
     tmp_path: Path, smollm2_tokenizer, sample_corpus
