@@ -7,7 +7,7 @@ One module per job (import the public names from here):
 - ``kept.py``: which tokens of its chunk an entry holds (``kv_keep``: whole chunks or only the
   ranges its nuggets cover) and the entry's key;
 - ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name:
-  ``none``, ``int8``, ``int4``);
+  ``none``, ``int8``, ``int4``); ``lowbit.py``: ``int2`` (2-bit codes, 8-bit scales);
 - ``shard.py``: the shard file (Zarr v3 sharding format, per-block crc32c, index), encoded and
   checked;
 - ``transport.py``: local disk or object store, one interface (stage, publish, ranged reads);
@@ -40,11 +40,14 @@ from coinrag.storage.kv.layout import (
     kv_fingerprint,
     parse_location,
 )
+from coinrag.storage.kv.lowbit import Int2Codec  # registers int2
 from coinrag.storage.kv.reads import ReadStats
 from coinrag.storage.kv.reclaim import KvReclaim
 from coinrag.storage.kv.shard import encode_shard
 from coinrag.storage.kv.store import KvStore, kv_free_bytes, stored_content_keys
 from coinrag.storage.kv.writes import StagedShard, WriteStats
+
+assert set(KV_CODECS) == set(KvCodec.registry), "schemas.settings.KV_CODECS names every codec"
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
@@ -53,6 +56,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "SHARD_OVERHEAD_BYTES",
     "CorruptKvEntry",
+    "Int2Codec",
     "KeptRanges",
     "KvCodec",
     "KvEntry",

@@ -16,6 +16,14 @@ the build setting ``kv_codec``). Its methods take the entry geometry ``g`` (a
   store keys rotated back to position 0 (:attr:`KvCodec.keys_at_zero`; the contract:
   ``storage/kv/layout.py``), whose per-channel ranges are narrower than after RoPE (measured on
   SmolLM2: 8-10% lower attention-logit error, 20-25% lower next-token KL for int4).
+- ``int2`` (``storage/kv/lowbit.py``, a :class:`QuantizedCodec` with 8-bit scales and clipped
+  ranges, 64-token blocks): ~0.14 of the raw bfloat16 bytes.
+
+Why no lossless (entropy) pass over the codes: a block's payload has a fixed size, so readers
+compute where a block lies from token counts (``storage/kv/shard.py``); and the codes are close
+to incompressible (SmolLM2, one 512-token chunk: order-0 entropy of int4 codes 3.73-3.95 bits of
+4, of int2's 1.93-1.95 of 2; zstd over whole int2 payloads 0.1359 of raw bf16 against 0.1411,
+over int4's 0.3198 against 0.3281), not worth variable-size blocks.
 
 The store calls its codec at these points (``storage/kv/store.py``, ``shard.py``, ``reads.py``):
 
@@ -282,7 +290,7 @@ def _fp16_down(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _fp16_up(x: torch.Tensor) -> torch.Tensor:
+def fp16_up(x: torch.Tensor) -> torch.Tensor:
     """float32 ``x`` >= 0 -> the smallest float16 >= x."""
     y = x.to(torch.float16)
     below = y.to(torch.float32) < x
@@ -307,7 +315,7 @@ def quantize(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, ...]
     """
     lo = _fp16_down(x.amin(dim=dim, keepdim=True))
     lo32 = lo.to(torch.float32)
-    step = _fp16_up((x.amax(dim=dim, keepdim=True) - lo32) / levels)
+    step = fp16_up((x.amax(dim=dim, keepdim=True) - lo32) / levels)
     step32 = step.to(torch.float32)
     safe = torch.where(step32 > 0, step32, torch.ones_like(step32))
     codes = torch.round((x - lo32) / safe).clamp_(0, levels).to(torch.uint8)
@@ -357,16 +365,50 @@ class QuantizedCodec(KvCodec):
         return g.layers * g.kv_heads * g.block_tokens * g.head_dim * self.bits // 8
 
     def _sections(self, g: KvGeometry) -> list[tuple[str, int]]:
-        lh = g.layers * g.kv_heads
+        """A block's payload sections ``(name, bytes)`` in order: the codes, then the scales."""
         codes = self._code_bytes(g)
+        return [("k_codes", codes), ("v_codes", codes), *self._scale_sections(g)]
+
+    def _scale_sections(self, g: KvGeometry) -> list[tuple[str, int]]:
+        """The scales' sections: a float16 minimum and step per key channel and value token."""
+        lh = g.layers * g.kv_heads
         return [
-            ("k_codes", codes),
-            ("v_codes", codes),
             ("k_lo", lh * g.head_dim * 2),
             ("k_step", lh * g.head_dim * 2),
             ("v_lo", lh * g.block_tokens * 2),
             ("v_step", lh * g.block_tokens * 2),
         ]
+
+    def _quantize_halves(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        """Float32 keys and values ``(k, L, H, B, D)`` -> the payload's sections in order
+        (:meth:`_sections`), each ``(k, ...)``: keys per channel (over ``B``), values per
+        token (over ``D``)."""
+        k_codes, k_lo, k_step = quantize(keys, 3, self.levels)
+        v_codes, v_lo, v_step = quantize(values, 4, self.levels)
+        scales = [k_lo, k_step, v_lo, v_step]
+        return [self._pack(k_codes), self._pack(v_codes), *(s.view(torch.uint8) for s in scales)]
+
+    def _scales(
+        self, cut: dict[str, torch.Tensor], b0: int, b1: int, g: KvGeometry
+    ) -> tuple[torch.Tensor, ...]:
+        """Blocks ``b0..b1``'s scales as float32: key ``lo`` and ``step`` ``(nb, L, H, 1, D)``,
+        value ``lo`` and ``step`` ``(nb, L, H, B, 1)``."""
+        nb, lay, heads = b1 - b0, g.layers, g.kv_heads
+
+        def f32(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            half = cut[name][b0:b1].contiguous().view(torch.float16)
+            return half.to(torch.float32).reshape(shape)
+
+        key_shape, value_shape = (
+            (nb, lay, heads, 1, g.head_dim),
+            (nb, lay, heads, g.block_tokens, 1),
+        )
+        return (
+            f32("k_lo", key_shape),
+            f32("k_step", key_shape),
+            f32("v_lo", value_shape),
+            f32("v_step", value_shape),
+        )
 
     def storage_dtype(self, dtype: str) -> np.dtype:
         return np.dtype("u1")
@@ -401,9 +443,17 @@ class QuantizedCodec(KvCodec):
     # ------------------------------------------------------------------ encode
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
-        """uint8 codes ``(..., D)`` -> bytes: int8 as they are, int4 two per byte."""
+        """uint8 codes ``(..., D)`` -> bytes: int8 as they are, int4 two per byte, int2
+        four."""
         if self.bits == 8:
             return codes
+        if self.bits == 2:  # four per byte, the first dim in the low bits
+            return (
+                codes[..., 0::4]
+                | (codes[..., 1::4] << 2)
+                | (codes[..., 2::4] << 4)
+                | (codes[..., 3::4] << 6)
+            )
         return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
     def _unpack(self, packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -411,6 +461,10 @@ class QuantizedCodec(KvCodec):
         (int4: the even dim from the low nibble)."""
         if self.bits == 8:
             return packed.to(torch.float32)
+        if self.bits == 2:
+            shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+            codes = (packed.unsqueeze(-1) >> shifts) & 3  # (..., dim / 4, 4)
+            return codes.reshape(*packed.shape[:-1], dim).to(torch.float32)
         # each byte widened to a 16-bit word holding its low nibble in the low byte and its
         # high nibble in the high byte: read as bytes (little-endian), the codes in order;
         # contiguous operations only (strided writes of each nibble took 1.5x as long)
@@ -434,17 +488,7 @@ class QuantizedCodec(KvCodec):
             last = x[:, :, :, n - 1 : n].expand(layers, 2, heads, k * block - n, dim)
             x = torch.cat([x, last], dim=3)
         x = x.reshape(layers, 2, heads, k, block, dim).permute(3, 1, 0, 2, 4, 5)
-        keys, values = x[:, 0], x[:, 1]  # (k, L, H, B, D)
-        k_codes, k_lo, k_step = quantize(keys, 3, self.levels)  # per channel: over B
-        v_codes, v_lo, v_step = quantize(values, 4, self.levels)  # per token: over D
-        parts = [
-            self._pack(k_codes),
-            self._pack(v_codes),
-            k_lo.view(torch.uint8),
-            k_step.view(torch.uint8),
-            v_lo.view(torch.uint8),
-            v_step.view(torch.uint8),
-        ]
+        parts = self._quantize_halves(x[:, 0], x[:, 1])  # keys, values (k, L, H, B, D)
         payload = torch.cat([p.reshape(k, -1) for p in parts], dim=1)
         return payload.numpy()
 
@@ -470,25 +514,14 @@ class QuantizedCodec(KvCodec):
         k = raw.shape[0]
         lay, heads, block, dim = g.layers, g.kv_heads, g.block_tokens, g.head_dim
         cut = self._cut(raw, g)
-
-        def f16(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            return cut[name].contiguous().view(torch.float16).reshape(shape)
-
+        k_lo, k_step, v_lo, v_step = self._scales(cut, 0, k, g)
         code_shape = (k, lay, heads, block, dim * self.bits // 8)
         # each half dequantized in float32, then written once, permuted and rounded, into the
         # result (the rounding of float32 to the model dtype as before, one pass fewer each)
         out = torch.empty((lay, 2, heads, k, block, dim), dtype=TORCH_DTYPES[g.dtype])
-        keys = dequantize(
-            self._unpack(cut["k_codes"].reshape(code_shape), dim),
-            f16("k_lo", (k, lay, heads, 1, dim)),
-            f16("k_step", (k, lay, heads, 1, dim)),
-        )
+        keys = dequantize(self._unpack(cut["k_codes"].reshape(code_shape), dim), k_lo, k_step)
         out[:, 0].copy_(keys.permute(1, 2, 0, 3, 4))
-        values = dequantize(
-            self._unpack(cut["v_codes"].reshape(code_shape), dim),
-            f16("v_lo", (k, lay, heads, block, 1)),
-            f16("v_step", (k, lay, heads, block, 1)),
-        )
+        values = dequantize(self._unpack(cut["v_codes"].reshape(code_shape), dim), v_lo, v_step)
         out[:, 1].copy_(values.permute(1, 2, 0, 3, 4))
         return out.view(lay, 2, heads, k * block, dim)
 
@@ -528,14 +561,15 @@ class QuantizedCodec(KvCodec):
             part = part.permute(1, 2, 0, 3, 4).reshape(lay, heads, nb * block, per_token)
             return part[:, :, s - first : e - first]
 
-        def per_block(name: str) -> torch.Tensor:
-            """A key scale of blocks b0..b1, ``(L, H, nb, 1, D)`` float32 (widened per block:
-            widening float16 is slow on a CPU)."""
-            scale = cut[name][b0:b1].contiguous().view(torch.float16).to(torch.float32)
-            return scale.reshape(nb, lay, heads, 1, dim).permute(1, 2, 0, 3, 4)
+        def per_token(scale: torch.Tensor) -> torch.Tensor:
+            """A value scale ``(nb, L, H, B, 1)`` -> ``(L, H, e - s, 1)``."""
+            scale = scale.permute(1, 2, 0, 3, 4).reshape(lay, heads, nb * block, 1)
+            return scale[:, :, s - first : e - first]
 
         width = dim * self.bits // 8
-        k_lo, k_step = per_block("k_lo"), per_block("k_step")
+        # scales widened to float32 per block (widening float16 is slow on a CPU)
+        k_lo, k_step, v_lo, v_step = self._scales(cut, b0, b1, g)
+        k_lo, k_step = k_lo.permute(1, 2, 0, 3, 4), k_step.permute(1, 2, 0, 3, 4)  # (L,H,nb,1,D)
         if 4 * nb * block <= 5 * (e - s):  # (nearly) whole blocks: dequantized as blocks,
             # each scale broadcast over its block's tokens (whole chunks: 0.7x the time)
             codes = cut["k_codes"][b0:b1].reshape(nb, lay, heads, block, width)
@@ -548,9 +582,9 @@ class QuantizedCodec(KvCodec):
                 k_lo[..., 0, :].index_select(2, token_block),
                 k_step[..., 0, :].index_select(2, token_block),
             )
-        v_lo = tokens("v_lo", 2).contiguous().view(torch.float16)
-        v_step = tokens("v_step", 2).contiguous().view(torch.float16)
-        values = dequantize(self._unpack(tokens("v_codes", width), dim), v_lo, v_step)
+        values = dequantize(
+            self._unpack(tokens("v_codes", width), dim), per_token(v_lo), per_token(v_step)
+        )
         return keys, values
 
     def _cut(self, raw: torch.Tensor, g: KvGeometry) -> dict[str, torch.Tensor]:
@@ -583,9 +617,6 @@ class Int4Codec(QuantizedCodec, name="int4"):
     blocks."""
 
     bits = 4
-
-
-assert set(KV_CODECS) == set(KvCodec.registry), "schemas.settings.KV_CODECS names every codec"
 
 
 def codec_named(name: str) -> KvCodec:

@@ -15,7 +15,8 @@ WORK/faq --subset N``: the FAQ pages plus ``N`` other pages). Each setting gets 
 ``WORK/store``: the first build does every stage, later ones add their KV beside it and eval
 reads it after ``coinrag.toml``'s ``kv_dtype`` / ``kv_codec`` / ``kv_keep`` are set to the
 setting's) (``coinrag build SOURCE --extractor rules --kv-dtype D --kv-codec C``; a second run
-with the same WORK reuses a built store and its eval results), so every build's stage times
+with the same WORK reuses a built store and its eval results, and an eval's output folder an
+interrupted run left), so every build's stage times
 cover every stage. Both commands run as child processes with ``OMP_NUM_THREADS=--threads``;
 their peak RSS is the child's (``os.wait4``: the process and the children it waited for, as
 ``/usr/bin/time``).
@@ -31,7 +32,14 @@ Columns:
   ``embed_index``) and in all (the whole command, Prefect's temporary server included);
 - F1 / EM / recall / TTFT mean and P99 (ms) per method, as ``coinrag eval`` wrote them in
   ``results.parquet`` at (``--kc``, ``--k``);
-- peak RSS (MiB) of the build and of the eval.
+- peak RSS (MiB) of the build and of the eval;
+- ``kv_load + assembly`` mean and P99 (ms) per KV method, from eval's per-question timings (one
+  thread, ``--threads``);
+- with ``--first-token``: the first-token agreement (argmax equal) and the mean KL divergence
+  ``KL(p_ref || p)`` of the first-token distribution of each KV method against the reference
+  setting (``--reference``, default the first variant; only the first token is decoded, on the
+  same retrieved evidence), in process after the evals (``WORK/first-token-<setting>.pt`` keeps
+  each setting's logits; a rerun reuses them).
 
 Load on a shared machine skews times: the 1-minute load average is printed before and after
 each command; compare the rows of one run side by side.
@@ -48,6 +56,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -217,6 +227,8 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
     if args.one_store:  # the store's settings say which KV eval reads: this variant's
         set_kv_settings(store, dtype, codec, keep)
     out = args.work / f"eval-{name}"
+    # a store of nugget spans cannot serve whole chunks: turborag is left out there
+    methods = [m for m in args.methods if keep == "chunks" or m != "turborag"]
     eval_cmd = [
         COINRAG,
         "eval",
@@ -226,7 +238,7 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
         "--out",
         str(out),
         "--methods",
-        *args.methods,
+        *methods,
         "--kc",
         str(args.kc),
         "--k",
@@ -234,12 +246,135 @@ def measure(variant: str, args: argparse.Namespace, source: Path, env: dict[str,
     ]
     if args.limit:
         eval_cmd += ["--limit", str(args.limit)]
-    print(f"{name}: {' '.join(eval_cmd)}", flush=True)
-    row["eval"] = run_child(eval_cmd, env, args.work / f"eval-{name}.log")
+    if (out / "results.parquet").is_file():  # an eval an interrupted run of this script left
+        print(f"{name}: {out} already has an eval: reused", flush=True)
+        row["eval"] = {"wall_s": None, "peak_rss_mib": None, "load_before": None}
+        row["eval"] |= {"load_after": None}
+    else:
+        print(f"{name}: {' '.join(eval_cmd)}", flush=True)
+        row["eval"] = run_child(eval_cmd, env, args.work / f"eval-{name}.log")
     row["results"] = eval_results(out)
+    row["kv_load_ms"] = kv_load_ms(out)
     result_path.write_text(json.dumps(row, indent=1, default=str))
     print(f"{name}: {json.dumps(row, default=str)}", flush=True)
     return row
+
+
+def kv_load_ms(out: Path) -> dict[str, dict[str, float]]:
+    """``{method: {"mean": ms, "p99": ms}}`` of ``kv_load + assembly`` per question, from
+    ``coinrag eval``'s per-question rows (methods without KV work: 0)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    per_method: dict[str, list[float]] = {}
+    table = pq.read_table(out / "per_question.parquet", columns=["method", "timings"])
+    for r in table.to_pylist():
+        t = dict(r["timings"])
+        per_method.setdefault(r["method"], []).append(t["kv_load"] + t["assembly"])
+    return {
+        m: {"mean": float(np.mean(v)), "p99": float(np.percentile(v, 99))}
+        for m, v in per_method.items()
+    }
+
+
+def first_token_logits(
+    store: Path, methods: list[str], questions: list[str], kc: int, k: int
+) -> dict[str, torch.Tensor]:
+    """``{method: (questions, vocab) float32}``: the first-token logits of each method on
+    ``store`` at its current KV settings (each answer decoded to its first token only)."""
+    from coinrag.inference.methods.base import Turn
+    from coinrag.inference.methods.engine import RagEngine
+    from coinrag.inference.methods.kv_reuse import KvReuseMethod
+    from coinrag.inference.model.generate import prefill_and_decode
+
+    engine = RagEngine.open(str(store), max_new_tokens=1, methods=methods)
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for name in methods:
+            rag = engine.method(name)
+            assert isinstance(rag, KvReuseMethod), f"{name} reads no stored KV"
+            rows = []
+            for q in questions:
+                found = rag.retrieve(q, kc, k)
+                timings = {"retrieval": 0.0, "kv_load": 0.0, "assembly": 0.0}
+                evidence = rag.retrieval.evidence(found)
+                turn = Turn(q, found, kc, k, None, timings, evidence, found.mode)
+                query_ids, ctx, total = rag.query_and_context(turn)  # what generate() prefills
+                loaded = rag.loaded
+                gen = prefill_and_decode(
+                    loaded.model,
+                    loaded.tokenizer,
+                    ctx,
+                    total,
+                    query_ids,
+                    max_new_tokens=1,
+                    keep_first_logits=True,
+                )
+                rows.append(gen.first_logits.float())
+            out[name] = torch.stack(rows)
+    finally:
+        engine.close()
+    return out
+
+
+def first_token_measures(
+    rows: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per setting and KV method: first-token agreement and mean KL against the reference
+    setting's logits (the same questions and evidence)."""
+    questions = [json.loads(line)["question"] for line in args.questions.open()]
+    questions = questions[: args.limit or None]
+    kv_methods = [m for m in args.methods if m in ("coinrag", "turborag")]
+    logits: dict[str, dict[str, torch.Tensor]] = {}
+    store = args.work / "store"
+    for r in rows:
+        path = args.work / f"first-token-{r['variant']}.pt"
+        if path.is_file():
+            logits[r["variant"]] = torch.load(path)
+            continue
+        set_kv_settings(store, r["kv_dtype"], r["kv_codec"], r["kv_keep"])
+        methods = kv_methods if r["kv_keep"] == "chunks" else ["coinrag"]
+        logits[r["variant"]] = first_token_logits(store, methods, questions, args.kc, args.k)
+        torch.save(logits[r["variant"]], path)
+    ref = logits[args.reference or rows[0]["variant"]]
+    measures: dict[str, dict[str, dict[str, float]]] = {}
+    for variant, by_method in logits.items():
+        for m, got in by_method.items():
+            want = ref[m]
+            lp_ref, lp = want.log_softmax(-1), got.log_softmax(-1)
+            kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1)
+            agree = (want.argmax(-1) == got.argmax(-1)).float()
+            measures.setdefault(variant, {})[m] = {
+                "agreement": float(agree.mean()),
+                "kl_mean": float(kl.mean()),
+                "kl_max": float(kl.max()),
+            }
+    return measures
+
+
+def quality_markdown(rows: list[dict[str, Any]], methods: list[str]) -> str:
+    """Per setting: bytes, KV tokens/s, and per KV method F1, kv_load + assembly and the
+    first-token agreement and KL against the reference."""
+    kv_methods = [m for m in methods if m in ("coinrag", "turborag")]
+    head = ["setting", "bytes/raw bf16", "KV tok/s"]
+    for m in kv_methods:
+        head += [f"{m} F1", f"{m} kv_load+asm mean / P99 ms", f"{m} 1st-token agree", f"{m} KL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [
+            f"{r['kv_dtype']} {r['kv_codec']} {r.get('kv_keep', 'chunks')}",
+            f"{r['bytes_over_raw_bf16']:.4f}",
+            f"{r['kv_tokens_per_s']:.0f}",
+        ]
+        for m in kv_methods:
+            res, load = r["results"].get(m), r.get("kv_load_ms", {}).get(m)
+            first = r.get("first_token", {}).get(m)
+            cells.append("-" if res is None else f"{res['f1']:.4f}")
+            cells.append("-" if load is None else f"{load['mean']:.1f} / {load['p99']:.1f}")
+            cells.append("-" if first is None else f"{first['agreement']:.3f}")
+            cells.append("-" if first is None else f"{first['kl_mean']:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict[str, Any]], methods: list[str]) -> str:
@@ -306,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         "the KV stage only)",
     )
     ap.add_argument("--build-only", action="store_true", help="no eval (its columns '-')")
+    ap.add_argument(
+        "--first-token",
+        action="store_true",
+        help="also the first-token agreement and KL of coinrag / turborag against --reference "
+        "(needs --one-store)",
+    )
+    ap.add_argument("--reference", default=None, help="setting name, e.g. bfloat16-none")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="bench-kv-table-"))).resolve()
@@ -332,7 +474,17 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     print(f"work {args.work}; cpus {os.cpu_count()}; threads {threads}; load {load():.2f}")
     rows = [measure(v, args, args.source, env) for v in args.variants]
-    table = markdown(rows, args.methods)
+    for r in rows:  # results of an earlier run of this script: kv_load from its eval
+        out = args.work / f"eval-{r['variant']}"
+        if "kv_load_ms" not in r and out.is_dir():
+            r["kv_load_ms"] = kv_load_ms(out)
+    if args.first_token:
+        if not args.one_store:
+            raise SystemExit("error: --first-token compares settings of one store: --one-store")
+        torch.set_num_threads(args.threads)
+        for variant, measures in first_token_measures(rows, args).items():
+            next(r for r in rows if r["variant"] == variant)["first_token"] = measures
+    table = markdown(rows, args.methods) + "\n\n" + quality_markdown(rows, args.methods)
     print(table)
     (args.work / "table.md").write_text(table + "\n")
     if args.json:

@@ -99,5 +99,6 @@ def test_transports_and_codecs_are_chosen_by_name(tmp_path):
     assert ObjectTransport.ranged_slice_reads and ObjectTransport.remember_file_checks
     assert codec_named("none").storage_dtype("bfloat16").str == "<u2"
     assert codec_named("int4").storage_dtype("bfloat16").str == "|u1"
-    with pytest.raises(ValueError, match=r"unknown KV codec 'int2' \(int4, int8, none\)"):
-        codec_named("int2")
+    assert codec_named("int2").storage_dtype("bfloat16").str == "|u1"
+    with pytest.raises(ValueError, match=r"unknown KV codec 'int3' \(int2, int4, int8, none\)"):
+        codec_named("int3")
