@@ -42,7 +42,9 @@ class IndexSearch(Retrieval):
 
     def evidence(self, found: RetrievalResult) -> list[dict[str, Any]]:
         """``{doc_id, chunk_id, tok_start, tok_end, text, score}`` per span (``score``: the
-        search mode's, :class:`~inference.retrieval.retriever.Evidence`), with where it is: the
+        search mode's, :class:`~inference.retrieval.retriever.Evidence`; ``score_parts``: a
+        hybrid search's :class:`~inference.retrieval.retriever.ScoreParts`, else None), with
+        where it is: the
         ``schemas.tables.PlaceInDocument`` columns (``path``, ``page_first``, ``page_last``,
         ``page_labels``, ``section``) and ``citation`` (``"faq/programming.pdf p. 12 |
         Programming FAQ > Performance"``)."""
@@ -54,6 +56,7 @@ class IndexSearch(Retrieval):
                 "tok_end": e.tok_end,
                 "text": e.text,
                 "score": e.score,
+                "score_parts": None if e.parts is None else asdict(e.parts),
                 **asdict(e.place),
                 "citation": e.place.citation(e.doc_id),
             }

@@ -43,8 +43,26 @@ from coinrag.storage.store import Store
 
 
 @dataclass(frozen=True)
+class ScoreParts:
+    """How a hybrid hit's score was made: its 1-based rank and own score in the dense ranking
+    (cosine similarity) and in the lexical one (BM25), None where it was not among that
+    ranking's top rows, and the dense weight; ``score = dense_weight * dense_norm + (1 -
+    dense_weight) * lexical_norm``, each ``_norm`` the min-max normalised score in [0, 1] (0
+    where it was not ranked)."""
+
+    dense_rank: int | None
+    dense_score: float | None
+    dense_norm: float
+    lexical_rank: int | None
+    lexical_score: float | None
+    lexical_norm: float
+    dense_weight: float
+
+
+@dataclass(frozen=True)
 class Evidence:
-    """One retrieved span: tokens ``[tok_start, tok_end)`` of chunk ``chunk_id``."""
+    """One retrieved span: tokens ``[tok_start, tok_end)`` of chunk ``chunk_id``; ``parts``:
+    how a hybrid search scored it (None for one search alone)."""
 
     chunk_id: str
     doc_id: str
@@ -54,6 +72,7 @@ class Evidence:
     text: str
     score: float
     place: PlaceInDocument = PlaceInDocument()  # its file, pages and section
+    parts: ScoreParts | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,7 @@ class ChunkHit:
     score: float
     rank: int
     place: PlaceInDocument = PlaceInDocument()
+    parts: ScoreParts | None = None
 
 
 @dataclass
@@ -138,12 +158,33 @@ def fuse_rankings(
     for ranking in lists:
         for row in ranking:
             rows.setdefault(row[key], row)
-    scores = relative_scores(
-        [[(row[key], row["score"]) for row in ranking] for ranking in lists],
-        [weight, 1.0 - weight],
-    )
+    rankings = [[(row[key], row["score"]) for row in ranking] for ranking in lists]
+    scores = relative_scores(rankings, [weight, 1.0 - weight])
     order = sorted(scores, key=lambda item: -scores[item])[:k]
-    return [{**rows[item], "score": scores[item]} for item in order]
+    seen = [_ranked(ranking) for ranking in rankings]
+    return [
+        {**rows[item], "score": scores[item], "score_parts": _parts(item, seen, weight)}
+        for item in order
+    ]
+
+
+def _ranked(ranking: Sequence[tuple[Hashable, float]]) -> dict[Hashable, tuple[int, float, float]]:
+    """``{item: (1-based rank, score, min-max normalised score)}`` of one ranking."""
+    norms = relative_scores([ranking], [1.0])
+    out: dict[Hashable, tuple[int, float, float]] = {}
+    for i, (item, score) in enumerate(ranking):
+        out.setdefault(item, (i + 1, float(score), norms[item]))
+    return out
+
+
+def _parts(
+    item: Hashable, seen: Sequence[dict[Hashable, tuple[int, float, float]]], weight: float
+) -> ScoreParts:
+    """``item``'s :class:`ScoreParts` from the dense and lexical rankings (``_ranked``)."""
+    (d_rank, d_score, d_norm), (l_rank, l_score, l_norm) = (
+        ranked.get(item, (None, None, 0.0)) for ranked in seen
+    )
+    return ScoreParts(d_rank, d_score, d_norm, l_rank, l_score, l_norm, weight)
 
 
 def order_nuggets(nuggets: list[dict[str, Any]], chunk_rank: dict[str, int]) -> list[Evidence]:
@@ -170,7 +211,8 @@ def _hit(row: dict[str, Any]) -> dict[str, Any]:
     """What every hit (:class:`Evidence`, :class:`ChunkHit`) takes from its search row: the
     chunk, its document and content key, the text, the score and the place."""
     named = {name: row[name] for name in ("chunk_id", "doc_id", "content_key", "text")}
-    return {**named, "score": float(row["score"]), "place": PlaceInDocument.from_mapping(row)}
+    place = PlaceInDocument.from_mapping(row)
+    return {**named, "score": float(row["score"]), "place": place, "parts": row.get("score_parts")}
 
 
 class Query:
@@ -500,7 +542,17 @@ class Retriever:
         t = time.perf_counter()
         hits = self._chunks(search, query, kc, doc_ids)
         evidence = [
-            Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score, h.place)
+            Evidence(
+                h.chunk_id,
+                h.doc_id,
+                h.content_key,
+                0,
+                h.n_tokens,
+                h.text,
+                h.score,
+                h.place,
+                h.parts,
+            )
             for h in hits
         ]
         return self._timed("chunks_only", search, query, t, evidence, hits)

@@ -140,3 +140,21 @@ def test_question_lists_mask_verbatim(store):
     plain = question_lists(index, query, ["rivers"], mask_verbatim=False)
     assert any(r["doc_id"] == "rivers" for r in plain.lists[1])
     assert not any("Amazon river" in r["text"] for ranking in masked.lists for r in ranking)
+
+
+def test_fused_rows_carry_their_score_parts() -> None:
+    """Each fused row says its rank and own score in each ranking, and its score is the
+    weighted sum of the normalised parts."""
+    from coinrag.inference.retrieval.retriever import fuse_rankings
+
+    dense = [{"id": "a", "score": 0.9}, {"id": "b", "score": 0.5}, {"id": "c", "score": 0.1}]
+    lexical = [{"id": "c", "score": 12.0}, {"id": "a", "score": 4.0}]
+    rows = fuse_rankings([dense, lexical], "id", 3, 0.75)
+    parts = {r["id"]: r["score_parts"] for r in rows}
+    assert (parts["a"].dense_rank, parts["a"].lexical_rank) == (1, 2)
+    assert (parts["b"].lexical_rank, parts["b"].lexical_score) == (None, None)
+    assert (parts["c"].dense_score, parts["c"].lexical_score) == (0.1, 12.0)
+    for r in rows:
+        p = r["score_parts"]
+        fused = p.dense_weight * p.dense_norm + (1 - p.dense_weight) * p.lexical_norm
+        assert r["score"] == pytest.approx(fused, abs=1e-12)

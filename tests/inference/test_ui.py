@@ -295,6 +295,14 @@ def test_ask_page_streams_the_answer_of_coinrag_query(
         scores = [float(items.nth(i).get_attribute("data-score")) for i in range(items.count())]
         assert scores == [e["score"] for e in cli["evidence"]]
         assert "0.75 × dense + 0.25 × lexical" in card.locator(".scores").text_content()
+        # each hybrid hit's parts: its ranks and own scores, and the fused sum's terms
+        for i, e in enumerate(cli["evidence"]):
+            p, shown_parts = e["score_parts"], items.nth(i).locator(".parts").text_content()
+            terms = f"fused {p['dense_weight']:.2f} × {p['dense_norm']:.3f} + "
+            assert terms in shown_parts, shown_parts
+            rank = "not in its top rows" if p["dense_rank"] is None else f"#{p['dense_rank']}"
+            assert f"dense{':' if p['dense_rank'] is None else ''} {rank}" in shown_parts
+        assert card.locator(".weak").is_hidden()  # the question is about the store
         stages = card.locator(".waterfall .bar-row")
         assert [stages.nth(i).get_attribute("data-stage") for i in range(stages.count())] == [
             "retrieval",
@@ -314,6 +322,25 @@ def test_ask_page_streams_the_answer_of_coinrag_query(
     page.wait_for_url("**/ui/documents/**#cited")
     assert page.locator("mark.cited#cited").text_content() == evidence_text
     page.go_back()
+    watched.check_clean()
+
+
+def test_ask_page_warns_when_nothing_scored_well(watched, ui_server) -> None:
+    """A question about nothing in the store: the best evidence's cosine is under
+    ``WEAK_DENSE_COSINE`` and the card says so."""
+    from coinrag.inference.server.ui.views import WEAK_DENSE_COSINE
+
+    page = watched.page
+    watched.goto("/ui/ask")
+    page.fill("#question", "What is a good recipe for banana bread?")
+    for box in page.locator("input[name=method]").all():
+        if box.get_attribute("value") != "coinrag":
+            box.uncheck()
+    page.click("#ask-button")
+    page.locator("section.method[data-method=coinrag][data-state=done]").wait_for(timeout=120_000)
+    warning = page.locator("section.method[data-method=coinrag] .weak")
+    assert warning.is_visible()
+    assert f"(under {WEAK_DENSE_COSINE})" in warning.text_content()
     watched.check_clean()
 
 

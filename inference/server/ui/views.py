@@ -51,6 +51,15 @@ def reuses_kv(method: str) -> bool:
     return any(issubclass(kind, StoredKv) for kind in METHODS[method].needs)
 
 
+# The Ask page warns when no evidence's dense cosine similarity reaches this: nothing in the
+# store is about the question. Measured with the default embedder (MiniLM) on the Python docs'
+# HTML (the best chunk's cosine, dense search): 120 questions about the docs (60 FAQ, 60
+# natural) at 0.361 or more (median 0.695 and 0.584), 20 questions about other things
+# (capitals, recipes, spiders) at 0.171-0.381 (median 0.245), 19 of them under 0.35. Another
+# embedder has other cosines: the warning is then only a hint.
+WEAK_DENSE_COSINE = 0.35
+
+
 class UiState:
     """The explorer of the served version (reopened on a swap) and the page builders."""
 
@@ -142,4 +151,5 @@ class UiState:
             "kv_bytes_per_token": kv["bytes"] // kv["tokens"] if kv["tokens"] else 0,
             "raw_bf16_per_token": raw_bf16_bytes_per_token(engine.model.config),
             "hybrid_dense_weight": HYBRID_DENSE_WEIGHT,
+            "weak_cosine": WEAK_DENSE_COSINE,
         }

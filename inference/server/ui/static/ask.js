@@ -96,6 +96,25 @@ function scoreFormula(mode, denseWeight) {
   }[mode] || "score: the search mode's";
 }
 
+// A hybrid hit's score parts: each ranking's rank and own score, and the fused sum.
+function partsText(p) {
+  const part = (name, rank, score, unit) =>
+    rank === null ? name + ": not in its top rows" : name + " #" + rank + " " + unit + " " + score.toFixed(3);
+  const lexicalWeight = 1 - p.dense_weight;
+  return part("dense", p.dense_rank, p.dense_score, "cosine") + " · " +
+    part("lexical", p.lexical_rank, p.lexical_score, "BM25") + " · fused " +
+    p.dense_weight.toFixed(2) + " × " + p.dense_norm.toFixed(3) + " + " +
+    lexicalWeight.toFixed(2) + " × " + p.lexical_norm.toFixed(3);
+}
+
+// The best dense cosine among the evidence (hybrid: its parts; dense: its score), or null.
+function bestCosine(answer) {
+  const cosines = answer.evidence.map((ev) =>
+    ev.score_parts ? ev.score_parts.dense_score : (answer.retrieval === "dense" ? ev.score : null))
+    .filter((c) => typeof c === "number");
+  return cosines.length ? Math.max(...cosines) : null;
+}
+
 function evidenceList(list, answer) {
   for (const ev of answer.evidence) {
     const item = el("li");
@@ -108,12 +127,13 @@ function evidenceList(list, answer) {
     item.dataset.score = String(ev.score);
     const score = typeof ev.score === "number" ? " · score " + ev.score.toFixed(3) : "";
     item.append(link, el("span", "muted", " tokens " + ev.tok_start + "–" + ev.tok_end + score), el("br"));
+    if (ev.score_parts) item.append(el("span", "parts muted", partsText(ev.score_parts)), el("br"));
     item.append(el("mark", "evidence-text", ev.text || ""));
     list.append(item);
   }
 }
 
-async function askOne(card, body, reusesKv, bytesPerToken, denseWeight) {
+async function askOne(card, body, reusesKv, bytesPerToken, denseWeight, weakCosine) {
   const answerBox = card.querySelector(".answer");
   const status = card.querySelector(".status");
   status.textContent = "waiting for the model…";
@@ -139,7 +159,17 @@ async function askOne(card, body, reusesKv, bytesPerToken, denseWeight) {
       waterfall(card.querySelector(".waterfall"), data.timings);
       kvMap(card.querySelector(".kvmap"), data, reusesKv, bytesPerToken);
       evidenceList(card.querySelector(".evidence"), data);
-      card.querySelector(".scores").textContent = scoreFormula(data.retrieval, denseWeight);
+      const parts = data.evidence.find((ev) => ev.score_parts);
+      const weight = parts ? parts.score_parts.dense_weight : denseWeight;
+      card.querySelector(".scores").textContent = scoreFormula(data.retrieval, weight);
+      const best = bestCosine(data);
+      if (best !== null && best < weakCosine) {
+        const warning = card.querySelector(".weak");
+        warning.textContent = "Nothing scored well: the best evidence's cosine similarity to the " +
+          "question is " + best.toFixed(3) + " (under " + weakCosine + "); the store may not " +
+          "hold an answer.";
+        warning.hidden = false;
+      }
       card.dataset.state = "done";
     } else if (name === "error") {
       status.textContent = "error " + data.status + ": " + data.error;
@@ -170,8 +200,9 @@ async function onSubmit(event) {
   });
   try {
     const denseWeight = Number(form.dataset.hybridDenseWeight);
+    const weakCosine = Number(form.dataset.weakCosine);
     for (const [card, body, reuses] of jobs) {
-      await askOne(card, body, reuses, bytesPerToken, denseWeight);
+      await askOne(card, body, reuses, bytesPerToken, denseWeight, weakCosine);
     }
   } finally {
     button.disabled = false;
