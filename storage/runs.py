@@ -12,7 +12,7 @@ from coinrag.schemas.keys import CODE_VERSION, canonical_json
 from coinrag.schemas.secrets import env_secrets, scrub
 from coinrag.schemas.tables import RunRow
 from coinrag.storage.store import Store
-from coinrag.storage.tables import append_rows
+from coinrag.storage.tables import append_rows, read_rows
 
 
 def start_run(store: Store, run_id: str, flow: str, parameters: dict[str, Any]) -> RunRow:
@@ -61,6 +61,14 @@ def finish_run(
     )
     append_rows(store, [row], started.run_id, "run-end")
     return row
+
+
+def recorded_fingerprints(store: Store, run_id: str) -> dict[str, str]:
+    """The fingerprints run ``run_id`` recorded when it ended (``{}``: none, or no such run)."""
+    import json
+
+    ended = [r for r in read_rows(store, RunRow) if r.run_id == run_id and r.ended_at is not None]
+    return json.loads(ended[-1].fingerprints_json) if ended else {}
 
 
 def run_error(exc: BaseException) -> str:

@@ -68,3 +68,17 @@ def test_scrub_covers_every_secret_env_var(monkeypatch) -> None:
     assert (
         scrub('"GET /query?api_key=abc123&x=1 HTTP/1.1"') == '"GET /query?api_key=***&x=1 HTTP/1.1"'
     )
+
+
+def test_recorded_fingerprints_are_those_the_run_ended_with(tmp_path) -> None:
+    """What the store explorer compares assets with (``stale_assets``): the fingerprints the
+    published build recorded; none for a run still running or unknown."""
+    from coinrag.storage.runs import recorded_fingerprints
+
+    st = Store.at(tmp_path / "store").init()
+    with st.write_lock("run-3"):
+        run = start_run(st, "run-3", "build", {})
+        assert recorded_fingerprints(st, "run-3") == {}  # started, not ended
+        finish_run(st, run, "completed", fingerprints={"chunker_fp": "c1", "model_fp": "m1"})
+    assert recorded_fingerprints(st, "run-3") == {"chunker_fp": "c1", "model_fp": "m1"}
+    assert recorded_fingerprints(st, "no-such-run") == {}

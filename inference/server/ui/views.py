@@ -21,7 +21,9 @@ from coinrag.inference.methods.base import METHODS
 from coinrag.inference.retrieval.retriever import HYBRID_DENSE_WEIGHT
 from coinrag.inference.server.ui.marks import cut_document
 from coinrag.schemas.settings import DEFAULT_QUERY, RETRIEVAL_MODES
+from coinrag.schemas.views import PRODUCERS
 from coinrag.storage.explore import StoreExplorer
+from coinrag.storage.runs import recorded_fingerprints
 
 PAGE_SIZE = 25  # documents per page of the list
 KV_PRODUCERS = ("model_fp", "embedder_fp")  # current producers the served engine knows
@@ -68,18 +70,24 @@ class UiState:
         self._lock = threading.Lock()
         self._explorer: StoreExplorer | None = None
         self._run_id: str | None = None
+        self._current: dict[str, str] = {}  # the producers stale_assets compares with
 
     def explorer(self) -> StoreExplorer:
         """The explorer of the version served now (opened at the first page after a swap)."""
         version = self.server.holder.current
         with self._lock:
             if self._explorer is None or self._run_id != version.run_id:
-                fingerprints = version.engine.fingerprints()
-                current = {p: fingerprints[p] for p in KV_PRODUCERS if p in fingerprints}
+                store = version.engine.store
+                # the published build's producers, and what the served engine loaded itself
+                fingerprints = {
+                    **recorded_fingerprints(store, version.run_id),
+                    **{p: v for p, v in version.engine.fingerprints().items() if p in KV_PRODUCERS},
+                }
+                current = {p: fingerprints[p] for p in PRODUCERS if p in fingerprints}
                 # the previous explorer is not closed here: a page may still be reading it
                 # (its connection goes with its last reference)
-                self._explorer = StoreExplorer.open(version.engine.store, current)
-                self._run_id = version.run_id
+                self._explorer = StoreExplorer.open(store, current)
+                self._run_id, self._current = version.run_id, current
             return self._explorer
 
     def close(self) -> None:
@@ -106,7 +114,7 @@ class UiState:
             "disk": explorer.disk_use(),
             "stale_total": n_stale,
             "stale": stale,
-            "stale_producers": KV_PRODUCERS,
+            "stale_producers": sorted(self._current),
         }
 
     def documents_page(self, query: str, page: int) -> dict[str, Any]:
