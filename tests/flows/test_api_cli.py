@@ -212,6 +212,14 @@ def test_workers_report_one_metrics_view(sample_store: Path) -> None:
             line = server.stdout.readline()
             output += line
             loaded += b"loaded and warmed" in line
+        # a worker listens once its app has started, a moment after it logs "loaded"
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, output.decode()
+            try:
+                httpx.get(f"{base}/health", timeout=5)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.2)
         body = {"question": "Who directed 2001: A Space Odyssey?"}
         pids, sent = set(), 0
         while len(pids) < 2:  # until both workers answered (a new connection each time)
