@@ -25,16 +25,20 @@ from typing import Any
 
 import duckdb
 
-from coinrag.storage.lineage import open_lineage, walk
+from coinrag.schemas.tables import EXTRACTION_ABANDONED, EXTRACTION_OK
+from coinrag.storage.lineage import open_lineage, run_order_desc, walk
 from coinrag.storage.store import Store
 
 # The store's folders whose disk use the summary reports (STORE/<name>).
 DISK_FOLDERS = ("tables", "kv", "index", "cartridges", "models", "reports")
+# A chunk text's extraction status: its latest ok answer, else its latest run's (the order of
+# lineage's views); in the run that gives up, its abandoned row before its last malformed one.
 _LATEST_EXTRACTION = (
     "SELECT text_hash, status, error, backend, llm_model, run_id FROM extractions x "
     "WHERE list_contains($hashes, text_hash) QUALIFY row_number() OVER (PARTITION BY text_hash "
-    "ORDER BY x.status = 'ok' DESC, x.run_id DESC, x.status = 'abandoned' DESC) = 1"
-)  # the run that gives up writes its last malformed answer and the abandoned row: the latter
+    f"ORDER BY x.status = '{EXTRACTION_OK}' DESC, {run_order_desc('x')}, "
+    f"x.status = '{EXTRACTION_ABANDONED}' DESC) = 1"
+)
 
 # Walks of the kinds storage.lineage.walk does not know: section -> SQL (one parameter: $id).
 _OWN_WALKS: dict[str, dict[str, str]] = {

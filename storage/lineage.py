@@ -64,7 +64,7 @@ def _cols(record: type, alias: str = "") -> str:
     return ", ".join(prefix + c for c in column_names(record))
 
 
-def _run_order_desc(alias: str) -> str:
+def run_order_desc(alias: str) -> str:
     """ORDER BY terms, latest first, of the run ``alias.run_id``: its start time, then its id."""
     started = f"(SELECT min(started_at) FROM runs r WHERE r.run_id = {alias}.run_id)"
     return f"{started} DESC NULLS LAST, {alias}.run_id DESC"
@@ -100,7 +100,7 @@ _LIVE = "EXISTS (SELECT 1 FROM live_documents l WHERE l.doc_version = {a}.doc_ve
 # One extraction answer per (text_hash, extractor_fp): the latest ok one, else the latest.
 _EXTRACTIONS = (
     "SELECT * FROM extractions x QUALIFY row_number() OVER (PARTITION BY x.text_hash, "
-    f"x.extractor_fp ORDER BY x.status = 'ok' DESC, {_run_order_desc('x')}) = 1"
+    f"x.extractor_fp ORDER BY x.status = 'ok' DESC, {run_order_desc('x')}) = 1"
 )
 _UNIQUE_CHUNKS = "SELECT * FROM chunks c QUALIFY row_number() OVER (PARTITION BY c.chunk_id) = 1"
 _RECOVERIES = (
@@ -206,7 +206,7 @@ _SQL: dict[str, str] = {
                               AND o.extractor_fp = x.extractor_fp
                               AND o.status = '{EXTRACTION_OK}')
               QUALIFY row_number() OVER (PARTITION BY x.text_hash, x.extractor_fp
-                                         ORDER BY {_run_order_desc("x")}) = 1) a
+                                         ORDER BY {run_order_desc("x")}) = 1) a
         JOIN ({_UNIQUE_CHUNKS}) c ON c.text_hash = a.text_hash""",
     "lineage_cartridges": f"""
         SELECT m.cartridge_id, m.doc_id, m.doc_version, m.model_fp, m.cartridge_fp, m.kind,

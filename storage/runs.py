@@ -8,6 +8,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+import pyarrow.compute as pc
+
 from coinrag.schemas.keys import CODE_VERSION, canonical_json
 from coinrag.schemas.secrets import env_secrets, scrub
 from coinrag.schemas.tables import RunRow
@@ -67,7 +69,8 @@ def recorded_fingerprints(store: Store, run_id: str) -> dict[str, str]:
     """The fingerprints run ``run_id`` recorded when it ended (``{}``: none, or no such run)."""
     import json
 
-    ended = [r for r in read_rows(store, RunRow) if r.run_id == run_id and r.ended_at is not None]
+    rows = read_rows(store, RunRow, filter=pc.field("run_id") == run_id)
+    ended = [r for r in rows if r.ended_at is not None]
     return json.loads(ended[-1].fingerprints_json) if ended else {}
 
 
