@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_CLIENTS = 4096
 
@@ -47,25 +47,18 @@ class _Share:
     admitted: int = 0
 
 
+@dataclass(eq=False)
 class ClientLimits:
     """Per-client admission (``queue_limit``) and token bucket (``rate`` per second,
     ``burst`` tokens); ``clock`` in seconds (monotonic)."""
 
-    def __init__(
-        self,
-        queue_limit: int,
-        rate: float,
-        burst: int,
-        retry_after: int = 1,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.queue_limit = queue_limit
-        self.rate = rate
-        self.burst = burst
-        self.retry_after = retry_after
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._shares: dict[str, _Share] = {}
+    queue_limit: int
+    rate: float
+    burst: int
+    retry_after: int = 1
+    clock: Callable[[], float] = time.monotonic
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _shares: dict[str, _Share] = field(default_factory=dict, init=False, repr=False)
 
     def _share(self, client: str, now: float) -> _Share:
         share = self._shares.get(client)
