@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -59,6 +59,7 @@ class QuestionSampling:
     close_boost: float = 0.4
 
 
+@dataclass(eq=False)
 class LocalQuestionGenerator(QuestionGenerator, name="local"):
     """Questions from a local causal LM under the JSON-array skeleton constraint (module doc).
 
@@ -67,25 +68,17 @@ class LocalQuestionGenerator(QuestionGenerator, name="local"):
     generator seeded from its call key, so a call's questions do not depend on the batch.
     """
 
-    def __init__(
-        self,
-        model: Any = None,
-        *,
-        n_questions: int = 20,
-        min_question_tokens: int = 4,
-        max_question_tokens: int = 24,
-        sampling: QuestionSampling = QuestionSampling(),
-        batch_size: int = 8,
-        device: str = "cpu",
-    ) -> None:
-        self.model_ref = model
-        self.n_questions = n_questions
-        self.min_question_tokens = min_question_tokens
-        self.max_question_tokens = max_question_tokens
-        self.sampling = sampling
-        self.batch_size = batch_size
-        self.device = device
-        self._loaded = None if model is None or isinstance(model, str) else model
+    model: Any = None
+    _: KW_ONLY
+    n_questions: int = 20
+    min_question_tokens: int = 4
+    max_question_tokens: int = 24
+    sampling: QuestionSampling = QuestionSampling()
+    batch_size: int = 8
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self._loaded = None if self.model is None or isinstance(self.model, str) else self.model
 
     @classmethod
     def from_settings(
@@ -99,7 +92,7 @@ class LocalQuestionGenerator(QuestionGenerator, name="local"):
         if self._loaded is None:
             from coinrag.inference.model.loading import load_model
 
-            self._loaded = load_model(self.model_ref, device=self.device)
+            self._loaded = load_model(self.model, device=self.device)
         return self._loaded
 
     @property
