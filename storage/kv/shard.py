@@ -337,25 +337,33 @@ def create_shard_array(
     )
 
 
+@dataclass(frozen=True)
+class ShardContent:
+    """What one shard holds, ready to be written: per slot its stored values (``views``:
+    ``layout.codec.view`` of each entry's KV, or the values as stored), the shard array's
+    ``shape`` (``layout.codec.array_shape``) and its ``coinrag_kv`` attributes (``attrs``:
+    :func:`shard_attributes`; the writer adds ``files``)."""
+
+    layout: KvLayout
+    views: list[np.ndarray]
+    shape: tuple[int, ...]
+    attrs: dict[str, Any]
+
+
 def write_shard_direct(
-    folder: Path,
-    layout: KvLayout,
-    views: list[np.ndarray],
-    shape: tuple[int, ...],
-    attrs: dict[str, Any],
-    scratch: ScratchBuffers,
-    files: LocalFiles,
+    folder: Path, content: ShardContent, scratch: ScratchBuffers, files: LocalFiles
 ) -> tuple[dict[str, int], float]:
     """Encode the shard file here (:func:`encode_shard`), write it with one call, read it back
     and compare the whole file's crc32c with the encoded buffer's: the bytes on disk are the
     bytes encoded from the very arrays the manifest's sha256 were computed from, and each inner
     chunk carries its own crc32c, checked by every read. Returns the files written (``{path:
-    bytes}``, also put in ``attrs["files"]``) and the time the write ended."""
+    bytes}``, also put in ``content.attrs["files"]``) and the time the write ended."""
+    layout, shape, attrs = content.layout, content.shape, content.attrs
     width = layout.codec.width_of(shape, layout.block_tokens)
     size = shard_size(layout, attrs["tokens"], width)
     padded = round_up(size)
     encoded = scratch.get("encode", padded)
-    data = encode_shard(views, layout, width, encoded)
+    data = encode_shard(content.views, layout, width, encoded)
     expected = google_crc32c.value(data)
     key = data_key(len(shape))
     attrs["files"] = {key: size}
@@ -373,10 +381,7 @@ def write_shard_direct(
 
 def write_shard_zarr(
     folder: Path,
-    layout: KvLayout,
-    views: list[np.ndarray],
-    shape: tuple[int, ...],
-    attrs: dict[str, Any],
+    content: ShardContent,
     scratch: ScratchBuffers | None = None,
     files: LocalFiles | None = None,
 ) -> tuple[dict[str, int], float]:
@@ -384,8 +389,9 @@ def write_shard_zarr(
     through Zarr (every crc32c checked) and compared with the entries. (``scratch`` and
     ``files`` are not used: Zarr allocates and writes itself; they keep the signature of
     :func:`write_shard_direct`.)"""
+    layout, shape, attrs = content.layout, content.shape, content.attrs
     data = np.zeros(shape, dtype=layout.storage_dtype)
-    for i, v in enumerate(views):
+    for i, v in enumerate(content.views):
         data[i][tuple(slice(0, n) for n in v.shape)] = v
     array = create_shard_array(folder, layout, shape, {**attrs, "files": {}})
     array[...] = data

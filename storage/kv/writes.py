@@ -23,7 +23,12 @@ from coinrag.schemas.tables import ChunkRow, KvManifestRow
 from coinrag.storage.kv.codecs import entry_checksum
 from coinrag.storage.kv.kept import KvEntry
 from coinrag.storage.kv.layout import KvLayout
-from coinrag.storage.kv.shard import shard_attributes, write_shard_direct, write_shard_zarr
+from coinrag.storage.kv.shard import (
+    ShardContent,
+    shard_attributes,
+    write_shard_direct,
+    write_shard_zarr,
+)
 from coinrag.storage.kv.transport import KvTransport, LocalFiles, ScratchBuffers
 
 V = TypeVar("V")  # an entry's values: a KV tensor or its stored bytes
@@ -219,7 +224,8 @@ class ShardStager:
         attrs = shard_attributes(lay, self.encoder, run_id, keys, tokens, checksums, kept)
         write = SHARD_WRITERS[self.encoder]
         with self.transport.staging(self.root, tmp_name, self.fsync) as folder:
-            files, t1 = write(folder, lay, views, shape, attrs, self.scratch, self.files)
+            content = ShardContent(lay, views, shape, attrs)
+            files, t1 = write(folder, content, self.scratch, self.files)
         return StagedShard(
             kv_fp=lay.kv_fp,
             tmp_name=tmp_name,
