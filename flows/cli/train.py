@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,6 +41,17 @@ def _training_store(store: str, data: Path | None, out: Path | None, what: str) 
         st = preflight.built_store(store)
     preflight.unlocked(st)
     return st
+
+
+@contextmanager
+def _training_run(store: str, data: Path | None, out: Path | None, what: str) -> Iterator[None]:
+    """Around a training command's flow run: the store's checks (:func:`_training_store`),
+    Prefect's server, and a flow's refusal of its inputs (``TRAIN_ERRORS``) stopping the
+    command with exit code 1."""
+    _training_store(store, data, out, what)
+    common.prefect_run()
+    with common.exit_on(1, *TRAIN_ERRORS):
+        yield
 
 
 @train_app.command("cartridges", cls=ListOptionsCommand)
@@ -101,9 +114,7 @@ def train_nuggets_cmd(
     given = common.given(overrides)
     if given.get("mode", "live") not in FINETUNE_MODES:
         fail(f"--mode {given['mode']!r} is not one of {', '.join(FINETUNE_MODES)}", 2)
-    _training_store(store, data, out, "coinrag train nuggets")
-    common.prefect_run()
-    with common.exit_on(1, *TRAIN_ERRORS):
+    with _training_run(store, data, out, "coinrag train nuggets"):
         summary = train.train_nuggets(
             str(store), str(data), str(out), rebuild_kv=rebuild_kv, **given
         )
@@ -129,9 +140,7 @@ def train_kvlink_cmd(
         fail(f"--kc {options.kc} is more than --max-docs {options.max_docs}", 2)
     if options.lr <= 0:
         fail("--lr must be > 0", 2)
-    _training_store(store, data, out, "coinrag train kvlink")
-    common.prefect_run()
-    with common.exit_on(1, *TRAIN_ERRORS):
+    with _training_run(store, data, out, "coinrag train kvlink"):
         summary = train_kvlink_flow(
             str(store),
             str(data),
@@ -166,9 +175,7 @@ def train_fusion_cmd(
     record it with the published index version."""
     from coinrag.flows.retriever import tune_fusion_flow
 
-    _training_store(store, None, None, "coinrag train fusion")
-    common.prefect_run()
-    with common.exit_on(1, *TRAIN_ERRORS):
+    with _training_run(store, None, None, "coinrag train fusion"):
         summary = tune_fusion_flow(
             str(store), [str(p) for p in exclude_questions or []], max_questions
         )
@@ -194,9 +201,7 @@ def train_retriever_cmd(
         options.validate()
     except ValueError as exc:
         fail(str(exc), 2)
-    _training_store(store, None, out, "coinrag train retriever")
-    common.prefect_run()
-    with common.exit_on(1, *TRAIN_ERRORS):
+    with _training_run(store, None, out, "coinrag train retriever"):
         summary = train_retriever_flow(
             str(store),
             str(out),
