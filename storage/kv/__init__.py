@@ -3,7 +3,8 @@
 One module per job (import the public names from here):
 
 - ``layout.py``: the layout contract (in memory, after RoPE, on disk, after re-rotation), the
-  identity ``kv_fp``, :class:`KvLayout`, the errors, entry locations;
+  identity ``kv_fp``, :class:`KvLayout`, entry locations; ``errors.py``: :class:`KvError` and
+  its kinds (corrupt, missing, unstored slice, fingerprint mismatch);
 - ``kept.py``: which tokens of its chunk an entry holds (``kv_keep``: whole chunks or only the
   ranges its nuggets cover) and the entry's key;
 - ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name:
@@ -25,18 +26,20 @@ from coinrag.storage.kv.codecs import (
     storage_view,
     to_storage,
 )
+from coinrag.storage.kv.errors import (
+    CorruptKvEntry,
+    KvError,
+    KvFingerprintMismatch,
+    MissingKvEntry,
+    UnstoredKvSlice,
+)
 from coinrag.storage.kv.kept import KeptRanges, KvEntry, entry_key
 from coinrag.storage.kv.layout import (
     DEFAULT_BLOCK_TOKENS,
     KV_CHECK_LEVELS,
     LAYOUT_VERSION,
     SHARD_OVERHEAD_BYTES,
-    CorruptKvEntry,
-    KvError,
-    KvFingerprintMismatch,
     KvLayout,
-    MissingKvEntry,
-    UnstoredKvSlice,
     kv_fingerprint,
     parse_location,
 )

@@ -15,7 +15,7 @@
 E.g. a 40-token chunk whose nuggets are ``[3, 9)``, ``[7, 12)`` and ``[20, 25)`` keeps
 ``[3, 12)`` and ``[20, 25)``: 14 stored tokens; chunk tokens ``[8, 11)`` are stored tokens
 ``[5, 8)``, and ``[10, 22)`` crosses the gap: reading it raises
-:class:`storage.kv.layout.UnstoredKvSlice`, never zeros.
+:class:`storage.kv.errors.UnstoredKvSlice`, never zeros.
 
 Identity: an entry's key is ``content_key`` (whole chunk) or ``content_key@<16 hex digits of the
 sha256 of its flat ranges>``. An unchanged chunk whose nugget spans did not change has the same

@@ -1,4 +1,5 @@
-"""The KV layout contract, the identity of a KV store, its errors and entry locations.
+"""The KV layout contract, the identity of a KV store and entry locations (its errors:
+``storage/kv/errors.py``).
 
 The layout contract (like the comment at the top of transformers' ``cache_utils.py``)
 ====================================================================================
@@ -112,6 +113,7 @@ from coinrag.storage.kv.codecs import (
     KvCodec,
     codec_named,
 )
+from coinrag.storage.kv.errors import KvFingerprintMismatch
 
 LAYOUT_VERSION = 1
 DEFAULT_BLOCK_TOKENS = IdentityCodec.default_block_tokens  # tokens per block, codec "none"
@@ -126,61 +128,6 @@ PREFIX = "prefix"  # the folder of C_p
 KV_CHECK_LEVELS = ("stat", "crc32c", "sha256", "full")  # "full": sha256
 SHARD_RE = re.compile(r"^shard-(\d{6,})$")
 _LOCATION_RE = re.compile(r"^(?P<kv_fp>[^/#]+)/(?P<shard>shard-\d{6,})#slot-(?P<slot>\d+)$")
-
-
-# ---------------------------------------------------------------------------- errors
-
-
-class KvError(RuntimeError):
-    """Base of the KV store's errors."""
-
-    exit_code = 1
-
-
-class CorruptKvEntry(KvError):
-    """A stored entry failed a check (crc32c, sha256, size, slot identity): never served."""
-
-    def __init__(self, content_key: str, location: str, reason: str) -> None:
-        self.content_key = content_key
-        self.location = location
-        self.reason = reason
-        super().__init__(f"corrupt KV entry {content_key} at {location}: {reason}")
-
-
-class MissingKvEntry(KvError, KeyError):
-    """No valid manifest row for this content_key under this kv_fp."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0]) if self.args else "missing KV entry"
-
-
-class UnstoredKvSlice(KvError, LookupError):
-    """Chunk tokens an entry does not hold (``kv_keep = "nuggets"`` keeps only nugget spans):
-    never served (as zeros or otherwise)."""
-
-    def __init__(self, content_key: str, start: int, end: int, held: str) -> None:
-        self.content_key = content_key
-        self.start = start
-        self.end = end
-        super().__init__(
-            f"tokens [{start}, {end}) of chunk content {content_key} are not stored: this KV "
-            f'store keeps only the KV of nugget spans (kv_keep = "nuggets"), and its entries of '
-            f"that chunk hold {held}"
-        )
-
-
-class KvFingerprintMismatch(KvError):
-    """KV built for one fingerprint was asked for by another."""
-
-    def __init__(self, stored: str, expected: str, detail: str = "") -> None:
-        self.stored = stored
-        self.expected = expected
-        msg = (
-            f"KV fingerprint mismatch: the stored KV was built for {stored}, but {expected} "
-            "was asked for; KV is tied to the model weights, dtype, RoPE and prompt prefix, "
-            "so it must be rebuilt (run the kv stage) for the current model"
-        )
-        super().__init__(msg + (f" ({detail})" if detail else ""))
 
 
 # ---------------------------------------------------------------------------- identity, layout

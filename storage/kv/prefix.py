@@ -22,14 +22,8 @@ from zarr.codecs import Crc32cCodec
 from zarr.storage import LocalStore
 
 from coinrag.storage.kv.codecs import AXES, entry_checksum, from_storage, to_storage
-from coinrag.storage.kv.layout import (
-    ATTR,
-    PREFIX,
-    CorruptKvEntry,
-    KvError,
-    KvFingerprintMismatch,
-    MissingKvEntry,
-)
+from coinrag.storage.kv.errors import CorruptKvEntry, KvError, KvFingerprintMismatch, MissingKvEntry
+from coinrag.storage.kv.layout import ATTR, PREFIX
 from coinrag.storage.kv.shard import read_problem
 from coinrag.storage.kv.transport import KvFolder
 

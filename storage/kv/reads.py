@@ -40,7 +40,8 @@ import numpy as np
 from zarr.core.sync import sync as _zarr_sync
 from zarr.storage import WrapperStore
 
-from coinrag.storage.kv.layout import CorruptKvEntry, KvLayout
+from coinrag.storage.kv.errors import CorruptKvEntry
+from coinrag.storage.kv.layout import KvLayout
 from coinrag.storage.kv.shard import (
     ShardMeta,
     back_to_back,

@@ -16,8 +16,9 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from coinrag.schemas.tables import KvManifestRow
+from coinrag.storage.kv.errors import CorruptKvEntry, MissingKvEntry
 from coinrag.storage.kv.kept import KvEntry
-from coinrag.storage.kv.layout import CorruptKvEntry, MissingKvEntry, parse_location
+from coinrag.storage.kv.layout import parse_location
 from coinrag.storage.kv.shard import create_shard_array, data_key, shard_attributes, shard_size
 
 if TYPE_CHECKING:

@@ -42,7 +42,8 @@ import zarr
 from zarr.codecs import Crc32cCodec
 from zarr.storage import LocalStore
 
-from coinrag.storage.kv.layout import ATTR, KvError, KvLayout
+from coinrag.storage.kv.errors import KvError
+from coinrag.storage.kv.layout import ATTR, KvLayout
 from coinrag.storage.kv.transport import LocalFiles, ScratchBuffers, round_up
 
 DATA_KEY = "c/0/0/0/0/0/0"  # the one data file of a shard array of the identity codec

@@ -65,16 +65,18 @@ import zarr
 from coinrag.schemas.tables import ChunkRow, KvManifestRow
 from coinrag.storage.kv.catalog import ShardCatalog
 from coinrag.storage.kv.codecs import entry_checksum
+from coinrag.storage.kv.errors import (
+    CorruptKvEntry,
+    KvError,
+    KvFingerprintMismatch,
+    MissingKvEntry,
+    UnstoredKvSlice,
+)
 from coinrag.storage.kv.kept import KvEntry, kept_of, key_of_row
 from coinrag.storage.kv.layout import (
     ATTR,
     KV_CHECK_LEVELS,
-    CorruptKvEntry,
-    KvError,
-    KvFingerprintMismatch,
     KvLayout,
-    MissingKvEntry,
-    UnstoredKvSlice,
     checked_layout,
     location_order,
     parse_location,

@@ -42,7 +42,8 @@ import numpy as np
 import zarr
 from zarr.storage import FsspecStore, LocalStore
 
-from coinrag.storage.kv.layout import KvError, KvLayout
+from coinrag.storage.kv.errors import KvError
+from coinrag.storage.kv.layout import KvLayout
 from coinrag.storage.location import zarr_storage_options
 from coinrag.storage.object_lock import precondition_failed
 from coinrag.storage.store import Store
