@@ -43,7 +43,9 @@ class RecoverCounts:
 def recover_chunk(
     chunk: ChunkRow, extraction: ExtractionRow, tau: float, run_id: str
 ) -> tuple[list[NuggetRow], list[AbandonedRow], int]:
-    """Nugget and abandoned rows of one chunk, nuggets in document order; and duplicates."""
+    """Nugget and abandoned rows of one chunk, nuggets in document order; and duplicates.
+    A nugget row is its chunk's ids and a ``RecoveredSpan``'s fields, an abandoned row its
+    chunk's ids and an ``AbandonedCandidate``'s (``recover/match.py``)."""
     spans, abandoned = recover_candidates(
         chunk.text, token_spans_pairs(chunk.token_spans), extraction.candidates, tau=tau
     )
@@ -70,28 +72,13 @@ def recover_chunk(
             doc_version=chunk.doc_version,
             content_key=chunk.content_key,
             ordinal=i,
-            text=s.text,
-            candidate=s.candidate,
-            match_kind=s.match_kind,
-            similarity=s.similarity,
-            char_start=s.char_start,
-            char_end=s.char_end,
-            tok_start=s.tok_start,
-            tok_end=s.tok_end,
-            occurrences=s.occurrences,
+            **vars(s),
             **made_by,
         )
         for i, s in enumerate(ordered)
     ]
     dropped = [
-        AbandonedRow(
-            chunk_id=chunk.chunk_id,
-            doc_id=chunk.doc_id,
-            candidate=a.candidate,
-            best_similarity=a.best_similarity,
-            reason=a.reason,
-            **made_by,
-        )
+        AbandonedRow(chunk_id=chunk.chunk_id, doc_id=chunk.doc_id, **vars(a), **made_by)
         for a in abandoned
     ]
     return nuggets, dropped, duplicates
