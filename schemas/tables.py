@@ -345,10 +345,12 @@ class NuggetIndexRow(PlaceInDocument):
 @dataclass(frozen=True)
 class WindowIndexRow:
     """A row of the LanceDB ``windows`` table (upserted by window_id): one piece of a chunk
-    that the embedder sees whole, ``[char_start, char_end)`` of the chunk's ``text``, embedded
-    after the chunk's heading path (``inference.retrieval.windows``). A chunk's windows cover every
-    one of its tokens, consecutive ones overlapping; a chunk that fits the embedder is one window
-    (its ``search_text``, the vector of its ``chunks`` row)."""
+    that the embedder sees whole, ``[char_start, char_end)`` of the chunk's ``text``;
+    ``search_text`` is the string embedded: the heading path where the window starts (of a
+    heading inside the chunk, else the chunk's own) and a newline before those characters
+    (``inference.retrieval.windows``). A chunk's windows cover every one of its tokens,
+    consecutive ones overlapping; a chunk that fits the embedder is one window (its
+    ``search_text``, the vector of its ``chunks`` row)."""
 
     window_id: str  # keys.window_id(chunk_id, char_start, char_end)
     chunk_id: str
@@ -357,6 +359,7 @@ class WindowIndexRow:
     ordinal: int  # 0-based, in chunk order
     char_start: int
     char_end: int
+    search_text: str
     vector: list[float]
     embedder_fp: str
     run_id: str

@@ -20,10 +20,11 @@ What is embedded (and searched by words: the ``search_text`` column of chunks an
 - a chunk: its search text (the embedder truncates it to its ``max_length``: 256 word pieces for
   MiniLM, about a third of a 512-token chunk), in the ``chunks`` table;
 - a chunk's windows (``inference.retrieval.windows``): its text cut into pieces of at most the
-embedder's
-  ``max_length`` word pieces with the heading prefix, a quarter of each overlapping the one
-  before, together covering every token; each in the ``windows`` table. A chunk that fits is
-  one window, its search text (the chunk's own vector: the same text, embedded once);
+  embedder's ``max_length`` word pieces, a quarter of each overlapping the one before,
+  together covering every token; each in the ``windows`` table after the heading path where
+  it starts (a heading inside the chunk, from its document's heading map, else the chunk's
+  own). A chunk that fits is one window, its search text (the chunk's own vector: the same
+  text, embedded once);
 - a nugget: the heading prefix and its source text, stripped of surrounding whitespace;
 - a document: ``title + "\\n" + the start of its text``, truncated by the embedder to its
   ``max_length`` tokens (so the first ~250 tokens for MiniLM; the text is cut at
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -64,6 +65,8 @@ from coinrag.schemas.tables import INDEX_TABLES, ChunkRow, EmbeddingRow, NuggetR
 from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import append_rows, read_table
+from coinrag.tasks.place import DocumentMaps
+from coinrag.tasks.readers.base import Heading, section_at
 
 DOC_CHARS_PER_TOKEN = 8  # document text is cut at max_length * this many characters
 
@@ -166,12 +169,48 @@ class PlannedWindow:
     window: Window
 
 
-def chunk_windows(embedder: Embedder, chunks: Sequence[ChunkRow]) -> list[PlannedWindow]:
-    """Every window of these chunks (``Embedder.windows`` of the text after its heading)."""
+def document_headings(documents: Iterable[Any]) -> dict[tuple[str, str], tuple[Heading, ...]]:
+    """``(doc_id, doc_version)`` -> the document's headings (its ``FileOrigin`` heading map;
+    ``tasks.ingest.SourceDocument`` or ``DocumentRow``), for the documents that have any."""
+    out = {}
+    for doc in documents:
+        origin = getattr(doc, "origin", doc)
+        headings = DocumentMaps.of(doc.text, origin if origin is not None else None).headings
+        if headings:
+            out[(doc.doc_id, _doc_version(doc))] = headings
+    return out
+
+
+def inner_sections(chunk: ChunkRow, headings: Sequence[Heading]) -> list[tuple[int, str]]:
+    """The heading paths that start inside ``chunk`` (after its first character), as
+    ``(character of the chunk's text, heading path)``, from its document's ``headings``."""
+    return [
+        (h.char_start - chunk.char_start, heading(section_at(tuple(headings), h.char_start)))
+        for h in headings
+        if chunk.char_start < h.char_start < chunk.char_end
+    ]
+
+
+def chunk_windows(
+    embedder: Embedder,
+    chunks: Sequence[ChunkRow],
+    headings: Mapping[tuple[str, str], Sequence[Heading]] | None = None,
+) -> list[PlannedWindow]:
+    """Every window of these chunks: ``Embedder.windows`` of the text after its heading path,
+    a window that starts under a heading inside the chunk after that heading's path
+    (``headings``: :func:`document_headings` of their documents; a chunk whose document is
+    not there: its own path only)."""
+    headings = headings or {}
     return [
         PlannedWindow(c, i, w)
         for c in chunks
-        for i, w in enumerate(embedder.windows(c.text, heading(c.section)))
+        for i, w in enumerate(
+            embedder.windows(
+                c.text,
+                heading(c.section),
+                inner_sections(c, headings.get((c.doc_id, c.doc_version), ())),
+            )
+        )
     ]
 
 
@@ -397,6 +436,7 @@ def write_index(
                 for name in ("chunk_id", "doc_id", "doc_version")
             },
             "ordinal": [w.ordinal for w in windows],
+            "search_text": [w.window.text for w in windows],
             "char_start": [w.window.char_start for w in windows],
             "char_end": [w.window.char_end for w in windows],
         },
@@ -442,7 +482,7 @@ def embed_stage(
     counts.tables_migrated = list(index.migrated)
     t0 = time.perf_counter()
     plan = plan_index(index, chunks, nuggets, documents, counts)
-    plan.windows = chunk_windows(embedder, plan.windowed)
+    plan.windows = chunk_windows(embedder, plan.windowed, document_headings(documents))
     counts.index_seconds += time.perf_counter() - t0
 
     # Vectors: the cache first, then the embedder for what it lacks.

@@ -85,9 +85,13 @@ class Embedder(Protocol):
         """(n, dim) float32 for queries (with the query instruction, if the model has one)."""
         ...
 
-    def windows(self, text: str, prefix: str = "") -> list[Window]:
-        """``text`` cut into pieces this embedder sees whole, each embedded after ``prefix``
-        (``inference.retrieval.windows.text_windows``): together they cover every token of it."""
+    def windows(
+        self, text: str, prefix: str = "", sections: Sequence[tuple[int, str]] = ()
+    ) -> list[Window]:
+        """``text`` cut into pieces this embedder sees whole, each embedded after the heading
+        path where it starts: ``prefix``, or one of ``sections`` (``(character, path)`` of
+        headings inside the text; ``inference.retrieval.windows.text_windows``): together
+        they cover every token of it."""
         ...
 
 
@@ -288,11 +292,13 @@ class FlagEmbedder:
         )
         return enc["offset_mapping"], enc.word_ids()
 
-    def windows(self, text: str, prefix: str = "") -> list[Window]:
-        """``text`` in windows of at most :attr:`max_length` word pieces with ``prefix`` and
-        the special tokens (``inference.retrieval.windows.text_windows``)."""
+    def windows(
+        self, text: str, prefix: str = "", sections: Sequence[tuple[int, str]] = ()
+    ) -> list[Window]:
+        """``text`` in windows of at most :attr:`max_length` word pieces with their heading
+        path and the special tokens (``inference.retrieval.windows.text_windows``)."""
         room = self.max_length - self.tokenizer.num_special_tokens_to_add(pair=False)
-        return text_windows(text, prefix, self._tokenize, room)
+        return text_windows(text, prefix, self._tokenize, room, sections=sections)
 
 
 def _is_bge_m3(path: Path, config: dict[str, Any]) -> bool:

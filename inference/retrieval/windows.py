@@ -12,11 +12,13 @@ Worked example, one token per word, ``width`` 4, ``overlap`` 1, 10 tokens: ``[(0
 (6, 10)]``: each window starts one token before the previous one ends, the last ends at the end.
 
 :func:`text_windows` turns the token ranges into :class:`Window`s: character spans of the text
-and the string embedded for each, the heading prefix first (cut to a quarter of the room).
+and the string embedded for each, after the heading path in effect where the window starts (a
+chunk's own path, or that of a heading inside it), cut to a quarter of the room.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -84,39 +86,61 @@ def window_spans(word_ids: Sequence[int | None], width: int, overlap: int) -> li
     return spans
 
 
+def _cut_prefix(prefix: str, tokenize: Tokenize, room: int) -> tuple[str, int]:
+    """``prefix``'s first words within ``PREFIX_FRACTION * room`` tokens, and the tokens it
+    takes with the join (0 for an empty prefix)."""
+    if not prefix.strip():
+        return "", 0
+    offsets, words = tokenize(prefix)
+    cut = max(1, int(room * PREFIX_FRACTION))
+    if len(offsets) > cut:  # keep its first words that fit
+        while cut > 1 and words[cut] is not None and words[cut] == words[cut - 1]:
+            cut -= 1
+    cut = min(cut, len(offsets))
+    head = prefix if cut == len(offsets) else prefix[: offsets[cut - 1][1]]
+    return head, cut + 1
+
+
+def _prefix_at(starts: Sequence[int], heads: Sequence[str], text: str, a: int, b: int) -> str:
+    """The prefix in effect at the first visible character of ``text[a:b]``: the last of
+    ``heads`` whose start (``starts``, ascending, the first 0) is at or before it."""
+    visible = a + len(text[a:b]) - len(text[a:b].lstrip())
+    return heads[bisect.bisect_right(starts, visible) - 1]
+
+
 def text_windows(
-    text: str, prefix: str, tokenize: Tokenize, room: int, overlap_fraction: float | None = None
+    text: str,
+    prefix: str,
+    tokenize: Tokenize,
+    room: int,
+    overlap_fraction: float | None = None,
+    sections: Sequence[tuple[int, str]] = (),
 ) -> list[Window]:
     """The windows of ``text`` for an encoder with ``room`` tokens per input (its
-    ``max_length`` less its special tokens), each embedded after ``prefix`` (the heading path;
-    "" for none), cut by ``tokenize`` (the encoder's tokenizer).
+    ``max_length`` less its special tokens), cut by ``tokenize`` (the encoder's tokenizer).
 
-    The prefix keeps its first words within ``PREFIX_FRACTION * room`` tokens; the windows get
-    the rest, less one token for the join. A text that fits is one window, the whole text (so
-    its string is the one embedded for the whole text: one vector). Windows overlap by
+    Each window is embedded after the heading path in effect where its first visible
+    character is: ``prefix`` (the path at the text's start; "" for none), or the last of
+    ``sections`` (``(character of text, path)``, ascending: headings inside the text) at or
+    before it; so a window that starts in a later section of a chunk is embedded under that
+    section's path, not the chunk's first one. Each prefix keeps its first words within
+    ``PREFIX_FRACTION * room`` tokens; the windows get the rest less the longest prefix and
+    one token for the join. A text that fits is one window, the whole text after ``prefix``
+    (so its string is the one embedded for the whole text: one vector). Windows overlap by
     ``OVERLAP_FRACTION`` of their width.
     """
-    head = ""
-    used = 0
-    if prefix.strip():
-        offsets, words = tokenize(prefix)
-        cut = max(1, int(room * PREFIX_FRACTION))
-        if len(offsets) > cut:  # keep its first words that fit
-            while cut > 1 and words[cut] is not None and words[cut] == words[cut - 1]:
-                cut -= 1
-        cut = min(cut, len(offsets))
-        head = prefix if cut == len(offsets) else prefix[: offsets[cut - 1][1]]
-        used = cut + 1
-    lead = f"{head}\n" if head else ""
-    width = max(1, room - used)
+    cuts = [_cut_prefix(p, tokenize, room) for p in (prefix, *(path for _, path in sections))]
+    heads = [f"{head}\n" if head else "" for head, _ in cuts]
+    starts = [0, *(at for at, _ in sections)]
+    width = max(1, room - max(used for _, used in cuts))
     offsets, word_ids = tokenize(text)
     fraction = OVERLAP_FRACTION if overlap_fraction is None else overlap_fraction
     spans = window_spans(word_ids, width, int(width * fraction))
     if len(spans) == 1:
-        return [Window(0, len(text), lead + text)]
+        return [Window(0, len(text), heads[0] + text)]
     out = []
     for start, end in spans:
         a = 0 if start == 0 else offsets[start][0]
         b = len(text) if end == len(offsets) else offsets[end - 1][1]
-        out.append(Window(a, b, lead + text[a:b]))
+        out.append(Window(a, b, _prefix_at(starts, heads, text, a, b) + text[a:b]))
     return out

@@ -162,8 +162,8 @@ class HashEmbedder:
     def embed_queries(self, texts):
         return self.embed_documents(texts)
 
-    def windows(self, text, prefix=""):
-        return text_windows(text, prefix, words, self.max_length - 2)
+    def windows(self, text, prefix="", sections=()):
+        return text_windows(text, prefix, words, self.max_length - 2, sections=sections)
 
 
 def ids_of(index: LanceIndex, table: str, column: str) -> list[str]:

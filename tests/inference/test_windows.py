@@ -118,3 +118,22 @@ def test_text_windows_with_a_word_tokenizer():
     assert [w.text for w in got] == ["a b c d", "d e f g", "g h i j"]
     got = text_windows(text, "T", words, room=5, overlap_fraction=0.25)  # T + join: 2 tokens
     assert [w.text for w in got] == ["T\na b c", "T\nd e f", "T\ng h i", "T\nh i j"]
+
+
+def test_text_windows_take_the_path_of_a_heading_inside_the_text():
+    """A window is embedded after the path where its first word is: the text's own, or that of
+    a heading inside the text; the width leaves room for the longest path."""
+    import re
+
+    def words(text: str):
+        offsets = [m.span() for m in re.finditer(r"\S+", text)]
+        return offsets, list(range(len(offsets)))
+
+    text = "a b c d e f g h i j"
+    got = text_windows(text, "T", words, room=5, overlap_fraction=0.25, sections=[(12, "S")])
+    assert [w.text for w in got] == ["T\na b c", "T\nd e f", "S\ng h i", "S\nh i j"]
+    got = text_windows(text, "T", words, room=5, overlap_fraction=0.25, sections=[(11, "S")])
+    assert [w.text for w in got][2] == "S\ng h i"  # a heading starting on the blank before
+    # room 8: a path keeps 2 words, "S U" and its join take 3 tokens: windows of 5
+    got = text_windows(text, "T", words, room=8, overlap_fraction=0.25, sections=[(6, "S U")])
+    assert [w.text for w in got] == ["T\na b c d e", "S U\ne f g h i", "S U\nf g h i j"]

@@ -16,13 +16,14 @@ from coinrag.inference.model.loading import tokenizer_fingerprint
 from coinrag.inference.retrieval.embedders import FlagEmbedder, load_embedder
 from coinrag.inference.retrieval.retriever import Retriever
 from coinrag.schemas.keys import text_hash
-from coinrag.schemas.tables import ChunkRow, EmbeddingRow
+from coinrag.schemas.tables import ChunkRow, EmbeddingRow, FileOrigin
 from coinrag.storage.index.lance import FTS_TABLES, LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
 from coinrag.tasks.chunk import chunk_document
-from coinrag.tasks.embed import embed_stage, search_text
+from coinrag.tasks.embed import chunk_windows, embed_stage, search_text
 from coinrag.tasks.ingest import SourceDocument
+from coinrag.tasks.place import DocumentMaps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -194,3 +195,41 @@ def test_an_older_index_is_read_then_migrated(tmp_path, smollm2_tokenizer, minil
     assert index.count("chunks") == len(chunks)
     again = embed_stage(store, chunks, [], docs, minilm, "r3")
     assert again.tables_migrated == [] and again.texts == again.chunks_written == 0
+
+
+def test_a_window_under_a_heading_inside_its_chunk_is_embedded_after_that_heading(
+    tmp_path, smollm2_tokenizer, minilm, sample
+):
+    """A chunk of a file with headings: each window is embedded after the heading path where
+    its first visible character is (from the document's heading map), not the chunk's first
+    path; a chunk whose document is not given keeps its own path on every window."""
+    head, body = "Quillon almanac\n\n", sample["amazon-river"]
+    inner = "\n\nNight tables\n\n"
+    text = f"{head}{body}{inner}{ANSWER} {sample['photosynthesis']} {sample['penicillin']}"
+    at = len(head) + len(body) + 2  # where the "Night tables" line starts
+    origin = FileOrigin(
+        path="almanac.md",
+        format="markdown",
+        heading_starts=[0, at],
+        heading_levels=[1, 2],
+        heading_titles=SECTION,
+    )
+    doc = SourceDocument("almanac", text, {}, "test", origin=origin)
+    (chunk,) = cut(smollm2_tokenizer, [doc], section=SECTION[:1])
+    maps = DocumentMaps.of(text, origin)
+    store = Store.at(tmp_path / "s").init()
+    embed_stage(store, [chunk], [], [doc], minilm, "r1")
+    rows = LanceIndex.open(store).columns("windows", ["char_start", "char_end", "search_text"])
+    rows = sorted(rows.to_pylist(), key=lambda r: r["char_start"])
+    assert len(rows) >= 2
+    prefixes = []
+    for r in rows:
+        piece = chunk.text[r["char_start"] : r["char_end"]]
+        visible = chunk.char_start + r["char_start"] + len(piece) - len(piece.lstrip())
+        path = " > ".join(maps.place(visible, visible + 1).section or [])
+        assert r["search_text"] == f"{path}\n{piece}"
+        prefixes.append(path)
+    assert prefixes[0] == "Quillon almanac" and prefixes[-1] == "Quillon almanac > Night tables"
+    # Without its document (no heading map): every window after the chunk's own path.
+    alone = chunk_windows(minilm, [chunk])
+    assert {w.window.text.split("\n", 1)[0] for w in alone} == {"Quillon almanac"}
