@@ -307,9 +307,10 @@ class ChunkIndexRow(PlaceInDocument):
     """A row of the LanceDB ``chunks`` table (upserted by chunk_id).
 
     ``text`` is the chunk as shown (evidence); ``search_text`` what is searched: the heading
-    path (``" > ".join(section)``) and a newline before the text, or the text itself for a
-    chunk without a section (``tasks.embed.search_text``). ``vector`` is ``search_text``'s
-    embedding as the embedder truncates it; the ``windows`` table covers the rest."""
+    path (``" > ".join(section)``), the titles of the headings inside the chunk, one a line,
+    then the text; the text itself for a chunk without headings (``tasks.embed.search_text``).
+    ``vector`` is ``search_text``'s embedding as the embedder truncates it; the ``windows``
+    table covers the rest."""
 
     chunk_id: str
     doc_id: str
@@ -514,6 +515,12 @@ TABLES: dict[str, type] = {
     "teacher_answers": TeacherAnswerRow,
     "cartridge_manifest": CartridgeManifestRow,
 }
+
+# How the ``search_text`` of an index row is composed (``tasks.embed``): a table whose rows were
+# composed by another version is written again (``storage.index.lance.LanceIndex._migrate``).
+# 1: the heading path and the text; 2: a chunk's also the titles of the headings inside it, and
+# each window after the heading path where it starts.
+SEARCH_TEXT_VERSION = "2"
 
 # LanceDB tables (under STORE/index/), not Parquet: same one-definition rule.
 INDEX_TABLES: dict[str, type] = {

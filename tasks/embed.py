@@ -16,7 +16,9 @@ What is embedded (and searched by words: the ``search_text`` column of chunks an
 ``text`` stays the text shown as evidence and kept as KV):
 
 - the heading prefix: a chunk's or nugget's heading path (``" > ".join(section)``, outermost
-  first) and a newline, before its text; nothing for one without a section;
+  first) and a newline, before its text; nothing for one without a section. A chunk's also
+  holds the titles of the headings inside it (its document's heading map), one a line, after
+  the path: a title is searched as a field of its own (``schemas.tables.SEARCH_TEXT_VERSION``);
 - a chunk: its search text (the embedder truncates it to its ``max_length``: 256 word pieces for
   MiniLM, about a third of a 512-token chunk), in the ``chunks`` table;
 - a chunk's windows (``inference.retrieval.windows``): its text cut into pieces of at most the
@@ -142,15 +144,18 @@ def heading(section: Sequence[str] | None) -> str:
     return PlaceInDocument(section=list(section or ())).section_text()
 
 
-def search_text(text: str, section: Sequence[str] | None) -> str:
-    """The text searched (embedded, and indexed by words) for a row of ``text`` under
-    ``section``: the heading path, a newline, the text; the text alone without a section.
+def search_text(text: str, section: Sequence[str] | None, titles: Sequence[str] = ()) -> str:
+    r"""The text searched (embedded, and indexed by words) for a row of ``text`` under
+    ``section``: the heading path, then ``titles`` (of the headings inside a chunk), one a
+    line, then the text; the text alone without either.
 
     >>> search_text("Use a list.", ["Programming FAQ", "Performance"])
     'Programming FAQ > Performance\nUse a list.'
+    >>> search_text("Use a list. Sorting ...", ["FAQ", "Lists"], ["How do I sort?"])
+    'FAQ > Lists\nHow do I sort?\nUse a list. Sorting ...'
     """
-    path = heading(section)
-    return f"{path}\n{text}" if path else text
+    lines = [line for line in (heading(section), *(t.strip() for t in titles)) if line]
+    return "\n".join([*lines, text]) if lines else text
 
 
 def nugget_text(nugget: NuggetRow) -> str:
@@ -181,14 +186,28 @@ def document_headings(documents: Iterable[Any]) -> dict[tuple[str, str], tuple[H
     return out
 
 
+def inner_headings(chunk: ChunkRow, headings: Sequence[Heading]) -> list[Heading]:
+    """The headings of ``chunk``'s document (``headings``) whose line starts inside the chunk,
+    after its first character (the chunk's own ``section`` names the one it starts under)."""
+    return [h for h in headings if chunk.char_start < h.char_start < chunk.char_end]
+
+
 def inner_sections(chunk: ChunkRow, headings: Sequence[Heading]) -> list[tuple[int, str]]:
-    """The heading paths that start inside ``chunk`` (after its first character), as
-    ``(character of the chunk's text, heading path)``, from its document's ``headings``."""
+    """The heading paths that start inside ``chunk``, as ``(character of the chunk's text,
+    heading path)``, from its document's ``headings``."""
     return [
         (h.char_start - chunk.char_start, heading(section_at(tuple(headings), h.char_start)))
-        for h in headings
-        if chunk.char_start < h.char_start < chunk.char_end
+        for h in inner_headings(chunk, headings)
     ]
+
+
+def chunk_search_text(chunk: ChunkRow, headings: Sequence[Heading] = ()) -> str:
+    """A chunk's search text: its heading path, the titles of the headings inside it (its
+    document's ``headings``; a title counts as a field of its own, as search engines weigh a
+    page's titles: a question worded like one of the sections a chunk holds finds it by
+    words), then its text."""
+    titles = [h.title for h in inner_headings(chunk, headings)]
+    return search_text(chunk.text, chunk.section, titles)
 
 
 def chunk_windows(
@@ -335,11 +354,20 @@ class IndexPlan:
     documents: list[Any]
     windowed: list[ChunkRow]  # chunks whose windows the index lacks
     windows: list[PlannedWindow] = field(default_factory=list)  # theirs (:func:`chunk_windows`)
+    # (doc_id, doc_version) -> its headings (:func:`document_headings`)
+    headings: Mapping[tuple[str, str], Sequence[Heading]] = field(default_factory=dict)
+
+    def chunk_texts(self) -> list[str]:
+        """The search texts of the new chunks (:func:`chunk_search_text`), in row order."""
+        return [
+            chunk_search_text(c, self.headings.get((c.doc_id, c.doc_version), ()))
+            for c in self.chunks
+        ]
 
     def texts(self, max_length: int) -> dict[str, list[str]]:
         """table -> the strings embedded for its new rows, in row order."""
         return {
-            "chunks": [search_text(c.text, c.section) for c in self.chunks],
+            "chunks": self.chunk_texts(),
             "windows": [w.window.text for w in self.windows],
             "nuggets": [nugget_text(n) for n in self.nuggets],
             "documents": [document_text(d, max_length) for d in self.documents],
@@ -426,7 +454,7 @@ def write_index(
 
     docs, windows = plan.documents, plan.windows
     computed: dict[str, dict[str, list[Any]]] = {
-        "chunks": {"search_text": [search_text(c.text, c.section) for c in plan.chunks]},
+        "chunks": {"search_text": plan.chunk_texts()},
         "windows": {
             "window_id": [
                 window_id(w.chunk.chunk_id, w.window.char_start, w.window.char_end) for w in windows
@@ -482,7 +510,8 @@ def embed_stage(
     counts.tables_migrated = list(index.migrated)
     t0 = time.perf_counter()
     plan = plan_index(index, chunks, nuggets, documents, counts)
-    plan.windows = chunk_windows(embedder, plan.windowed, document_headings(documents))
+    plan.headings = document_headings(documents)
+    plan.windows = chunk_windows(embedder, plan.windowed, plan.headings)
     counts.index_seconds += time.perf_counter() - t0
 
     # Vectors: the cache first, then the embedder for what it lacks.

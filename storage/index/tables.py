@@ -12,7 +12,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from coinrag.schemas.tables import INDEX_TABLES, PlaceInDocument, arrow_schema, column_names
+from coinrag.schemas.tables import (
+    INDEX_TABLES,
+    SEARCH_TEXT_VERSION,
+    PlaceInDocument,
+    arrow_schema,
+    column_names,
+)
 
 META_FILE = "coinrag-index.json"
 ID_COLUMNS = {
@@ -115,8 +121,12 @@ class IndexMeta:
         return json.dumps(data, indent=2, sort_keys=True)
 
 
+SEARCH_TEXT_KEY = "coinrag.search_text"  # schema metadata: the table's SEARCH_TEXT_VERSION
+
+
 def lance_schema(table: str, dim: int, embedder_fp: str) -> pa.Schema:
-    """The LanceDB schema of an index table: the record's, with a fixed-size vector column."""
+    """The LanceDB schema of an index table: the record's, with a fixed-size vector column; a
+    table with a ``search_text`` column records :data:`SEARCH_TEXT_VERSION` in its metadata."""
     base = arrow_schema(INDEX_TABLES[table])
     fields = []
     for f in base:
@@ -125,13 +135,19 @@ def lance_schema(table: str, dim: int, embedder_fp: str) -> pa.Schema:
         elif f.name == ID_COLUMNS[table]:
             f = f.with_nullable(False)
         fields.append(f)
-    return pa.schema(fields, metadata={"coinrag.embedder_fp": embedder_fp, "coinrag.dim": str(dim)})
+    metadata = {"coinrag.embedder_fp": embedder_fp, "coinrag.dim": str(dim)}
+    if "search_text" in base.names:
+        metadata[SEARCH_TEXT_KEY] = SEARCH_TEXT_VERSION
+    return pa.schema(fields, metadata=metadata)
 
 
 def same_columns(have: pa.Schema, want: pa.Schema) -> bool:
-    """Whether a table's schema has exactly the columns (names and types) of ``want``: a table
-    written by an older coinrag (a column added since) does not."""
-    return {(f.name, f.type) for f in have} == {(f.name, f.type) for f in want}
+    """Whether a table's schema has exactly the columns (names and types) of ``want`` and its
+    search texts were composed the same way (:data:`SEARCH_TEXT_KEY`): a table written by an
+    older coinrag (a column added since, search texts composed otherwise) does not."""
+    key = SEARCH_TEXT_KEY.encode()
+    composed = (have.metadata or {}).get(key) == (want.metadata or {}).get(key)
+    return composed and {(f.name, f.type) for f in have} == {(f.name, f.type) for f in want}
 
 
 def vectors_array(vectors: np.ndarray, dim: int) -> pa.FixedSizeListArray:

@@ -14,8 +14,8 @@ how the documents are read, chunked and indexed):
 - ``text``: the JSONL corpus of the reST sources (ids ``faq/programming``, ...);
 - ``html``: the HTML folder as SOURCE (``_sources/`` excluded: the same reST again), ids by
   path, so the gold ids match; ``html-noprefix``: the same without the heading prefix in the
-  searched text (the prefix function patched out for the build); ``html-section``,
-  ``html-sentence``, ``html-content``: other chunkers;
+  searched text (the heading path and a chunk's inner titles patched out for the build);
+  ``html-section``, ``html-sentence``, ``html-content``: other chunkers;
 - ``pdf``: a folder of the same pages printed to PDF (``--pdf``).
 
 For every store and question set (the FAQ questions, and ``infra/python_natural_questions.jsonl``)
@@ -49,8 +49,11 @@ def _variant(
         return str(args.text), base, contextlib.nullcontext()
     if name == "html":
         return str(args.html), html, contextlib.nullcontext()
-    if name == "html-noprefix":
-        return str(args.html), html, mock.patch("coinrag.tasks.embed.heading", lambda s: "")
+    if name == "html-noprefix":  # no heading path, and no inner titles, searched
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch("coinrag.tasks.embed.heading", lambda s: ""))
+        stack.enter_context(mock.patch("coinrag.tasks.embed.inner_headings", lambda c, h: []))
+        return str(args.html), html, stack
     if name.startswith("html-"):
         return (
             str(args.html),

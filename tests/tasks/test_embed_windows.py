@@ -233,3 +233,31 @@ def test_a_window_under_a_heading_inside_its_chunk_is_embedded_after_that_headin
     # Without its document (no heading map): every window after the chunk's own path.
     alone = chunk_windows(minilm, [chunk])
     assert {w.window.text.split("\n", 1)[0] for w in alone} == {"Quillon almanac"}
+
+
+def test_search_texts_composed_by_an_older_rule_are_written_again(
+    tmp_path, smollm2_tokenizer, minilm, docs
+):
+    """A table whose search texts an older coinrag composed (its schema records another
+    ``SEARCH_TEXT_VERSION``) is emptied and written again, from the embedding cache."""
+    from coinrag.schemas.tables import SEARCH_TEXT_VERSION
+    from coinrag.storage.index.tables import SEARCH_TEXT_KEY
+
+    store = Store.at(tmp_path / "s").init()
+    chunks = cut(smollm2_tokenizer, docs)
+    embed_stage(store, chunks, [], docs, minilm, "r1")
+    index = LanceIndex.open_latest(store)
+    for name in ("chunks", "windows"):
+        data = index.table(name).to_arrow()
+        older = {**data.schema.metadata, SEARCH_TEXT_KEY.encode(): b"1"}
+        index.db.create_table(name, data.replace_schema_metadata(older), mode="overwrite")
+        assert index.db.open_table(name).schema.metadata[SEARCH_TEXT_KEY.encode()] == b"1"
+    counts = embed_stage(store, chunks, [], docs, minilm, "r2")
+    assert counts.tables_migrated == ["chunks", "windows"] and counts.embedded == 0
+    index = LanceIndex.open_latest(store)
+    assert index.count("chunks") == len(chunks)
+    for name in ("chunks", "windows"):
+        version = index.db.open_table(name).schema.metadata[SEARCH_TEXT_KEY.encode()]
+        assert version == SEARCH_TEXT_VERSION.encode()
+    again = embed_stage(store, chunks, [], docs, minilm, "r3")
+    assert again.tables_migrated == [] and again.chunks_written == 0
