@@ -535,8 +535,8 @@ class EvalOptions:
     )
     retrieval_only: bool = setting(
         False,
-        "Only hits of gold documents (chunks, two-stage, one-stage) per search mode: no model, "
-        "no KV.",
+        "Only hits of gold documents (chunks, two-stage, one-stage) per search mode: no model "
+        "(unless --rerank upr), no KV.",
         cli=True,
     )
 

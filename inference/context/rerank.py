@@ -94,7 +94,7 @@ class QueryLikelihood(Reranker, name="upr"):
     ``context``."""
 
     depth: ClassVar[int] = 8
-    weight: ClassVar[float] = 0.5
+    weight: ClassVar[float] = 0.85
 
     def __init__(self, context: ContextBuilder) -> None:
         self.context = context
