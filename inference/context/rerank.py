@@ -89,7 +89,7 @@ def question_logprobs(
 
 
 class QueryLikelihood(Reranker, name="upr"):
-    """Reorders a search's top :attr:`depth` chunks by :func:`question_logprob` of the question
+    """Reorders a search's top :attr:`depth` chunks by :func:`question_logprobs` of the question
     given each (combined with the search's score, ``Reranker.rerank``), the chunks' KV from
     ``context``."""
 
@@ -121,6 +121,9 @@ class QueryLikelihood(Reranker, name="upr"):
         """Score ``hits`` (distinct contents) into the memo."""
         context = self.context
         ids = context.prompt.tokenizer.encode(question, add_special_tokens=False)
+        if not ids:  # nothing to be likely: every chunk alike (the search's order stands)
+            self._memo.update({(question, h.content_key): 0.0 for h in hits})
+            return
         evidence = [
             Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score)
             for h in hits
