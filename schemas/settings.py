@@ -30,6 +30,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     kv_codec = "none"           # none | int8 | int4 | int2 (how the stored KV is encoded)
     kv_keep = "chunks"          # chunks | nuggets (store only the KV of nugget spans)
     retrieval = "hybrid"        # dense | lexical | hybrid (how queries rank; per query too)
+    rerank = "none"             # none | upr (reorder the top chunks by the model's likelihood)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
 environment, and nothing in this module reads or records them.
@@ -86,6 +87,11 @@ HTML_MODES = ("main", "whole")  # html reader: the main content (trafilatura) or
 # (hybrid).
 RETRIEVAL_MODES = ("dense", "lexical", "hybrid")
 DEFAULT_RETRIEVAL = "hybrid"
+# How the top chunks of a search are reordered before kc are kept
+# (inference.retrieval.rerank.Reranker.registry; a test keeps them equal): not at all (none), or
+# by the generation model's likelihood of the question given each chunk (upr, over its KV).
+RERANKERS = ("none", "upr")
+DEFAULT_RERANK = "none"
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
 # The RAG methods: the names of inference/methods' registry (METHODS; a test keeps them equal),
@@ -245,6 +251,14 @@ class BuildSettings:
         "(default {default}).",
         cli=True,
     )
+    rerank: str = setting(
+        DEFAULT_RERANK,
+        "How queries of this store reorder the top chunks of a search: none (default) | upr "
+        "(the generation model's likelihood of the question given each chunk; over its KV "
+        "where the store has KV, else the chunks are encoded per query: seconds on a CPU).",
+        cli=True,
+        choices=RERANKERS,
+    )
     index: bool = True  # embed chunks, nuggets and documents into LanceDB
     prune: bool = setting(
         False,  # tombstone live documents that are absent from SOURCE
@@ -305,6 +319,8 @@ class BuildSettings:
             raise SettingsError(
                 f"retrieval {self.retrieval!r} is not one of {', '.join(RETRIEVAL_MODES)}"
             )
+        if self.rerank not in RERANKERS:
+            raise SettingsError(f"rerank {self.rerank!r} is not one of {', '.join(RERANKERS)}")
         if self.html_mode not in HTML_MODES:
             raise SettingsError(
                 f"html_mode {self.html_mode!r} is not one of {', '.join(HTML_MODES)}"
@@ -510,10 +526,17 @@ class EvalOptions:
         cli=True,
         choices=RETRIEVAL_MODES,
     )
+    rerank: str | None = setting(
+        None,
+        " | ".join(RERANKERS) + ": how the top chunks are reordered (default: the store's "
+        "rerank setting).",
+        cli=True,
+        choices=RERANKERS,
+    )
     retrieval_only: bool = setting(
         False,
-        "Only hits of gold documents (chunks, two-stage, one-stage) per search mode: no model, "
-        "no KV.",
+        "Only hits of gold documents (chunks, two-stage, one-stage) per search mode: no model "
+        "(unless --rerank upr), no KV.",
         cli=True,
     )
 

@@ -171,6 +171,7 @@ def _eval_retrieval(store: str, questions: Path, out: Path, options: EvalOptions
             ks=options.k or [DEFAULT_QUERY.k],
             retrievals=options.retrieval or RETRIEVAL_MODES,
             limit=options.limit,
+            rerank=options.rerank,
         )
     Console().print(retrieval_text(table), highlight=False, soft_wrap=True)
 

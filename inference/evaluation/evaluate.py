@@ -279,6 +279,7 @@ def evaluate(
         retrievals=sorted({r["retrieval"] for r in rows}),
         max_new_tokens=max_new_tokens,
         n_questions=len(questions),
+        rerank=first.rerank,
     )
     _write_report(out, rows, results, table3, console)
     return results

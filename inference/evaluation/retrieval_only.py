@@ -17,7 +17,12 @@ the question's gold documents among them (the same measure as
 is the 1-based rank of the first retrieved item of a gold document (null when none is there): among
 the top ``kc`` chunks for ``chunks``, among the retrieved nuggets by score (best first) for the
 nugget kinds; ``mrr`` is the mean of ``1 / rank`` (0 for none): MRR@kc for chunks, MRR@k for
-nuggets. ``search_ms`` is query embedding + index searches (+ fusion for hybrid).
+nuggets. ``search_ms`` is query embedding + index searches (+ fusion for hybrid) + reranking.
+
+``rerank`` (default: the store's ``rerank`` setting) reorders each search's top chunks
+(``inference.retrieval.rerank``; recorded in ``eval_run.json``). A reranker scores a question's
+chunks once (memoised), so in a kc sweep the first kc pays its time and the others reuse it:
+its latency is measured by ``tests/benchmarks/bench_rerank.py``.
 
 Outputs under ``out_dir`` (schemas in ``schemas/evaluation.py``): ``retrieval.parquet`` (one row
 per dataset, search mode, evidence kind and (kc, k)), ``retrieval_per_question.parquet`` and
@@ -98,6 +103,7 @@ def evaluate_retrieval(
     retrievals: Sequence[str] = RETRIEVAL_MODES,
     embedder: str | None = None,
     limit: int | None = None,
+    rerank: str | None = None,
 ) -> pa.Table:
     """Hits and recall of gold documents for each question file (``questions_path``: one or
     several; ``dataset``: a file's stem), search mode, evidence kind and (kc, k); write the
@@ -108,6 +114,7 @@ def evaluate_retrieval(
     defaults to the store's; a different one than the index's is refused. Each search mode is
     warmed up once (untimed) before the timed queries.
     """
+    from coinrag.inference.context.rerank import store_reranker
     from coinrag.inference.retrieval.embedders import load_embedder
     from coinrag.inference.retrieval.retriever import Retriever, search_mode
     from coinrag.schemas.settings import settings_from_toml
@@ -127,7 +134,8 @@ def evaluate_retrieval(
     if not store.exists():
         raise FileNotFoundError(f"{store} is not a coinrag store (run coinrag build first)")
     settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-    retriever = Retriever(store, load_embedder(embedder or settings.embedder))
+    reranker = store_reranker(rerank or settings.rerank, store, settings)
+    retriever = Retriever(store, load_embedder(embedder or settings.embedder), reranker=reranker)
     if retriever.index.count("nuggets") == 0:  # e.g. built with extractor "none"
         evidence = [m for m in evidence if m == "chunks"]
         if not evidence:
@@ -159,6 +167,7 @@ def evaluate_retrieval(
         kcs=sorted(set(kcs)),
         ks=sorted(set(ks)),
         embedder_fp=retriever.embedder.fingerprint,
+        rerank=reranker.record() if reranker is not None else {"name": "none"},
     )
     return results
 
@@ -221,7 +230,7 @@ def _row(qi: int, dataset: str, q: Any, key: tuple[Any, ...], result: Any, rank:
         "hit": float(any(d in set(gold) for d in docs)),
         "recall": doc_recall(docs, gold),
         "rank": rank,
-        "search_ms": result.embed_ms + result.search_ms,
+        "search_ms": result.embed_ms + result.search_ms + result.rerank_ms,
     }
 
 

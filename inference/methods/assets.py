@@ -1,7 +1,9 @@
 """The store assets the chunk and nugget methods read, as :class:`~inference.methods.base.Asset`
 kinds (each loaded once per engine), and the read errors they turn into what to rebuild.
 
-- :class:`Index`: the retriever over the store's LanceDB index, with the engine's embedder;
+- :class:`Index`: the retriever over the store's LanceDB index, with the engine's embedder and
+  reranker (``engine.rerank``: its chunks' KV the stored KV where the store keeps whole chunks'
+  KV, else encoded live, :func:`rerank_context`);
 - :class:`ChunkTokenIds`: chunks' token ids (``inference.context.builders.ChunkTokens``);
 - :class:`StoredKv`: the store's KV for the engine's model at the store's ``kv_dtype``, as an
   ``inference.context.builders.StoredKvContext`` (``C_p`` read and checked once);
@@ -50,10 +52,27 @@ class Index(Asset[Retriever]):
         embedder = engine.embedder
         if isinstance(embedder, str):
             embedder = load_embedder(embedder)
+        from coinrag.inference.retrieval.rerank import open_reranker
         from coinrag.storage.index.lance import LanceIndex
 
         index = LanceIndex.open(engine.store, engine.published)
-        return Retriever(engine.store, embedder, index, mode=engine.retrieval)
+        reranker = open_reranker(engine.rerank, lambda: rerank_context(engine))
+        return Retriever(engine.store, embedder, index, mode=engine.retrieval, reranker=reranker)
+
+
+def rerank_context(engine: RagEngine) -> ContextBuilder:
+    """The chunks' KV a reranker of ``engine`` reads: the store's (:class:`StoredChunkKv`)
+    where it keeps whole chunks' KV of the engine's model, else encoded live by that model."""
+    from coinrag.inference.context.builders import LiveKvContext
+    from coinrag.inference.model.encode import pad_id
+
+    if StoredChunkKv.unavailable(engine.store, engine.store_settings) is None:
+        try:
+            return engine.asset(StoredChunkKv)
+        except MissingAssets:
+            pass  # no KV built (kv = false): encode the candidates
+    loaded = engine.model_at(engine.kv_dtype)
+    return LiveKvContext(engine.store, loaded.model, engine.prompt, pad_id(loaded.tokenizer))
 
 
 class ChunkTokenIds(Asset[ChunkTokens]):

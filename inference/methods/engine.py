@@ -31,6 +31,7 @@ from coinrag.inference.methods.base import (
 from coinrag.inference.model.loading import LoadedModel
 from coinrag.inference.model.prompt import RagPrompt, require_question
 from coinrag.inference.retrieval.embedders import Embedder
+from coinrag.inference.retrieval.rerank import Reranker
 from coinrag.inference.retrieval.retriever import Retriever, search_mode
 from coinrag.schemas.settings import (
     DEFAULT_QUERY,
@@ -74,13 +75,16 @@ class RagEngine:
         link_adapter: str | None = None,
         kv_keep: str | None = None,
         retrieval: str | None = None,
+        rerank: str | None = None,
     ) -> None:
         """``kv_codec``: how the store's KV is encoded; ``kv_keep``: what it keeps of each chunk
         (``chunks`` | ``nuggets``); both default to the store's recorded settings.
         ``published``: the store's ``[published]`` record this engine reads (its index versions;
         default: the one published when the index first loads); ``link_adapter``: a folder of
         trained KVLink link tokens (``kvlink`` needs one); ``retrieval``: the search mode of
-        questions that name none (default: the store's ``retrieval`` setting)."""
+        questions that name none (default: the store's ``retrieval`` setting); ``rerank``: how
+        the top chunks are reordered (``schemas.settings.RERANKERS``; default: the store's
+        ``rerank`` setting)."""
         self.store = store
         self.published = published
         self.loaded = loaded
@@ -96,6 +100,7 @@ class RagEngine:
         self.kv_codec = kv_codec or recorded.kv_codec
         self.kv_keep = kv_keep or recorded.kv_keep
         self.retrieval = search_mode(retrieval or recorded.retrieval).name
+        self.rerank = Reranker.registry[rerank or recorded.rerank].name
         # what the methods' assets are checked against (Asset.unavailable)
         self.store_settings = dataclasses.replace(
             recorded, kv_codec=self.kv_codec, kv_keep=self.kv_keep

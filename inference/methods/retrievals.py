@@ -38,7 +38,7 @@ class IndexSearch(Retrieval):
         """``request``'s evidence from ``index``."""
 
     def spent_ms(self, found: RetrievalResult) -> float:
-        return found.embed_ms + found.search_ms
+        return found.embed_ms + found.search_ms + found.rerank_ms
 
     def evidence(self, found: RetrievalResult) -> list[dict[str, Any]]:
         """``{doc_id, chunk_id, tok_start, tok_end, text, score}`` per span (``score``: the

@@ -17,6 +17,10 @@ selected nuggets "in retrieval order and in-document order"; precisely:
 - :meth:`Retriever.chunks_only`: top-``kc`` chunks, best first, each as one evidence spanning the
   whole chunk (``tok_start=0``, ``tok_end=n_tokens``).
 
+A retriever with a :class:`~inference.retrieval.rerank.Reranker` ranks chunks in two steps: the
+search's top ``max(kc, depth)``, reordered by the reranker, of which the first ``kc`` are kept
+(stage 1 of :meth:`Retriever.two_stage` and :meth:`Retriever.chunks_only` alike).
+
 ``Evidence.score`` is the cosine similarity of that evidence (a nugget's own score, or the
 chunk's). Nuggets of one chunk may overlap (adjacent nuggets share a few tokens); they are
 returned as selected, and the assembler decides whether to merge overlapping spans.
@@ -35,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from coinrag.inference.retrieval.embedders import Embedder
+from coinrag.inference.retrieval.rerank import Reranker
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import DEFAULT_QUERY, DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 from coinrag.schemas.tables import PlaceInDocument
@@ -98,6 +103,7 @@ class RetrievalResult:
     embed_ms: float = 0.0  # embedding the question (0 for a lexical search)
     search_ms: float = 0.0  # all index searches and their fusion
     mode: str = DEFAULT_RETRIEVAL  # the search mode (schemas.settings.RETRIEVAL_MODES)
+    rerank_ms: float = 0.0  # the reranker's scoring (0 without one)
 
     @property
     def triples(self) -> list[tuple[str, int, int]]:
@@ -224,6 +230,7 @@ class Query:
         self.embedder = embedder
         self._vector: np.ndarray | None = None
         self.embed_ms = 0.0
+        self.rerank_ms = 0.0  # time a reranker spent on it
 
     @property
     def vector(self) -> np.ndarray:
@@ -456,7 +463,8 @@ def _lexical_pool() -> ThreadPoolExecutor:
 
 class Retriever:
     """Searches one store's index with one embedder (refused if it is not the index's), in a
-    search mode (``mode``: the default of every call; each call may name another)."""
+    search mode (``mode``: the default of every call; each call may name another); chunks
+    reordered by ``reranker`` (None: the search's order)."""
 
     def __init__(
         self,
@@ -464,12 +472,14 @@ class Retriever:
         embedder: Embedder,
         index: LanceIndex | None = None,
         mode: str | None = None,
+        reranker: Reranker | None = None,
     ) -> None:
         self.store = store
         self.embedder = embedder
         self.index = index or LanceIndex.open(store)
         self.index.check(embedder.fingerprint)
         self.mode = search_mode(mode)
+        self.reranker = reranker
 
     def _start(self, question: str, mode: str | SearchMode | None) -> tuple[SearchMode, Query]:
         return (self.mode if mode is None else search_mode(mode)), Query(question, self.embedder)
@@ -478,10 +488,16 @@ class Retriever:
         self, search: SearchMode, query: Query, kc: int, doc_ids: Sequence[str] | None = None
     ) -> list[ChunkHit]:
         where = None if doc_ids is None else in_filter("doc_id", doc_ids)
-        rows = search.rank(self.index, "chunks", query, kc, where)
-        return [
+        depth = kc if self.reranker is None else max(kc, self.reranker.depth)
+        rows = search.rank(self.index, "chunks", query, depth, where)
+        hits = [
             ChunkHit(**_hit(r), n_tokens=int(r["n_tokens"]), rank=i) for i, r in enumerate(rows)
         ]
+        if self.reranker is not None:
+            t = time.perf_counter()
+            hits = self.reranker.rerank(query.text, hits)
+            query.rerank_ms += (time.perf_counter() - t) * 1000.0
+        return hits[:kc]
 
     @staticmethod
     def _timed(
@@ -493,8 +509,9 @@ class Retriever:
         hits: list[ChunkHit],
     ) -> RetrievalResult:
         total = (time.perf_counter() - started) * 1000.0
+        search_ms = total - query.embed_ms - query.rerank_ms
         return RetrievalResult(
-            kind, evidence, hits, query.embed_ms, total - query.embed_ms, search.name
+            kind, evidence, hits, query.embed_ms, search_ms, search.name, query.rerank_ms
         )
 
     def two_stage(

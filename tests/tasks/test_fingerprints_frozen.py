@@ -179,6 +179,7 @@ BUILD_SETTINGS = {
     "kv_batch_size": 4,
     "kv_fill_device": True,  # how large a GPU's KV batches are (never what is stored; issue 37)
     "retrieval": "hybrid",  # how queries rank (issue 21): never part of a build fingerprint
+    "rerank": "none",  # how queries reorder the top chunks (issue 35): never fingerprinted
     "index": True,
     "prune": False,
     "embed_batch_size": 4096,

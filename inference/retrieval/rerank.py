@@ -1,0 +1,102 @@
+"""A second stage over the top chunks of a search: :class:`Reranker`, its registry, and how its
+scores are combined with the search's.
+
+A reranker scores each of the search's top :attr:`Reranker.depth` chunks for the question
+(:meth:`Reranker.scores`: higher is better, any scale); :meth:`Reranker.rerank` orders them by
+the convex combination of the two min-max normalised scores (:func:`combined`)::
+
+    score = (1 - weight) * search_norm + weight * rerank_norm
+
+and ``Retriever`` keeps the first ``kc``. So every ``kc <= depth`` sees a prefix of one order
+(the same order at kc 1 and kc 8), and both stages of two-stage retrieval start from it.
+
+The plug-ins (``schemas.settings.RERANKERS``, the ``rerank`` setting): ``none`` (the search's
+order; what a store without the setting does) and ``upr``, the generation model's query
+likelihood (``inference/context/rerank.py``: it reads the chunks' KV, so it lives where the
+context is built; imported on first look-up).
+
+Worked example (weight 0.5): search scores ``[0.9, 0.6, 0.3]`` (normalised ``[1, 0.5, 0]``)
+and reranker scores ``[-3.0, -2.0, -2.5]`` (normalised ``[0, 1, 0.5]``) combine to
+``[0.5, 0.75, 0.25]``: the second chunk comes first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from coinrag.schemas.registry import Registered, Registry
+from coinrag.schemas.settings import RERANKERS
+
+if TYPE_CHECKING:
+    from coinrag.inference.retrieval.retriever import ChunkHit
+
+RERANK_MODULES = {"upr": "coinrag.inference.context.rerank"}
+
+
+def normalised(values: Sequence[float]) -> list[float]:
+    """Min-max normalised to [0, 1] (all 1 when equal): ``[3, 1, 2]`` -> ``[1, 0, 0.5]``."""
+    if not values:
+        return []
+    low, span = min(values), max(values) - min(values)
+    return [(v - low) / span if span > 0 else 1.0 for v in values]
+
+
+def combined(search: Sequence[float], rerank: Sequence[float], weight: float) -> list[float]:
+    """``(1 - weight) * normalised(search) + weight * normalised(rerank)``, item by item."""
+    return [
+        (1.0 - weight) * s + weight * r
+        for s, r in zip(normalised(search), normalised(rerank), strict=True)
+    ]
+
+
+class Reranker(Registered, ABC):
+    """Reorders a search's top chunks for a question: one subclass per ``rerank`` setting
+    (``schemas.settings.RERANKERS``), registered by name (``Reranker.registry``).
+
+    ``depth``: how many of the search's top chunks it reorders (a search for ``kc`` chunks
+    fetches ``max(kc, depth)``); ``weight``: its scores' share of the combined score."""
+
+    registry: ClassVar[Registry[Reranker]] = Registry("reranker", RERANKERS, RERANK_MODULES)
+    depth: ClassVar[int] = 0
+    weight: ClassVar[float] = 0.0
+
+    @classmethod
+    def open(cls, context_of: Callable[[], Any]) -> Reranker:
+        """This reranker; ``context_of()`` gives the chunks' KV (an
+        ``inference.context.builders.ContextBuilder``), called only by one that reads it."""
+        return cls()
+
+    @abstractmethod
+    def scores(self, question: str, hits: Sequence[ChunkHit]) -> list[float]:
+        """One score per hit (higher: more likely to answer ``question``), in order."""
+
+    def rerank(self, question: str, hits: Sequence[ChunkHit]) -> list[ChunkHit]:
+        """``hits`` (the search's, best first) in :func:`combined` order, best first: each
+        with its new ``rank`` (0 = best) and its search ``score`` kept; ties keep the
+        search's order."""
+        if len(hits) < 2 or self.depth == 0:
+            return list(hits)
+        mixed = combined([h.score for h in hits], self.scores(question, hits), self.weight)
+        order = sorted(range(len(hits)), key=lambda i: (-mixed[i], i))
+        return [dataclasses.replace(hits[i], rank=r) for r, i in enumerate(order)]
+
+    def record(self) -> dict[str, Any]:
+        """What an evaluation run records of it: its name, depth and weight."""
+        return {"name": self.name, "depth": self.depth, "weight": self.weight}
+
+
+class NoRerank(Reranker, name="none"):
+    """The search's own order (reorders nothing)."""
+
+    def scores(self, question: str, hits: Sequence[ChunkHit]) -> list[float]:
+        return [h.score for h in hits]
+
+
+def open_reranker(name: str, context_of: Callable[[], Any]) -> Reranker | None:
+    """The reranker ``name`` (``schemas.settings.RERANKERS``) opened with ``context_of``
+    (:meth:`Reranker.open`), or None for one that reorders nothing (``none``)."""
+    cls = Reranker.registry[name]
+    return None if cls.depth == 0 else cls.open(context_of)
