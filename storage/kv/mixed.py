@@ -119,12 +119,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+_SHIFTS = {bits: torch.arange(0, 8, bits, dtype=torch.uint8) for bits in (2, 4)}
+
+
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of :func:`pack_bits`, as uint8 ``(..., n)``."""
-    per = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    codes = (packed.unsqueeze(-1) >> _SHIFTS[bits]).bitwise_and_(2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 class Int2MixCodec(QuantizedCodec, name="int2mix"):
@@ -199,26 +200,34 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
 
     # ------------------------------------------------------------------ decode
 
-    def _channel_scales(
+    def _block_tables(
         self, cut: dict[str, torch.Tensor], b0: int, b1: int, g: KvGeometry
     ) -> tuple[torch.Tensor, ...]:
-        """Blocks ``b0..b1``'s float32 key ``lo``, ``step`` and value ``lo``, ``step``, each
-        ``(L, H, nb, 1, D)``."""
+        """Blocks ``b0..b1``'s float32 key ``lo``, ``step``, value ``lo``, ``step``, each
+        ``(L, H, nb, 1, D)``, and where each key channel's code lies among the block's ranked
+        codes (4-bit ones, then 2-bit ones, then a zero for the mean-only channels)
+        ``(L, H, nb, 1, D)`` int64."""
         nb, lay, heads, dim = b1 - b0, g.layers, g.kv_heads, g.head_dim
         units = cut["units"][b0:b1].contiguous().view(torch.float16).to(torch.float32)
-        units = units.reshape(nb, lay, heads, 1, 1, 4)
+        units = units.reshape(nb, lay, heads, 1, 1, 4).permute(1, 2, 0, 3, 4, 5)
 
         def scale(name: str, unit: int, signed: bool) -> torch.Tensor:
-            raw = cut[name][b0:b1].contiguous()
-            ints = raw.view(torch.int8) if signed else raw
-            out = ints.to(torch.float32).reshape(nb, lay, heads, 1, dim).mul_(units[..., unit])
-            return out.permute(1, 2, 0, 3, 4)
+            raw = cut[name][b0:b1].reshape(nb, lay, heads, 1, dim).permute(1, 2, 0, 3, 4)
+            ints = raw.contiguous().view(torch.int8) if signed else raw
+            return ints.to(torch.float32).mul_(units[..., unit])
 
+        widths = unpack_bits(cut["k_widths"][b0:b1].reshape(nb, lay, heads, 1, dim // 4), 2)
+        widths = widths.permute(1, 2, 0, 3, 4).to(torch.int64)
+        wide, mid = widths == 2, widths == 1
+        # a channel's rank among its width's channels (channel order), offset to its section
+        pos = torch.where(wide, wide.cumsum(-1) - 1, mid.cumsum(-1) - 1 + dim // 4)
+        pos = torch.where(wide | mid, pos, 3 * dim // 4)  # mean-only: a zero code
         return (
             scale("k_z", 0, True),
             scale("k_c", 1, False),
             scale("v_z", 2, True),
             scale("v_c", 3, False),
+            pos,
         )
 
     def _dequantize_span(
@@ -226,42 +235,35 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 keys and values ``(L, H, e - s, D)`` of tokens ``[s, e)`` of the blocks in
         ``cut``, from the blocks that hold them only: (nearly) whole blocks dequantized as
-        blocks, each scale and key order broadcast over its block's tokens; a short span (a
-        nugget) token by token, each token given its block's scales and order. The same
-        float32 products either way (``codes * step + lo``)."""
-        lay, heads, block, dim = g.layers, g.kv_heads, g.block_tokens, g.head_dim
+        blocks, then cut; a short span (a nugget) block by block, only its tokens' codes
+        unpacked. The same float32 products either way (``codes * step + lo``)."""
+        block = g.block_tokens
         b0, b1 = s // block, -(-e // block)
-        nb, first = b1 - b0, b0 * block
-        scales = self._channel_scales(cut, b0, b1, g)  # each (L, H, nb, 1, D)
-        widths = unpack_bits(cut["k_widths"][b0:b1].reshape(nb, lay, heads, dim // 4), 2)
-        order = torch.sort(widths, dim=-1, descending=True, stable=True).indices
-        order = order.permute(1, 2, 0, 3)  # (L, H, nb, D): channels, the widest first
-        whole = 4 * nb * block <= 5 * (e - s)
-        if whole:
-            n, token_shape = nb * block, (lay, heads, nb, block)
-            order = order.unsqueeze(3).expand(*token_shape, dim)
-        else:
-            n, token_shape = e - s, (lay, heads, e - s)
-            token_block = torch.arange(s - first, e - first) // block
-            order = order.index_select(2, token_block)
-            scales = tuple(x[:, :, :, 0].index_select(2, token_block) for x in scales)
+        if b1 - b0 > 1 and 4 * (b1 - b0) * block > 5 * (e - s):  # a short span over blocks
+            parts = [
+                self._dequantize_span(cut, max(s, b * block), min(e, (b + 1) * block), g)
+                for b in range(b0, b1)
+            ]
+            return tuple(torch.cat(halves, dim=2) for halves in zip(*parts, strict=True))
+        lay, heads, dim, nb = g.layers, g.kv_heads, g.head_dim, b1 - b0
+        first = b0 * block
+        # one block: only tokens [s, e) unpacked; whole blocks: every token, cut at the end
+        t0, t1 = (s - first, e - first) if nb == 1 else (0, block)
 
         def section(name: str, bits: int, count: int) -> torch.Tensor:
             raw = cut[name][b0:b1].reshape(nb, lay, heads, block, count * bits // 8)
-            raw = raw.permute(1, 2, 0, 3, 4)
-            if not whole:
-                raw = raw.reshape(lay, heads, nb * block, -1)[:, :, s - first : e - first]
-            return unpack_bits(raw, bits)
+            return unpack_bits(raw[:, :, :, t0:t1].permute(1, 2, 0, 3, 4), bits)
 
-        ranked = torch.zeros((*token_shape, dim), dtype=torch.uint8)
-        ranked[..., : dim // 4] = section("k_codes4", 4, dim // 4)
-        ranked[..., dim // 4 : 3 * dim // 4] = section("k_codes2", 2, dim // 2)
-        keys = torch.empty_like(ranked).scatter_(-1, order, ranked).to(torch.float32)
+        k_lo, k_step, v_lo, v_step, pos = self._block_tables(cut, b0, b1, g)
+        ranked = section("k_codes4", 4, dim // 4)  # (L, H, nb, t, D / 4)
+        zero = torch.zeros((*ranked.shape[:-1], dim // 4), dtype=torch.uint8)
+        ranked = torch.cat([ranked, section("k_codes2", 2, dim // 2), zero], dim=-1)
+        keys = ranked.gather(-1, pos.expand(*ranked.shape[:-1], dim)).to(torch.float32)
         values = section("v_codes", 2, dim).to(torch.float32)
-        k_lo, k_step, v_lo, v_step = scales
+        n = nb * (t1 - t0)
         keys = keys.mul_(k_step).add_(k_lo).reshape(lay, heads, n, dim)
         values = values.mul_(v_step).add_(v_lo).reshape(lay, heads, n, dim)
-        if whole:
+        if nb > 1:
             return keys[:, :, s - first : e - first], values[:, :, s - first : e - first]
         return keys, values
 
@@ -283,14 +285,14 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
 
     def relative_error_bound(self, group: int) -> float:
         """The bound on ``‖x̂ − x‖ / ‖x‖`` over a layer for groups of ``group`` values, for a
-        ``head_dim`` up to 128: the larger of ``int2``'s (``sqrt(group / 2) / 3``, widened for
-        the units) and 1 (a mean-only channel's squared error is at most its squared norm: the
-        mean minimizes it), plus the rounding of the means to ``lo_unit`` (``n (lo_unit / 2)²``
-        per mean-only channel, a quarter of ``head_dim`` of them, against a head whose norm is
-        at least the ``max |min or mean| = 127 lo_unit`` the unit is taken from:
-        ``sqrt(group * 128 / 16) / 127`` at ``head_dim`` 128).
+        ``head_dim`` up to 256 (Gemma's): the larger of ``int2``'s (``sqrt(group / 2) / 3``,
+        widened for the units) and 1 (a mean-only channel's squared error is at most its
+        squared norm: the mean minimizes it), plus the rounding of the means to ``lo_unit``
+        (``n (lo_unit / 2)²`` per mean-only channel, a quarter of ``head_dim`` of them, against
+        a head whose norm is at least the ``max |min or mean| = 127 lo_unit`` the unit is taken
+        from: ``sqrt(group * 256 / 16) / 127`` at ``head_dim`` 256).
 
-        E.g. 64-token blocks: 1.890 + 0.178 = 2.069 (at 2 bits nothing better than 1 is stated;
+        E.g. 64-token blocks: 1.890 + 0.252 = 2.142 (at 2 bits nothing better than 1 is stated;
         SmolLM2 measures keys 0.164, values 0.317, ``tests/inference/test_kv_mixed.py``)."""
         int2 = ((group / 2) ** 0.5 * (1 + 2**-9) + 2**-8) / 3
-        return max(int2, 1.0) + (group * 128 / 16) ** 0.5 / 127
+        return max(int2, 1.0) + (group * 256 / 16) ** 0.5 / 127
