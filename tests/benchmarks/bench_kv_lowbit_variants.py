@@ -28,6 +28,10 @@ divergence over the query's positions (``kl``) and at its last one (``kl_first``
 answer token's distribution), the top-1 agreement likewise; per layer ``‖x̂ − x‖ / ‖x‖`` of the
 entries read (``relK``, ``relV``). Emulated: the scales' units are those of each width's
 quantization, so ``km`` rows match the codec's relative error to 4 digits, not bit for bit.
+
+``--codec-errors int8 int4 int2 int2mix`` (with ``--limit 0``): the codecs themselves over every
+entry of the store, per-layer ``‖x̂ − x‖ / ‖x‖`` of K (at position 0) and V, mean and worst
+layer of the mean over entries.
 """
 
 from __future__ import annotations
@@ -223,12 +227,36 @@ class Reader(B.CodecReader):
         return out
 
 
+def store_errors(float_kv, spec, p: int, codecs: list[str]) -> None:
+    """Per codec, the per-layer relative error of K (at position 0) and V over every entry of
+    the float store, through the codec itself (mean over entries; mean and worst layer)."""
+    from coinrag.storage.kv import KvLayout
+
+    lay0 = float_kv.layout
+    errs: dict[str, list[torch.Tensor]] = {c: [] for c in codecs}
+    for ck in float_kv.manifest():
+        x = keys_to_position_zero(float_kv.read_entry(ck), spec, p)
+        ref = x.double()
+        for c in codecs:
+            lay = KvLayout(
+                "m", "p", lay0.layers, lay0.kv_heads, lay0.head_dim, lay0.dtype, kv_codec=c
+            )
+            got = lay.codec.decode(lay.codec.encode(x, lay), lay)[:, :, :, : x.shape[3]].double()
+            errs[c].append((got - ref).flatten(2).norm(dim=2) / ref.flatten(2).norm(dim=2))
+    for c, e in errs.items():
+        m = torch.stack(e).mean(0)
+        k, v = m[:, 0], m[:, 1]
+        worst = f"K {k.mean():.4f} / {k.max():.4f}, V {v.mean():.4f} / {v.max():.4f}"
+        print(f"{c}: {len(e)} entries, {worst}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", type=Path, required=True, help="a bf16 store, codec none")
     ap.add_argument("--questions", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=30)
-    ap.add_argument("--variants", nargs="+", required=True, help="K/V e.g. int2/had2")
+    ap.add_argument("--variants", nargs="+", default=[], help="K/V e.g. int2/had2")
+    ap.add_argument("--codec-errors", nargs="+", default=[], help="codecs, e.g. int4 int2mix")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -244,6 +272,8 @@ def main():
     context = engine.asset(StoredKv)
     float_kv, spec, prefix_kv = context.kv, context.spec, context.prefix_kv
     p = engine.prompt.n_prefix
+    if args.codec_errors:
+        store_errors(float_kv, spec, p, args.codec_errors)
     readers = {}
     for v in args.variants:
         kk, vv = v.split("/", 1)
