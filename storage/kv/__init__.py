@@ -9,6 +9,7 @@ One module per job (import the public names from here):
   ranges its nuggets cover) and the entry's key;
 - ``codecs.py``: how a tensor becomes stored values and back (:class:`KvCodec`, by name:
   ``none``, ``int8``, ``int4``); ``lowbit.py``: ``int2`` (2-bit codes, 8-bit scales);
+  ``mixed.py``: ``int2mix`` (int2's bytes, keys in mixed precision by range);
 - ``shard.py``: the shard file (Zarr v3 sharding format, per-block crc32c, index), encoded and
   checked;
 - ``transport.py``: local disk or object store, one interface (stage, publish, ranged reads);
@@ -44,6 +45,7 @@ from coinrag.storage.kv.layout import (
     parse_location,
 )
 from coinrag.storage.kv.lowbit import Int2Codec  # registers int2
+from coinrag.storage.kv.mixed import Int2MixCodec  # registers int2mix
 from coinrag.storage.kv.reads import ReadStats
 from coinrag.storage.kv.reclaim import KvReclaim
 from coinrag.storage.kv.shard import encode_shard
@@ -60,6 +62,7 @@ __all__ = [
     "SHARD_OVERHEAD_BYTES",
     "CorruptKvEntry",
     "Int2Codec",
+    "Int2MixCodec",
     "KeptRanges",
     "KvCodec",
     "KvEntry",

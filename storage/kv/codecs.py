@@ -18,6 +18,9 @@ the build setting ``kv_codec``). Its methods take the entry geometry ``g`` (a
   SmolLM2: 8-10% lower attention-logit error, 20-25% lower next-token KL for int4).
 - ``int2`` (``storage/kv/lowbit.py``, a :class:`QuantizedCodec` with 8-bit scales and clipped
   ranges, 64-token blocks): ~0.14 of the raw bfloat16 bytes.
+- ``int2mix`` (``storage/kv/mixed.py``: ``int2``'s bytes, key channels in 4 / 2 / 0 bits by
+  their range in each block, values per channel): ~0.14 of the raw bfloat16 bytes, answers kept
+  on the FAQ questions where ``int2`` loses them.
 
 Why no lossless (entropy) pass over the codes: a block's payload has a fixed size, so readers
 compute where a block lies from token counts (``storage/kv/shard.py``); and the codes are close

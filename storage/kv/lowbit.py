@@ -48,14 +48,14 @@ STEP_LEVELS = 255  # c <= 255 of uint8: the step's grid
 CLIPS = (0.0, 0.1, 0.2)  # fractions of a group's range tried off each end
 
 
-def _fine_lo(target: torch.Tensor, lo_unit: torch.Tensor) -> torch.Tensor:
+def fine_lo(target: torch.Tensor, lo_unit: torch.Tensor) -> torch.Tensor:
     """The largest ``z * lo_unit <= target`` with int8 ``z`` (clamped), as float32 ``z``."""
     safe = torch.where(lo_unit > 0, lo_unit, torch.ones_like(lo_unit))
     z = torch.floor(target / safe)
     return torch.where(z * lo_unit > target, z - 1, z).clamp_(-LO_LEVELS - 1, LO_LEVELS)
 
 
-def _fine_step(s: torch.Tensor, step_unit: torch.Tensor) -> torch.Tensor:
+def fine_step(s: torch.Tensor, step_unit: torch.Tensor) -> torch.Tensor:
     """The smallest ``c * step_unit >= s`` with uint8 ``c`` (clamped), as float32 ``c``."""
     safe = torch.where(step_unit > 0, step_unit, torch.ones_like(step_unit))
     c = torch.ceil(s / safe)
@@ -84,16 +84,16 @@ def quantize_fine_scales(
     mn, mx = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
     lo_unit = fp16_up(mn.abs().amax(dim=group_dims, keepdim=True) / LO_LEVELS)
     lo32 = lo_unit.to(torch.float32)
-    s_max = (mx - _fine_lo(mn, lo32) * lo32) / levels  # the unclipped steps: the widest
+    s_max = (mx - fine_lo(mn, lo32) * lo32) / levels  # the unclipped steps: the widest
     step_unit = fp16_up(s_max.amax(dim=group_dims, keepdim=True) / STEP_LEVELS)
     step32 = step_unit.to(torch.float32)
     best: tuple[torch.Tensor, ...] = ()
     u, q = torch.empty_like(x), torch.empty_like(x)
     for a in clips:  # each candidate's codes and error, in place (7 passes over x)
         cut = (mx - mn) * a
-        z = _fine_lo(mn + cut, lo32)
+        z = fine_lo(mn + cut, lo32)
         lo = z * lo32
-        c = _fine_step((mx - cut - lo) / levels, step32)
+        c = fine_step((mx - cut - lo) / levels, step32)
         step = c * step32
         inv = 1 / torch.where(step > 0, step, torch.ones_like(step))
         torch.sub(x, lo, out=u).mul_(inv)  # the codes before rounding

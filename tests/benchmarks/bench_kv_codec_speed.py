@@ -89,8 +89,8 @@ def errors(loaded, codecs: list[str]) -> None:
         rel = (got - pre.double()).flatten(2).norm(dim=2) / pre.double().flatten(2).norm(dim=2)
         zstd = sum(len(Zstd(level=3).encode(np.ascontiguousarray(b))) for b in stored)
         line = f"{name}: bytes/raw bf16 {stored.nbytes / raw:.4f}, zstd {zstd / raw:.4f}"
-        if hasattr(codec, "levels"):
-            cut = codec._cut(torch.from_numpy(stored), lay)
+        cut = codec._cut(torch.from_numpy(stored), lay) if hasattr(codec, "levels") else {}
+        if "k_codes" in cut:  # int2mix's key codes are in two widths: not counted
             shape = (stored.shape[0], layers, heads, lay.block_tokens, dim * codec.bits // 8)
             bits = [
                 entropy_bits(codec._unpack(cut[s].reshape(shape), dim), codec.levels)

@@ -17,7 +17,9 @@ store of that codec returns: checked against a real int4 store's reads at the st
   rotated back to position 0 first; values per token);
 - ``int8`` / ``int4`` ``post``: the same quantization of the keys as cached (after RoPE);
 - ``int4 tokenK``: keys per token over head_dim like the values (LMDeploy's layout), pre-RoPE:
-  what per-channel keys (KIVI) are compared with.
+  what per-channel keys (KIVI) are compared with;
+- ``int2 pre`` / ``int2mix pre``: the 2-bit codecs (``storage/kv/lowbit.py``, ``mixed.py``) in
+  their 64-token blocks.
 
 Per question (``--limit`` of them): coinrag's two-stage retrieval (``--kc``, ``--k``) once;
 the context assembled from each variant's slices; the query prefilled on it. Measured against
@@ -62,7 +64,7 @@ class Variant:
 
     @property
     def bits(self) -> int:
-        return {"int8": 8, "int4": 4}.get(self.codec, 16)
+        return {"int8": 8, "int4": 4, "int2": 2, "int2mix": 2}.get(self.codec, 16)
 
 
 VARIANTS = [
@@ -72,6 +74,8 @@ VARIANTS = [
     Variant("int4 pre", "int4"),
     Variant("int4 post", "int4", pre=False),
     Variant("int4 tokenK", "int4", token_keys=True),
+    Variant("int2 pre", "int2"),
+    Variant("int2mix pre", "int2mix"),
 ]
 
 
@@ -148,8 +152,8 @@ def bytes_per_token(variant: Variant, layout: KvLayout) -> float:
         lh = layout.layers * layout.kv_heads
         return (2 * lh * (layout.head_dim * variant.bits // 8 + 4)) / raw
     lay = KvLayout("m", "p", layout.layers, layout.kv_heads, layout.head_dim, "bfloat16")
-    lay = dataclasses.replace(lay, kv_codec=variant.codec, block_tokens=16)
-    return lay.block_bytes / 16 / raw
+    lay = dataclasses.replace(lay, kv_codec=variant.codec)  # the codec's default block
+    return lay.block_bytes / lay.block_tokens / raw
 
 
 class QueryCapture:

@@ -192,7 +192,9 @@ def main() -> None:
     ap.add_argument("--pages", nargs="*", default=None, help="FAQ pages (default: all faq/*)")
     ap.add_argument("--faq-dir", type=Path, default=Path(_TMP) / "faq")
     ap.add_argument("--kv-dtype", default="auto")
-    ap.add_argument("--kv-codec", default="none", help="none | int8 | int4 | int2 (both stores)")
+    ap.add_argument(
+        "--kv-codec", default="none", help="none | int8 | int4 | int2 | int2mix (both stores)"
+    )
     ap.add_argument("--coverages", nargs="*", type=float, default=[0.9, 0.7, 0.5, 0.3])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--out", type=Path, default=Path(_TMP), help="where the stores go")

@@ -1,4 +1,5 @@
-"""Quantized KV codecs (issue 13, item 2; issue 36): ``kv_codec = none | int8 | int4 | int2``.
+"""Quantized KV codecs (issue 13, item 2; issue 36): ``kv_codec = none | int8 | int4 | int2 |
+int2mix``.
 
 The bounds stated in ``storage/kv/codecs.py``, held here against the float entry:
 
@@ -12,6 +13,11 @@ The bounds stated in ``storage/kv/codecs.py``, held here against the float entry
   ``step <= (max − min + lo_unit) / 3 + step_unit`` (:func:`fine_step_bounds`), so per layer
   ``‖x̂ − x‖² <= Σ (step / 2)²`` as above; its per-layer relative error (no useful closed form
   at 2 bits) is held to a measured ceiling in ``tests/inference/test_kv_lowbit.py``;
+- ``int2mix`` (``storage/kv/mixed.py``: keys per block ranked by range, a quarter of the
+  channels 4-bit, half 2-bit, a quarter their mean; values 2-bit per channel over the block):
+  each coded group as ``int2``'s with its own levels, a mean-only channel's squared error at
+  most ``n ((max − min + lo_unit) / 2)²`` (:func:`mixed_step_bounds`: its "step" is its range);
+  its measured ceiling in ``tests/inference/test_kv_mixed.py``;
 - plus the model dtype's rounding, half an ulp per value and per cast: the dequantized value,
   then the rotation's output, and the float reference's own rotation (``ROUNDING``: 4 half-ulps
   of the dtype, relative to the layer's norm).
@@ -123,6 +129,39 @@ def _fine_step_bound(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return steps + step_unit
 
 
+def mixed_step_bounds(pre: torch.Tensor, block: int) -> torch.Tensor:
+    """:func:`step_bounds` of ``int2mix``: per block, layer and head the key channels ranked by
+    range (float32, as the codec ranks its input; largest first, ties by channel), the widest
+    quarter bounded as 4-bit groups, the next half as 2-bit ones, the rest by ``range +
+    lo_unit`` (the mean's group); ``lo_unit`` bounded by the largest ``|min|`` or ``|max|`` of
+    the head's channels (a mean lies between); values as ``int2``'s keys (per channel)."""
+    x = pre.to(torch.float64)
+    t, dim = x.shape[3], x.shape[4]
+    keys32 = _pad_blocks(pre[:, 0].to(torch.float32), block)  # (L, H, k, block, D)
+    ranges = keys32.amax(-2) - keys32.amin(-2)
+    order = torch.sort(ranges, dim=-1, descending=True, stable=True).indices
+    rank = order.argsort(-1)
+    levels = torch.where(rank < dim // 4, 15.0, torch.where(rank < 3 * dim // 4, 3.0, 0.0))
+    levels = levels.to(torch.float64).unsqueeze(-2)
+    keys = _pad_blocks(x[:, 0], block)
+    lo, hi = keys.amin(-2, keepdim=True), keys.amax(-2, keepdim=True)
+    units = (-2, -1)
+    lo_unit = torch.maximum(lo.abs(), hi.abs()).amax(units, keepdim=True) / 127
+    lo_unit = lo_unit * (1 + 2**-10) + 2**-24
+    coded = levels > 0
+    coded_steps = (hi - lo + lo_unit) / torch.where(coded, levels, 1.0) * (1 + 2**-20)
+    step_unit = torch.where(coded, coded_steps, 0).amax(units, keepdim=True) / 255
+    step_unit = step_unit * (1 + 2**-10) + 2**-24
+    k_step = torch.where(coded, coded_steps + step_unit, hi - lo + lo_unit)
+    values = _pad_blocks(x[:, 1], block)
+    v_step = _fine_step_bound(values.amin(-2, keepdim=True), values.amax(-2, keepdim=True))
+    out = []
+    for half, steps in ((keys, k_step), (values, v_step)):
+        steps = steps.expand_as(half)
+        out.append(steps.reshape(*x[:, 0].shape[:2], -1, dim)[:, :, :t])
+    return torch.stack(out, dim=1)
+
+
 def fine_step_bounds(pre: torch.Tensor, block: int) -> torch.Tensor:
     """:func:`step_bounds` of ``int2`` (:func:`_fine_step_bound` per group)."""
     x = pre.to(torch.float64)
@@ -138,9 +177,11 @@ def fine_step_bounds(pre: torch.Tensor, block: int) -> torch.Tensor:
 
 def codec_step_bounds(pre: torch.Tensor, block: int, codec: str) -> torch.Tensor:
     """The step bound of each value for ``codec`` (int8 / int4: float16 scales; int2: 8-bit
-    scales)."""
+    scales; int2mix: 8-bit scales, key channels of three widths)."""
     if codec == "int2":
         return fine_step_bounds(pre, block)
+    if codec == "int2mix":
+        return mixed_step_bounds(pre, block)
     return step_bounds(pre, block, codec_named(codec).levels)
 
 
@@ -165,7 +206,7 @@ def _synthetic(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return kv.to(dtype)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int2mix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block", [4, 16])
 def test_every_value_within_half_a_step_and_each_layer_within_the_stated_bound(
@@ -180,7 +221,7 @@ def test_every_value_within_half_a_step_and_each_layer_within_the_stated_bound(
     half_step = codec_step_bounds(kv.float(), block, name) / 2
     bound = half_step + HALF_ULP[dtype] * (x.abs() + half_step)
     within = (got.to(torch.float64) - x).abs() <= bound
-    if name == "int2":  # a clipped range leaves its extremes beyond half a step
+    if name in ("int2", "int2mix"):  # a clipped range leaves its extremes beyond half a step
         assert within.double().mean() > 0.5
     else:
         assert within.all()
@@ -190,7 +231,8 @@ def test_every_value_within_half_a_step_and_each_layer_within_the_stated_bound(
     assert (rel <= layer_bound * (1 + 2**-10) + HALF_ULP[dtype]).all()
     rounding = HALF_ULP[dtype]
     assert (rel[:, 0] <= codec.relative_error_bound(block) + rounding).all(), rel[:, 0]
-    assert (rel[:, 1] <= codec.relative_error_bound(8) + rounding).all(), rel[:, 1]
+    value_group = block if name == "int2mix" else 8  # int2mix: values per channel
+    assert (rel[:, 1] <= codec.relative_error_bound(value_group) + rounding).all(), rel[:, 1]
     assert rel.max() > 0  # lossy: the test can fail
 
 
@@ -232,7 +274,7 @@ def test_decode_writes_the_float32_dequantization_rounded_once(name, dtype) -> N
     assert got.dtype == dtype and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "int2"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "int2", "int2mix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [4, 16])
 def test_decode_tokens_writes_the_decoded_tokens_where_asked(name, dtype, block) -> None:
@@ -275,6 +317,11 @@ def test_the_bytes_each_codec_stores() -> None:
     lay = KvLayout("m", "p", 30, 3, 64, "bfloat16", kv_codec="int2")
     assert lay.block_tokens == 64 and lay.block_bytes == 90 * (2 * 64 * 64 // 4 + 4 * 64 + 8)
     assert lay.entry_bytes(512) / raw.entry_bytes(512) == 0.14111328125 <= 0.15
+    # int2mix: the same codes and scales (a step and minimum per value channel instead of per
+    # value token), plus 2 bits of width per key channel
+    lay = KvLayout("m", "p", 30, 3, 64, "bfloat16", kv_codec="int2mix")
+    assert lay.block_tokens == 64 and lay.block_bytes == 90 * (2 * 64 * 64 // 4 + 64 // 4 + 256 + 8)
+    assert lay.entry_bytes(512) / raw.entry_bytes(512) == 0.14208984375 <= 0.15
 
 
 def test_kv_fp_is_unchanged_for_none_and_names_a_lossy_codec_and_its_block() -> None:
@@ -287,10 +334,11 @@ def test_kv_fp_is_unchanged_for_none_and_names_a_lossy_codec_and_its_block() -> 
         for c, b in (("int8", 16), ("int4", 16), ("int4", 8))
     }
     assert len(fps) == 3 and legacy not in fps
-    assert set(KV_CODECS) == {"none", "int8", "int4", "int2"}
+    assert set(KV_CODECS) == {"none", "int8", "int4", "int2", "int2mix"}
     with pytest.raises(ValueError, match="unknown KV codec 'int3'"):
         KvLayout("m", "p", 2, 2, 8, "float32", kv_codec="int3")
-    with pytest.raises(SettingsError, match="kv_codec 'int3' is not one of none, int8, int4, int2"):
+    known = "none, int8, int4, int2, int2mix"
+    with pytest.raises(SettingsError, match=f"kv_codec 'int3' is not one of {known}"):
         BuildSettings(kv_codec="int3").validate()
 
 
@@ -328,7 +376,7 @@ def _quantized_store(
     return kv, entries
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "int2mix"])
 def test_a_quantized_store_reads_what_its_codec_decodes_on_every_path(tmp_path, codec) -> None:
     kv, entries = _quantized_store(tmp_path, "direct", codec)
     zarr_written, _ = _quantized_store(tmp_path, "zarr", codec, encoder="zarr")
@@ -361,7 +409,7 @@ def test_a_quantized_store_reads_what_its_codec_decodes_on_every_path(tmp_path, 
     assert kv.entry_problems(kv.manifest(), "sha256") == {}
 
 
-@pytest.mark.parametrize("codec", ["int4", "int2"])
+@pytest.mark.parametrize("codec", ["int4", "int2", "int2mix"])
 def test_a_flipped_byte_in_a_quantized_block_is_found_by_every_check(tmp_path, codec) -> None:
     kv, entries = _quantized_store(tmp_path, "s", codec)
     ck = entries[0][0].content_key
@@ -494,7 +542,7 @@ def _within(got, ref, bound_sq, dtype) -> None:
     assert (diff <= allowed).all(), (diff / norm).max(dim=0)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "int2mix"])
 def test_turborag_contexts_of_a_quantized_store_against_the_models_own_cache(
     model, stores, codec
 ) -> None:
@@ -522,10 +570,11 @@ def test_turborag_contexts_of_a_quantized_store_against_the_models_own_cache(
         rel = diff / norm
         rounding = ROUNDING * HALF_ULP[dtype]
         assert (rel[:, 0] <= c.relative_error_bound(kv.layout.block_tokens) + rounding).all()
-        assert (rel[:, 1] <= c.relative_error_bound(kv.layout.head_dim) + rounding).all()
+        value_group = kv.layout.block_tokens if codec == "int2mix" else kv.layout.head_dim
+        assert (rel[:, 1] <= c.relative_error_bound(value_group) + rounding).all()
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "int2mix"])
 def test_coinrag_contexts_of_a_quantized_store_against_the_float_store(
     model, stores, codec
 ) -> None:
@@ -628,4 +677,5 @@ def test_build_query_rebuild_and_gc_with_int4(tmp_path, smollm2_tokenizer, sampl
     result = CliRunner().invoke(app, ["gc", "--store", str(store)])
     assert result.exit_code == 0, result.output
     bad = CliRunner().invoke(app, ["build", str(source), "--store", str(store), "--kv-codec", "q"])
-    assert bad.exit_code == 2 and "kv_codec 'q' is not one of none, int8, int4, int2" in bad.output
+    known = "none, int8, int4, int2, int2mix"
+    assert bad.exit_code == 2 and f"kv_codec 'q' is not one of {known}" in bad.output

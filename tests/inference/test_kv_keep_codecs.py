@@ -94,7 +94,7 @@ def model(request, smollm2_tokenizer) -> LoadedModel:
 def stores(model, tmp_path_factory):
     """Three chunks stored by ``model``, one chunk per forward: ``{(keep, codec): KvStore}``
     for whole chunks in ``none`` and ``int4``, and nugget spans (``SPANS``) in ``int8``,
-    ``int4`` and ``int2``; and the chunks."""
+    ``int4``, ``int2`` and ``int2mix``; and the chunks."""
     import dataclasses
 
     text = DOCS.read_text(encoding="utf-8") if DOCS.is_file() else "Python is a language. " * 80
@@ -114,6 +114,7 @@ def stores(model, tmp_path_factory):
         ("nuggets", "int8"),
         ("nuggets", "int4"),
         ("nuggets", "int2"),
+        ("nuggets", "int2mix"),
     ):
         store = Store.at(root / f"{keep}-{codec}").init()
         options = KvOptions(batch_size=1, kv_codec=codec)
@@ -137,7 +138,7 @@ def _float_frame(ref: KvStore, chunk, spec: RopeSpec, p: int) -> torch.Tensor:
     return keys_to_position_zero(ref.read_entry(chunk.content_key), spec, p)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "int2mix"])
 def test_entries_of_kept_ranges_hold_each_value_within_its_bound(model, stores, codec) -> None:
     by, chunks, kept = stores
     kv, ref = by[("nuggets", codec)], by[("chunks", "none")]
@@ -157,18 +158,17 @@ def test_entries_of_kept_ranges_hold_each_value_within_its_bound(model, stores, 
         assert got.shape == x.shape and got.dtype == ref.layout.torch_dtype
         half_step = codec_step_bounds(x, kv.layout.block_tokens, codec) / 2
         bound = half_step + HALF_ULP[got.dtype] * (x.abs() + half_step)
-        if codec != "int2":  # int2 clips ranges: its bound is per group and layer (below)
+        if codec not in ("int2", "int2mix"):  # clipped ranges: the bound per group and layer
             assert ((got.to(torch.float64) - x).abs() <= bound).all()
         diff, norm = _layer_errors(got, x)
         rounding = ROUNDING * HALF_ULP[got.dtype]
+        value_group = kv.layout.block_tokens if codec == "int2mix" else kv.layout.head_dim
         allowed = half_step.pow(2).flatten(2).sum(2).sqrt() + rounding * norm
         assert (diff <= allowed).all(), (diff / norm).max(dim=0)
         assert (
             diff[:, 0] / norm[:, 0] <= c.relative_error_bound(kv.layout.block_tokens) + rounding
         ).all()
-        assert (
-            diff[:, 1] / norm[:, 1] <= c.relative_error_bound(kv.layout.head_dim) + rounding
-        ).all()
+        assert (diff[:, 1] / norm[:, 1] <= c.relative_error_bound(value_group) + rounding).all()
     # a range outside the kept ones is never served
     with pytest.raises(UnstoredKvSlice, match='kv_keep = "nuggets"'):
         kv.read_slices([(chunks[0].content_key, 10, 22)])  # crosses the gap [12, 20)

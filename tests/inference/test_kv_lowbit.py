@@ -1,5 +1,6 @@
 """The ``int2`` KV codec (issue 36; ``storage/kv/lowbit.py``): its scales, its clipping, its
-error on SmolLM2's real KV, and a store built, served, verified and repaired through the CLI.
+error on SmolLM2's real KV, and a store built, served, verified and repaired through the CLI
+(also ``int2mix``'s).
 
 The bounds shared with ``int8`` / ``int4`` (per layer ``‖x̂ − x‖² <= Σ (step / 2)²`` against the
 float entry and the model's own cache, on SmolLM2 and the tiny Qwen2, Llama, dynamic-NTK Llama
@@ -107,24 +108,25 @@ def test_smollm2_per_layer_error_within_its_measured_ceiling() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
-def test_an_int2_store_serves_verifies_and_is_repaired(
-    tmp_path: Path, smollm2_tokenizer, sample_corpus
+@pytest.mark.parametrize("codec", ["int2", "int2mix"])
+def test_a_2_bit_store_serves_verifies_and_is_repaired(
+    tmp_path: Path, smollm2_tokenizer, sample_corpus, codec
 ) -> None:
-    """``coinrag build --kv-codec int2`` (tiny Llama): turborag and coinrag answer from it;
-    a flipped byte in an entry's block is found by ``coinrag verify`` and recomputed by the next
-    build, bit for bit the entry it was; the store is ~0.14 of raw bfloat16 plus what tiny dims
-    add (more scales per value)."""
+    """``coinrag build --kv-codec int2`` / ``int2mix`` (``storage/kv/mixed.py``; tiny Llama):
+    turborag and coinrag answer from it; a flipped byte in an entry's block is found by
+    ``coinrag verify`` and recomputed by the next build, bit for bit the entry it was; the store
+    is ~0.14 of raw bfloat16 plus what tiny dims add (more scales per value)."""
     source = write_corpus(tmp_path / "docs.jsonl", sample_docs(sample_corpus, 3))
     model = save_tiny_llama(tmp_path / "llama", smollm2_tokenizer, 5)
     store = tmp_path / "store"
     build = ["build", str(source), "--store", str(store), "--extractor", "rules", "--model"]
-    build += [str(model), "--chunk-size", "64", "--kv-dtype", "bfloat16", "--kv-codec", "int2"]
+    build += [str(model), "--chunk-size", "64", "--kv-dtype", "bfloat16", "--kv-codec", codec]
     result = CliRunner().invoke(app, build)
     assert result.exit_code == 0, result.output
     st = Store.at(store)
     ((kv_path),) = (store / "kv").glob("kv-*")
     kv = KvStore.open(st, kv_path.name)
-    assert kv.layout.kv_codec == "int2" and kv.layout.block_tokens == 64
+    assert kv.layout.kv_codec == codec and kv.layout.block_tokens == 64
     originals = {ck: kv.read_entry(ck) for ck in kv.manifest()}
     tokens = sum(row.tokens for row in kv.manifest().values())
     assert kv.layout.entry_bytes(64) / (64 * kv.layout.raw_token_bytes) < 0.25

@@ -100,5 +100,7 @@ def test_transports_and_codecs_are_chosen_by_name(tmp_path):
     assert codec_named("none").storage_dtype("bfloat16").str == "<u2"
     assert codec_named("int4").storage_dtype("bfloat16").str == "|u1"
     assert codec_named("int2").storage_dtype("bfloat16").str == "|u1"
-    with pytest.raises(ValueError, match=r"unknown KV codec 'int3' \(int2, int4, int8, none\)"):
+    assert codec_named("int2mix").storage_dtype("bfloat16").str == "|u1"
+    known = r"\(int2, int2mix, int4, int8, none\)"
+    with pytest.raises(ValueError, match=rf"unknown KV codec 'int3' {known}"):
         codec_named("int3")

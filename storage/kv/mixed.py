@@ -1,0 +1,304 @@
+"""The ``int2mix`` KV codec: 2 bits per value on average, spent where attention looks.
+
+:class:`Int2MixCodec` stores what ``int2`` stores (``storage/kv/lowbit.py``: 64-token blocks,
+keys before RoPE, each group's minimum and step in one byte on float16 units per block, layer,
+head and half, ranges clipped where that lowers a group's squared error) with the bits placed
+differently, at the same two bits of code per value:
+
+- **keys in mixed precision by range**: per block, layer and head the channels are ranked by
+  their range over the block's tokens (largest first, ties by channel); the widest quarter gets
+  4-bit codes, the next half 2-bit codes, and the narrowest quarter no codes at all: those
+  channels decode to their mean over the block (stored as the group's minimum, a multiple of
+  ``lo_unit``, with a step of 0). A few wide channels carry most of ``q · k``: SmolLM2's keys
+  quantized alone this way give a next-token KL of 0.035 against 0.21 for ``int2``'s uniform 2
+  bits (10 FAQ questions, ``tests/benchmarks/RESULTS.md``), though their relative error is
+  higher (0.16 against 0.15): the narrow channels' error barely moves the logits.
+- **values per channel** over the block's tokens, 2-bit, as ``int2``'s keys (``int2`` quantizes
+  them per token): half the next-token KL of values per token on SmolLM2 (0.022 against 0.048).
+
+Which channels have which width is stored, two bits per key channel (a quarter of a byte), so a
+block decodes alone. Per block, layer and head at ``head_dim`` 64: 2 bits of code per value,
+one byte of minimum and one of step per key and value channel, 16 bytes of widths, 8 bytes of
+units: 0.1421 of raw bfloat16 (``int2``: 0.1411; 0.1435 on disk for the 9 FAQ pages).
+
+Measured on the 176 FAQ questions (``tests/benchmarks/RESULTS.md``, "KV at 2 bits with answers
+kept"): coinrag's F1 0.1794 against 0.1806 for bf16 ``none`` (``int2``: 0.1639); turborag's
+0.1033 against 0.1264 (its first token 5x closer to ``none``'s than ``int2``'s, KL 0.098
+against 0.50, yet ``int2``'s turborag F1 is 0.1428: that F1 does not separate codecs here).
+
+Error bounds (held by ``tests/inference/test_kv_codecs.py``, computed there from the float
+entry alone): a coded group's squared error is at most ``n (step / 2)²`` with ``step`` its
+width's step (``levels`` 15 or 3) widened by its head's units, as ``int2``'s; a mean-only
+channel's at most ``n ((range + lo_unit) / 2)²`` (the mean minimizes the squared error, a
+group's variance is at most ``(range / 2)²``, and the stored mean is within ``lo_unit / 2`` of
+it), and never above ``‖x‖²`` plus that rounding: its relative error is at most 1.
+
+E.g. a block's key channels with ranges ``[9, 0.1, 2, 0.5]`` (:func:`key_widths` of a
+``head_dim`` of 4; the codec itself needs a multiple of 8): channel 0 gets 4 bits, channels 2
+and 3 two bits, channel 1 its mean; widths stored ``[2, 0, 1, 1]``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from coinrag.storage.kv.codecs import TORCH_DTYPES, KvGeometry, QuantizedCodec, _writable, fp16_up
+from coinrag.storage.kv.lowbit import CLIPS, LO_LEVELS, STEP_LEVELS, fine_lo, fine_step
+
+WIDTH_LEVELS = (0, 3, 15)  # levels of a key channel of width 0 (mean), 1 (2 bits), 2 (4 bits)
+
+
+def key_widths(keys: torch.Tensor) -> torch.Tensor:
+    """Keys ``(k, L, H, B, D)`` -> each channel's width ``(k, L, H, D)`` uint8: 2 for the
+    widest ``D / 4`` channels by range over the block's tokens, 1 for the next ``D / 2``, 0 for
+    the rest (ties: the lower channel first)."""
+    d = keys.shape[-1]
+    ranges = keys.amax(dim=3) - keys.amin(dim=3)
+    order = torch.sort(ranges, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(d).expand_as(order).contiguous())
+    widths = (rank < d // 4).to(torch.uint8) + (rank < 3 * d // 4).to(torch.uint8)
+    return widths
+
+
+def quantize_mixed(
+    x: torch.Tensor, widths: torch.Tensor, clips: tuple[float, ...] = CLIPS
+) -> tuple[torch.Tensor, ...]:
+    """Keys ``(k, L, H, B, D)`` float32, per channel over ``B``, each channel at its width
+    (:func:`key_widths`): ``(codes, z, c, lo_unit, step_unit)`` as
+    ``lowbit.quantize_fine_scales`` returns them (``codes`` uint8 ``(k, L, H, B, D)``, ``z``
+    int8 and ``c`` uint8 ``(k, L, H, 1, D)``, the units float16 ``(k, L, H, 1, 1)``);
+    ``x̂ = codes * (c * step_unit) + z * lo_unit``. A width-0 channel has codes 0, ``c = 0`` and
+    ``z`` its mean rounded to the nearest multiple of ``lo_unit``."""
+    dims = (3, 4)
+    levels = torch.tensor(WIDTH_LEVELS, dtype=torch.float32)[widths.long()].unsqueeze(3)
+    coded = levels > 0
+    mn, mx = x.amin(dim=3, keepdim=True), x.amax(dim=3, keepdim=True)
+    mean = x.mean(dim=3, keepdim=True)
+    target = torch.where(coded, mn, mean)  # what each channel's z stands for
+    lo_unit = fp16_up(target.abs().amax(dim=dims, keepdim=True) / LO_LEVELS)
+    lo32 = lo_unit.to(torch.float32)
+    safe_levels = torch.where(coded, levels, torch.ones_like(levels))
+    s_max = torch.where(coded, (mx - fine_lo(mn, lo32) * lo32) / safe_levels, 0)
+    step_unit = fp16_up(s_max.amax(dim=dims, keepdim=True) / STEP_LEVELS)
+    step32 = step_unit.to(torch.float32)
+    best: tuple[torch.Tensor, ...] = ()
+    u, q = torch.empty_like(x), torch.empty_like(x)
+    for a in clips:  # each candidate's codes and error (lowbit.quantize_fine_scales)
+        cut = (mx - mn) * a
+        z = fine_lo(mn + cut, lo32)
+        lo = z * lo32
+        c = fine_step((mx - cut - lo) / safe_levels, step32)
+        step = c * step32
+        inv = 1 / torch.where(step > 0, step, torch.ones_like(step))
+        torch.sub(x, lo, out=u).mul_(inv)
+        torch.round(u, out=q).clamp_(torch.zeros_like(levels), levels)
+        err = u.sub_(q).square_().sum(dim=3, keepdim=True).mul_(step.square())
+        if best:
+            better = err < best[0]
+            err, z, c = (
+                torch.where(better, n, o) for n, o in zip((err, z, c), best[:3], strict=True)
+            )
+            codes = torch.where(better, q, best[3])
+        else:
+            codes, q = q, torch.empty_like(x)
+        best = (err, z, c, codes)
+    _, z, c, codes = best
+    safe_lo = torch.where(lo32 > 0, lo32, torch.ones_like(lo32))
+    z_mean = torch.round(mean / safe_lo).clamp_(-LO_LEVELS - 1, LO_LEVELS)
+    z = torch.where(coded, z, z_mean)
+    c = torch.where(coded, c, 0)
+    codes = torch.where(coded, codes, 0)
+    return codes.to(torch.uint8), z.to(torch.int8), c.to(torch.uint8), lo_unit, step_unit
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``(..., n)`` of ``bits`` (2 or 4) -> bytes ``(..., n * bits / 8)``, the
+    first code in the low bits."""
+    per = 8 // bits
+    out = codes[..., 0::per].clone()
+    for j in range(1, per):
+        out |= codes[..., j::per] << (bits * j)
+    return out
+
+
+_SHIFTS = {bits: torch.arange(0, 8, bits, dtype=torch.uint8) for bits in (2, 4)}
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack_bits`, as uint8 ``(..., n)``."""
+    codes = (packed.unsqueeze(-1) >> _SHIFTS[bits]).bitwise_and_(2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+
+
+class Int2MixCodec(QuantizedCodec, name="int2mix"):
+    """2 bits of code per value in 64-token blocks: keys in mixed precision by range (a
+    quarter of the channels 4-bit, half 2-bit, a quarter their mean), values 2-bit per channel;
+    ~0.142 of the raw bfloat16 bytes at ``head_dim`` 64.
+
+    A block's payload (``B = block_tokens``, ``D = head_dim``, a multiple of 8), in order:
+
+    ============  ==================  =============================================
+    section       shape               contents
+    ============  ==================  =============================================
+    key codes 4   (L, H, B, D / 8)    the 4-bit channels' codes in channel order,
+                                      two per byte (the first in the low nibble)
+    key codes 2   (L, H, B, D / 8)    the 2-bit channels' codes, four per byte
+    value codes   (L, H, B, D / 4)    2 bits per value, four per byte
+    key widths    (L, H, D / 4)       2 bits per channel: 0 mean, 1 2-bit, 2 4-bit
+    key z, c      (L, H, D) x 2       int8 minimum (mean), uint8 step per channel
+    value z, c    (L, H, D) x 2       the same for value channels
+    units         (L, H, 4) float16   key lo_unit, key step_unit, value lo_unit,
+                                      value step_unit
+    ============  ==================  =============================================
+    """
+
+    bits = 2
+    default_block_tokens: ClassVar[int] = 64
+
+    def _code_bytes(self, g: KvGeometry) -> int:
+        if g.head_dim % 8:
+            raise ValueError(
+                f"kv_codec int2mix needs a head_dim that is a multiple of 8, got {g.head_dim}; "
+                "use int2 or int4 for this model"
+            )
+        return g.layers * g.kv_heads * g.block_tokens * g.head_dim // 4
+
+    def _sections(self, g: KvGeometry) -> list[tuple[str, int]]:
+        lh, dim = g.layers * g.kv_heads, g.head_dim
+        codes = self._code_bytes(g)
+        return [
+            ("k_codes4", codes // 2),
+            ("k_codes2", codes // 2),
+            ("v_codes", codes),
+            ("k_widths", lh * dim // 4),
+            ("k_z", lh * dim),
+            ("k_c", lh * dim),
+            ("v_z", lh * dim),
+            ("v_c", lh * dim),
+            ("units", lh * 4 * 2),
+        ]
+
+    def _quantize_halves(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        from coinrag.storage.kv.lowbit import quantize_fine_scales
+
+        widths = key_widths(keys)
+        k_codes, k_z, k_c, k_lo_unit, k_step_unit = quantize_mixed(keys, widths)
+        v_codes, v_z, v_c, v_lo_unit, v_step_unit = quantize_fine_scales(values, 3, 3, CLIPS)
+        d = keys.shape[-1]
+        order = torch.sort(widths, dim=-1, descending=True, stable=True).indices
+        ranked = k_codes.gather(-1, order.unsqueeze(3).expand_as(k_codes))
+        units = torch.cat([k_lo_unit, k_step_unit, v_lo_unit, v_step_unit], dim=-1)
+        return [
+            pack_bits(ranked[..., : d // 4], 4),
+            pack_bits(ranked[..., d // 4 : 3 * d // 4], 2),
+            pack_bits(v_codes, 2),
+            pack_bits(widths, 2),
+            k_z.view(torch.uint8),
+            k_c,
+            v_z.view(torch.uint8),
+            v_c,
+            units.view(torch.uint8),
+        ]
+
+    # ------------------------------------------------------------------ decode
+
+    def _block_tables(
+        self, cut: dict[str, torch.Tensor], b0: int, b1: int, g: KvGeometry
+    ) -> tuple[torch.Tensor, ...]:
+        """Blocks ``b0..b1``'s float32 key ``lo``, ``step``, value ``lo``, ``step``, each
+        ``(L, H, nb, 1, D)``, and where each key channel's code lies among the block's ranked
+        codes (4-bit ones, then 2-bit ones, then a zero for the mean-only channels)
+        ``(L, H, nb, 1, D)`` int64."""
+        nb, lay, heads, dim = b1 - b0, g.layers, g.kv_heads, g.head_dim
+        units = cut["units"][b0:b1].contiguous().view(torch.float16).to(torch.float32)
+        units = units.reshape(nb, lay, heads, 1, 1, 4).permute(1, 2, 0, 3, 4, 5)
+
+        def scale(name: str, unit: int, signed: bool) -> torch.Tensor:
+            raw = cut[name][b0:b1].reshape(nb, lay, heads, 1, dim).permute(1, 2, 0, 3, 4)
+            ints = raw.contiguous().view(torch.int8) if signed else raw
+            return ints.to(torch.float32).mul_(units[..., unit])
+
+        widths = unpack_bits(cut["k_widths"][b0:b1].reshape(nb, lay, heads, 1, dim // 4), 2)
+        widths = widths.permute(1, 2, 0, 3, 4).to(torch.int64)
+        wide, mid = widths == 2, widths == 1
+        # a channel's rank among its width's channels (channel order), offset to its section
+        pos = torch.where(wide, wide.cumsum(-1) - 1, mid.cumsum(-1) - 1 + dim // 4)
+        pos = torch.where(wide | mid, pos, 3 * dim // 4)  # mean-only: a zero code
+        return (
+            scale("k_z", 0, True),
+            scale("k_c", 1, False),
+            scale("v_z", 2, True),
+            scale("v_c", 3, False),
+            pos,
+        )
+
+    def _dequantize_span(
+        self, cut: dict[str, torch.Tensor], s: int, e: int, g: KvGeometry
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 keys and values ``(L, H, e - s, D)`` of tokens ``[s, e)`` of the blocks in
+        ``cut``, from the blocks that hold them only: (nearly) whole blocks dequantized as
+        blocks, then cut; a short span (a nugget) block by block, only its tokens' codes
+        unpacked. The same float32 products either way (``codes * step + lo``)."""
+        block = g.block_tokens
+        b0, b1 = s // block, -(-e // block)
+        if b1 - b0 > 1 and 4 * (b1 - b0) * block > 5 * (e - s):  # a short span over blocks
+            parts = [
+                self._dequantize_span(cut, max(s, b * block), min(e, (b + 1) * block), g)
+                for b in range(b0, b1)
+            ]
+            return tuple(torch.cat(halves, dim=2) for halves in zip(*parts, strict=True))
+        lay, heads, dim, nb = g.layers, g.kv_heads, g.head_dim, b1 - b0
+        first = b0 * block
+        # one block: only tokens [s, e) unpacked; whole blocks: every token, cut at the end
+        t0, t1 = (s - first, e - first) if nb == 1 else (0, block)
+
+        def section(name: str, bits: int, count: int) -> torch.Tensor:
+            raw = cut[name][b0:b1].reshape(nb, lay, heads, block, count * bits // 8)
+            return unpack_bits(raw[:, :, :, t0:t1].permute(1, 2, 0, 3, 4), bits)
+
+        k_lo, k_step, v_lo, v_step, pos = self._block_tables(cut, b0, b1, g)
+        ranked = section("k_codes4", 4, dim // 4)  # (L, H, nb, t, D / 4)
+        zero = torch.zeros((*ranked.shape[:-1], dim // 4), dtype=torch.uint8)
+        ranked = torch.cat([ranked, section("k_codes2", 2, dim // 2), zero], dim=-1)
+        keys = ranked.gather(-1, pos.expand(*ranked.shape[:-1], dim)).to(torch.float32)
+        values = section("v_codes", 2, dim).to(torch.float32)
+        n = nb * (t1 - t0)
+        keys = keys.mul_(k_step).add_(k_lo).reshape(lay, heads, n, dim)
+        values = values.mul_(v_step).add_(v_lo).reshape(lay, heads, n, dim)
+        if nb > 1:
+            return keys[:, :, s - first : e - first], values[:, :, s - first : e - first]
+        return keys, values
+
+    def decode(self, stored: np.ndarray, g: KvGeometry) -> torch.Tensor:
+        """Blocks' payloads ``(k, payload_bytes)`` -> ``(L, 2, H, k * B, D)`` in ``g.dtype``,
+        keys at position 0 (before RoPE)."""
+        raw = torch.from_numpy(_writable(stored))
+        n = raw.shape[0] * g.block_tokens
+        keys, values = self._dequantize_span(self._cut(raw, g), 0, n, g)
+        out = torch.empty((g.layers, 2, g.kv_heads, n, g.head_dim), dtype=TORCH_DTYPES[g.dtype])
+        out[:, 0].copy_(keys)
+        out[:, 1].copy_(values)
+        return out
+
+    def _dequantize_tokens(
+        self, cut: dict[str, torch.Tensor], s: int, e: int, g: KvGeometry
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._dequantize_span(cut, s, e, g)
+
+    def relative_error_bound(self, group: int) -> float:
+        """The bound on ``‖x̂ − x‖ / ‖x‖`` over a layer for groups of ``group`` values, for a
+        ``head_dim`` up to 256 (Gemma's): the larger of ``int2``'s (``sqrt(group / 2) / 3``,
+        widened for the units) and 1 (a mean-only channel's squared error is at most its
+        squared norm: the mean minimizes it), plus the rounding of the means to ``lo_unit``
+        (``n (lo_unit / 2)²`` per mean-only channel, a quarter of ``head_dim`` of them, against
+        a head whose norm is at least the ``max |min or mean| = 127 lo_unit`` the unit is taken
+        from: ``sqrt(group * 256 / 16) / 127`` at ``head_dim`` 256).
+
+        E.g. 64-token blocks: 1.890 + 0.252 = 2.142 (at 2 bits nothing better than 1 is stated;
+        SmolLM2 measures keys 0.164, values 0.317, ``tests/inference/test_kv_mixed.py``)."""
+        int2 = ((group / 2) ** 0.5 * (1 + 2**-9) + 2**-8) / 3
+        return max(int2, 1.0) + (group * 256 / 16) ** 0.5 / 127

@@ -1,0 +1,341 @@
+"""Where 2 bits per value go (issue 36): KV quantizers emulated over a float (bf16 ``none``)
+store's entries, keys and values separately, and what each does to the next token.
+
+    python tests/benchmarks/bench_kv_lowbit_variants.py --store W/store \
+        --questions W/faq/questions.jsonl --limit 30 \
+        --variants int2/int2 int4/int4 int2/exact exact/int2 km:16,0,32,0/exact \
+        exact/had2 exact/chan2 km:16,0,32,0/chan2 [--json PATH]
+
+A variant is ``KEYS/VALUES``, each half quantized in 64-token blocks (keys rotated to position 0
+first, as the quantized stores keep them) with ``int2``'s one-byte scales and clipping
+(``storage/kv/lowbit.py``) unless named otherwise:
+
+- ``exact``: as stored (bf16); ``int2`` / ``int3`` / ``int4``: uniform codes, keys per channel
+  over the block, values per token over ``head_dim``;
+- ``km:a,b,c,d`` (keys or values): per block, layer and head the channels ranked by range over
+  the block's tokens; the widest ``a`` at 4 bits, the next ``b`` at 3, ``c`` at 2, ``d`` at 1,
+  the rest their mean (``km:16,0,32,0`` at ``head_dim`` 64 is ``int2mix``'s keys,
+  ``storage/kv/mixed.py``);
+- values: ``chan2`` (2-bit per channel over the block: ``int2mix``'s values), ``had2`` /
+  ``had3`` (a normalized 64x64 Hadamard rotation of each value vector, then per token),
+  ``hadlm2z`` / ``hadlm3z`` (rotated, Lloyd-Max levels of a unit Gaussian on one RMS scale per
+  token), ``lm2`` (Lloyd-Max per token, mean and RMS), ``mix:LAYERS:BASE`` (BASE, its 3-bit
+  form on the listed layers).
+
+Per question (coinrag's two-stage retrieval, kc 4, k 10; the context assembled from each
+variant's slices, the query prefilled on it): against the bf16 context, the next-token KL
+divergence over the query's positions (``kl``) and at its last one (``kl_first``: the first
+answer token's distribution), the top-1 agreement likewise; per layer ``‖x̂ − x‖ / ‖x‖`` of the
+entries read (``relK``, ``relV``). Emulated: the scales' units are those of each width's
+quantization, so ``km`` rows match the codec's relative error to 4 digits, not bit for bit.
+
+``--codec-errors int8 int4 int2 int2mix`` (with ``--limit 0``): the codecs themselves over every
+entry of the store, per-layer ``‖x̂ − x‖ / ‖x‖`` of K (at position 0) and V, mean and worst
+layer of the mean over entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
+
+import bench_kv_codecs as B  # noqa: E402
+import torch  # noqa: E402
+
+from coinrag.inference.model.encode import keys_to_position_zero  # noqa: E402
+from coinrag.storage.kv.lowbit import quantize_fine_scales  # noqa: E402
+
+BLOCK = 64
+
+
+def hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+H64 = hadamard(64)
+
+
+def blocks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(L, H, T, D) -> (k, L, H, B, D) padded with the last token."""
+    L, H, n, D = x.shape
+    k = max(1, -(-n // BLOCK))
+    if k * BLOCK > n:
+        x = torch.cat([x, x[:, :, n - 1 : n].expand(L, H, k * BLOCK - n, D)], 2)
+    return x.reshape(L, H, k, BLOCK, D).permute(2, 0, 1, 3, 4).contiguous(), n
+
+
+def unblocks(y: torch.Tensor, n: int) -> torch.Tensor:
+    k, L, H, Bt, D = y.shape
+    return y.permute(1, 2, 0, 3, 4).reshape(L, H, k * Bt, D)[:, :, :n]
+
+
+def fine(x, dim, levels, clips=(0.0, 0.1, 0.2)):
+    codes, z, c, lo_u, st_u = quantize_fine_scales(x, dim, levels, clips)
+    return codes.float() * (c.float() * st_u.float()) + z.float() * lo_u.float()
+
+
+# Lloyd-Max levels for a unit Gaussian
+LM = {
+    2: torch.tensor([-1.510, -0.4528, 0.4528, 1.510]),
+    3: torch.tensor([-2.152, -1.344, -0.7560, -0.2451, 0.2451, 0.7560, 1.344, 2.152]),
+}
+
+
+def lloyd(x, dim, bits, mults=(0.8, 0.9, 1.0, 1.1, 1.2, 1.35)):
+    """Symmetric non-uniform: per group RMS scale (ideal float), Lloyd-Max levels, best of a
+    few scale multipliers (least squared error)."""
+    lv = LM[bits]
+    mean = x.mean(dim=dim, keepdim=True)
+    xc = x - mean
+    rms = xc.square().mean(dim=dim, keepdim=True).sqrt().clamp_min(1e-12)
+    best_err, best = None, None
+    for m in mults:
+        s = rms * m
+        idx = (xc / s).unsqueeze(-1).sub(lv).abs().argmin(-1)
+        y = lv[idx] * s + mean
+        err = (y - x).square().sum(dim=dim, keepdim=True)
+        if best is None:
+            best_err, best = err, y
+        else:
+            better = err < best_err
+            best = torch.where(better, y, best)
+            best_err = torch.where(better, err, best_err)
+    return best
+
+
+def lloyd0(x, dim, bits, mults=(0.8, 0.9, 1.0, 1.1, 1.2, 1.35)):
+    """Same, zero-mean assumed (one scale per group only)."""
+    lv = LM[bits]
+    rms = x.square().mean(dim=dim, keepdim=True).sqrt().clamp_min(1e-12)
+    best_err, best = None, None
+    for m in mults:
+        s = rms * m
+        idx = (x / s).unsqueeze(-1).sub(lv).abs().argmin(-1)
+        y = lv[idx] * s
+        err = (y - x).square().sum(dim=dim, keepdim=True)
+        if best is None:
+            best_err, best = err, y
+        else:
+            better = err < best_err
+            best = torch.where(better, y, best)
+            best_err = torch.where(better, err, best_err)
+    return best
+
+
+def keymix(x, counts, crit="range"):
+    """x (k, L, H, B, D): channels ranked per (k, L, H) by range; the top counts[0] at 4 bits,
+    the next counts[1] at 3, counts[2] at 2, counts[3] at 1, the rest their mean."""
+    r = x.amax(3) - x.amin(3)  # (k, L, H, D)
+    order = torch.sort(r, dim=-1, descending=True, stable=True).indices
+    rank = order.argsort(-1)  # rank of each channel
+    out = x.mean(3, keepdim=True).expand_as(x).clone()
+    start = 0
+    for bits, n in zip((4, 3, 2, 1), counts, strict=True):
+        if n == 0:
+            continue
+        sel = ((rank >= start) & (rank < start + n)).unsqueeze(3).expand_as(x)
+        y = fine(x, 3, 2**bits - 1)
+        out = torch.where(sel, y, out)
+        start += n
+    return out
+
+
+def keyq(kind):
+    def f(x):  # x (k, L, H, B, D) keys
+        if kind == "exact":
+            return x
+        if kind == "int2":
+            return fine(x, 3, 3)
+        if kind == "int3":
+            return fine(x, 3, 7)
+        if kind == "int4":
+            return fine(x, 3, 15)
+        if kind == "lm2":
+            return lloyd(x, 3, 2)
+        if kind.startswith("km:"):  # km:a,b,c,d channels at 4, 3, 2, 1 bits, the rest mean
+            counts = [int(i) for i in kind[3:].split(",")]
+            return keymix(x, counts)
+        raise KeyError(kind)
+
+    return f
+
+
+def valq(kind):
+    def f(x):  # values (k, L, H, B, D)
+        if kind == "exact":
+            return x
+        if kind == "int2":
+            return fine(x, 4, 3)
+        if kind == "int3":
+            return fine(x, 4, 7)
+        if kind == "int4":
+            return fine(x, 4, 15)
+        if kind == "had2":
+            return fine(x @ H64, 4, 3) @ H64.T
+        if kind == "had3":
+            return fine(x @ H64, 4, 7) @ H64.T
+        if kind == "hadlm2":
+            return lloyd(x @ H64, 4, 2) @ H64.T
+        if kind == "hadlm2z":
+            return lloyd0(x @ H64, 4, 2) @ H64.T
+        if kind == "hadlm3z":
+            return lloyd0(x @ H64, 4, 3) @ H64.T
+        if kind == "lm2":
+            return lloyd(x, 4, 2)
+        if kind.startswith("km:"):
+            return keymix(x, [int(i) for i in kind[3:].split(",")])
+        if kind == "chan2":
+            return fine(x, 3, 3)
+        if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>
+            _, spec, base = kind.split(":")
+            hi = [int(i) for i in spec.split(",")]
+            y = valq(base)(x)
+            y3 = valq(base.replace("2", "3"))(x[:, hi])
+            y[:, hi] = y3
+            return y
+        raise KeyError(kind)
+
+    return f
+
+
+class Reader(B.CodecReader):
+    def __init__(self, kv, name, spec, p, kf, vf):
+        super().__init__(kv, B.Variant(name, "int4"), spec, p)
+        self.kf, self.vf = kf, vf
+
+    def _round_trip(self, ck):
+        float_kv = self.kv.read_entry(ck)
+        x = keys_to_position_zero(float_kv, self.spec, self.p)
+        kb, n = blocks(x[:, 0])
+        vb, _ = blocks(x[:, 1])
+        k = unblocks(self.kf(kb), n)
+        v = unblocks(self.vf(vb), n)
+        out = torch.stack([k, v], 1).to(float_kv.dtype)
+        ref = x.to(torch.float64)
+        diff = (out.to(torch.float64) - ref).flatten(2).norm(dim=2)
+        self.errors[ck] = diff / ref.flatten(2).norm(dim=2)
+        return out
+
+
+def store_errors(float_kv, spec, p: int, codecs: list[str]) -> None:
+    """Per codec, the per-layer relative error of K (at position 0) and V over every entry of
+    the float store, through the codec itself (mean over entries; mean and worst layer)."""
+    from coinrag.storage.kv import KvLayout
+
+    lay0 = float_kv.layout
+    errs: dict[str, list[torch.Tensor]] = {c: [] for c in codecs}
+    for ck in float_kv.manifest():
+        x = keys_to_position_zero(float_kv.read_entry(ck), spec, p)
+        ref = x.double()
+        for c in codecs:
+            lay = KvLayout(
+                "m", "p", lay0.layers, lay0.kv_heads, lay0.head_dim, lay0.dtype, kv_codec=c
+            )
+            got = lay.codec.decode(lay.codec.encode(x, lay), lay)[:, :, :, : x.shape[3]].double()
+            errs[c].append((got - ref).flatten(2).norm(dim=2) / ref.flatten(2).norm(dim=2))
+    for c, e in errs.items():
+        m = torch.stack(e).mean(0)
+        k, v = m[:, 0], m[:, 1]
+        worst = f"K {k.mean():.4f} / {k.max():.4f}, V {v.mean():.4f} / {v.max():.4f}"
+        print(f"{c}: {len(e)} entries, {worst}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", type=Path, required=True, help="a bf16 store, codec none")
+    ap.add_argument("--questions", type=Path, required=True)
+    ap.add_argument("--limit", type=int, default=30)
+    ap.add_argument("--variants", nargs="+", default=[], help="K/V e.g. int2/had2")
+    ap.add_argument("--codec-errors", nargs="+", default=[], help="codecs, e.g. int4 int2mix")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from coinrag.inference.context.assemble import KvSlice, assemble_context
+    from coinrag.inference.evaluation.evaluate import load_questions
+    from coinrag.inference.methods import RagEngine
+    from coinrag.inference.methods.assets import StoredKv
+    from coinrag.inference.model.encode import to_dynamic_cache
+    from coinrag.inference.rope import reset_rotary
+
+    engine = RagEngine.open(str(args.store), max_new_tokens=32, methods=("coinrag",))
+    model = engine.model
+    context = engine.asset(StoredKv)
+    float_kv, spec, prefix_kv = context.kv, context.spec, context.prefix_kv
+    p = engine.prompt.n_prefix
+    if args.codec_errors:
+        store_errors(float_kv, spec, p, args.codec_errors)
+    readers = {}
+    for v in args.variants:
+        kk, vv = v.split("/", 1)
+        readers[v] = Reader(float_kv, v, spec, p, keyq(kk), valq(vv))
+    questions = load_questions(args.questions)
+    stats = {v: {"kl": [], "top1": [], "kl_first": [], "top1_first": []} for v in readers}
+    t0 = time.perf_counter()
+    for qi, q in enumerate(questions[: args.limit]):
+        retrieval = engine.retriever.two_stage(q.question, kc=4, k=10)
+        requests = [(e.content_key, e.tok_start, e.tok_end) for e in retrieval.evidence]
+        query_ids = engine.prompt.query_ids(q.question)
+        total = p + sum(e - s for _, s, e in requests)
+        ref = None
+        for name, reader in [("none", None), *readers.items()]:
+            if reader is None:
+                blocks_ = [float_kv.read_entry(ck)[:, :, :, s:e] for ck, s, e in requests]
+                zero = False
+            else:
+                blocks_ = reader.read_slices(requests)
+                zero = True
+            slices = [
+                KvSlice(b, p + s, p + float_kv.manifest()[ck].tokens, zero)
+                for b, (ck, s, _) in zip(blocks_, requests, strict=True)
+            ]
+            ctx = assemble_context(prefix_kv, slices, spec, new_seq_len=total + len(query_ids))
+            reset_rotary(model)
+            with torch.inference_mode():
+                out = model(
+                    input_ids=torch.tensor([query_ids]),
+                    past_key_values=to_dynamic_cache(ctx, model.config),
+                    position_ids=torch.arange(total, total + len(query_ids))[None],
+                )
+            lp = torch.log_softmax(out.logits[0].float(), -1)
+            if ref is None:
+                ref = lp
+                continue
+            kl = (ref.exp() * (ref - lp)).sum(-1)
+            top1 = (lp.argmax(-1) == ref.argmax(-1)).float()
+            s = stats[name]
+            s["kl"].append(kl.mean().item())
+            s["top1"].append(top1.mean().item())
+            s["kl_first"].append(kl[-1].item())
+            s["top1_first"].append(top1[-1].item())
+        if (qi + 1) % 10 == 0:
+            print(f"{qi + 1} q ({time.perf_counter() - t0:.0f} s)", flush=True)
+    results = {}
+    for name, reader in readers.items():
+        row = {}
+        if reader.errors:
+            errs = torch.stack(list(reader.errors.values())).mean(0)
+            row["relK"] = round(errs[:, 0].mean().item(), 4)
+            row["relV"] = round(errs[:, 1].mean().item(), 4)
+            row["relV_layers"] = [round(e, 3) for e in errs[:, 1].tolist()]
+        for key, vals in stats[name].items():
+            if vals:
+                row[key] = round(sum(vals) / len(vals), 4)
+        results[name] = row
+        print(name, json.dumps({k: v for k, v in row.items() if k != "relV_layers"}), flush=True)
+        print("   relV/layer", row.get("relV_layers"), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
