@@ -46,7 +46,13 @@ import numpy as np
 import torch
 
 from coinrag.storage.kv.codecs import TORCH_DTYPES, KvGeometry, QuantizedCodec, _writable, fp16_up
-from coinrag.storage.kv.lowbit import CLIPS, LO_LEVELS, STEP_LEVELS, fine_lo, fine_step
+from coinrag.storage.kv.lowbit import (
+    CLIPS,
+    LO_LEVELS,
+    STEP_LEVELS,
+    fine_lo,
+    search_clips,
+)
 
 WIDTH_LEVELS = (0, 3, 15)  # levels of a key channel of width 0 (mean), 1 (2 bits), 2 (4 bits)
 
@@ -85,28 +91,7 @@ def quantize_mixed(
     s_max = torch.where(coded, (mx - fine_lo(mn, lo32) * lo32) / safe_levels, 0)
     step_unit = fp16_up(s_max.amax(dim=dims, keepdim=True) / STEP_LEVELS)
     step32 = step_unit.to(torch.float32)
-    best: tuple[torch.Tensor, ...] = ()
-    u, q = torch.empty_like(x), torch.empty_like(x)
-    for a in clips:  # each candidate's codes and error (lowbit.quantize_fine_scales)
-        cut = (mx - mn) * a
-        z = fine_lo(mn + cut, lo32)
-        lo = z * lo32
-        c = fine_step((mx - cut - lo) / safe_levels, step32)
-        step = c * step32
-        inv = 1 / torch.where(step > 0, step, torch.ones_like(step))
-        torch.sub(x, lo, out=u).mul_(inv)
-        torch.round(u, out=q).clamp_(torch.zeros_like(levels), levels)
-        err = u.sub_(q).square_().sum(dim=3, keepdim=True).mul_(step.square())
-        if best:
-            better = err < best[0]
-            err, z, c = (
-                torch.where(better, n, o) for n, o in zip((err, z, c), best[:3], strict=True)
-            )
-            codes = torch.where(better, q, best[3])
-        else:
-            codes, q = q, torch.empty_like(x)
-        best = (err, z, c, codes)
-    _, z, c, codes = best
+    codes, z, c = search_clips(x, 3, (mn, mx), (lo32, step32), levels, clips)
     safe_lo = torch.where(lo32 > 0, lo32, torch.ones_like(lo32))
     z_mean = torch.round(mean / safe_lo).clamp_(-LO_LEVELS - 1, LO_LEVELS)
     z = torch.where(coded, z, z_mean)
