@@ -179,8 +179,7 @@ def document_headings(documents: Iterable[Any]) -> dict[tuple[str, str], tuple[H
     ``tasks.ingest.SourceDocument`` or ``DocumentRow``), for the documents that have any."""
     out = {}
     for doc in documents:
-        origin = getattr(doc, "origin", doc)
-        headings = DocumentMaps.of(doc.text, origin if origin is not None else None).headings
+        headings = DocumentMaps.of(doc.text, getattr(doc, "origin", doc)).headings
         if headings:
             out[(doc.doc_id, _doc_version(doc))] = headings
     return out
@@ -192,11 +191,11 @@ def inner_headings(chunk: ChunkRow, headings: Sequence[Heading]) -> list[Heading
     return [h for h in headings if chunk.char_start < h.char_start < chunk.char_end]
 
 
-def inner_sections(chunk: ChunkRow, headings: Sequence[Heading]) -> list[tuple[int, str]]:
+def inner_sections(chunk: ChunkRow, headings: tuple[Heading, ...]) -> list[tuple[int, str]]:
     """The heading paths that start inside ``chunk``, as ``(character of the chunk's text,
     heading path)``, from its document's ``headings``."""
     return [
-        (h.char_start - chunk.char_start, heading(section_at(tuple(headings), h.char_start)))
+        (h.char_start - chunk.char_start, heading(section_at(headings, h.char_start)))
         for h in inner_headings(chunk, headings)
     ]
 
@@ -213,7 +212,7 @@ def chunk_search_text(chunk: ChunkRow, headings: Sequence[Heading] = ()) -> str:
 def chunk_windows(
     embedder: Embedder,
     chunks: Sequence[ChunkRow],
-    headings: Mapping[tuple[str, str], Sequence[Heading]] | None = None,
+    headings: Mapping[tuple[str, str], tuple[Heading, ...]] | None = None,
 ) -> list[PlannedWindow]:
     """Every window of these chunks: ``Embedder.windows`` of the text after its heading path,
     a window that starts under a heading inside the chunk after that heading's path
@@ -355,7 +354,7 @@ class IndexPlan:
     windowed: list[ChunkRow]  # chunks whose windows the index lacks
     windows: list[PlannedWindow] = field(default_factory=list)  # theirs (:func:`chunk_windows`)
     # (doc_id, doc_version) -> its headings (:func:`document_headings`)
-    headings: Mapping[tuple[str, str], Sequence[Heading]] = field(default_factory=dict)
+    headings: Mapping[tuple[str, str], tuple[Heading, ...]] = field(default_factory=dict)
 
     def chunk_texts(self) -> list[str]:
         """The search texts of the new chunks (:func:`chunk_search_text`), in row order."""

@@ -40,6 +40,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,62 +151,43 @@ def keymix(x, counts, crit="range"):
     return out
 
 
-def keyq(kind):
-    def f(x):  # x (k, L, H, B, D) keys
-        if kind == "exact":
-            return x
-        if kind == "int2":
-            return fine(x, 3, 3)
-        if kind == "int3":
-            return fine(x, 3, 7)
-        if kind == "int4":
-            return fine(x, 3, 15)
-        if kind == "lm2":
-            return lloyd(x, 3, 2)
-        if kind.startswith("km:"):  # km:a,b,c,d channels at 4, 3, 2, 1 bits, the rest mean
-            counts = [int(i) for i in kind[3:].split(",")]
-            return keymix(x, counts)
-        raise KeyError(kind)
-
-    return f
+FINE_LEVELS = {"int2": 3, "int3": 7, "int4": 15}  # uniform codes, int2's scales and clipping
+LLOYD = {"lm2": (lloyd, 2), "lm2z": (lloyd0, 2), "lm3z": (lloyd0, 3)}  # Lloyd-Max levels
+ROTATED = {"had2": "int2", "had3": "int3", "hadlm2": "lm2", "hadlm2z": "lm2z", "hadlm3z": "lm3z"}
 
 
-def valq(kind):
-    def f(x):  # values (k, L, H, B, D)
-        if kind == "exact":
-            return x
-        if kind == "int2":
-            return fine(x, 4, 3)
-        if kind == "int3":
-            return fine(x, 4, 7)
-        if kind == "int4":
-            return fine(x, 4, 15)
-        if kind == "had2":
-            return fine(x @ H64, 4, 3) @ H64.T
-        if kind == "had3":
-            return fine(x @ H64, 4, 7) @ H64.T
-        if kind == "hadlm2":
-            return lloyd(x @ H64, 4, 2) @ H64.T
-        if kind == "hadlm2z":
-            return lloyd0(x @ H64, 4, 2) @ H64.T
-        if kind == "hadlm3z":
-            return lloyd0(x @ H64, 4, 3) @ H64.T
-        if kind == "lm2":
-            return lloyd(x, 4, 2)
-        if kind.startswith("km:"):
-            return keymix(x, [int(i) for i in kind[3:].split(",")])
-        if kind == "chan2":
-            return fine(x, 3, 3)
-        if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>
-            _, spec, base = kind.split(":")
-            hi = [int(i) for i in spec.split(",")]
-            y = valq(base)(x)
-            y3 = valq(base.replace("2", "3"))(x[:, hi])
-            y[:, hi] = y3
+def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The round trip of ``x`` ``(k, L, H, B, D)`` float32 by ``kind`` (module docstring),
+    groups over ``dim``: 3, a channel over the block's tokens (keys); 4, a token over ``D``
+    (values). ``chan2`` is per channel whatever ``dim``; ``had*`` rotate each vector over
+    ``D`` first; ``mix:LAYERS:BASE`` quantizes the listed layers by BASE's 3-bit form."""
+    if kind == "exact":
+        return lambda x: x
+    if kind in FINE_LEVELS:
+        return lambda x: fine(x, dim, FINE_LEVELS[kind])
+    if kind in LLOYD:
+        levels_of, bits = LLOYD[kind]
+        return lambda x: levels_of(x, dim, bits)
+    if kind in ROTATED:
+        inner = quantizer(ROTATED[kind], dim)
+        return lambda x: inner(x @ H64) @ H64.T
+    if kind == "chan2":
+        return quantizer("int2", 3)
+    if kind.startswith("km:"):  # km:a,b,c,d channels at 4, 3, 2, 1 bits, the rest their mean
+        counts = [int(i) for i in kind[3:].split(",")]
+        return lambda x: keymix(x, counts)
+    if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>
+        _, spec, base = kind.split(":")
+        hi = [int(i) for i in spec.split(",")]
+        low, high = quantizer(base, dim), quantizer(base.replace("2", "3"), dim)
+
+        def mixed(x: torch.Tensor) -> torch.Tensor:
+            y = low(x)
+            y[:, hi] = high(x[:, hi])
             return y
-        raise KeyError(kind)
 
-    return f
+        return mixed
+    raise KeyError(f"unknown quantizer {kind!r}")
 
 
 class Reader(B.CodecReader):
@@ -277,7 +259,7 @@ def main():
     readers = {}
     for v in args.variants:
         kk, vv = v.split("/", 1)
-        readers[v] = Reader(float_kv, v, spec, p, keyq(kk), valq(vv))
+        readers[v] = Reader(float_kv, v, spec, p, quantizer(kk, 3), quantizer(vv, 4))
     questions = load_questions(args.questions)
     stats = {v: {"kl": [], "top1": [], "kl_first": [], "top1_first": []} for v in readers}
     t0 = time.perf_counter()
