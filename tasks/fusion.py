@@ -37,13 +37,12 @@ from coinrag.inference.retrieval.fusion import (
     question_lists,
     score_weights,
 )
-from coinrag.inference.retrieval.retriever import HYBRID_DENSE_WEIGHT, Query
+from coinrag.inference.retrieval.retriever import FUSION_METHOD, HYBRID_DENSE_WEIGHT, Query
 from coinrag.storage.index.lance import LanceIndex
 
 SPLITS = (("fusion", 15), ("report", 30), ("retriever", 100))  # (split, upper percent bound)
 MIN_HEADING_WORDS = 3
 MAX_QUESTIONS = 800  # questions asked (a seeded sample of the fusion and report pages' headings)
-FUSION_METHOD = "minmax-convex-v1"  # what ``dense_weight`` weighs (retriever.relative_scores)
 
 _UNDERLINE = re.compile(r"^([^\n]*\S[^\n]*)\n([=\-~^*#\"'+])\2{2,}[ \t]*$", re.MULTILINE)
 _ATX = re.compile(r"^#{1,6}[ \t]+(\S[^\n]*)$", re.MULTILINE)

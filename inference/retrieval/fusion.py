@@ -1,14 +1,15 @@
 """Choosing hybrid search's fusion weight for one index on questions whose answer page is known.
 
-Hybrid search fuses a dense and a lexical ranking of chunks by their min-max normalised scores,
-``w * dense + (1 - w) * lexical`` (``retriever.relative_scores``). Which ``w`` is best depends on
-the corpus and the embedder (on the Python docs with nuggets dense search was far stronger than
-BM25; without nuggets about as strong), so it is chosen per index: each question's two rankings
-are computed once (:func:`question_lists`), then every weight of a grid is scored by the hit
-rate of the fused top ``kc`` chunks (a hit: a chunk of a gold page among them) at kc 1, 2, 4, 8
-and by the reciprocal rank of the first gold page within 8 (:func:`score_weights`); the weight
-with the best mean of those five on the training questions wins (:func:`choose_weight`; ties go
-to the weight closest to the code's default). The grid holds 0 (lexical alone) and 1 (dense
+Hybrid search fuses a dense and a lexical ranking of chunks by their normalised scores, ``w * dense
++ (1 - w) * lexical`` (``retriever.relative_scores``, each ranking normalised by
+``retriever.FUSION_NORMALISER``; a recorded weight names that method, ``FUSION_METHOD``). Which
+``w`` is best depends on the corpus and the embedder (on the Python docs with nuggets dense search
+was far stronger than BM25; without nuggets about as strong), so it is chosen per index: each
+question's two rankings are computed once (:func:`question_lists`), then every weight of a grid is
+scored by the hit rate of the fused top ``kc`` chunks (a hit: a chunk of a gold page among them) at
+kc 1, 2, 4, 8 and by the reciprocal rank of the first gold page within 8 (:func:`score_weights`);
+the weight with the best mean of those five on the training questions wins (:func:`choose_weight`;
+ties go to the weight closest to the code's default). The grid holds 0 (lexical alone) and 1 (dense
 alone), so on its training questions the chosen fusion is never below either part.
 
 Worked example: a question whose gold page ``p`` is dense's 2nd and lexical's 1st chunk::

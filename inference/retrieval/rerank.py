@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from coinrag.inference.retrieval.normalise import MinMax
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import RERANKERS
 
@@ -38,10 +39,7 @@ RERANK_MODULES = {"upr": "coinrag.inference.context.rerank"}
 
 def normalised(values: Sequence[float]) -> list[float]:
     """Min-max normalised to [0, 1] (all 1 when equal): ``[3, 1, 2]`` -> ``[1, 0, 0.5]``."""
-    if not values:
-        return []
-    low, span = min(values), max(values) - min(values)
-    return [(v - low) / span if span > 0 else 1.0 for v in values]
+    return MinMax().normalise(values)
 
 
 def combined(search: Sequence[float], rerank: Sequence[float], weight: float) -> list[float]:

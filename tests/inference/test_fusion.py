@@ -22,6 +22,7 @@ from coinrag.inference.retrieval.fusion import (
     score_weights,
 )
 from coinrag.inference.retrieval.retriever import (
+    FUSION_METHOD,
     HYBRID_DENSE_WEIGHT,
     DenseSearch,
     LexicalSearch,
@@ -72,7 +73,7 @@ def store(tmp_path, smollm2_tokenizer):
     return st, docs, chunks, nuggets
 
 
-FUSION = {"dense_weight": 0.3, "method": "minmax-convex-v1", "questions": 12}
+FUSION = {"dense_weight": 0.3, "method": FUSION_METHOD, "questions": 12}
 
 
 def test_fusion_recorded_with_the_index_version_and_read_back(store, smollm2_tokenizer):
@@ -99,6 +100,16 @@ def test_fusion_recorded_with_the_index_version_and_read_back(store, smollm2_tok
     assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT
 
 
+def test_a_weight_chosen_for_another_method_is_not_used(store):
+    """A weight recorded for min-max fusion (earlier versions) weighs something else: the
+    code's default applies until ``train fusion`` chooses again."""
+    st = store[0]
+    publish_fusion(st, "f1", "tune-fusion", {"dense_weight": 0.3, "method": "minmax-convex-v1"})
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT
+    publish_fusion(st, "f2", "tune-fusion", {"dense_weight": 0.3})  # no method: not used
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT
+
+
 def test_bad_fusion_refused(store):
     st = store[0]
     with pytest.raises(ValueError, match="not in"):
@@ -110,7 +121,7 @@ def test_hybrid_uses_the_recorded_weight(store, weight, part):
     """Weight 1 ranks as dense alone, 0 as lexical alone, in both stages of two-stage retrieval
     and in document selection: the recorded weight is the one searched with."""
     st = store[0]
-    publish_fusion(st, "f1", "tune-fusion", {"dense_weight": weight})
+    publish_fusion(st, "f1", "tune-fusion", {"dense_weight": weight, "method": FUSION_METHOD})
     retriever = Retriever(st, HashEmbedder(), mode="hybrid")
     question = "penguins of Antarctica river water"
     index = retriever.index

@@ -11,7 +11,9 @@ from dataclasses import replace
 import pytest
 from test_index_retrieval import HashEmbedder, cut
 
+from coinrag.inference.retrieval.normalise import MinMax
 from coinrag.inference.retrieval.retriever import (
+    FUSION_NORMALISER,
     HYBRID_DENSE_WEIGHT,
     HYBRID_DEPTH,
     SEARCH_MODES,
@@ -27,6 +29,7 @@ from coinrag.storage.store import Store
 from coinrag.tasks.embed import embed_stage
 from coinrag.tasks.ingest import SourceDocument
 
+MINMAX = MinMax()
 NEW_WORD = "quetzalcoatlus"  # in no sample document
 OLD_WORD = "xylophonist"
 
@@ -55,21 +58,30 @@ def store_and_rows(tmp_path, smollm2_tokenizer):
     return store, docs
 
 
-def _fused(lists, weights=(0.75, 0.25)):
-    scores = relative_scores(lists, weights)
+def _fused(lists, weights=(0.75, 0.25), normaliser=MINMAX):
+    scores = relative_scores(lists, weights, normaliser)
     return sorted(scores, key=lambda item: -scores[item])
 
 
 def test_relative_score_fusion_by_hand():
+    """Min-max normalisation (the rule before distribution-based; still a registered one)."""
     # dense 0.9, 0.5, 0.1 -> 1, 0.5, 0; lexical 12, 4 -> 1, 0 (any scale)
     scores = relative_scores([[("a", 0.9), ("b", 0.5), ("c", 0.1)], [("c", 12.0), ("a", 4.0)]],
-                             [0.75, 0.25])  # fmt: skip
+                             [0.75, 0.25], MINMAX)  # fmt: skip
     assert scores == pytest.approx({"a": 0.75, "b": 0.375, "c": 0.25})
     # the lexical scores' scale does not matter, only their spread
-    scaled = relative_scores([[("a", 0.9), ("b", 0.5)], [("b", 1200.0), ("a", 400.0)]], [1, 1])
-    assert scaled == relative_scores([[("a", 0.9), ("b", 0.5)], [("b", 1.2), ("a", 0.4)]], [1, 1])
-    assert _fused([[("x", 2.0), ("y", 1.0)], []]) == ["x", "y"]  # one empty list: the other
-    assert relative_scores([[("p", 0.3)], [("q", 5.0)]], [0.75, 0.25]) == {"p": 0.75, "q": 0.25}
+    for rule in (MINMAX, FUSION_NORMALISER):
+        scaled = relative_scores([[("a", 0.9), ("b", 0.5)], [("b", 1200.0), ("a", 400.0)]], [1, 1],
+                                 rule)  # fmt: skip
+        assert scaled == pytest.approx(
+            relative_scores([[("a", 0.9), ("b", 0.5)], [("b", 1.2), ("a", 0.4)]], [1, 1], rule)
+        )
+        assert _fused([[("x", 2.0), ("y", 1.0)], []], normaliser=rule) == ["x", "y"]
+        # a ranking of one row (or of equal scores) gives it 1
+        assert relative_scores([[("p", 0.3)], [("q", 5.0)]], [0.75, 0.25], rule) == {
+            "p": 0.75,
+            "q": 0.25,
+        }
     assert _fused([[("p", 1.0), ("q", 0.0)], [("q", 1.0), ("p", 0.0)]], [1, 1]) == ["p", "q"]
     # a strong lexical match lifts a chunk past a dense one it nearly ties with, not past one
     # dense is sure of

@@ -27,6 +27,7 @@ from store_fixtures import sample_docs, write_corpus
 from typer.testing import CliRunner
 
 from coinrag.flows.cli import app
+from coinrag.inference.retrieval.retriever import FUSION_NORMALISER
 from coinrag.inference.server.app import ServerConfig
 from coinrag.schemas.tables import NuggetRow
 from coinrag.storage.store import Store
@@ -294,7 +295,9 @@ def test_ask_page_streams_the_answer_of_coinrag_query(
         assert shown == [(e["chunk_id"], e["text"]) for e in cli["evidence"]]
         scores = [float(items.nth(i).get_attribute("data-score")) for i in range(items.count())]
         assert scores == [e["score"] for e in cli["evidence"]]
-        assert "0.75 × dense + 0.25 × lexical" in card.locator(".scores").text_content()
+        formula = card.locator(".scores").text_content()
+        assert "0.50 × dense + 0.50 × lexical" in formula
+        assert FUSION_NORMALISER.described in formula
         # each hybrid hit's parts: its ranks and own scores, and the fused sum's terms
         for i, e in enumerate(cli["evidence"]):
             p, shown_parts = e["score_parts"], items.nth(i).locator(".parts").text_content()

@@ -85,14 +85,16 @@ function kvMap(box, answer, reusesKv, bytesPerToken) {
   box.append(summary);
 }
 
-// What an evidence's score is, per search mode (the weight comes from the server).
+// What an evidence's score is, per search mode (the weight and the normalisation come from
+// the server).
 function scoreFormula(mode, denseWeight) {
   const lexicalWeight = (1 - denseWeight).toFixed(2);
+  const rule = document.querySelector("#ask").dataset.fusionNormaliser;
   return {
     dense: "score: cosine similarity to the question (a chunk: the mean of its own and its best nugget's)",
     lexical: "score: BM25 of the question's terms",
-    hybrid: "score: " + denseWeight + " × dense + " + lexicalWeight +
-      " × lexical, each ranking min-max normalised over its top rows (relative score fusion)",
+    hybrid: "score: " + Number(denseWeight).toFixed(2) + " × dense + " + lexicalWeight +
+      " × lexical, each ranking " + rule + " (relative score fusion)",
   }[mode] || "score: the search mode's";
 }
 
