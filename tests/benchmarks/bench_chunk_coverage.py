@@ -15,10 +15,11 @@ among the top ``kc``), the chunk scores:
 - ``avg(a,b)`` / ``max(a,b)``: the mean / larger of two of those;
 - ``lexical``: BM25 over the whole search text (the index's full-text index);
 - ``hybrid-<dense>``: that dense ranking and lexical's (each its top ``--depth`` rows) fused as
-  hybrid search fuses them (``inference.retrieval.retriever.relative_scores``: min-max normalised
-  scores, dense weighted ``HYBRID_DENSE_WEIGHT``); ``hybrid-<dense>-a<w>``: with dense weighted
-  ``w`` (``--weights``); ``rrf-<dense>``: equal-weight reciprocal rank fusion (k 60), the fusion
-  hybrid search used before, and ``rrf-<dense>-wL<w>`` with lexical weighted ``w``.
+  hybrid search fuses them (``inference.retrieval.retriever.relative_scores``: each ranking
+  normalised by ``FUSION_NORMALISER``, dense weighted ``HYBRID_DENSE_WEIGHT``);
+  ``hybrid-<dense>-a<w>``: with dense weighted ``w`` (``--weights``); ``rrf-<dense>``:
+  equal-weight reciprocal rank fusion (k 60), the fusion hybrid search used first, and
+  ``rrf-<dense>-wL<w>`` with lexical weighted ``w``.
 
 Variants that need a table the store lacks (nuggets of an ``extractor = "none"`` store, windows
 of an index written before them) are left out. Cosines are exact (numpy), as a reader's
