@@ -73,9 +73,13 @@ def tune_fusion_flow(
     exclude_questions: Sequence[str] = (),
     max_questions: int | None = None,
     seed: int = 0,
+    generated_chunks: int = 0,
 ) -> dict[str, Any]:
-    """Choose the store's hybrid fusion weight on its own headings (``tasks/fusion.py``) and
-    publish it with the index version. Returns the fusion record with ``run_id``."""
+    """Choose the store's hybrid fusion weight on its own headings (``tasks/fusion.py``), or,
+    with ``generated_chunks``, on the questions the configured question generator writes about
+    that many chunks (``tasks/generated_questions.py``: local offline, OpenAI with a key;
+    cached in the store), and publish it with the index version. Returns the fusion record
+    with ``run_id``."""
     from coinrag.inference.model.threads import set_process_threads
     from coinrag.tasks.fusion import MAX_QUESTIONS, choose_fusion
 
@@ -86,14 +90,34 @@ def tune_fusion_flow(
     set_process_threads(settings.threads)
     evaluation, files = evaluation_questions(exclude_questions)
     run_id = new_run_id("fusion")
-    params = {"exclude_questions": files, "max_questions": max_questions, "seed": seed}
+    params = {
+        "exclude_questions": files,
+        "max_questions": max_questions,
+        "seed": seed,
+        "generated_chunks": generated_chunks,
+    }
     with st.write_lock(run_id):
         run = start_run(st, run_id, "tune-fusion", params)
         with failing_run(st, run):
             index = LanceIndex.open(st)
             embedder = store_embedder(st)
+            made = None
+            if generated_chunks > 0:
+                made = _generated(st, index, settings, generated_chunks, run_id, seed)
+                logger.info(
+                    "fusion of %s: %d questions generated about %d chunks (%d calls cached)",
+                    st.root,
+                    len(made.questions),
+                    made.chunks,
+                    made.counts.cached,
+                )
             choice = choose_fusion(
-                index, embedder, evaluation, max_questions or MAX_QUESTIONS, seed
+                index,
+                embedder,
+                evaluation,
+                max_questions or MAX_QUESTIONS,
+                seed,
+                made.questions if made is not None else None,
             )
             record = choice.record()
             publish_fusion(st, run_id, "tune-fusion", record)
@@ -104,17 +128,39 @@ def tune_fusion_flow(
             "dense_weight": choice.dense_weight,
         }
         fps = {"embedder_fp": index.embedder_fp}
+        if made is not None:
+            counts |= {"generated_questions": len(made.questions), "asked_chunks": made.chunks}
+            fps["question_generator_fp"] = made.generator_fp
         finish_run(st, run, "completed", fingerprints=fps, counts=counts)
     logger.info(
-        "fusion of %s: dense weight %.2f (chosen on %d headings, reported on %d; %d evaluation "
+        "fusion of %s: dense weight %.2f (chosen on %d %s, reported on %d; %d evaluation "
         "questions excluded)",
         st.root,
         choice.dense_weight,
         choice.n_train,
+        choice.chosen_on,
         choice.n_held_out,
         choice.excluded,
     )
     return {**record, "run_id": run_id}
+
+
+def _generated(
+    st: Store, index: LanceIndex, settings: Any, n_chunks: int, run_id: str, seed: int
+) -> Any:
+    """The question generator's questions about ``n_chunks`` chunks (``GeneratedQuestions``),
+    from the generator the cartridge settings' defaults resolve to (OpenAI where
+    ``OPENAI_API_KEY`` is set, else the local one on the store's generation model), asked for
+    :data:`~coinrag.tasks.generated_questions.QUESTIONS_PER_CHUNK` questions a chunk."""
+    from coinrag.schemas.training_settings import CartridgeSettings
+    from coinrag.tasks.generated_questions import QUESTIONS_PER_CHUNK, generated_questions
+    from coinrag.tasks.question_generators.factory import make_generator
+
+    cartridge = CartridgeSettings(
+        model=settings.model, device=settings.device, n_questions=QUESTIONS_PER_CHUNK
+    )
+    generator = make_generator(cartridge, settings.model)
+    return generated_questions(st, index, generator, n_chunks, run_id, seed)
 
 
 RETRIEVER_FLOW_NAME = "coinrag-train-retriever"

@@ -42,6 +42,11 @@ from coinrag.storage.index.lance import LanceIndex
 
 SPLITS = (("fusion", 15), ("report", 30), ("retriever", 100))  # (split, upper percent bound)
 MIN_HEADING_WORDS = 3
+KIND_ORDER = (
+    "heading",
+    "generated question",
+    "nugget",
+)  # which synthetic questions are asked first
 MAX_QUESTIONS = 800  # questions asked (a seeded sample of the fusion and report pages' headings)
 
 _UNDERLINE = re.compile(r"^([^\n]*\S[^\n]*)\n([=\-~^*#\"'+])\2{2,}[ \t]*$", re.MULTILINE)
@@ -160,30 +165,37 @@ def choose_fusion(
     evaluation: Iterable[str],
     max_questions: int = MAX_QUESTIONS,
     seed: int = 0,
+    generated: Sequence[SyntheticQuestion] | None = None,
 ) -> FusionChoice:
     """Choose ``index``'s dense weight on its store's headings (never on ``evaluation``'s
-    questions, see the module docstring); nothing is written."""
-    rows = index.columns("chunks", ["doc_id", "section", "text"]).to_pylist()
-    found = store_headings(rows)
-    if index.count("nuggets"):
-        found += store_nuggets(index.columns("nuggets", ["doc_id", "text"]).to_pylist())
+    questions, see the module docstring), or on ``generated`` questions where given (the
+    question generator's, ``tasks/generated_questions.py``: the headings are then not used);
+    nothing is written."""
+    if generated is not None:
+        found = list(generated)
+    else:
+        rows = index.columns("chunks", ["doc_id", "section", "text"]).to_pylist()
+        found = store_headings(rows)
+        if index.count("nuggets"):
+            found += store_nuggets(index.columns("nuggets", ["doc_id", "text"]).to_pylist())
     questions, excluded = excluding(found, evaluation)
     questions = [q for q in questions if page_split(q.doc_id) != "retriever"]
     rng = random.Random(seed)
-    headings = [q for q in questions if q.kind == "heading"]
-    nuggets = [q for q in questions if q.kind == "nugget"]
-    # Headings first (they read like a searcher's words); nuggets fill the rest.
-    questions = rng.sample(headings, min(len(headings), max_questions))
-    questions += rng.sample(nuggets, min(len(nuggets), max_questions - len(questions)))
+    # Headings (or generated questions) first: they read like a searcher's words; nuggets fill
+    # the rest.
+    pool, questions = questions, []
+    for kind in KIND_ORDER:
+        of_kind = [q for q in pool if q.kind == kind]
+        questions += rng.sample(of_kind, min(len(of_kind), max_questions - len(questions)))
     train, held = [], []
     for q in questions:
         lists = question_lists(index, Query(q.text, embedder), [q.doc_id])
         (train if page_split(q.doc_id) == "fusion" else held).append(lists)
     if not train:
         raise ValueError(
-            f"{index.store.uri(index.store.index_dir)}: no heading or nugget of "
-            f"{MIN_HEADING_WORDS}+ words on a fusion page to choose a fusion weight on; the "
-            "default weight stays"
+            f"{index.store.uri(index.store.index_dir)}: no heading, nugget or generated "
+            f"question of {MIN_HEADING_WORDS}+ words on a fusion page to choose a fusion weight "
+            "on; the default weight stays"
         )
     scored = score_weights(train, WEIGHT_GRID)
     weight = choose_weight(scored, HYBRID_DENSE_WEIGHT)

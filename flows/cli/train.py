@@ -170,14 +170,26 @@ def train_fusion_cmd(
     max_questions: Annotated[
         int | None, typer.Option(min=10, help="Headings asked (default 800).")
     ] = None,
+    generated: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Choose on questions the question generator writes about this many chunks "
+            "(3 each; OpenAI with OPENAI_API_KEY, else the local model: about a question a "
+            "second on a CPU; cached in the store) instead of the headings. 0: headings.",
+        ),
+    ] = 0,
 ) -> None:
-    """Choose hybrid search's fusion weight for the store's index on its own headings and
-    record it with the published index version."""
+    """Choose hybrid search's fusion weight for the store's index on its own headings (or on
+    generated questions) and record it with the published index version."""
     from coinrag.flows.retriever import tune_fusion_flow
 
     with _training_run(store, None, None, "coinrag train fusion"):
         summary = tune_fusion_flow(
-            str(store), [str(p) for p in exclude_questions or []], max_questions
+            str(store),
+            [str(p) for p in exclude_questions or []],
+            max_questions,
+            generated_chunks=generated,
         )
     common.print_json(summary)
 

@@ -1,0 +1,85 @@
+"""``coinrag train fusion --generated N`` end to end: the local question generator (the packaged
+SmolLM2) writes questions about chunks of the fusion and report pages only, each question's gold
+page is its chunk's, the calls are cached in the store (a second run makes none), the weight is
+chosen on those questions and published with the index version, and the run records what it
+asked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from coinrag.flows.cli import app
+from coinrag.schemas.tables import RunRow, SelfStudyCallRow
+from coinrag.storage.index.lance import LanceIndex
+from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
+from coinrag.tasks.fusion import page_split
+from coinrag.tasks.generated_questions import (
+    MIN_CHUNK_CHARS,
+    QUESTIONS_PER_CHUNK,
+    chunks_to_ask,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+
+
+def _page_ids() -> dict[str, list[str]]:
+    """Page ids of each split (``page_split`` is a hash of the id): the first few of each."""
+    found: dict[str, list[str]] = {"fusion": [], "report": [], "retriever": []}
+    i = 0
+    while min(len(v) for v in found.values()) < 2:
+        name = f"topic-{i}"
+        found[page_split(name)].append(name)
+        i += 1
+    return {k: v[:2] for k, v in found.items()}
+
+
+def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_harness):
+    from coinrag.flows.build import build_flow
+
+    texts = [json.loads(line)["text"] for line in sample_corpus.read_text().splitlines()]
+    long_texts = [t for t in texts if len(t) >= MIN_CHUNK_CHARS]
+    pages = _page_ids()
+    ids = [i for split in ("fusion", "report", "retriever") for i in pages[split]]
+    src = tmp_path / "docs.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"id": i, "text": t}) + "\n"
+            for i, t in zip(ids, long_texts[: len(ids)], strict=True)
+        ),
+        encoding="utf-8",
+    )
+    store = tmp_path / "store"
+    build_flow(str(src), str(store), {"extractor": "none", "kv": False})
+    st = Store.at(store)
+    index = LanceIndex.open(st)
+    asked = chunks_to_ask(index, 3)
+    assert len(asked) == 3 and {page_split(r["doc_id"]) for r in asked} <= {"fusion", "report"}
+
+    runner = CliRunner()
+    args = ["train", "fusion", "--store", str(store), "--generated", "3"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    record = json.loads(first.stdout[first.stdout.index("{") :])
+    assert record["chosen_on"] == "generated questions" and record["method"] == "dbsf-convex-v1"
+    assert record["questions"] > 0  # on the fusion pages' chunks
+    assert st.published()["index"]["fusion"]["dense_weight"] == record["dense_weight"]
+
+    calls = read_rows(st, SelfStudyCallRow)
+    assert len(calls) == 3 and all(c.seed_type == "question" for c in calls)
+    assert {c.doc_id for c in calls} == {r["doc_id"] for r in asked}
+    run = next(r for r in read_rows(st, RunRow) if r.run_id == record["run_id"])
+    counts = json.loads(run.counts_json)
+    assert counts["asked_chunks"] == 3
+    assert 0 < counts["generated_questions"] <= 3 * QUESTIONS_PER_CHUNK
+
+    # A second run asks nothing again: the same questions, the same weight.
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert len(read_rows(st, SelfStudyCallRow)) == 3
+    record2 = json.loads(again.stdout[again.stdout.index("{") :])
+    assert record2["dense_weight"] == record["dense_weight"]
+    assert record2["questions"] == record["questions"]
