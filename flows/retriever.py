@@ -27,6 +27,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from coinrag.flows.progress import ProgressLog
 from coinrag.schemas.keys import new_run_id
 from coinrag.schemas.settings import settings_from_toml
 from coinrag.storage.cache import file_sha256
@@ -160,7 +161,8 @@ def _generated(
         model=settings.model, device=settings.device, n_questions=QUESTIONS_PER_CHUNK
     )
     generator = make_generator(cartridge, settings.model)
-    return generated_questions(st, index, generator, n_chunks, run_id, seed)
+    progress = ProgressLog(get_run_logger(), "fusion questions", "questions written", 0)
+    return generated_questions(st, index, generator, n_chunks, run_id, seed, progress)
 
 
 RETRIEVER_FLOW_NAME = "coinrag-train-retriever"

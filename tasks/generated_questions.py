@@ -20,6 +20,7 @@ chunk); a second run makes no call. Each question's gold page is its chunk's pag
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow.compute as pc
@@ -69,8 +70,10 @@ def generated_questions(
     n_chunks: int,
     run_id: str,
     seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> GeneratedQuestions:
-    """Ask ``generator`` about :func:`chunks_to_ask`'s chunks (cached calls are not made again);
+    """Ask ``generator`` about :func:`chunks_to_ask`'s chunks (cached calls are not made again;
+    ``progress(questions written, questions to write)`` as they are written);
     every usable question, its gold page its chunk's page, kind ``"generated question"``."""
     picked = chunks_to_ask(index, n_chunks, seed)
     ids = [r["chunk_id"] for r in picked]
@@ -89,6 +92,8 @@ def generated_questions(
         )
         for r in picked
     ]
-    made, counts = selfstudy_stage(store, [], generator, run_id=run_id, plan=plan)
+    made, counts = selfstudy_stage(
+        store, [], generator, run_id=run_id, plan=plan, progress=progress
+    )
     questions = [SyntheticQuestion(q.text, q.doc_id, "generated question") for q in made]
     return GeneratedQuestions(questions, len(picked), counts, generator.fingerprint)
