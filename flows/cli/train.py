@@ -180,8 +180,8 @@ def train_fusion_cmd(
         ),
     ] = 0,
 ) -> None:
-    """Choose hybrid search's fusion weight for the store's index on its own headings (or on
-    generated questions) and record it with the published index version."""
+    """Choose hybrid search's fusion weight for the store's index on its own headings and
+    record it with the published index version (--generated: on generated questions)."""
     from coinrag.flows.retriever import tune_fusion_flow
 
     with _training_run(store, None, None, "coinrag train fusion"):
