@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 
@@ -35,6 +35,10 @@ from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.publish import publish_fusion
 from coinrag.storage.runs import failing_run, finish_run, start_run
 from coinrag.storage.store import Store
+
+if TYPE_CHECKING:
+    from coinrag.schemas.settings import BuildSettings
+    from coinrag.tasks.generated_questions import GeneratedQuestions
 
 FUSION_FLOW_NAME = "coinrag-train-fusion"
 
@@ -75,12 +79,13 @@ def tune_fusion_flow(
     max_questions: int | None = None,
     seed: int = 0,
     generated_chunks: int = 0,
+    generator: str | None = None,
 ) -> dict[str, Any]:
     """Choose the store's hybrid fusion weight on its own headings (``tasks/fusion.py``), or,
     with ``generated_chunks``, on the questions the configured question generator writes about
-    that many chunks (``tasks/generated_questions.py``: local offline, OpenAI with a key;
-    cached in the store), and publish it with the index version. Returns the fusion record
-    with ``run_id``."""
+    that many chunks (``tasks/generated_questions.py``; ``generator``: ``local`` or ``openai``,
+    default OpenAI where ``OPENAI_API_KEY`` is set, else local; cached in the store), and
+    publish it with the index version. Returns the fusion record with ``run_id``."""
     from coinrag.inference.model.threads import set_process_threads
     from coinrag.tasks.fusion import MAX_QUESTIONS, choose_fusion
 
@@ -96,6 +101,7 @@ def tune_fusion_flow(
         "max_questions": max_questions,
         "seed": seed,
         "generated_chunks": generated_chunks,
+        "generator": generator,
     }
     with st.write_lock(run_id):
         run = start_run(st, run_id, "tune-fusion", params)
@@ -104,7 +110,7 @@ def tune_fusion_flow(
             embedder = store_embedder(st)
             made = None
             if generated_chunks > 0:
-                made = _generated(st, index, settings, generated_chunks, run_id, seed)
+                made = _generated(st, index, settings, generated_chunks, run_id, seed, generator)
                 logger.info(
                     "fusion of %s: %d questions generated about %d chunks (%d calls cached)",
                     st.root,
@@ -121,6 +127,8 @@ def tune_fusion_flow(
                 made.questions if made is not None else None,
             )
             record = choice.record()
+            if made is not None:
+                record["question_generator_fp"] = made.generator_fp
             publish_fusion(st, run_id, "tune-fusion", record)
         counts = {
             "questions": choice.n_train,
@@ -147,22 +155,31 @@ def tune_fusion_flow(
 
 
 def _generated(
-    st: Store, index: LanceIndex, settings: Any, n_chunks: int, run_id: str, seed: int
-) -> Any:
-    """The question generator's questions about ``n_chunks`` chunks (``GeneratedQuestions``),
-    from the generator the cartridge settings' defaults resolve to (OpenAI where
-    ``OPENAI_API_KEY`` is set, else the local one on the store's generation model), asked for
+    st: Store,
+    index: LanceIndex,
+    settings: BuildSettings,
+    n_chunks: int,
+    run_id: str,
+    seed: int,
+    generator: str | None = None,
+) -> GeneratedQuestions:
+    """The question generator's questions about ``n_chunks`` chunks, from ``generator``
+    (``local``: the store's generation model; ``openai``; None: OpenAI where
+    ``OPENAI_API_KEY`` is set, else local), asked for
     :data:`~coinrag.tasks.generated_questions.QUESTIONS_PER_CHUNK` questions a chunk."""
     from coinrag.schemas.training_settings import CartridgeSettings
     from coinrag.tasks.generated_questions import QUESTIONS_PER_CHUNK, generated_questions
     from coinrag.tasks.question_generators.factory import make_generator
 
     cartridge = CartridgeSettings(
-        model=settings.model, device=settings.device, n_questions=QUESTIONS_PER_CHUNK
+        model=settings.model,
+        device=settings.device,
+        generator=generator,
+        n_questions=QUESTIONS_PER_CHUNK,
     )
-    generator = make_generator(cartridge, settings.model)
+    asker = make_generator(cartridge, settings.model)
     progress = ProgressLog(get_run_logger(), "fusion questions", "questions written", 0)
-    return generated_questions(st, index, generator, n_chunks, run_id, seed, progress)
+    return generated_questions(st, index, asker, n_chunks, run_id, seed, progress)
 
 
 RETRIEVER_FLOW_NAME = "coinrag-train-retriever"

@@ -51,8 +51,8 @@ class GeneratedQuestions:
 
 def chunks_to_ask(index: LanceIndex, n_chunks: int, seed: int = 0) -> list[dict[str, str]]:
     """``n_chunks`` chunk rows (``chunk_id``, ``doc_id``, ``doc_version``, ``text``) of the
-    fusion and report pages, at least :data:`MIN_CHUNK_CHARS` long, a seeded sample in chunk id
-    order (the same chunks for the same index and seed)."""
+    fusion and report pages, at least :data:`MIN_CHUNK_CHARS` long: a sample seeded by ``seed``
+    from them in chunk id order, so the same chunks for the same index and seed."""
     rows = index.columns("chunks", ["chunk_id", "doc_id", "doc_version", "text"]).to_pylist()
     rows = [
         r

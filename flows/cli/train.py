@@ -179,17 +179,28 @@ def train_fusion_cmd(
             "second on a CPU; cached in the store) instead of the headings. 0: headings.",
         ),
     ] = 0,
+    generator: Annotated[
+        str | None,
+        typer.Option(
+            help="Question generator for --generated: local or openai (default: openai when "
+            "OPENAI_API_KEY is set, else local; local sends no text anywhere)."
+        ),
+    ] = None,
 ) -> None:
     """Choose hybrid search's fusion weight for the store's index on its own headings and
     record it with the published index version (--generated: on generated questions)."""
     from coinrag.flows.retriever import tune_fusion_flow
+    from coinrag.schemas.settings import QUESTION_GENERATORS
 
+    if generator is not None and generator not in QUESTION_GENERATORS:
+        fail(f"--generator must be one of {', '.join(QUESTION_GENERATORS)}; got {generator!r}", 2)
     with _training_run(store, None, None, "coinrag train fusion"):
         summary = tune_fusion_flow(
             str(store),
             [str(p) for p in exclude_questions or []],
             max_questions,
             generated_chunks=generated,
+            generator=generator,
         )
     common.print_json(summary)
 

@@ -191,17 +191,27 @@ EVAL_RUN_FILE = "eval_run.json"
 
 def write_eval_run(out: Path, store: Store, questions: Sequence[str | Path], **fields: Any) -> Path:
     """``OUT/eval_run.json``: where an evaluation's numbers came from (the lineage of the run):
-    the store and the index versions it read (its ``[published]`` record), each question file
-    with its sha256, the code version, and ``fields`` (methods, sweep, search modes, ...)."""
+    the store and the index versions it read (its ``[published]`` record), the hybrid fusion
+    searched with (``fusion``: the code's method and the dense weight used, which is the
+    published record's only where that record names the same method), each question file with
+    its sha256, the code version, and ``fields`` (methods, sweep, search modes, ...)."""
     import json
     from datetime import UTC, datetime
 
     from coinrag.inference.model.loading import file_sha256
+    from coinrag.inference.retrieval.retriever import FUSION_METHOD, dense_weight
     from coinrag.schemas.keys import CODE_VERSION
+    from coinrag.storage.index.lance import LanceIndex
+    from coinrag.storage.index.tables import IndexNotBuilt
 
+    try:
+        fusion = {"method": FUSION_METHOD, "dense_weight": dense_weight(LanceIndex.open(store))}
+    except IndexNotBuilt:
+        fusion = None
     record = {
         "store": store.url,
         "published": store.published(),
+        "fusion": fusion,
         "questions": [{"path": str(p), "sha256": file_sha256(Path(p))} for p in questions],
         "code_version": CODE_VERSION,
         "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),

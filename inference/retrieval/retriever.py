@@ -54,7 +54,8 @@ class ScoreParts:
     (cosine similarity) and in the lexical one (BM25), None where it was not among that
     ranking's top rows, and the dense weight; ``score = dense_weight * dense_norm + (1 -
     dense_weight) * lexical_norm``, each ``_norm`` the score normalised over its ranking's top
-    rows by :data:`FUSION_NORMALISER` (about 0 to 1; 0 where it was not ranked)."""
+    rows by :data:`FUSION_NORMALISER` (0 to about 1.4 at 30 rows; 0 where it was not
+    ranked)."""
 
     dense_rank: int | None
     dense_score: float | None
@@ -413,7 +414,7 @@ class HybridSearch(SearchMode, name="hybrid"):
     dense weight (:func:`dense_weight`: chosen per store on its synthetic questions, recorded
     with the index version; default ``HYBRID_DENSE_WEIGHT``, equal weights) times its dense one
     plus the rest times its lexical one; the fused top ``k`` are kept (``score``: the fused
-    score, about 0 to 1). The same weight ranks chunks, nuggets (both stages of two-stage
+    score, 0 to about 1.4). The same weight ranks chunks, nuggets (both stages of two-stage
     retrieval) and documents.
 
     Measured on the Python docs (docs/retrieval.md, ``bench_fusion.py``): equal-weight

@@ -85,7 +85,12 @@ class LocalQuestionGenerator(QuestionGenerator, name="local"):
         cls, settings: CartridgeSettings, loaded: Any = None
     ) -> LocalQuestionGenerator:
         """The generator ``settings`` describe, on the already loaded target model."""
-        return cls(loaded, n_questions=settings.n_questions, batch_size=settings.local_batch_size)
+        return cls(
+            loaded,
+            n_questions=settings.n_questions,
+            batch_size=settings.local_batch_size,
+            device=settings.device,
+        )
 
     @property
     def loaded(self) -> Any:

@@ -60,13 +60,17 @@ def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_h
     assert len(asked) == 3 and {page_split(r["doc_id"]) for r in asked} <= {"fusion", "report"}
 
     runner = CliRunner()
-    args = ["train", "fusion", "--store", str(store), "--generated", "3"]
+    bad = runner.invoke(app, ["train", "fusion", "--store", str(store), "--generated", "3",
+                              "--generator", "gpt"])  # fmt: skip
+    assert bad.exit_code == 2 and "--generator must be one of" in bad.output
+    args = ["train", "fusion", "--store", str(store), "--generated", "3", "--generator", "local"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     record = json.loads(first.stdout[first.stdout.index("{") :])
     assert record["chosen_on"] == "generated questions" and record["method"] == "dbsf-convex-v1"
     assert record["questions"] > 0  # on the fusion pages' chunks
     assert st.published()["index"]["fusion"]["dense_weight"] == record["dense_weight"]
+    assert record["question_generator_fp"].startswith("qgen-")
 
     calls = read_rows(st, SelfStudyCallRow)
     assert len(calls) == 3 and all(c.seed_type == "question" for c in calls)

@@ -77,11 +77,10 @@ def test_relative_score_fusion_by_hand():
             relative_scores([[("a", 0.9), ("b", 0.5)], [("b", 1.2), ("a", 0.4)]], [1, 1], rule)
         )
         assert _fused([[("x", 2.0), ("y", 1.0)], []], normaliser=rule) == ["x", "y"]
-        # a ranking of one row (or of equal scores) gives it 1
-        assert relative_scores([[("p", 0.3)], [("q", 5.0)]], [0.75, 0.25], rule) == {
-            "p": 0.75,
-            "q": 0.25,
-        }
+    # a ranking of one row (or of equal scores): min-max gives it 1, dbsf 0.5 (its mean)
+    lone = [[("p", 0.3)], [("q", 5.0)]]
+    assert relative_scores(lone, [0.75, 0.25], MINMAX) == {"p": 0.75, "q": 0.25}
+    assert relative_scores(lone, [0.75, 0.25], FUSION_NORMALISER) == {"p": 0.375, "q": 0.125}
     assert _fused([[("p", 1.0), ("q", 0.0)], [("q", 1.0), ("p", 0.0)]], [1, 1]) == ["p", "q"]
     # a strong lexical match lifts a chunk past a dense one it nearly ties with, not past one
     # dense is sure of

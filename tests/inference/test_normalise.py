@@ -40,7 +40,13 @@ def test_rules_by_hand():
     assert got == pytest.approx([0.7315, 0.4229, 0.3457], abs=1e-4)
     for rule in (MinMax(), DistributionBased()):
         assert rule.normalise([]) == []
-        assert rule.normalise([5.0, 5.0]) == [1.0, 1.0]  # nothing to tell them apart
+    # nothing to tell them apart: min-max calls each the best, dbsf each average
+    assert MinMax().normalise([5.0, 5.0]) == [1.0, 1.0]
+    assert DistributionBased().normalise([5.0, 5.0]) == [0.5, 0.5]
+    assert DistributionBased().normalise([7.0]) == [0.5]
+    # a row far below the rest is clipped to 0: ranked never scores below unranked
+    low = DistributionBased().normalise([10.0] * 39 + [-1000.0])
+    assert low[-1] == 0.0 and low[0] > 0.5
 
 
 def test_registry_and_default():
@@ -56,7 +62,8 @@ def test_registry_and_default():
 @given(SCORES, st.floats(min_value=0.01, max_value=100), st.floats(min_value=-50, max_value=50))
 def test_affine_invariant_and_order_preserving(values, scale, shift):
     """Only the scores' spread matters, not their scale or offset (cosine vs BM25); the order of
-    a ranking is kept; distribution-based scores average 0.5 (the mean maps to the middle)."""
+    a ranking is kept; distribution-based scores stay in [0, 0.5 + sqrt(n - 1) / 6] and, where
+    none is clipped, average 0.5 (the mean maps to the middle)."""
     moved = [scale * v + shift for v in values]
     for rule in (MinMax(), DistributionBased()):
         out = rule.normalise(values)
@@ -64,8 +71,11 @@ def test_affine_invariant_and_order_preserving(values, scale, shift):
         by_score = [x for _, x in sorted(zip(values, out, strict=True))]
         assert all(a <= b + 1e-12 for a, b in itertools.pairwise(by_score))
     dbsf = DistributionBased().normalise(values)
-    assert sum(dbsf) / len(dbsf) == pytest.approx(0.5, abs=1e-9)
-    assert all(-0.01 <= v <= 1.0 + math.sqrt(len(values)) / 6 for v in dbsf)
+    # within 0 (clipped) and the most a row can stand out: sqrt(n - 1) sd above the mean
+    reach = 0.5 + math.sqrt(len(values) - 1) / 6
+    assert all(0.0 <= v <= reach + 1e-9 for v in dbsf)
+    if min(dbsf) > 0.0:  # nothing clipped: the mean maps to the middle
+        assert sum(dbsf) / len(dbsf) == pytest.approx(0.5, abs=1e-9)
 
 
 def _ranking(prefix: str, scores: list[float]) -> list[tuple[str, float]]:
