@@ -42,11 +42,9 @@ from coinrag.storage.index.lance import LanceIndex
 
 SPLITS = (("fusion", 15), ("report", 30), ("retriever", 100))  # (split, upper percent bound)
 MIN_HEADING_WORDS = 3
-KIND_ORDER = (
-    "heading",
-    "generated question",
-    "nugget",
-)  # which synthetic questions are asked first
+GENERATED_KIND = "generated question"  # a SyntheticQuestion from the question generator
+# which synthetic questions are asked first
+KIND_ORDER = ("heading", GENERATED_KIND, "nugget")
 MAX_QUESTIONS = 800  # questions asked (a seeded sample of the fusion and report pages' headings)
 
 _UNDERLINE = re.compile(r"^([^\n]*\S[^\n]*)\n([=\-~^*#\"'+])\2{2,}[ \t]*$", re.MULTILINE)

@@ -29,7 +29,7 @@ from coinrag.schemas.tables import ChunkRow
 from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
-from coinrag.tasks.fusion import SyntheticQuestion, page_split
+from coinrag.tasks.fusion import GENERATED_KIND, SyntheticQuestion, page_split
 from coinrag.tasks.question_generators.base import QuestionGenerator
 from coinrag.tasks.questions import CallPlan, SelfStudyCounts, selfstudy_stage
 
@@ -74,7 +74,7 @@ def generated_questions(
 ) -> GeneratedQuestions:
     """Ask ``generator`` about :func:`chunks_to_ask`'s chunks (cached calls are not made again;
     ``progress(questions written, questions to write)`` as they are written);
-    every usable question, its gold page its chunk's page, kind ``"generated question"``."""
+    every usable question, its gold page its chunk's page, kind :data:`GENERATED_KIND`."""
     picked = chunks_to_ask(index, n_chunks, seed)
     ids = [r["chunk_id"] for r in picked]
     where = {
@@ -95,5 +95,5 @@ def generated_questions(
     made, counts = selfstudy_stage(
         store, [], generator, run_id=run_id, plan=plan, progress=progress
     )
-    questions = [SyntheticQuestion(q.text, q.doc_id, "generated question") for q in made]
+    questions = [SyntheticQuestion(q.text, q.doc_id, GENERATED_KIND) for q in made]
     return GeneratedQuestions(questions, len(picked), counts, generator.fingerprint)

@@ -387,6 +387,15 @@ def test_plan_calls_is_seeded_and_proportional_to_length() -> None:
     assert len(keys) == len(plan)  # every call has its own cache key
 
 
+def test_local_generator_from_settings_takes_their_device_and_sizes() -> None:
+    """The settings' device reaches the generator (a model given by reference loads there),
+    with their question count and batch size; nothing is loaded yet."""
+    settings = CartridgeSettings(device="cuda", n_questions=3, local_batch_size=2)
+    gen = LocalQuestionGenerator.from_settings(settings, "smollm2")
+    assert (gen.device, gen.n_questions, gen.batch_size, gen.model) == ("cuda", 3, 2, "smollm2")
+    assert gen._loaded is None
+
+
 def test_local_generator_yields_parseable_arrays_or_counted_drops(tok, tiny, tmp_path) -> None:
     loaded = LoadedModel(tiny, tok, Path(tmp_path), "model-tiny", "tok-test")
     gen = LocalQuestionGenerator(
