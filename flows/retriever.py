@@ -5,7 +5,8 @@ retriever``.
 train fusion:    published index -> store headings (no evaluation question) -> rankings
                  -> weight per grid point -> best on the fusion pages -> recorded with the index
 train retriever: store -> (heading, section text) pairs of the retriever pages (no evaluation
-                 question) -> fine-tuned embedder folder -> build with embedder=OUT (re-embeds
+                 question), and with --generated N the question generator's questions about N
+                 of their chunks -> fine-tuned embedder folder -> build with embedder=OUT (re-embeds
                  the index: a new published version) -> train fusion for the new vectors
 ```
 
@@ -162,13 +163,18 @@ def _generated(
     run_id: str,
     seed: int,
     generator: str | None = None,
+    splits: Sequence[str] | None = None,
 ) -> GeneratedQuestions:
-    """The question generator's questions about ``n_chunks`` chunks, from ``generator``
-    (``local``: the store's generation model; ``openai``; None: OpenAI where
-    ``OPENAI_API_KEY`` is set, else local), asked for
-    :data:`~coinrag.tasks.generated_questions.QUESTIONS_PER_CHUNK` questions a chunk."""
+    """The question generator's questions about ``n_chunks`` chunks of the pages of ``splits``
+    (default: the fusion and report pages), from ``generator`` (``local``: the store's
+    generation model; ``openai``; None: OpenAI where ``OPENAI_API_KEY`` is set, else local),
+    asked for :data:`~coinrag.tasks.generated_questions.QUESTIONS_PER_CHUNK` questions a chunk."""
     from coinrag.schemas.training_settings import CartridgeSettings
-    from coinrag.tasks.generated_questions import QUESTIONS_PER_CHUNK, generated_questions
+    from coinrag.tasks.generated_questions import (
+        ASKED_SPLITS,
+        QUESTIONS_PER_CHUNK,
+        generated_questions,
+    )
     from coinrag.tasks.question_generators.factory import make_generator
 
     cartridge = CartridgeSettings(
@@ -178,8 +184,11 @@ def _generated(
         n_questions=QUESTIONS_PER_CHUNK,
     )
     asker = make_generator(cartridge, settings.model)
-    progress = ProgressLog(get_run_logger(), "fusion questions", "questions written", 0)
-    return generated_questions(st, index, asker, n_chunks, run_id, seed, progress)
+    what = "fusion questions" if splits is None else f"questions of {'/'.join(splits)} pages"
+    progress = ProgressLog(get_run_logger(), what, "questions written", 0)
+    return generated_questions(
+        st, index, asker, n_chunks, run_id, seed, progress, splits or ASKED_SPLITS
+    )
 
 
 RETRIEVER_FLOW_NAME = "coinrag-train-retriever"
@@ -194,9 +203,14 @@ def train_retriever_flow(
     reembed: bool = True,
     source: str | None = None,
     versioned_out: bool = False,
+    generated_chunks: int = 0,
+    generator: str | None = None,
 ) -> dict[str, Any]:
     """Fine-tune the store's embedder on its own pairs (``tasks/retriever_pairs.py``,
-    ``training/retriever.py``), write the folder ``out``, then (``reembed``) build ``source``
+    ``training/retriever.py``; with ``generated_chunks``, also the question generator's
+    questions about that many chunks of the ``retriever`` pages, ``generator`` as for
+    :func:`tune_fusion_flow`, and the fusion is then chosen on generated questions too), write
+    the folder ``out``, then (``reembed``) build ``source``
     (default: what the last build read) into the store with ``embedder = out``: the index is
     re-embedded and published as a new version, and the store's settings name the new
     embedder, so queries and later incremental builds use it; then the fusion is chosen again
@@ -236,17 +250,37 @@ def train_retriever_flow(
     base = store_embedder(st, base_ref)
     params = {"out": str(out_dir), "base_embedder": base_ref, "source": src}
     params |= {"exclude_questions": files, "settings": cfg.to_dict(), "reembed": reembed}
+    params |= {"generated_chunks": generated_chunks, "generator": generator}
     with st.write_lock(run_id):
         run = start_run(st, run_id, "train-retriever", params)
     with failing_run(st, run, relock=True):
+        index = LanceIndex.open(st)
+        made = None
+        if generated_chunks > 0:
+            with st.write_lock(run_id):  # the self-study stage writes its calls to the store
+                made = _generated(
+                    st, index, build, generated_chunks, run_id, cfg.seed, generator, ("retriever",)
+                )
+            logger.info(
+                "%d questions generated about %d chunks of the retriever pages (%d calls cached)",
+                len(made.questions),
+                made.chunks,
+                made.counts.cached,
+            )
         t0 = time.perf_counter()
-        pairs, counts = training_pairs(LanceIndex.open(st), evaluation, cfg.max_pairs, cfg.seed)
+        pairs, counts = training_pairs(
+            index, evaluation, cfg.max_pairs, cfg.seed, generated=made.questions if made else ()
+        )
         counts["pairs_seconds"] = round(time.perf_counter() - t0, 1)
+        if made is not None:
+            counts |= {"generated_questions": len(made.questions), "asked_chunks": made.chunks}
         logger.info("%d training pairs (%s)", len(pairs), counts)
         lineage = {"base_embedder": base_ref, "base_embedder_fp": base.fingerprint}
         lineage |= {"replaces": build.embedder, "store": str(st.root)}
         lineage |= {"base_dir": str(locate_embedder(base_ref))}
         lineage |= {"run_id": run_id, "exclude_questions": files, "pair_counts": counts}
+        if made is not None:
+            lineage["question_generator_fp"] = made.generator_fp
         trained = finetune_embedder(
             locate_embedder(base_ref), base.max_length, pairs, out_dir, cfg, lineage
         )
@@ -260,8 +294,15 @@ def train_retriever_flow(
             rebuild = {**build.to_dict(), "embedder": str(out_dir)}
             summary["build"] = build_flow(str(src), str(st.root), rebuild)
             summary["counts"]["reembed_seconds"] = round(time.perf_counter() - t1, 1)
-            summary["fusion"] = tune_fusion_flow(str(st.root), list(exclude_questions))
+            summary["fusion"] = tune_fusion_flow(
+                str(st.root),
+                list(exclude_questions),
+                generated_chunks=generated_chunks,
+                generator=generator,
+            )
     fps = {k: summary[k] for k in ("base_embedder_fp", "embedder_fp")}
+    if made is not None:
+        fps["question_generator_fp"] = made.generator_fp
     with st.write_lock(run_id):
         finish_run(st, run, "completed", fingerprints=fps, counts=summary["counts"])
     logger.info("train-retriever %s: %s -> %s", run_id, base.fingerprint, adapted.fingerprint)

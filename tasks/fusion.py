@@ -60,6 +60,7 @@ class SyntheticQuestion:
     text: str
     doc_id: str
     kind: str = "heading"
+    passage: str = ""  # the text it was asked about (a generated question's chunk), else ""
 
 
 def clean_heading(line: str) -> str:

@@ -9,18 +9,20 @@ calculate its average?" for a chunk of ``library/statistics``), closer to what a
 
 What is asked: ``n_chunks`` chunks (seeded sample) of the pages whose questions the fusion is
 chosen or reported on (``tasks.fusion.page_split``: ``fusion`` and ``report``, never the
-``retriever`` pages an adapted embedder trains on), each of at least :data:`MIN_CHUNK_CHARS`
+``retriever`` pages an adapted embedder trains on; ``coinrag train retriever --generated N``
+asks about ``retriever`` pages only, for training pairs), each of at least :data:`MIN_CHUNK_CHARS`
 characters, one call a chunk with the ``question`` seed type and ``questions_per_chunk``
 questions. The calls go through the self-study stage (``tasks/questions.py``): each is cached
 in the store by (generator fingerprint, text hash, seed type, call index), written to the
 ledger, and its items filtered by the same rules (a question, 3-80 words, a content word of the
-chunk); a second run makes no call. Each question's gold page is its chunk's page.
+chunk); a second run makes no call. Each question's gold page is its chunk's page, its
+``passage`` the chunk's text.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyarrow.compute as pc
@@ -31,7 +33,7 @@ from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
 from coinrag.tasks.fusion import GENERATED_KIND, SyntheticQuestion, page_split
 from coinrag.tasks.question_generators.base import QuestionGenerator
-from coinrag.tasks.questions import CallPlan, SelfStudyCounts, selfstudy_stage
+from coinrag.tasks.questions import CallPlan, SelfStudyCounts, call_key, selfstudy_stage
 
 MIN_CHUNK_CHARS = 400  # shorter chunks (a title, a link line) give no question worth asking
 QUESTION_SEED = "question"  # the self-study seed type: factual recall and reasoning
@@ -49,15 +51,18 @@ class GeneratedQuestions:
     generator_fp: str
 
 
-def chunks_to_ask(index: LanceIndex, n_chunks: int, seed: int = 0) -> list[dict[str, str]]:
+def chunks_to_ask(
+    index: LanceIndex, n_chunks: int, seed: int = 0, splits: Sequence[str] = ASKED_SPLITS
+) -> list[dict[str, str]]:
     """``n_chunks`` chunk rows (``chunk_id``, ``doc_id``, ``doc_version``, ``text``) of the
-    fusion and report pages, at least :data:`MIN_CHUNK_CHARS` long: a sample seeded by ``seed``
-    from them in chunk id order, so the same chunks for the same index and seed."""
+    pages of ``splits`` (``tasks.fusion.page_split``; default the fusion and report pages), at
+    least :data:`MIN_CHUNK_CHARS` long: a sample seeded by ``seed`` from them in chunk id order,
+    so the same chunks for the same index and seed."""
     rows = index.columns("chunks", ["chunk_id", "doc_id", "doc_version", "text"]).to_pylist()
     rows = [
         r
         for r in rows
-        if page_split(r["doc_id"]) in ASKED_SPLITS and len(r["text"] or "") >= MIN_CHUNK_CHARS
+        if page_split(r["doc_id"]) in splits and len(r["text"] or "") >= MIN_CHUNK_CHARS
     ]
     rows.sort(key=lambda r: r["chunk_id"])
     return random.Random(seed).sample(rows, min(n_chunks, len(rows)))
@@ -71,11 +76,13 @@ def generated_questions(
     run_id: str,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    splits: Sequence[str] = ASKED_SPLITS,
 ) -> GeneratedQuestions:
-    """Ask ``generator`` about :func:`chunks_to_ask`'s chunks (cached calls are not made again;
-    ``progress(questions written, questions to write)`` as they are written);
-    every usable question, its gold page its chunk's page, kind :data:`GENERATED_KIND`."""
-    picked = chunks_to_ask(index, n_chunks, seed)
+    """Ask ``generator`` about :func:`chunks_to_ask`'s chunks of the pages of ``splits``
+    (cached calls are not made again; ``progress(questions written, questions to write)`` as
+    they are written); every usable question, its gold page its chunk's page, its passage the
+    chunk's text, kind :data:`GENERATED_KIND`."""
+    picked = chunks_to_ask(index, n_chunks, seed, splits)
     ids = [r["chunk_id"] for r in picked]
     where = {
         r.chunk_id: (r.char_start, r.char_end)
@@ -95,5 +102,8 @@ def generated_questions(
     made, counts = selfstudy_stage(
         store, [], generator, run_id=run_id, plan=plan, progress=progress
     )
-    questions = [SyntheticQuestion(q.text, q.doc_id, GENERATED_KIND) for q in made]
+    asked = {call_key(generator.fingerprint, p): p.text for p in plan}
+    questions = [
+        SyntheticQuestion(q.text, q.doc_id, GENERATED_KIND, asked[q.call_key]) for q in made
+    ]
     return GeneratedQuestions(questions, len(picked), counts, generator.fingerprint)

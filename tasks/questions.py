@@ -174,6 +174,7 @@ class Question:
     doc_version: str
     seed_type: str
     text: str
+    call_key: str  # the cache key of the call that wrote it (:func:`call_key`)
 
 
 _DEFAULT_SETTINGS = CartridgeSettings()
@@ -382,5 +383,7 @@ def _plan_questions(store: Store, keys: list[str], plan: Sequence[CallPlan]) -> 
             if qid in seen:
                 continue
             seen.add(qid)
-            out.append(Question(qid, p.doc_id, p.doc_version, p.seed_type, rows[ordinal].question))
+            out.append(
+                Question(qid, p.doc_id, p.doc_version, p.seed_type, rows[ordinal].question, key)
+            )
     return out

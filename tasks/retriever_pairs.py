@@ -9,11 +9,12 @@ answers it, and a hard negative (the best BM25 chunk of another page). Made of:
   the section text under it: the chunk's text without its heading lines, so the pair cannot be
   matched by copying the heading;
 - **nuggets**: a nugget's text (``nuggets`` table) and the text of its chunk, where the store
-  has nuggets.
-
-(Questions from the configured question generator are not made here: on this machine's CPU the
-local generator writes about one question a second, so a whole-corpus run could afford a few
-hundred; the headings give thousands for free.)
+  has nuggets;
+- **generated questions** (``coinrag train retriever --generated N``): the configured question
+  generator's questions about N chunks of the ``retriever`` pages
+  (``tasks/generated_questions.py``, cached in the store) and the chunk each was asked about.
+  They are few (on this machine's CPU the local generator writes about one question a second;
+  the headings give thousands for free), so every one is kept before the others are sampled.
 
 Only pages of the ``retriever`` split (``tasks.fusion.page_split``: 70 % of pages by id hash)
 give pairs, so the fusion weight, chosen and reported on the other 30 %, is never chosen on
@@ -35,7 +36,14 @@ from typing import Any
 
 from coinrag.inference.retrieval.fusion import normalise
 from coinrag.storage.index.lance import LanceIndex
-from coinrag.tasks.fusion import MIN_HEADING_WORDS, clean_heading, page_split, text_headings
+from coinrag.tasks.fusion import (
+    GENERATED_KIND,
+    MIN_HEADING_WORDS,
+    SyntheticQuestion,
+    clean_heading,
+    page_split,
+    text_headings,
+)
 
 NEGATIVE_DEPTH = 10  # BM25 chunks looked at for a query's hard negative
 PASSAGE_CHARS = 2000  # a positive or negative passage's characters (the encoder cuts it anyway)
@@ -50,7 +58,7 @@ class TrainingPair:
     positive: str
     negative: str
     doc_id: str
-    kind: str  # heading | nugget
+    kind: str  # heading | nugget | generated question (tasks.fusion.GENERATED_KIND)
 
 
 def without_headings(text: str, heads: Iterable[str]) -> str:
@@ -107,10 +115,13 @@ def training_pairs(
     max_pairs: int,
     seed: int = 0,
     kinds: Sequence[str] = ("heading", "nugget"),
+    generated: Sequence[SyntheticQuestion] = (),
 ) -> tuple[list[TrainingPair], dict[str, int]]:
-    """At most ``max_pairs`` pairs (a seeded sample, headings first), none whose query is an
-    evaluation question; and counts: ``candidates``, ``excluded_as_evaluation``, ``pairs``,
-    ``no_negative`` (queries whose BM25 top 10 were all of their own page: dropped)."""
+    """At most ``max_pairs`` pairs, none whose query is an evaluation question: every
+    ``generated`` question of a ``retriever`` page with its ``passage`` first, in order, then
+    a seeded sample of the headings' and nuggets' pairs; and counts: ``candidates``,
+    ``excluded_as_evaluation``, ``pairs``, ``generated_pairs``, ``no_negative`` (queries whose
+    BM25 top 10 were all of their own page: dropped)."""
     rows = index.columns("chunks", ["chunk_id", "doc_id", "section", "text"]).to_pylist()
     found: list[tuple[str, str, str, str]] = []
     if "heading" in kinds:
@@ -118,11 +129,21 @@ def training_pairs(
     if "nugget" in kinds:
         texts = {r["chunk_id"]: r["text"] for r in rows}
         found += [(*c, "nugget") for c in nugget_candidates(index, texts)]
+    asked = [
+        (q.text, q.passage[:PASSAGE_CHARS], q.doc_id, q.kind)
+        for q in generated
+        if page_split(q.doc_id) == "retriever" and q.passage
+    ]
     banned = {normalise(q) for q in evaluation}
     kept = [c for c in found if normalise(c[0]) not in banned]
-    counts = {"candidates": len(found), "excluded_as_evaluation": len(found) - len(kept)}
+    kept_asked = [c for c in asked if normalise(c[0]) not in banned]
+    counts = {
+        "candidates": len(found) + len(asked),
+        "excluded_as_evaluation": len(found) - len(kept) + len(asked) - len(kept_asked),
+    }
     rng = random.Random(seed)
     rng.shuffle(kept)
+    kept = kept_asked + kept
     pairs: list[TrainingPair] = []
     for query, positive, doc_id, kind in kept:
         if len(pairs) >= max_pairs:
@@ -133,4 +154,5 @@ def training_pairs(
             continue
         pairs.append(TrainingPair(query, positive, negative, doc_id, kind))
     counts["pairs"] = len(pairs)
+    counts["generated_pairs"] = sum(p.kind == GENERATED_KIND for p in pairs)
     return pairs, counts

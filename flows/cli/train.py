@@ -163,6 +163,25 @@ ExcludeOption = Annotated[
 ]
 
 
+GeneratorOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Question generator for --generated: local or openai (default: openai when "
+        "OPENAI_API_KEY is set, else local; local sends no text anywhere)."
+    ),
+]
+
+
+def _check_generator(generator: str | None, generated: int) -> None:
+    """Exit 2 for an unknown ``--generator``, or one given without ``--generated``."""
+    from coinrag.schemas.settings import QUESTION_GENERATORS
+
+    if generator is not None and generator not in QUESTION_GENERATORS:
+        fail(f"--generator must be one of {', '.join(QUESTION_GENERATORS)}; got {generator!r}", 2)
+    if generator is not None and generated <= 0:
+        fail("--generator chooses who writes the --generated questions: give --generated N", 2)
+
+
 @train_app.command("fusion", cls=ListOptionsCommand)
 def train_fusion_cmd(
     store: LocalStore,
@@ -179,21 +198,13 @@ def train_fusion_cmd(
             "second on a CPU; cached in the store) instead of the headings. 0: headings.",
         ),
     ] = 0,
-    generator: Annotated[
-        str | None,
-        typer.Option(
-            help="Question generator for --generated: local or openai (default: openai when "
-            "OPENAI_API_KEY is set, else local; local sends no text anywhere)."
-        ),
-    ] = None,
+    generator: GeneratorOption = None,
 ) -> None:
     """Choose hybrid search's fusion weight for the store's index on its own headings and
     record it with the published index version (--generated: on generated questions)."""
     from coinrag.flows.retriever import tune_fusion_flow
-    from coinrag.schemas.settings import QUESTION_GENERATORS
 
-    if generator is not None and generator not in QUESTION_GENERATORS:
-        fail(f"--generator must be one of {', '.join(QUESTION_GENERATORS)}; got {generator!r}", 2)
+    _check_generator(generator, generated)
     with _training_run(store, None, None, "coinrag train fusion"):
         summary = tune_fusion_flow(
             str(store),
@@ -215,15 +226,27 @@ def train_retriever_cmd(
     no_reembed: Annotated[
         bool, typer.Option("--no-reembed", help="Only write the embedder folder.")
     ] = False,
+    generated: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Also train on questions the question generator writes about this many "
+            "chunks of the pages trained on (3 each; OpenAI with OPENAI_API_KEY, else the "
+            "local model: about a question a second on a CPU; cached in the store), and choose "
+            "the fusion again on generated questions. 0: headings (and nuggets) only.",
+        ),
+    ] = 0,
+    generator: GeneratorOption = None,
 ) -> None:
-    """Fine-tune the store's embedder on its own headings (and nuggets), re-embed the index
-    with it as a new published version, and choose the fusion again."""
+    """Fine-tune the store's embedder on its own headings and nuggets (--generated: and
+    questions), re-embed the index with it as a new published version, choose its fusion."""
     from coinrag.flows.retriever import train_retriever_flow
 
     try:
         options.validate()
     except ValueError as exc:
         fail(str(exc), 2)
+    _check_generator(generator, generated)
     with _training_run(store, None, out, "coinrag train retriever"):
         summary = train_retriever_flow(
             str(store),
@@ -231,5 +254,7 @@ def train_retriever_cmd(
             [str(p) for p in exclude_questions or []],
             settings=options.to_dict(),
             reembed=not no_reembed,
+            generated_chunks=generated,
+            generator=generator,
         )
     common.print_json(summary)

@@ -2,7 +2,8 @@
 SmolLM2) writes questions about chunks of the fusion and report pages only, each question's gold
 page is its chunk's, the calls are cached in the store (a second run makes none), the weight is
 chosen on those questions and published with the index version, and the run records what it
-asked."""
+asked. ``coinrag train retriever --generated N``: the generator's questions about chunks of the
+retriever pages only become training pairs, recorded in the run and the embedder's lineage."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def _page_ids() -> dict[str, list[str]]:
     return {k: v[:2] for k, v in found.items()}
 
 
-def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_harness):
+def _split_store(tmp_path, sample_corpus):
+    """A store (no nuggets, no KV) of long sample texts under page ids of every split."""
     from coinrag.flows.build import build_flow
 
     texts = [json.loads(line)["text"] for line in sample_corpus.read_text().splitlines()]
@@ -54,6 +56,11 @@ def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_h
     )
     store = tmp_path / "store"
     build_flow(str(src), str(store), {"extractor": "none", "kv": False})
+    return store
+
+
+def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_harness):
+    store = _split_store(tmp_path, sample_corpus)
     st = Store.at(store)
     index = LanceIndex.open(st)
     asked = chunks_to_ask(index, 3)
@@ -87,3 +94,33 @@ def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_h
     record2 = json.loads(again.stdout[again.stdout.index("{") :])
     assert record2["dense_weight"] == record["dense_weight"]
     assert record2["questions"] == record["questions"]
+
+
+def test_retriever_trained_on_generated_questions(tmp_path, sample_corpus, prefect_harness):
+    from coinrag.flows.retriever import train_retriever_flow
+    from coinrag.inference.retrieval.embedders import LINEAGE_FILE
+
+    store = _split_store(tmp_path, sample_corpus)
+    st = Store.at(store)
+    out = tmp_path / "adapted"
+    runner = CliRunner()
+    lone = runner.invoke(app, ["train", "retriever", "--store", str(store), "--out", str(out),
+                               "--generator", "local"])  # fmt: skip
+    assert lone.exit_code == 2 and "give --generated N" in lone.output
+
+    tiny = {"max_pairs": 8, "batch_size": 4, "max_minutes": 1.0, "query_max_length": 24,
+            "passage_max_length": 48}  # fmt: skip
+    summary = train_retriever_flow(
+        str(store), str(out), settings=tiny, reembed=False, generated_chunks=2, generator="local"
+    )
+    counts = summary["counts"]
+    assert counts["asked_chunks"] == 2 and counts["generated_questions"] > 0
+    assert 0 < counts["generated_pairs"] <= counts["generated_questions"]
+    calls = read_rows(st, SelfStudyCallRow)
+    assert len(calls) == 2 and {page_split(c.doc_id) for c in calls} == {"retriever"}
+    lineage = json.loads((out / LINEAGE_FILE).read_text())
+    assert lineage["question_generator_fp"].startswith("qgen-")
+    assert lineage["pair_counts"]["generated_pairs"] == counts["generated_pairs"]
+    run = next(r for r in read_rows(st, RunRow) if r.run_id == summary["run_id"])
+    assert json.loads(run.parameters_json)["generated_chunks"] == 2
+    assert json.loads(run.fingerprints_json)["question_generator_fp"].startswith("qgen-")

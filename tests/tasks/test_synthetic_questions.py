@@ -102,3 +102,40 @@ def test_heading_pairs_drop_the_heading_from_the_passage():
     assert pair[0] == "Sorting the Basics" and pair[2] == page
     assert "Sorting the Basics" not in pair[1] and "====" not in pair[1]
     assert without_headings("Key Functions\n-------------\ntext", ["Key Functions"]) == "text"
+
+
+def test_generated_questions_become_pairs_first_and_never_an_evaluation_question(sample_store):
+    """``training_pairs(generated=...)``: each generated question of a ``retriever`` page is a
+    pair with the chunk it was asked about as its positive and another page's BM25 chunk as its
+    negative, ahead of every heading pair; one equal to an evaluation question, one of another
+    split's page and one without its passage are not pairs."""
+    from coinrag.storage.index.lance import LanceIndex
+    from coinrag.storage.store import Store
+    from coinrag.tasks.fusion import GENERATED_KIND
+    from coinrag.tasks.retriever_pairs import training_pairs
+
+    index = LanceIndex.open(Store.at(sample_store))
+    rows = index.columns("chunks", ["doc_id", "text"]).to_pylist()
+    asked = [r for r in rows if page_split(r["doc_id"]) == "retriever"][:2]
+    other = next(r for r in rows if page_split(r["doc_id"]) != "retriever")
+    assert len(asked) == 2, "the sample store holds chunks of retriever pages"
+    # words of another page too, so that BM25 finds a negative in this 5-page store
+    words = [" ".join(r["text"].split()[:6] + other["text"].split()[:6]) for r in asked]
+    generated = [
+        SyntheticQuestion(f"What does it say about {words[0]}?", asked[0]["doc_id"],
+                          GENERATED_KIND, asked[0]["text"]),
+        SyntheticQuestion(f"Which is {words[1]}?", asked[1]["doc_id"], GENERATED_KIND,
+                          asked[1]["text"]),
+        SyntheticQuestion("Is this from a fusion page?", other["doc_id"], GENERATED_KIND,
+                          other["text"]),
+        SyntheticQuestion("A question without its passage?", asked[0]["doc_id"], GENERATED_KIND),
+    ]  # fmt: skip
+    evaluation = [f"which is {words[1]} ?"]  # the second, as an evaluation file words it
+    pairs, counts = training_pairs(index, evaluation, max_pairs=50, generated=generated)
+    first = pairs[0]
+    assert first.kind == GENERATED_KIND and first.query == generated[0].text
+    assert first.positive == asked[0]["text"][:2000] and first.doc_id == asked[0]["doc_id"]
+    assert first.negative and first.negative not in {r["text"] for r in asked[:1]}
+    assert counts["generated_pairs"] == 1 and counts["excluded_as_evaluation"] >= 1
+    assert all(p.kind != GENERATED_KIND for p in pairs[1:])
+    assert all(page_split(p.doc_id) == "retriever" for p in pairs)
