@@ -140,6 +140,8 @@ def tune_fusion_flow(
         fps = {"embedder_fp": index.embedder_fp}
         if made is not None:
             counts |= {"generated_questions": len(made.questions), "asked_chunks": made.chunks}
+            counts |= {"generator_calls_failed": made.counts.failed}
+            counts |= {"generator_calls_malformed": made.counts.malformed}
             fps["question_generator_fp"] = made.generator_fp
         finish_run(st, run, "completed", fingerprints=fps, counts=counts)
     logger.info(
@@ -267,6 +269,12 @@ def train_retriever_flow(
                 made.chunks,
                 made.counts.cached,
             )
+            if not made.questions:
+                raise ValueError(
+                    f"--generated {generated_chunks}: no usable question about "
+                    f"{made.chunks} chunks of the retriever pages ({made.counts.failed} calls "
+                    f"failed, {made.counts.malformed} malformed); nothing was trained"
+                )
         t0 = time.perf_counter()
         pairs, counts = training_pairs(
             index, evaluation, cfg.max_pairs, cfg.seed, generated=made.questions if made else ()
@@ -274,6 +282,8 @@ def train_retriever_flow(
         counts["pairs_seconds"] = round(time.perf_counter() - t0, 1)
         if made is not None:
             counts |= {"generated_questions": len(made.questions), "asked_chunks": made.chunks}
+            counts |= {"generator_calls_failed": made.counts.failed}
+            counts |= {"generator_calls_malformed": made.counts.malformed}
         logger.info("%d training pairs (%s)", len(pairs), counts)
         lineage = {"base_embedder": base_ref, "base_embedder_fp": base.fingerprint}
         lineage |= {"replaces": build.embedder, "store": str(st.root)}

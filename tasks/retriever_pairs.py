@@ -14,7 +14,8 @@ answers it, and a hard negative (the best BM25 chunk of another page). Made of:
   generator's questions about N chunks of the ``retriever`` pages
   (``tasks/generated_questions.py``, cached in the store) and the chunk each was asked about.
   They are few (on this machine's CPU the local generator writes about one question a second;
-  the headings give thousands for free), so every one is kept before the others are sampled.
+  the headings give thousands for free), so they come first, before the others are sampled
+  (``max_pairs`` counts them too).
 
 Only pages of the ``retriever`` split (``tasks.fusion.page_split``: 70 % of pages by id hash)
 give pairs, so the fusion weight, chosen and reported on the other 30 %, is never chosen on

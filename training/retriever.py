@@ -87,6 +87,7 @@ class PairTrainer:
         passages = [p.positive for p in pairs] + [p.negative for p in pairs]
         d = self.encode(passages, self.cfg.passage_max_length)
         logits = self.cfg.scale * q @ d.T  # (B, 2B)
+        logits = logits.masked_fill(own_passage_elsewhere(pairs, passages), float("-inf"))
         loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(pairs)))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -108,6 +109,24 @@ class PairTrainer:
         (out / "sentence_bert_config.json").write_text(json.dumps(config, indent=2))
 
 
+def own_passage_elsewhere(pairs: Sequence[Any], passages: Sequence[str]) -> Any:
+    """Bool ``(B, 2B)``: column ``j`` of row ``i`` holds pair ``i``'s own positive text but is
+    not its target ``i`` (several questions asked about one chunk share their positive, and a
+    heading's body can be another heading's): such a column is no negative, and left in, the
+    row's loss could never fall below log 2. Masked out of the softmax.
+
+    >>> from types import SimpleNamespace as P
+    >>> own_passage_elsewhere([P(positive="a"), P(positive="a")], ["a", "a", "x", "y"]).tolist()
+    [[False, True, False, False], [True, False, False, False]]
+    """
+    import torch
+
+    n = len(pairs)
+    mask = torch.tensor([[text == p.positive for text in passages] for p in pairs])
+    mask[torch.arange(n), torch.arange(n)] = False
+    return mask
+
+
 def finetune_embedder(
     base_dir: Path,
     max_length: int,
@@ -120,7 +139,10 @@ def finetune_embedder(
     ``lineage``: what the caller records of where it came from. Returns the training summary
     (steps, first and final loss, seconds, whether the time budget stopped it)."""
     if not pairs:
-        raise ValueError("no training pairs: the store has no headings or nuggets to train on")
+        raise ValueError(
+            "no training pairs: the store has no headings, nuggets or generated questions to "
+            "train on"
+        )
     per_epoch = math.ceil(len(pairs) / cfg.batch_size)
     trainer = PairTrainer(base_dir, cfg, per_epoch * cfg.epochs)
     rng = random.Random(cfg.seed)

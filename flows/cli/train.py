@@ -173,13 +173,17 @@ GeneratorOption = Annotated[
 
 
 def _check_generator(generator: str | None, generated: int) -> None:
-    """Exit 2 for an unknown ``--generator``, or one given without ``--generated``."""
+    """Exit 2 for an unknown ``--generator``, or one given without ``--generated``; the
+    preflight's exit for ``--generator openai`` without ``OPENAI_API_KEY``."""
+    from coinrag.flows import preflight
     from coinrag.schemas.settings import QUESTION_GENERATORS
 
     if generator is not None and generator not in QUESTION_GENERATORS:
         fail(f"--generator must be one of {', '.join(QUESTION_GENERATORS)}; got {generator!r}", 2)
     if generator is not None and generated <= 0:
         fail("--generator chooses who writes the --generated questions: give --generated N", 2)
+    if generator == "openai":
+        preflight.openai_key("--generator", generator)
 
 
 @train_app.command("fusion", cls=ListOptionsCommand)
@@ -233,7 +237,8 @@ def train_retriever_cmd(
             help="Also train on questions the question generator writes about this many "
             "chunks of the pages trained on (3 each; OpenAI with OPENAI_API_KEY, else the "
             "local model: about a question a second on a CPU; cached in the store), and choose "
-            "the fusion again on generated questions. 0: headings (and nuggets) only.",
+            "the fusion again on questions about as many chunks of the fusion pages (2N chunks "
+            "asked in all; none with --no-reembed). 0: headings (and nuggets) only.",
         ),
     ] = 0,
     generator: GeneratorOption = None,

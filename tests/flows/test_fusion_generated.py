@@ -66,10 +66,7 @@ def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_h
     asked = chunks_to_ask(index, 3)
     assert len(asked) == 3 and {page_split(r["doc_id"]) for r in asked} <= {"fusion", "report"}
 
-    runner = CliRunner()
-    bad = runner.invoke(app, ["train", "fusion", "--store", str(store), "--generated", "3",
-                              "--generator", "gpt"])  # fmt: skip
-    assert bad.exit_code == 2 and "--generator must be one of" in bad.output
+    runner = CliRunner()  # (--generator's checks: tests/flows/test_train_generator_options.py)
     args = ["train", "fusion", "--store", str(store), "--generated", "3", "--generator", "local"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
@@ -99,15 +96,14 @@ def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_h
 def test_retriever_trained_on_generated_questions(tmp_path, sample_corpus, prefect_harness):
     from coinrag.flows.retriever import train_retriever_flow
     from coinrag.inference.retrieval.embedders import LINEAGE_FILE
+    from coinrag.schemas.settings import settings_from_toml
+    from coinrag.schemas.training_settings import CartridgeSettings
+    from coinrag.tasks.generated_questions import generated_questions
+    from coinrag.tasks.question_generators.factory import make_generator
 
     store = _split_store(tmp_path, sample_corpus)
     st = Store.at(store)
     out = tmp_path / "adapted"
-    runner = CliRunner()
-    lone = runner.invoke(app, ["train", "retriever", "--store", str(store), "--out", str(out),
-                               "--generator", "local"])  # fmt: skip
-    assert lone.exit_code == 2 and "give --generated N" in lone.output
-
     tiny = {"max_pairs": 8, "batch_size": 4, "max_minutes": 1.0, "query_max_length": 24,
             "passage_max_length": 48}  # fmt: skip
     summary = train_retriever_flow(
@@ -124,3 +120,18 @@ def test_retriever_trained_on_generated_questions(tmp_path, sample_corpus, prefe
     run = next(r for r in read_rows(st, RunRow) if r.run_id == summary["run_id"])
     assert json.loads(run.parameters_json)["generated_chunks"] == 2
     assert json.loads(run.fingerprints_json)["question_generator_fp"].startswith("qgen-")
+
+    # Each generated question is paired with the chunk it was asked about: asked again as the
+    # flow asks (the same generator settings), every call is cached and each passage is the
+    # text of one of the chunks asked about.
+    settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
+    asker = make_generator(
+        CartridgeSettings(model=settings.model, device=settings.device, generator="local",
+                          n_questions=QUESTIONS_PER_CHUNK),
+        settings.model,
+    )  # fmt: skip
+    index = LanceIndex.open(st)
+    made = generated_questions(st, index, asker, 2, "again", 0, splits=("retriever",))
+    assert made.counts.cached == 2 and len(read_rows(st, SelfStudyCallRow)) == 2
+    texts = {r["text"] for r in chunks_to_ask(index, 2, 0, ("retriever",))}
+    assert made.questions and {q.passage for q in made.questions} <= texts
