@@ -39,9 +39,11 @@ from coinrag.storage.store import Store
 
 if TYPE_CHECKING:
     from coinrag.schemas.settings import BuildSettings
+    from coinrag.schemas.training_settings import RetrieverTrainSettings
     from coinrag.tasks.generated_questions import GeneratedQuestions
 
 FUSION_FLOW_NAME = "coinrag-train-fusion"
+RETRIEVER = ("retriever",)  # the page split (tasks.fusion.page_split) the embedder trains on
 
 
 def evaluation_questions(paths: Sequence[str]) -> tuple[list[str], list[dict[str, str]]]:
@@ -139,9 +141,7 @@ def tune_fusion_flow(
         }
         fps = {"embedder_fp": index.embedder_fp}
         if made is not None:
-            counts |= {"generated_questions": len(made.questions), "asked_chunks": made.chunks}
-            counts |= {"generator_calls_failed": made.counts.failed}
-            counts |= {"generator_calls_malformed": made.counts.malformed}
+            counts |= generated_counts(made)
             fps["question_generator_fp"] = made.generator_fp
         finish_run(st, run, "completed", fingerprints=fps, counts=counts)
     logger.info(
@@ -193,6 +193,80 @@ def _generated(
     )
 
 
+def generated_counts(made: GeneratedQuestions) -> dict[str, int]:
+    """What a run records of its generated questions."""
+    return {
+        "generated_questions": len(made.questions),
+        "asked_chunks": made.chunks,
+        "generator_calls_failed": made.counts.failed,
+        "generator_calls_malformed": made.counts.malformed,
+    }
+
+
+def _retriever_questions(
+    st: Store, settings: BuildSettings, run_id: str, cfg: RetrieverTrainSettings
+) -> GeneratedQuestions:
+    """``cfg.generator``'s questions about ``cfg.generated_chunks`` chunks of the
+    ``retriever`` pages (the caller holds the store's lock; the sample seeded by ``cfg.seed``);
+    ValueError where it wrote none (every call failed, say): nothing is trained then."""
+    n_chunks = cfg.generated_chunks
+    index = LanceIndex.open(st)
+    made = _generated(
+        st, index, settings, n_chunks, run_id, cfg.seed, cfg.generator, ("retriever",)
+    )
+    get_run_logger().info(
+        "%d questions generated about %d chunks of the retriever pages (%d calls cached)",
+        len(made.questions),
+        made.chunks,
+        made.counts.cached,
+    )
+    if not made.questions:
+        raise ValueError(
+            f"--generated {n_chunks}: no usable question about {made.chunks} chunks of the "
+            f"retriever pages ({made.counts.failed} calls failed, {made.counts.malformed} "
+            "malformed); nothing was trained"
+        )
+    return made
+
+
+def _pairs(
+    st: Store, evaluation: list[str], cfg: RetrieverTrainSettings, made: GeneratedQuestions | None
+) -> tuple[list[Any], dict[str, Any]]:
+    """The training pairs (``tasks.retriever_pairs.training_pairs``, the generated questions
+    first) and their counts, with the seconds they took and the generated questions' counts."""
+    from coinrag.tasks.retriever_pairs import training_pairs
+
+    t0 = time.perf_counter()
+    generated = made.questions if made is not None else ()
+    index = LanceIndex.open(st)
+    pairs, counts = training_pairs(index, evaluation, cfg.max_pairs, cfg.seed, generated=generated)
+    counts["pairs_seconds"] = round(time.perf_counter() - t0, 1)
+    if made is not None:
+        counts |= generated_counts(made)
+    get_run_logger().info("%d training pairs (%s)", len(pairs), counts)
+    return pairs, counts
+
+
+def _embedder_out(out: str, sub: str, build: BuildSettings) -> Path:
+    """The folder the adapted embedder is written to: ``out/sub``, never the one the store's
+    readers load (ValueError)."""
+    out_dir = Path(out).expanduser().resolve() / sub
+    if build.embedder not in ("", None) and Path(build.embedder).resolve() == out_dir:
+        raise ValueError(
+            f"--out {out_dir} is the store's embedder in use; write the new one to another "
+            "folder (readers load the store's embedder from its folder)"
+        )
+    return out_dir
+
+
+def _reembed(st: Store, source: str, build: BuildSettings, embedder: Path) -> dict[str, Any]:
+    """Build ``source`` into the store with the last build's settings and ``embedder``: the
+    index re-embedded and published as a new version. The build's summary."""
+    from coinrag.flows.build import build_flow
+
+    return build_flow(source, str(st.root), {**build.to_dict(), "embedder": str(embedder)})
+
+
 RETRIEVER_FLOW_NAME = "coinrag-train-retriever"
 
 
@@ -205,30 +279,23 @@ def train_retriever_flow(
     reembed: bool = True,
     source: str | None = None,
     versioned_out: bool = False,
-    generated_chunks: int = 0,
-    generator: str | None = None,
 ) -> dict[str, Any]:
     """Fine-tune the store's embedder on its own pairs (``tasks/retriever_pairs.py``,
-    ``training/retriever.py``; with ``generated_chunks``, also the question generator's
-    questions about that many chunks of the ``retriever`` pages, ``generator`` as for
-    :func:`tune_fusion_flow`, and the fusion is then chosen on generated questions too), write
-    the folder ``out``, then (``reembed``) build ``source``
-    (default: what the last build read) into the store with ``embedder = out``: the index is
-    re-embedded and published as a new version, and the store's settings name the new
-    embedder, so queries and later incremental builds use it; then the fusion is chosen again
-    for the new vectors. The base is the store's embedder followed back to the one it was
-    adapted from (``embedders.root_embedder``). ``versioned_out``: write ``out/<run id>``
+    ``training/retriever.py``; ``settings``: ``RetrieverTrainSettings``, whose
+    ``generated_chunks`` adds the generator's questions about that many chunks of the
+    ``retriever`` pages, its ``generator`` as for :func:`tune_fusion_flow`),
+    write the folder ``out``, then (``reembed``) build ``source`` (default: what the last build
+    read) into the store with ``embedder = out``: the index is re-embedded and published as a
+    new version, the store's settings name the new embedder (queries and later incremental
+    builds use it), and the fusion is chosen again for the new vectors (on generated questions
+    where ``generated_chunks``). The base is the store's embedder followed back to the one it
+    was adapted from (``embedders.root_embedder``). ``versioned_out``: write ``out/<run id>``
     (a deployment retraining after each build: never overwrite the folder readers load).
     Returns the summary (``base_embedder_fp``, ``embedder_fp``, counts)."""
     from coinrag.inference.model.threads import set_process_threads
-    from coinrag.inference.retrieval.embedders import (
-        load_embedder,
-        locate_embedder,
-        root_embedder,
-    )
+    from coinrag.inference.retrieval.embedders import load_embedder, locate_embedder, root_embedder
     from coinrag.schemas.training_settings import RetrieverTrainSettings
     from coinrag.storage.gc import last_build_source
-    from coinrag.tasks.retriever_pairs import training_pairs
     from coinrag.training.retriever import finetune_embedder
 
     logger = get_run_logger()
@@ -242,49 +309,19 @@ def train_retriever_flow(
         raise ValueError(f"{st.root}: no completed build to re-embed from; pass source")
     evaluation, files = evaluation_questions(exclude_questions)
     run_id = new_run_id("train")
-    out_dir = Path(out).expanduser().resolve() / (run_id if versioned_out else "")
-    if build.embedder not in ("", None) and Path(build.embedder).resolve() == out_dir:
-        raise ValueError(
-            f"--out {out_dir} is the store's embedder in use; write the new one to another "
-            "folder (readers load the store's embedder from its folder)"
-        )
+    out_dir = _embedder_out(out, run_id if versioned_out else "", build)
     base_ref = root_embedder(build.embedder)
     base = store_embedder(st, base_ref)
     params = {"out": str(out_dir), "base_embedder": base_ref, "source": src}
     params |= {"exclude_questions": files, "settings": cfg.to_dict(), "reembed": reembed}
-    params |= {"generated_chunks": generated_chunks, "generator": generator}
     with st.write_lock(run_id):
         run = start_run(st, run_id, "train-retriever", params)
     with failing_run(st, run, relock=True):
-        index = LanceIndex.open(st)
         made = None
-        if generated_chunks > 0:
+        if cfg.generated_chunks > 0:
             with st.write_lock(run_id):  # the self-study stage writes its calls to the store
-                made = _generated(
-                    st, index, build, generated_chunks, run_id, cfg.seed, generator, ("retriever",)
-                )
-            logger.info(
-                "%d questions generated about %d chunks of the retriever pages (%d calls cached)",
-                len(made.questions),
-                made.chunks,
-                made.counts.cached,
-            )
-            if not made.questions:
-                raise ValueError(
-                    f"--generated {generated_chunks}: no usable question about "
-                    f"{made.chunks} chunks of the retriever pages ({made.counts.failed} calls "
-                    f"failed, {made.counts.malformed} malformed); nothing was trained"
-                )
-        t0 = time.perf_counter()
-        pairs, counts = training_pairs(
-            index, evaluation, cfg.max_pairs, cfg.seed, generated=made.questions if made else ()
-        )
-        counts["pairs_seconds"] = round(time.perf_counter() - t0, 1)
-        if made is not None:
-            counts |= {"generated_questions": len(made.questions), "asked_chunks": made.chunks}
-            counts |= {"generator_calls_failed": made.counts.failed}
-            counts |= {"generator_calls_malformed": made.counts.malformed}
-        logger.info("%d training pairs (%s)", len(pairs), counts)
+                made = _retriever_questions(st, build, run_id, cfg)
+        pairs, counts = _pairs(st, evaluation, cfg, made)
         lineage = {"base_embedder": base_ref, "base_embedder_fp": base.fingerprint}
         lineage |= {"replaces": build.embedder, "store": str(st.root)}
         lineage |= {"base_dir": str(locate_embedder(base_ref))}
@@ -298,18 +335,11 @@ def train_retriever_flow(
         summary = {"base_embedder_fp": base.fingerprint, "embedder_fp": adapted.fingerprint}
         summary |= {"model_dir": str(out_dir), "counts": {**counts, **trained}}
         if reembed:
-            from coinrag.flows.build import build_flow
-
             t1 = time.perf_counter()
-            rebuild = {**build.to_dict(), "embedder": str(out_dir)}
-            summary["build"] = build_flow(str(src), str(st.root), rebuild)
+            summary["build"] = _reembed(st, str(src), build, out_dir)
             summary["counts"]["reembed_seconds"] = round(time.perf_counter() - t1, 1)
-            summary["fusion"] = tune_fusion_flow(
-                str(st.root),
-                list(exclude_questions),
-                generated_chunks=generated_chunks,
-                generator=generator,
-            )
+            fusion = (None, cfg.seed, cfg.generated_chunks, cfg.generator)
+            summary["fusion"] = tune_fusion_flow(str(st.root), list(exclude_questions), *fusion)
     fps = {k: summary[k] for k in ("base_embedder_fp", "embedder_fp")}
     if made is not None:
         fps["question_generator_fp"] = made.generator_fp

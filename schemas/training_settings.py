@@ -202,8 +202,18 @@ class RetrieverTrainSettings:
         8.0, "Stop training after this many minutes (the time budget).", cli=True, min=0.0
     )
     seed: int = setting(0, "Seed of the pair sample and the batches.", cli=True)
+    # the command's --generated N and --generator (flows/cli/train.py)
+    generated_chunks: int = setting(
+        0, "Also train on the question generator's questions about this many chunks.", min=0
+    )
+    generator: str | None = None  # local | openai (None: openai with OPENAI_API_KEY, else local)
 
     def validate(self) -> RetrieverTrainSettings:
+        if self.generator not in (None, *QUESTION_GENERATORS) or self.generated_chunks < 0:
+            raise ValueError(
+                f"generator must be one of {', '.join(QUESTION_GENERATORS)} and "
+                f"generated_chunks >= 0, got {self.generator!r}, {self.generated_chunks}"
+            )
         if self.max_pairs < 1 or self.batch_size < 2 or self.epochs < 1:
             raise ValueError(
                 f"need max_pairs >= 1, batch_size >= 2 and epochs >= 1, got {self.max_pairs}, "

@@ -257,9 +257,7 @@ def train_retriever_cmd(
             str(store),
             str(out),
             [str(p) for p in exclude_questions or []],
-            settings=options.to_dict(),
+            settings={**options.to_dict(), "generated_chunks": generated, "generator": generator},
             reembed=not no_reembed,
-            generated_chunks=generated,
-            generator=generator,
         )
     common.print_json(summary)

@@ -105,10 +105,8 @@ def test_retriever_trained_on_generated_questions(tmp_path, sample_corpus, prefe
     st = Store.at(store)
     out = tmp_path / "adapted"
     tiny = {"max_pairs": 8, "batch_size": 4, "max_minutes": 1.0, "query_max_length": 24,
-            "passage_max_length": 48}  # fmt: skip
-    summary = train_retriever_flow(
-        str(store), str(out), settings=tiny, reembed=False, generated_chunks=2, generator="local"
-    )
+            "passage_max_length": 48, "generated_chunks": 2, "generator": "local"}  # fmt: skip
+    summary = train_retriever_flow(str(store), str(out), settings=tiny, reembed=False)
     counts = summary["counts"]
     assert counts["asked_chunks"] == 2 and counts["generated_questions"] > 0
     assert 0 < counts["generated_pairs"] <= counts["generated_questions"]
@@ -118,7 +116,7 @@ def test_retriever_trained_on_generated_questions(tmp_path, sample_corpus, prefe
     assert lineage["question_generator_fp"].startswith("qgen-")
     assert lineage["pair_counts"]["generated_pairs"] == counts["generated_pairs"]
     run = next(r for r in read_rows(st, RunRow) if r.run_id == summary["run_id"])
-    assert json.loads(run.parameters_json)["generated_chunks"] == 2
+    assert json.loads(run.parameters_json)["settings"]["generated_chunks"] == 2
     assert json.loads(run.fingerprints_json)["question_generator_fp"].startswith("qgen-")
 
     # Each generated question is paired with the chunk it was asked about: asked again as the
