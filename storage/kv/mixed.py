@@ -40,6 +40,8 @@ and 3 two bits, channel 1 its mean; widths stored ``[2, 0, 1, 1]``.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -143,6 +145,7 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
 
     bits = 2
     default_block_tokens: ClassVar[int] = 64
+    _TABLES = ("k_widths", "k_z", "k_c", "v_z", "v_c", "units")  # per block, layer and head
 
     def _code_bytes(self, g: KvGeometry) -> int:
         if g.head_dim % 8:
@@ -222,17 +225,23 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         )
 
     def _dequantize_span(
-        self, cut: dict[str, torch.Tensor], s: int, e: int, g: KvGeometry
+        self,
+        cut: dict[str, torch.Tensor],
+        s: int,
+        e: int,
+        g: KvGeometry,
+        tables: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 keys and values ``(L, H, e - s, D)`` of tokens ``[s, e)`` of the blocks in
         ``cut``, from the blocks that hold them only: (nearly) whole blocks dequantized as
         blocks, then cut; a short span (a nugget) block by block, only its tokens' codes
-        unpacked. The same float32 products either way (``codes * step + lo``)."""
+        unpacked. The same float32 products either way (``codes * step + lo``). ``tables``:
+        :meth:`_block_tables` of every block of ``cut`` where the caller has them."""
         block = g.block_tokens
         b0, b1 = s // block, -(-e // block)
         if b1 - b0 > 1 and 4 * (b1 - b0) * block > 5 * (e - s):  # a short span over blocks
             parts = [
-                self._dequantize_span(cut, max(s, b * block), min(e, (b + 1) * block), g)
+                self._dequantize_span(cut, max(s, b * block), min(e, (b + 1) * block), g, tables)
                 for b in range(b0, b1)
             ]
             return tuple(torch.cat(halves, dim=2) for halves in zip(*parts, strict=True))
@@ -245,7 +254,10 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
             raw = cut[name][b0:b1].reshape(nb, lay, heads, block, count * bits // 8)
             return unpack_bits(raw[:, :, :, t0:t1].permute(1, 2, 0, 3, 4), bits)
 
-        k_lo, k_step, v_lo, v_step, pos = self._block_tables(cut, b0, b1, g)
+        if tables is None:
+            k_lo, k_step, v_lo, v_step, pos = self._block_tables(cut, b0, b1, g)
+        else:
+            k_lo, k_step, v_lo, v_step, pos = (t[:, :, b0:b1] for t in tables)
         ranked = section("k_codes4", 4, dim // 4)  # (L, H, nb, t, D / 4)
         zero = torch.zeros((*ranked.shape[:-1], dim // 4), dtype=torch.uint8)
         ranked = torch.cat([ranked, section("k_codes2", 2, dim // 2), zero], dim=-1)
@@ -269,10 +281,34 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         out[:, 1].copy_(values)
         return out
 
-    def _dequantize_tokens(
-        self, cut: dict[str, torch.Tensor], s: int, e: int, g: KvGeometry
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._dequantize_span(cut, s, e, g)
+    def decode_tokens(
+        self,
+        reads: Sequence[np.ndarray],
+        g: KvGeometry,
+        picks: Sequence[tuple[int, int, int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`KvCodec.decode_tokens`: each pick's tokens dequantized from the blocks that
+        hold them (:meth:`_dequantize_span`), the tables of every block of every read (scales
+        and code places, :meth:`_block_tables`) built once for all the picks: a coinrag request
+        (ten 17-token slices) otherwise built them per slice. Bit for bit :meth:`decode`'s
+        values (``tests/inference/test_kv_codecs.py``)."""
+        used = sorted({i for i, s, e, _ in picks if e > s})
+        if not used:
+            return
+        cuts = {i: self._cut(torch.from_numpy(_writable(reads[i])), g) for i in used}
+        sizes = [int(reads[i].shape[0]) for i in used]
+        first = dict(zip(used, itertools.accumulate(sizes, initial=0), strict=False))
+        joined = {name: torch.cat([cuts[i][name] for i in used]) for name in self._TABLES}
+        tables = self._block_tables(joined, 0, sum(sizes), g)  # each (L, H, blocks, 1, D)
+        for i, s, e, at in picks:
+            if e <= s:
+                continue
+            rows = slice(first[i], first[i] + int(reads[i].shape[0]))
+            mine = tuple(t[:, :, rows] for t in tables)
+            keys, values = self._dequantize_span(cuts[i], s, e, g, mine)
+            out[:, 0, :, at : at + e - s].copy_(keys)
+            out[:, 1, :, at : at + e - s].copy_(values)
 
     def relative_error_bound(self, group: int) -> float:
         """The bound on ``‖x̂ − x‖ / ‖x‖`` over a layer for groups of ``group`` values, for a
