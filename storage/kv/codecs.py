@@ -360,6 +360,7 @@ class QuantizedCodec(KvCodec):
     keys_at_zero = True
     default_block_tokens = 16
     lossless = False
+    _table_block_axis: ClassVar[int] = 0  # the blocks' axis of :meth:`_read_tables`' tensors
 
     @property
     def levels(self) -> int:
@@ -539,25 +540,38 @@ class QuantizedCodec(KvCodec):
         """:meth:`KvCodec.decode_tokens` dequantizing only the picked tokens (a nugget of 24
         tokens in 16-token blocks touches 32-48 tokens :meth:`decode` would dequantize), each
         half in float32 written once into ``out``: bit for bit :meth:`decode`'s values
-        (``tests/inference/test_kv_codecs.py``). The scales of every block of every read are
-        widened to float32 once for all the picks (a coinrag request: ten 17-token slices)."""
+        (``tests/inference/test_kv_codecs.py``). The tables of every block of every read
+        (:meth:`_read_tables`: the scales widened to float32) are built once for all the picks
+        (a coinrag request: ten 17-token slices), each pick taking its read's rows."""
         used = sorted({i for i, s, e, _ in picks if e > s})
         if not used:
             return
         cuts = {i: self._cut(torch.from_numpy(_writable(reads[i])), g) for i in used}
-        sizes = [int(reads[i].shape[0]) for i in used]
-        first = dict(zip(used, itertools.accumulate(sizes, initial=0), strict=False))
-        names = [name for name, _ in self._scale_sections(g)]
-        joined = {name: torch.cat([cuts[i][name] for i in used]) for name in names}
-        scales = self._scales(joined, 0, sum(sizes), g)  # each (blocks, L, H, ...)
+        sizes = {i: int(reads[i].shape[0]) for i in used}
+        first = dict(zip(used, itertools.accumulate(sizes.values(), initial=0), strict=False))
+        joined = {
+            name: torch.cat([cuts[i][name] for i in used]) for name in self._table_sections(g)
+        }
+        tables = self._read_tables(joined, sum(sizes.values()), g)
+        axis = self._table_block_axis
         for i, s, e, at in picks:
             if e <= s:
                 continue
-            rows = slice(first[i], first[i] + int(reads[i].shape[0]))
-            mine = tuple(t[rows] for t in scales)
+            mine = tuple(t.narrow(axis, first[i], sizes[i]) for t in tables)
             keys, values = self._dequantize_tokens(cuts[i], s, e, g, mine)
             out[:, 0, :, at : at + e - s].copy_(keys)
             out[:, 1, :, at : at + e - s].copy_(values)
+
+    def _table_sections(self, g: KvGeometry) -> list[str]:
+        """The payload sections :meth:`_read_tables` reads: the scales'."""
+        return [name for name, _ in self._scale_sections(g)]
+
+    def _read_tables(
+        self, cut: dict[str, torch.Tensor], blocks: int, g: KvGeometry
+    ) -> tuple[torch.Tensor, ...]:
+        """What decoding a block's tokens needs besides their codes, for every one of the
+        ``blocks`` blocks of ``cut`` (:meth:`_table_sections` only): :meth:`_scales`."""
+        return self._scales(cut, 0, blocks, g)
 
     def _dequantize_tokens(
         self,
@@ -565,11 +579,11 @@ class QuantizedCodec(KvCodec):
         s: int,
         e: int,
         g: KvGeometry,
-        scales: tuple[torch.Tensor, ...] | None = None,
+        scales: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 keys and values ``(L, H, e - s, D)`` of tokens ``[s, e)`` of the blocks in
-        ``cut`` (:meth:`_cut`), from the blocks that hold them only; ``scales``: :meth:`_scales`
-        of every block of ``cut`` where the caller has them."""
+        ``cut`` (:meth:`_cut`), from the blocks that hold them only; ``scales``:
+        :meth:`_read_tables` of every block of ``cut``."""
         lay, heads, block, dim = g.layers, g.kv_heads, g.block_tokens, g.head_dim
         b0, b1 = s // block, -(-e // block)
         nb, first = b1 - b0, b0 * block
@@ -587,10 +601,7 @@ class QuantizedCodec(KvCodec):
 
         width = dim * self.bits // 8
         # scales widened to float32 per block (widening float16 is slow on a CPU)
-        if scales is None:
-            k_lo, k_step, v_lo, v_step = self._scales(cut, b0, b1, g)
-        else:
-            k_lo, k_step, v_lo, v_step = (t[b0:b1] for t in scales)
+        k_lo, k_step, v_lo, v_step = (t[b0:b1] for t in scales)
         k_lo, k_step = k_lo.permute(1, 2, 0, 3, 4), k_step.permute(1, 2, 0, 3, 4)  # (L,H,nb,1,D)
         if 4 * nb * block <= 5 * (e - s):  # (nearly) whole blocks: dequantized as blocks,
             # each scale broadcast over its block's tokens (whole chunks: 0.7x the time)

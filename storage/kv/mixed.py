@@ -40,8 +40,6 @@ and 3 two bits, channel 1 its mean; widths stored ``[2, 0, 1, 1]``.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -155,6 +153,7 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
     bits = 2
     default_block_tokens: ClassVar[int] = 64
     _TABLES = ("k_widths", "k_z", "k_c", "v_z", "v_c", "units")  # per block, layer and head
+    _table_block_axis: ClassVar[int] = 2  # _block_tables' tensors are (L, H, blocks, 1, D)
 
     def _code_bytes(self, g: KvGeometry) -> int:
         if g.head_dim % 8:
@@ -233,7 +232,7 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
             pos,
         )
 
-    def _dequantize_span(
+    def _dequantize_tokens(
         self,
         cut: dict[str, torch.Tensor],
         s: int,
@@ -250,7 +249,7 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         b0, b1 = s // block, -(-e // block)
         if b1 - b0 > 1 and 4 * (b1 - b0) * block > 5 * (e - s):  # a short span over blocks
             parts = [
-                self._dequantize_span(cut, max(s, b * block), min(e, (b + 1) * block), g, tables)
+                self._dequantize_tokens(cut, max(s, b * block), min(e, (b + 1) * block), g, tables)
                 for b in range(b0, b1)
             ]
             return tuple(torch.cat(halves, dim=2) for halves in zip(*parts, strict=True))
@@ -284,40 +283,20 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         keys at position 0 (before RoPE)."""
         raw = torch.from_numpy(_writable(stored))
         n = raw.shape[0] * g.block_tokens
-        keys, values = self._dequantize_span(self._cut(raw, g), 0, n, g)
+        keys, values = self._dequantize_tokens(self._cut(raw, g), 0, n, g)
         out = torch.empty((g.layers, 2, g.kv_heads, n, g.head_dim), dtype=TORCH_DTYPES[g.dtype])
         out[:, 0].copy_(keys)
         out[:, 1].copy_(values)
         return out
 
-    def decode_tokens(
-        self,
-        reads: Sequence[np.ndarray],
-        g: KvGeometry,
-        picks: Sequence[tuple[int, int, int, int]],
-        out: torch.Tensor,
-    ) -> None:
-        """:meth:`KvCodec.decode_tokens`: each pick's tokens dequantized from the blocks that
-        hold them (:meth:`_dequantize_span`), the tables of every block of every read (scales
-        and code places, :meth:`_block_tables`) built once for all the picks: a coinrag request
-        (ten 17-token slices) otherwise built them per slice. Bit for bit :meth:`decode`'s
-        values (``tests/inference/test_kv_codecs.py``)."""
-        used = sorted({i for i, s, e, _ in picks if e > s})
-        if not used:
-            return
-        cuts = {i: self._cut(torch.from_numpy(_writable(reads[i])), g) for i in used}
-        sizes = [int(reads[i].shape[0]) for i in used]
-        first = dict(zip(used, itertools.accumulate(sizes, initial=0), strict=False))
-        joined = {name: torch.cat([cuts[i][name] for i in used]) for name in self._TABLES}
-        tables = self._block_tables(joined, 0, sum(sizes), g)  # each (L, H, blocks, 1, D)
-        for i, s, e, at in picks:
-            if e <= s:
-                continue
-            rows = slice(first[i], first[i] + int(reads[i].shape[0]))
-            mine = tuple(t[:, :, rows] for t in tables)
-            keys, values = self._dequantize_span(cuts[i], s, e, g, mine)
-            out[:, 0, :, at : at + e - s].copy_(keys)
-            out[:, 1, :, at : at + e - s].copy_(values)
+    def _table_sections(self, g: KvGeometry) -> list[str]:
+        return list(self._TABLES)
+
+    def _read_tables(
+        self, cut: dict[str, torch.Tensor], blocks: int, g: KvGeometry
+    ) -> tuple[torch.Tensor, ...]:
+        """:meth:`_block_tables` (scales and code places) of every block of ``cut``."""
+        return self._block_tables(cut, 0, blocks, g)
 
     def relative_error_bound(self, group: int) -> float:
         """The bound on ``‖x̂ − x‖ / ‖x‖`` over a layer for groups of ``group`` values, for a
