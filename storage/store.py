@@ -43,7 +43,7 @@ import shutil
 import socket
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,6 +55,7 @@ from coinrag.storage.location import lance_storage_options, object_filesystem, s
 if TYPE_CHECKING:
     import duckdb
     import pyarrow as pa
+    import pyarrow.dataset as ds
 
     from coinrag.schemas.settings import BuildSettings
 
@@ -139,10 +140,10 @@ class Store(ABC):
     def fs(self) -> Any:
         """The fsspec file system the store's paths live on."""
 
-    @property
     @abstractmethod
-    def arrow_filesystem(self) -> Any:
-        """What pyarrow reads the store's files with: None (its own local I/O) or ``fs``."""
+    def parquet_dataset(self, files: Sequence[PurePath], schema: pa.Schema) -> ds.Dataset:
+        """Parquet ``files`` as one Arrow dataset of ``schema`` (a column an older file lacks
+        reads as nulls), for scans with columns and filters."""
 
     @abstractmethod
     def require_local(self, what: str) -> Path:
@@ -371,9 +372,10 @@ class LocalStore(Store):
 
         return LocalFileSystem()
 
-    @property
-    def arrow_filesystem(self) -> Any:
-        return None
+    def parquet_dataset(self, files: Sequence[PurePath], schema: pa.Schema) -> ds.Dataset:
+        import pyarrow.dataset as ds
+
+        return ds.dataset([str(f) for f in files], schema=schema, format="parquet")
 
     def require_local(self, what: str) -> Path:
         return Path(self.root)
@@ -557,9 +559,19 @@ class ObjectStore(Store):
     def fs(self) -> Any:
         return object_filesystem(self.scheme)
 
-    @property
-    def arrow_filesystem(self) -> Any:
-        return self.fs
+    def parquet_dataset(self, files: Sequence[PurePath], schema: pa.Schema) -> ds.Dataset:
+        """The files' bytes fetched here, all at once (fsspec's own I/O), and scanned from
+        memory. Arrow never reads through fsspec: its I/O threads would call into Python, and a
+        process that exits while a scan runs in another thread (a server's store watcher) then
+        aborts in finalization ("PyGILState_Release: thread state ... must be current",
+        exit 134; ``tests/storage/test_object_store_exit.py``)."""
+        import pyarrow as pa
+        import pyarrow.dataset as ds
+
+        blobs = self.fs.cat_ranges([str(f) for f in files], None, None, on_error="raise")
+        parquet = ds.ParquetFileFormat()
+        fragments = [parquet.make_fragment(pa.BufferReader(blob)) for blob in blobs]
+        return ds.FileSystemDataset(fragments, schema=schema, format=parquet)
 
     def require_local(self, what: str) -> Path:
         raise LocalStoreRequired(

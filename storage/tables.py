@@ -20,8 +20,6 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
-import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from coinrag.schemas.tables import TABLES, arrow_schema, table_name
 from coinrag.storage.store import Store, safe_component
@@ -82,12 +80,7 @@ def read_files(store: Store, record: type[R], files: Sequence[PurePath]) -> list
     """The rows of some Parquet files of ``record``'s schema (staged or table files)."""
     if not files:
         return []
-    dataset = ds.dataset(
-        [str(f) for f in files],
-        schema=arrow_schema(record),
-        format="parquet",
-        filesystem=store.arrow_filesystem,
-    )
+    dataset = store.parquet_dataset(files, arrow_schema(record))
     return [record(**row) for row in dataset.to_table().to_pylist()]
 
 
@@ -108,9 +101,7 @@ def rewrite_rows(
     """
     dropped = 0
     for path in table_files(store, record):
-        table = pq.read_table(
-            str(path), schema=arrow_schema(record), filesystem=store.arrow_filesystem
-        )
+        table = store.parquet_dataset([path], arrow_schema(record)).to_table()
         mask = [bool(keep(v)) for v in table.column(column).to_pylist()]
         if all(mask):
             continue
@@ -147,12 +138,7 @@ def read_table(
     if not files:
         empty = schema.empty_table()
         return empty.select(list(columns)) if columns else empty
-    dataset = ds.dataset(
-        [str(f) for f in files],
-        schema=schema,
-        format="parquet",
-        filesystem=store.arrow_filesystem,
-    )
+    dataset = store.parquet_dataset(files, schema)
     return dataset.to_table(columns=list(columns) if columns else None, filter=filter)
 
 

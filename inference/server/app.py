@@ -124,6 +124,7 @@ class ApiServer:
             self._refused,
             before_open=lambda record: self.lease.renew(extra=[record]),
         )
+        self._on_stop: list[Callable[[], None]] = []
 
     @classmethod
     def open(cls, config: ServerConfig) -> ApiServer:
@@ -285,7 +286,13 @@ class ApiServer:
         self.lease.hold()
         self.watcher.start()
 
+    def on_stop(self, step: Callable[[], None]) -> None:
+        """Run ``step`` first when the server stops (the explorer's: wait for its warm-up)."""
+        self._on_stop.append(step)
+
     def stop(self) -> None:
+        for step in self._on_stop:
+            step()
         self.watcher.stop()
         self.queue.shutdown()
         self.lease.release()

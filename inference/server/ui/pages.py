@@ -77,8 +77,20 @@ class Pages:
         self.env = templates()
         folder = server.settings.eval_dir
         self.evals = EvalFolder(Path(folder)) if folder else None
-        # open the explorer now, in the background: the first page then does not wait for it
-        threading.Thread(target=self._warm, name="ui-warm", daemon=True).start()
+        # open the explorer now, in the background: the first page then does not wait for it.
+        # Not a daemon, and the server's stop waits for it (close): its DuckDB queries call
+        # into Python (an object store's files are read through s3fs), and a daemon thread
+        # caught in one when the interpreter finalizes aborts the process ("PyGILState_Release:
+        # thread state ... must be current", exit 134; tests/storage/test_object_store_exit.py).
+        self._warming = threading.Thread(target=self._warm, name="ui-warm")
+        self._warming.start()
+        server.on_stop(self.close)
+
+    def close(self) -> None:
+        """Wait for the explorer's warm-up (it reads the whole store's lineage once)."""
+        if self._warming.is_alive():
+            log.info("waiting for the store explorer to finish opening")
+        self._warming.join()
 
     def _warm(self) -> None:
         try:
