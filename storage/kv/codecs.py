@@ -63,6 +63,7 @@ import torch
 
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import KV_CODECS  # the setting's values: the names registered below
+from coinrag.storage.kv import kernels
 
 # model dtype -> the numpy dtype its values are stored as (identity codec)
 STORAGE_DTYPES = {
@@ -538,26 +539,94 @@ class QuantizedCodec(KvCodec):
         out: torch.Tensor,
     ) -> None:
         """:meth:`KvCodec.decode_tokens` dequantizing only the picked tokens (a nugget of 24
-        tokens in 16-token blocks touches 32-48 tokens :meth:`decode` would dequantize), each
-        half in float32 written once into ``out``: bit for bit :meth:`decode`'s values
-        (``tests/inference/test_kv_codecs.py``). The tables of every block of every read
-        (:meth:`_read_tables`: the scales widened to float32) are built once for all the picks
-        (a coinrag request: ten 17-token slices), each pick taking its read's rows."""
+        tokens in 16-token blocks touches 32-48 tokens :meth:`decode` would dequantize), bit for
+        bit :meth:`decode`'s values (``tests/inference/test_kv_codecs.py``,
+        ``test_kv_kernels.py``): compiled (``storage/kv/kernels.py``, one pass per token) into a
+        bfloat16 or float32 ``out`` on the CPU, by tensor operations otherwise."""
         used = sorted({i for i, s, e, _ in picks if e > s})
         if not used:
             return
+        target = kernels.target_of(out)
+        if target is None:
+            self._decode_tokens_tensors(reads, used, g, picks, out)
+        else:
+            self._decode_tokens_compiled(reads, used, g, picks, *target)
+
+    def _joined_tables(
+        self, reads: Sequence[np.ndarray], used: list[int], g: KvGeometry
+    ) -> tuple[dict[int, int], tuple[torch.Tensor, ...]]:
+        """:meth:`_read_tables` of every block of the ``used`` reads, built once for a request
+        (a coinrag request: ten 17-token slices): each used read's first row in them, and the
+        tables."""
+        cuts = [self._cut(torch.from_numpy(_writable(reads[i])), g) for i in used]
+        sizes = [int(reads[i].shape[0]) for i in used]
+        first = dict(zip(used, itertools.accumulate(sizes, initial=0), strict=False))
+        joined = {name: torch.cat([cut[name] for cut in cuts]) for name in self._table_sections(g)}
+        return first, self._read_tables(joined, sum(sizes), g)
+
+    def _decode_tokens_compiled(
+        self,
+        reads: Sequence[np.ndarray],
+        used: list[int],
+        g: KvGeometry,
+        picks: Sequence[tuple[int, int, int, int]],
+        target: np.ndarray,
+        bf16: bool,
+    ) -> None:
+        """The picks by :func:`kernels.uniform_span` into ``target`` (:func:`kernels.target_of`),
+        from the request's tables (:meth:`_joined_tables`, as float32 arrays: key tables
+        ``(blocks, L, H, D)``, value tables ``(blocks, L, H, B)``)."""
+        first, tables = self._joined_tables(reads, used, g)
+        rows = sum(int(reads[i].shape[0]) for i in used)
+        lay, heads, dim, block = g.layers, g.kv_heads, g.head_dim, g.block_tokens
+        k_lo, k_step = (t.reshape(rows, lay, heads, dim).numpy() for t in tables[:2])
+        v_lo, v_step = (t.reshape(rows, lay, heads, block).numpy() for t in tables[2:])
+        at = self._section_offsets(g)
+        for i, s, e, to in picks:
+            if e > s:
+                kernels.uniform_span(
+                    reads[i],
+                    at["k_codes"],
+                    at["v_codes"],
+                    self.bits,
+                    k_lo,
+                    k_step,
+                    v_lo,
+                    v_step,
+                    first[i],
+                    s,
+                    e,
+                    to,
+                    block,
+                    target,
+                    bf16,
+                )
+
+    def _section_offsets(self, g: KvGeometry) -> dict[str, int]:
+        """Each payload section's first byte (:meth:`_sections`' order)."""
+        names = [name for name, _ in self._sections(g)]
+        starts = itertools.accumulate((n for _, n in self._sections(g)), initial=0)
+        return dict(zip(names, starts, strict=False))
+
+    def _decode_tokens_tensors(
+        self,
+        reads: Sequence[np.ndarray],
+        used: list[int],
+        g: KvGeometry,
+        picks: Sequence[tuple[int, int, int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """The picks by tensor operations (:meth:`_dequantize_tokens`, each half in float32
+        written once into ``out``), every pick taking its read's rows of the request's tables
+        (:meth:`_joined_tables`)."""
+        first, tables = self._joined_tables(reads, used, g)
         cuts = {i: self._cut(torch.from_numpy(_writable(reads[i])), g) for i in used}
-        sizes = {i: int(reads[i].shape[0]) for i in used}
-        first = dict(zip(used, itertools.accumulate(sizes.values(), initial=0), strict=False))
-        joined = {
-            name: torch.cat([cuts[i][name] for i in used]) for name in self._table_sections(g)
-        }
-        tables = self._read_tables(joined, sum(sizes.values()), g)
         axis = self._table_block_axis
         for i, s, e, at in picks:
             if e <= s:
                 continue
-            mine = tuple(t.narrow(axis, first[i], sizes[i]) for t in tables)
+            size = int(reads[i].shape[0])
+            mine = tuple(t.narrow(axis, first[i], size) for t in tables)
             keys, values = self._dequantize_tokens(cuts[i], s, e, g, mine)
             out[:, 0, :, at : at + e - s].copy_(keys)
             out[:, 1, :, at : at + e - s].copy_(values)

@@ -40,11 +40,13 @@ and 3 two bits, channel 1 its mean; widths stored ``[2, 0, 1, 1]``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
 import torch
 
+from coinrag.storage.kv import kernels
 from coinrag.storage.kv.codecs import TORCH_DTYPES, KvGeometry, QuantizedCodec, _writable, fp16_up
 from coinrag.storage.kv.lowbit import (
     CLIPS,
@@ -54,6 +56,8 @@ from coinrag.storage.kv.lowbit import (
     search_clips,
 )
 
+# the payload sections kernels.int2mix_span reads, in the order it takes their offsets
+_KERNEL_SECTIONS = ("k_codes4", "k_codes2", "v_codes", "k_widths", "k_z", "k_c", "v_z", "v_c")
 WIDTH_LEVELS = (0, 3, 15)  # levels of a key channel of width 0 (mean), 1 (2 bits), 2 (4 bits)
 
 
@@ -288,6 +292,34 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         out[:, 0].copy_(keys)
         out[:, 1].copy_(values)
         return out
+
+    def _decode_tokens_compiled(
+        self,
+        reads: Sequence[np.ndarray],
+        used: list[int],
+        g: KvGeometry,
+        picks: Sequence[tuple[int, int, int, int]],
+        target: np.ndarray,
+        bf16: bool,
+    ) -> None:
+        """The picks by :func:`kernels.int2mix_span` into ``target``, which builds each touched
+        block's tables itself; only the float16 units are widened here, once per read."""
+        at = self._section_offsets(g)
+        sections = np.array([at[name] for name in _KERNEL_SECTIONS], dtype=np.int64)
+        lay, heads = g.layers, g.kv_heads
+        units_at = at["units"]
+        units = {
+            i: np.ascontiguousarray(reads[i][:, units_at : units_at + lay * heads * 8])
+            .view(np.float16)
+            .astype(np.float32)
+            .reshape(-1, lay, heads, 4)
+            for i in used
+        }
+        for i, s, e, to in picks:
+            if e > s:
+                kernels.int2mix_span(
+                    reads[i], sections, units[i], s, e, to, g.block_tokens, target, bf16
+                )
 
     def _table_sections(self, g: KvGeometry) -> list[str]:
         return list(self._TABLES)

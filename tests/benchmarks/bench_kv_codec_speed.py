@@ -13,7 +13,10 @@ sees the same machine load (a shared machine's load moves a row-by-row table by 
   of the payloads compressed by zstd (numcodecs, level 3, block by block) over raw bf16;
 - with ``--store`` (a store holding those codecs' KV of whole chunks, e.g. ``bench_kv_table.py
   --one-store``'s): ``KvStore.read_slices`` of coinrag-like requests (10 slices of 17 tokens
-  in 4 random chunks) per codec, alternated per question; mean and P99 ms.
+  in 4 random chunks) per codec, alternated per question; mean and P99 ms; each codec twice:
+  its compiled decode (``storage/kv/kernels.py``) and its tensor path (the decode before the
+  kernels, forced by this script), so their ratio is measured in one process.
+- ``--slices-only``: only the slice reads (no model loaded).
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def errors(loaded, codecs: list[str]) -> None:
 
 
 def slice_reads(store_path: Path, codecs: list[str], questions: int) -> None:
+    from coinrag.storage.kv import kernels
+
     st = Store.at(store_path)
     stores = {}
     for d in sorted((Path(st.root) / "kv").glob("kv-*")):
@@ -112,7 +117,9 @@ def slice_reads(store_path: Path, codecs: list[str], questions: int) -> None:
     manifest = first.manifest()
     keys = sorted(manifest)
     rng = random.Random(0)
-    times: dict[str, list[float]] = {c: [] for c in stores}
+    compiled_target = kernels.target_of
+    paths = {"compiled": compiled_target, "tensors": lambda out: None}
+    times: dict[str, list[float]] = {f"{c} {p}": [] for c in stores for p in paths}
     for _ in range(questions):
         requests = []
         for i, ck in enumerate(rng.sample(keys, 4) * 3):
@@ -122,9 +129,14 @@ def slice_reads(store_path: Path, codecs: list[str], questions: int) -> None:
             s = rng.randrange(0, max(1, n - 17))
             requests.append((ck, s, min(n, s + 17)))
         for c, kv in stores.items():
-            t0 = time.perf_counter()
-            kv.read_slices(requests)
-            times[c].append((time.perf_counter() - t0) * 1000)
+            for p, target_of in paths.items():
+                kernels.target_of = target_of  # the tensor path: no compiled target
+                try:
+                    t0 = time.perf_counter()
+                    kv.read_slices(requests)
+                    times[f"{c} {p}"].append((time.perf_counter() - t0) * 1000)
+                finally:
+                    kernels.target_of = compiled_target
     for c, t in times.items():
         t = sorted(t[3:])
         print(f"{c}: read_slices mean {statistics.mean(t):.2f} ms, P99 {t[int(0.99 * len(t))]:.2f}")
@@ -138,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--questions", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--slices-only", action="store_true", help="only the slice reads (--store)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.slices_only:
+        if args.store is None:
+            ap.error("--slices-only needs --store")
+        slice_reads(args.store, args.codecs, args.questions)
+        return 0
     from coinrag.inference.model.loading import load_model
 
     loaded = load_model(None, dtype="bfloat16")

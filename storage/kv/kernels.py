@@ -1,0 +1,250 @@
+"""Compiled decode of the quantized KV codecs' picked tokens (numba, one thread, no GIL held).
+
+A coinrag request reads ten ~17-token slices of four chunks. Decoding them with tensor
+operations costs a dozen small operations per slice (unpack, gather, widen, multiply, add,
+round into the context), each a pass over ~100k values and a dispatch: ``int2mix`` took
+15-18 ms per request on one thread, ``int4`` 7-8 ms (``tests/benchmarks/RESULTS.md``). The
+kernels here do it in one pass per token and head: each code is read from its byte, scaled in
+float32 (``code * step + lo``, two roundings, as the tensor path: the same bits), rounded once
+into the target (bfloat16: to nearest even, as torch rounds; float32: as it is).
+
+- :func:`uniform_span`: ``int8`` / ``int4`` / ``int2`` (``storage/kv/codecs.py``,
+  ``lowbit.py``): codes of ``bits`` bits, the first in a byte's low bits; keys per channel and
+  values per token, from float32 tables the codec builds once per request.
+- :func:`int2mix_span`: ``int2mix`` (``storage/kv/mixed.py``): each block's key channel widths,
+  one-byte scales and float16 units turned into float32 tables inside the kernel, per block,
+  layer and head.
+
+Both write tokens ``[s, e)`` of one read (``raw``: its blocks' payloads ``(blocks,
+payload_bytes)`` uint8, any row stride) into ``out[:, :, :, at : at + e - s, :]``, ``out`` the
+target ``(L, 2, H, tokens, D)`` as :func:`target_of` gives it. Held bit for bit against the
+tensor path by ``tests/inference/test_kv_kernels.py``. Compiled once per machine (numba's
+cache beside this file, or the user's cache folder where it is read-only): about 2 s the
+first time, then loaded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+_BF16 = torch.bfloat16
+
+
+def target_of(out: torch.Tensor) -> tuple[np.ndarray, bool] | None:
+    """``out`` (any strides, on the CPU) as the kernels write it: ``(array, bf16)`` with
+    bfloat16 as its raw bits (uint16) and ``bf16`` True, float32 as itself; None for another
+    dtype or device (the codec's tensor path decodes those)."""
+    if out.device.type != "cpu":
+        return None
+    if out.dtype == _BF16:
+        return out.view(torch.int16).numpy().view(np.uint16), True
+    if out.dtype == torch.float32:
+        return out.numpy(), False
+    return None
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
+    """float32 bits ``u`` (uint32) -> bfloat16 bits ``dst`` (uint16), rounded to nearest even
+    as torch rounds. No NaN case: a dequantized value is a small integer times a float16 step
+    plus a float16 minimum, never NaN (an infinity rounds to itself)."""
+    for d in range(u.shape[0]):
+        x = u[d]
+        dst[d] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> 16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, bits):  # noqa: ANN001, E501
+    """:func:`uniform_span`'s loop, inlined into one kernel per code width (``bits`` a
+    constant there, so that a byte's unpacking is unrolled)."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    layers, _, heads, _, dim = out.shape
+    width = dim // per
+    kf = np.empty(dim, np.float32)
+    vf = np.empty(dim, np.float32)
+    ku = kf.view(np.uint32)
+    vu = vf.view(np.uint32)
+    rounded = np.empty(dim, np.uint16)
+    for b in range(s // block, (e + block - 1) // block):
+        t0 = max(s, b * block) - b * block
+        t1 = min(e, (b + 1) * block) - b * block
+        row = raw[b]
+        tb = first + b
+        for lay in range(layers):
+            for h in range(heads):
+                lh = lay * heads + h
+                klo = k_lo[tb, lay, h]
+                kst = k_step[tb, lay, h]
+                for tt in range(t0, t1):
+                    kb = k_at + (lh * block + tt) * width
+                    vb = v_at + (lh * block + tt) * width
+                    vlo = v_lo[tb, lay, h, tt]
+                    vst = v_step[tb, lay, h, tt]
+                    for j in range(width):  # byte j: dims j * per .. j * per + per - 1
+                        kx = np.uint32(row[kb + j])
+                        vx = np.uint32(row[vb + j])
+                        for m in range(per):
+                            d = j * per + m
+                            kf[d] = np.float32((kx >> (bits * m)) & mask) * kst[d] + klo[d]
+                            vf[d] = np.float32((vx >> (bits * m)) & mask) * vst + vlo
+                    tok = at + b * block + tt - s
+                    if bf16:  # written out here: a helper for it took twice the time
+                        _round_bf16(ku, rounded)
+                        out[lay, 0, h, tok, :] = rounded
+                        _round_bf16(vu, rounded)
+                        out[lay, 1, h, tok, :] = rounded
+                    else:
+                        out[lay, 0, h, tok, :] = kf
+                        out[lay, 1, h, tok, :] = vf
+
+
+@njit(cache=True, nogil=True)
+def _uniform8(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16):  # noqa: ANN001, ANN202, E501
+    _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 8)
+
+
+@njit(cache=True, nogil=True)
+def _uniform4(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16):  # noqa: ANN001, ANN202, E501
+    _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 4)
+
+
+@njit(cache=True, nogil=True)
+def _uniform2(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16):  # noqa: ANN001, ANN202, E501
+    _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 2)
+
+
+_UNIFORM = {8: _uniform8, 4: _uniform4, 2: _uniform2}
+
+
+def uniform_span(
+    raw: np.ndarray,
+    k_at: int,
+    v_at: int,
+    bits: int,
+    k_lo: np.ndarray,
+    k_step: np.ndarray,
+    v_lo: np.ndarray,
+    v_step: np.ndarray,
+    first: int,
+    s: int,
+    e: int,
+    at: int,
+    block: int,
+    out: np.ndarray,
+    bf16: bool,
+) -> None:
+    """Tokens ``[s, e)`` of ``raw`` (a quantized codec's blocks, key codes at byte ``k_at`` of
+    a payload, value codes at ``v_at``, each ``(L, H, B, D * bits / 8)``, the first code of a
+    byte in its low bits) into ``out``'s tokens from ``at``. Tables (float32, row ``first + b``
+    for the read's block ``b``): ``k_lo`` and ``k_step`` ``(blocks, L, H, D)`` per key channel,
+    ``v_lo`` and ``v_step`` ``(blocks, L, H, B)`` per value token."""
+    _UNIFORM[bits](raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _signed(byte: np.uint8) -> np.float32:
+    """A stored int8 (as its uint8 byte) as float32."""
+    z = np.int64(byte)
+    return np.float32(z - 256 if z > 127 else z)
+
+
+@njit(cache=True, nogil=True)
+def int2mix_span(
+    raw: np.ndarray,
+    sections: np.ndarray,
+    units: np.ndarray,
+    s: int,
+    e: int,
+    at: int,
+    block: int,
+    out: np.ndarray,
+    bf16: bool,
+) -> None:
+    """Tokens ``[s, e)`` of ``raw`` (``int2mix`` blocks) into ``out``'s tokens from ``at``.
+    ``sections``: the byte offsets in a payload of its key codes 4, key codes 2, value codes,
+    key widths, key z, key c, value z and value c (``Int2MixCodec._sections``' order); ``units``
+    ``(blocks, L, H, 4)`` float32: each block's float16 units widened.
+
+    Per block, layer and head the tables come first: each key channel's place among its token's
+    ranked codes (the 4-bit ones in channel order, then the 2-bit ones, then a zero for the
+    mean-only channels: the codec's order), ``lo = z * lo_unit`` and ``step = c * step_unit``
+    (exact in float32) for key and value channels; then each token's codes."""
+    layers, _, heads, _, dim = out.shape
+    k4, k2, vcodes, kw, kz, kc, vz, vc = (
+        sections[0],
+        sections[1],
+        sections[2],
+        sections[3],
+        sections[4],
+        sections[5],
+        sections[6],
+        sections[7],
+    )
+    q, eighth = dim // 4, dim // 8
+    place = np.empty(dim, np.int64)
+    ranked = np.zeros(3 * q + 1, np.uint8)  # the last stays 0: a mean-only channel's code
+    klo = np.empty(dim, np.float32)
+    kst = np.empty(dim, np.float32)
+    vlo = np.empty(dim, np.float32)
+    vst = np.empty(dim, np.float32)
+    kf = np.empty(dim, np.float32)
+    vf = np.empty(dim, np.float32)
+    ku = kf.view(np.uint32)
+    vu = vf.view(np.uint32)
+    rounded = np.empty(dim, np.uint16)
+    for b in range(s // block, (e + block - 1) // block):
+        t0 = max(s, b * block) - b * block
+        t1 = min(e, (b + 1) * block) - b * block
+        row = raw[b]
+        for lay in range(layers):
+            for h in range(heads):
+                lh = lay * heads + h
+                u = units[b, lay, h]
+                wide = 0
+                mid = 0
+                for d in range(dim):
+                    w = (row[kw + lh * q + d // 4] >> (2 * (d % 4))) & 3
+                    if w == 2:
+                        place[d] = wide
+                        wide += 1
+                    elif w == 1:
+                        place[d] = q + mid
+                        mid += 1
+                    else:
+                        place[d] = 3 * q
+                    klo[d] = _signed(row[kz + lh * dim + d]) * u[0]
+                    kst[d] = np.float32(row[kc + lh * dim + d]) * u[1]
+                    vlo[d] = _signed(row[vz + lh * dim + d]) * u[2]
+                    vst[d] = np.float32(row[vc + lh * dim + d]) * u[3]
+                for tt in range(t0, t1):
+                    b4 = k4 + (lh * block + tt) * eighth
+                    b2 = k2 + (lh * block + tt) * eighth
+                    bv = vcodes + (lh * block + tt) * q
+                    for j in range(eighth):
+                        x = row[b4 + j]
+                        ranked[2 * j] = x & 15
+                        ranked[2 * j + 1] = x >> 4
+                        y = row[b2 + j]
+                        ranked[q + 4 * j] = y & 3
+                        ranked[q + 4 * j + 1] = (y >> 2) & 3
+                        ranked[q + 4 * j + 2] = (y >> 4) & 3
+                        ranked[q + 4 * j + 3] = y >> 6
+                    for d in range(dim):
+                        kf[d] = np.float32(ranked[place[d]]) * kst[d] + klo[d]
+                    for j in range(q):
+                        y = row[bv + j]
+                        for m in range(4):
+                            d = 4 * j + m
+                            vf[d] = np.float32((y >> (2 * m)) & 3) * vst[d] + vlo[d]
+                    tok = at + b * block + tt - s
+                    if bf16:  # written out here: a helper for it took twice the time
+                        _round_bf16(ku, rounded)
+                        out[lay, 0, h, tok, :] = rounded
+                        _round_bf16(vu, rounded)
+                        out[lay, 1, h, tok, :] = rounded
+                    else:
+                        out[lay, 0, h, tok, :] = kf
+                        out[lay, 1, h, tok, :] = vf
