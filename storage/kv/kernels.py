@@ -6,7 +6,10 @@ round into the context), each a pass over ~100k values and a dispatch: ``int2mix
 15-18 ms per request on one thread, ``int4`` 7-8 ms (``tests/benchmarks/RESULTS.md``). The
 kernels here do it in one pass per token and head: each code is read from its byte, scaled in
 float32 (``code * step + lo``, two roundings, as the tensor path: the same bits), rounded once
-into the target (bfloat16: to nearest even, as torch rounds; float32: as it is).
+into the target (bfloat16: to nearest even, as torch rounds; float32: as it is). About half
+the time: ``int2mix`` 9.1 against 17.3 ms, ``int4`` 8.5 against 12.3 in one process, and
+``int2mix``'s kv_load in ``coinrag eval`` 8.6-11.5 against 18.1-21.0 ms
+(``tests/benchmarks/RESULTS.md``, "Stop 43: the slice decode compiled").
 
 - :func:`uniform_span`: ``int8`` / ``int4`` / ``int2`` (``storage/kv/codecs.py``,
   ``lowbit.py``): codes of ``bits`` bits, the first in a byte's low bits; keys per channel and
