@@ -564,7 +564,8 @@ class ObjectStore(Store):
         memory. Arrow never reads through fsspec: its I/O threads would call into Python, and a
         process that exits while a scan runs in another thread (a server's store watcher) then
         aborts in finalization ("PyGILState_Release: thread state ... must be current",
-        exit 134; ``tests/storage/test_object_store_exit.py``)."""
+        exit 134; ``tests/storage/test_object_store_exit.py``). Whole files are fetched, also
+        for a scan of a few columns: a store's table files are small (one per run and stage)."""
         import pyarrow as pa
         import pyarrow.dataset as ds
 
@@ -651,7 +652,10 @@ class ObjectStore(Store):
         return lancedb.connect(self.uri(folder), storage_options=lance_storage_options(self.scheme))
 
     def register_with_duckdb(self, con: duckdb.DuckDBPyConnection) -> None:
-        con.register_filesystem(self.fs)  # DuckDB reads s3:// paths through s3fs
+        # DuckDB reads s3:// paths through s3fs, calling into Python: a thread that queries an
+        # object store must end (or be joined) before the interpreter exits, or the exit aborts
+        # ("PyGILState_Release ...", exit 134): the server joins its explorer's warm-up
+        con.register_filesystem(self.fs)
 
     @property
     def prefect_dir(self) -> Path:

@@ -291,12 +291,14 @@ class ApiServer:
         self._on_stop.append(step)
 
     def stop(self) -> None:
-        for step in self._on_stop:
-            step()
-        self.watcher.stop()
-        self.queue.shutdown()
-        self.lease.release()
-        self.metrics.close()
+        try:
+            for step in self._on_stop:
+                step()
+        finally:
+            self.watcher.stop()
+            self.queue.shutdown()
+            self.lease.release()
+            self.metrics.close()
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -63,7 +63,6 @@ import torch
 
 from coinrag.schemas.registry import Registered, Registry
 from coinrag.schemas.settings import KV_CODECS  # the setting's values: the names registered below
-from coinrag.storage.kv import kernels
 
 # model dtype -> the numpy dtype its values are stored as (identity codec)
 STORAGE_DTYPES = {
@@ -546,6 +545,8 @@ class QuantizedCodec(KvCodec):
         used = sorted({i for i, s, e, _ in picks if e > s})
         if not used:
             return
+        from coinrag.storage.kv import kernels  # numba, imported where a decode needs it
+
         target = kernels.target_of(out)
         if target is None:
             self._decode_tokens_tensors(reads, used, g, picks, out)
@@ -581,9 +582,12 @@ class QuantizedCodec(KvCodec):
         lay, heads, dim, block = g.layers, g.kv_heads, g.head_dim, g.block_tokens
         k_lo, k_step = (t.reshape(rows, lay, heads, dim).numpy() for t in tables[:2])
         v_lo, v_step = (t.reshape(rows, lay, heads, block).numpy() for t in tables[2:])
+        from coinrag.storage.kv import kernels
+
         at = self._section_offsets(g)
         for i, s, e, to in picks:
             if e > s:
+                kernels.check_span(reads[i], s, e, to, block, target, (lay, heads, dim))
                 kernels.uniform_span(
                     reads[i],
                     at["k_codes"],

@@ -3,7 +3,7 @@
 A coinrag request reads ten ~17-token slices of four chunks. Decoding them with tensor
 operations costs a dozen small operations per slice (unpack, gather, widen, multiply, add,
 round into the context), each a pass over ~100k values and a dispatch: ``int2mix`` took
-15-18 ms per request on one thread, ``int4`` 7-8 ms (``tests/benchmarks/RESULTS.md``). The
+15-20 ms per request on one thread, ``int4`` 7-14 ms (``tests/benchmarks/RESULTS.md``). The
 kernels here do it in one pass per token and head: each code is read from its byte, scaled in
 float32 (``code * step + lo``, two roundings, as the tensor path: the same bits), rounded once
 into the target (bfloat16: to nearest even, as torch rounds; float32: as it is). About half
@@ -21,16 +21,61 @@ the time: ``int2mix`` 9.1 against 17.3 ms, ``int4`` 8.5 against 12.3 in one proc
 Both write tokens ``[s, e)`` of one read (``raw``: its blocks' payloads ``(blocks,
 payload_bytes)`` uint8, any row stride) into ``out[:, :, :, at : at + e - s, :]``, ``out`` the
 target ``(L, 2, H, tokens, D)`` as :func:`target_of` gives it. Held bit for bit against the
-tensor path by ``tests/inference/test_kv_kernels.py``. Compiled once per machine (numba's
-cache beside this file, or the user's cache folder where it is read-only): about 2 s the
-first time, then loaded.
+tensor path by ``tests/inference/test_kv_kernels.py``. :func:`check_span` guards every call
+(the kernels index without bounds checks). Compiled once per machine and signature (numba's
+cache beside this file, else the user's cache folder; where neither can be written, compiled
+in each process): about 2.4 s per codec the first time, then loaded. The server's warm-up
+query compiles them before its port opens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 from numba import njit
+
+
+def _compiled(inline: bool = False) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit`` without the GIL, cached on disk where numba finds a writable place (it
+    refuses ``cache=True`` where it finds none: a read-only install with a read-only home)."""
+    options: dict[str, Any] = {"nogil": True}
+    if inline:
+        options["inline"] = "always"
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        try:
+            return njit(cache=True, **options)(fn)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            return njit(cache=False, **options)(fn)
+
+    return wrap
+
+
+def check_span(
+    raw: np.ndarray, s: int, e: int, at: int, block: int, out: np.ndarray, geometry: tuple
+) -> None:
+    """ValueError unless tokens ``[s, e)`` lie in ``raw``'s blocks and ``[at, at + e - s)`` in
+    ``out``'s token axis, and ``out`` is ``(L, 2, H, tokens, D)`` with ``geometry = (L, H, D)``:
+    what the kernels would otherwise read or write out of bounds."""
+    layers, heads, dim = geometry
+    if out.ndim != 5 or (out.shape[0], out.shape[1], out.shape[2], out.shape[4]) != (
+        layers,
+        2,
+        heads,
+        dim,
+    ):
+        raise ValueError(f"KV target of shape {out.shape}, want ({layers}, 2, {heads}, *, {dim})")
+    if not (
+        0 <= s <= e and -(-e // block) <= raw.shape[0] and 0 <= at and at + e - s <= out.shape[3]
+    ):
+        raise ValueError(
+            f"KV tokens [{s}, {e}) of a read of {raw.shape[0]} {block}-token blocks into tokens "
+            f"[{at}, {at + e - s}) of a target of {out.shape[3]}"
+        )
+
 
 _BF16 = torch.bfloat16
 
@@ -48,7 +93,7 @@ def target_of(out: torch.Tensor) -> tuple[np.ndarray, bool] | None:
     return None
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_compiled(inline=True)
 def _round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
     """float32 bits ``u`` (uint32) -> bfloat16 bits ``dst`` (uint16), rounded to nearest even
     as torch rounds. No NaN case: a dequantized value is a small integer times a float16 step
@@ -58,8 +103,24 @@ def _round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
         dst[d] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> 16)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, bits):  # noqa: ANN001, E501
+@_compiled(inline=True)
+def _uniform(
+    raw: np.ndarray,
+    k_at: int,
+    v_at: int,
+    k_lo: np.ndarray,
+    k_step: np.ndarray,
+    v_lo: np.ndarray,
+    v_step: np.ndarray,
+    first: int,
+    s: int,
+    e: int,
+    at: int,
+    block: int,
+    out: np.ndarray,
+    bf16: bool,
+    bits: int,
+) -> None:
     """:func:`uniform_span`'s loop, inlined into one kernel per code width (``bits`` a
     constant there, so that a byte's unpacking is unrolled)."""
     per = 8 // bits
@@ -94,7 +155,7 @@ def _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block
                             kf[d] = np.float32((kx >> (bits * m)) & mask) * kst[d] + klo[d]
                             vf[d] = np.float32((vx >> (bits * m)) & mask) * vst + vlo
                     tok = at + b * block + tt - s
-                    if bf16:  # written out here: a helper for it took twice the time
+                    if bf16:  # in the loop itself: behind one more call it took twice the time
                         _round_bf16(ku, rounded)
                         out[lay, 0, h, tok, :] = rounded
                         _round_bf16(vu, rounded)
@@ -104,18 +165,63 @@ def _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block
                         out[lay, 1, h, tok, :] = vf
 
 
-@njit(cache=True, nogil=True)
-def _uniform8(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16):  # noqa: ANN001, ANN202, E501
+@_compiled()
+def _uniform8(
+    raw: np.ndarray,
+    k_at: int,
+    v_at: int,
+    k_lo: np.ndarray,
+    k_step: np.ndarray,
+    v_lo: np.ndarray,
+    v_step: np.ndarray,
+    first: int,
+    s: int,
+    e: int,
+    at: int,
+    block: int,
+    out: np.ndarray,
+    bf16: bool,
+) -> None:
     _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 8)
 
 
-@njit(cache=True, nogil=True)
-def _uniform4(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16):  # noqa: ANN001, ANN202, E501
+@_compiled()
+def _uniform4(
+    raw: np.ndarray,
+    k_at: int,
+    v_at: int,
+    k_lo: np.ndarray,
+    k_step: np.ndarray,
+    v_lo: np.ndarray,
+    v_step: np.ndarray,
+    first: int,
+    s: int,
+    e: int,
+    at: int,
+    block: int,
+    out: np.ndarray,
+    bf16: bool,
+) -> None:
     _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 4)
 
 
-@njit(cache=True, nogil=True)
-def _uniform2(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16):  # noqa: ANN001, ANN202, E501
+@_compiled()
+def _uniform2(
+    raw: np.ndarray,
+    k_at: int,
+    v_at: int,
+    k_lo: np.ndarray,
+    k_step: np.ndarray,
+    v_lo: np.ndarray,
+    v_step: np.ndarray,
+    first: int,
+    s: int,
+    e: int,
+    at: int,
+    block: int,
+    out: np.ndarray,
+    bf16: bool,
+) -> None:
     _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 2)
 
 
@@ -147,14 +253,14 @@ def uniform_span(
     _UNIFORM[bits](raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_compiled(inline=True)
 def _signed(byte: np.uint8) -> np.float32:
     """A stored int8 (as its uint8 byte) as float32."""
     z = np.int64(byte)
     return np.float32(z - 256 if z > 127 else z)
 
 
-@njit(cache=True, nogil=True)
+@_compiled()
 def int2mix_span(
     raw: np.ndarray,
     sections: np.ndarray,
@@ -222,6 +328,10 @@ def int2mix_span(
                     kst[d] = np.float32(row[kc + lh * dim + d]) * u[1]
                     vlo[d] = _signed(row[vz + lh * dim + d]) * u[2]
                     vst[d] = np.float32(row[vc + lh * dim + d]) * u[3]
+                if (
+                    wide != q or mid != 2 * q
+                ):  # the encoder's counts; others would index past the codes
+                    raise ValueError("int2mix block whose key widths are not D/4 4-bit, D/2 2-bit")
                 for tt in range(t0, t1):
                     b4 = k4 + (lh * block + tt) * eighth
                     b2 = k2 + (lh * block + tt) * eighth
@@ -243,7 +353,7 @@ def int2mix_span(
                             d = 4 * j + m
                             vf[d] = np.float32((y >> (2 * m)) & 3) * vst[d] + vlo[d]
                     tok = at + b * block + tt - s
-                    if bf16:  # written out here: a helper for it took twice the time
+                    if bf16:  # in the loop itself: behind one more call it took twice the time
                         _round_bf16(ku, rounded)
                         out[lay, 0, h, tok, :] = rounded
                         _round_bf16(vu, rounded)

@@ -46,7 +46,6 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from coinrag.storage.kv import kernels
 from coinrag.storage.kv.codecs import TORCH_DTYPES, KvGeometry, QuantizedCodec, _writable, fp16_up
 from coinrag.storage.kv.lowbit import (
     CLIPS,
@@ -304,6 +303,8 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
     ) -> None:
         """The picks by :func:`kernels.int2mix_span` into ``target``, which builds each touched
         block's tables itself; only the float16 units are widened here, once per read."""
+        from coinrag.storage.kv import kernels  # numba, imported where a decode needs it
+
         at = self._section_offsets(g)
         sections = np.array([at[name] for name in _KERNEL_SECTIONS], dtype=np.int64)
         lay, heads = g.layers, g.kv_heads
@@ -317,6 +318,9 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         }
         for i, s, e, to in picks:
             if e > s:
+                kernels.check_span(
+                    reads[i], s, e, to, g.block_tokens, target, (lay, heads, g.head_dim)
+                )
                 kernels.int2mix_span(
                     reads[i], sections, units[i], s, e, to, g.block_tokens, target, bf16
                 )

@@ -1,7 +1,9 @@
 """The compiled slice decode of the quantized KV codecs (``storage/kv/kernels.py``, issue 36):
 bit for bit the tensor path's values, on SmolLM2's real KV and on synthetic entries with
-outlier channels, into any strides of a bfloat16 or float32 context; the rounding to bfloat16
-is torch's for every float32 bit pattern class (ties, NaN, infinities, subnormals)."""
+outlier channels, from read-only reads (what a ranged read gives) into any strides of a
+bfloat16 or float32 context; the rounding to bfloat16 is torch's for every float32 value but
+NaN (ties, infinities, subnormals; a decode never makes a NaN); spans and targets the kernels
+would read or write out of bounds, and corrupt ``int2mix`` widths, are refused."""
 
 from __future__ import annotations
 
@@ -30,6 +32,15 @@ def smollm2_keys_at_zero() -> torch.Tensor:
         out = loaded.model(input_ids=torch.tensor([ids]), use_cache=True)
     kv = from_cache(out.past_key_values)
     return keys_to_position_zero(kv, RopeSpec.from_config(loaded.model.config), 0)
+
+
+def _read_only(stored: np.ndarray) -> np.ndarray:
+    """Stored blocks as a ranged read returns them: a read-only view of rows (payload and crc)."""
+    rows = np.zeros((stored.shape[0], stored.shape[1] + 4), dtype=np.uint8)
+    rows[:, : stored.shape[1]] = stored
+    view = rows[:, : stored.shape[1]]
+    view.setflags(write=False)
+    return view
 
 
 def _spans(n: int, block: int) -> list[tuple[int, int]]:
@@ -65,6 +76,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", QUANTIZED)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("block", [16, 64])
@@ -78,7 +90,10 @@ def test_compiled_decode_equals_the_tensor_path_on_smollm2(
     layers, _, heads, n, dim = pre.shape
     layout = KvLayout("m", "p", layers, heads, dim, dtype, block, 4, name)
     codec = codec_named(name)
-    reads = [codec.encode(pre, layout), codec.encode(pre[:, :, :, : n // 3], layout)]
+    reads = [
+        _read_only(codec.encode(pre, layout)),
+        _read_only(codec.encode(pre[:, :, :, : n // 3], layout)),
+    ]
     picks, at = [], 3
     for i, entry_tokens in ((0, n), (1, n // 3)):
         for s, e in _spans(entry_tokens, block):
@@ -108,7 +123,7 @@ def test_compiled_decode_into_a_transposed_context(name, dtype) -> None:
     and a large value dim (``test_kv_codecs._synthetic``), head_dim 8."""
     codec = codec_named(name)
     layout = KvLayout("m", "p", 3, 2, 8, str(dtype).removeprefix("torch."), 16, 4, name)
-    reads = [codec.encode(_synthetic(n, dtype, seed=n), layout) for n in (37, 70)]
+    reads = [_read_only(codec.encode(_synthetic(n, dtype, seed=n), layout)) for n in (37, 70)]
     picks = [(1, 20, 66, 0), (0, 3, 30, 46), (1, 0, 5, 73), (0, 36, 37, 78)]
 
     def out_of() -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,3 +162,35 @@ def test_the_bfloat16_rounding_is_torchs_for_every_bit_pattern_class() -> None:
     want = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy()
     assert np.array_equal(got, want.view(np.uint16))
     assert len(got) > 6 * 65_000 and (got == 0x7F80).any()  # +inf, from float32 max rounded up
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_spans_and_targets_out_of_bounds_are_refused(name) -> None:
+    """What the kernels would read or write out of bounds (they index unchecked): a span past
+    the read's blocks, a target too short or of another geometry; nothing written."""
+    codec = codec_named(name)
+    layout = KvLayout("m", "p", 3, 2, 8, "bfloat16", 16, 4, name)
+    read = codec.encode(_synthetic(37, torch.bfloat16), layout)  # 3 blocks of 16
+    out = torch.full((3, 2, 2, 20, 8), 7.0, dtype=torch.bfloat16)
+    for picks, target in (
+        ([(0, 40, 50, 0)], out),  # tokens 40-50: a 4th block the read does not hold
+        ([(0, 0, 16, 10)], out),  # 16 tokens at 10 of a 20-token target
+        ([(0, 0, 4, 0)], torch.zeros((3, 2, 2, 20, 16), dtype=torch.bfloat16)),  # head_dim 16
+        ([(0, 0, 4, 0)], torch.zeros((2, 2, 2, 20, 8), dtype=torch.bfloat16)),  # 2 layers
+    ):
+        with pytest.raises(ValueError, match="KV t"):
+            codec.decode_tokens([read], layout, picks, target)
+    assert (out == 7.0).all()
+
+
+def test_int2mix_blocks_with_corrupt_key_widths_are_refused() -> None:
+    """Widths other than a quarter 4-bit and a half 2-bit would index past a token's codes (a
+    block whose crc32c holds never has them: the encoder writes these counts)."""
+    codec = codec_named("int2mix")
+    layout = KvLayout("m", "p", 3, 2, 8, "bfloat16", 16, 4, "int2mix")
+    read = codec.encode(_synthetic(37, torch.bfloat16), layout).copy()
+    at = codec._section_offsets(layout)["k_widths"]
+    read[:, at : at + 3 * 2 * 8 // 4] = 0xAA  # every key channel 4-bit
+    out = torch.zeros((3, 2, 2, 8, 8), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="key widths"):
+        codec.decode_tokens([read], layout, [(0, 2, 10, 0)], out)

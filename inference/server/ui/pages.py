@@ -86,11 +86,15 @@ class Pages:
         self._warming.start()
         server.on_stop(self.close)
 
-    def close(self) -> None:
-        """Wait for the explorer's warm-up (it reads the whole store's lineage once)."""
+    def close(self, timeout: float = 120.0) -> None:
+        """Wait up to ``timeout`` s for the explorer's warm-up (it reads the whole store's
+        lineage once); past that the server stops without it, and the interpreter's exit
+        still waits for the thread."""
         if self._warming.is_alive():
             log.info("waiting for the store explorer to finish opening")
-        self._warming.join()
+            self._warming.join(timeout)
+            if self._warming.is_alive():
+                log.warning("the store explorer is still opening after %.0f s", timeout)
 
     def _warm(self) -> None:
         try:
