@@ -41,7 +41,8 @@ from typing import ClassVar
 
 import torch
 
-from coinrag.storage.kv.codecs import KvGeometry, QuantizedCodec, fp16_up
+from coinrag.storage.kv.codecs import KvGeometry, QuantizedCodec
+from coinrag.storage.kv.quantize import fp16_up
 
 LO_LEVELS = 127  # |z| <= 127 of int8: the minimum's grid
 STEP_LEVELS = 255  # c <= 255 of uint8: the step's grid

@@ -46,7 +46,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from coinrag.storage.kv.codecs import TORCH_DTYPES, KvGeometry, QuantizedCodec, _writable, fp16_up
+from coinrag.storage.kv.codecs import TORCH_DTYPES, KvGeometry, QuantizedCodec, _writable
 from coinrag.storage.kv.lowbit import (
     CLIPS,
     LO_LEVELS,
@@ -54,6 +54,7 @@ from coinrag.storage.kv.lowbit import (
     fine_lo,
     search_clips,
 )
+from coinrag.storage.kv.quantize import fp16_up
 
 # the payload sections kernels.int2mix_span reads, in the order it takes their offsets
 _KERNEL_SECTIONS = ("k_codes4", "k_codes2", "v_codes", "k_widths", "k_z", "k_c", "v_z", "v_c")

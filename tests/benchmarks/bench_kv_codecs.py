@@ -52,7 +52,7 @@ from coinrag.inference.context.assemble import KvSlice, assemble_context  # noqa
 from coinrag.inference.model.encode import keys_to_position_zero, to_dynamic_cache  # noqa: E402
 from coinrag.inference.rope import RopeSpec, reset_rotary  # noqa: E402
 from coinrag.storage.kv import KvLayout, KvStore  # noqa: E402
-from coinrag.storage.kv.codecs import dequantize, quantize  # noqa: E402
+from coinrag.storage.kv.quantize import dequantize, quantize  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

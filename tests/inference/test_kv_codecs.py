@@ -241,7 +241,7 @@ def test_every_value_within_half_a_step_and_each_layer_within_the_stated_bound(
 def test_decode_writes_the_float32_dequantization_rounded_once(name, dtype) -> None:
     """The decoder writes each half straight into the result: the same values as
     dequantizing both halves in float32, stacking, permuting and rounding the whole once."""
-    from coinrag.storage.kv.codecs import dequantize
+    from coinrag.storage.kv.quantize import dequantize
 
     codec = codec_named(name)
     layout = KvLayout("m", "p", 3, 2, 8, str(dtype).removeprefix("torch."), 4, 4, name)
