@@ -36,7 +36,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import io
-import json
 import os
 import re
 import shutil
@@ -51,6 +50,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from coinrag.storage.location import lance_storage_options, object_filesystem, split_store_url
+from coinrag.storage.toml_lines import toml_table
 
 if TYPE_CHECKING:
     import duckdb
@@ -298,7 +298,7 @@ class Store(ABC):
         lines = ["# settings of the last build of this store and what it published (coinrag)"]
         for name, table in tables.items():
             if table is not None:
-                lines += _toml_table(name, table)
+                lines += toml_table(name, table)
         self.check_write_lock()
         self.write_bytes_atomic(self.settings_path, ("\n".join(lines) + "\n").encode("utf-8"))
 
@@ -689,25 +689,3 @@ def store_settings(store: Store) -> BuildSettings:
     from coinrag.schemas.settings import settings_from_toml
 
     return settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-
-
-def _toml_table(name: str, table: dict[str, Any]) -> list[str]:
-    """TOML lines of one table: scalars first, then its sub-tables (``[name.sub]``)."""
-    lines = [f"[{name}]"]
-    subs = []
-    for key, value in table.items():
-        if value is None:
-            continue
-        if isinstance(value, dict):
-            subs.append((key, value))
-        else:
-            lines.append(f"{_toml_key(key)} = {json.dumps(value)}")
-    for key, value in subs:
-        lines += _toml_table(f"{name}.{_toml_key(key)}", value)
-    return lines
-
-
-def _toml_key(key: Any) -> str:
-    """A bare TOML key where allowed (letters, digits, ``_``, ``-``), else a quoted one."""
-    text = str(key)
-    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text)
