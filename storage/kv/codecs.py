@@ -534,26 +534,11 @@ class QuantizedCodec(KvCodec):
         from coinrag.storage.kv import kernels
 
         at = self._section_offsets(g)
+        offsets, tables = (at["k_codes"], at["v_codes"]), (k_lo, k_step, v_lo, v_step)
         for i, s, e, to in picks:
             if e > s:
-                kernels.check_span(reads[i], s, e, to, block, target, (lay, heads, dim))
-                kernels.uniform_span(
-                    reads[i],
-                    at["k_codes"],
-                    at["v_codes"],
-                    self.bits,
-                    k_lo,
-                    k_step,
-                    v_lo,
-                    v_step,
-                    first[i],
-                    s,
-                    e,
-                    to,
-                    block,
-                    target,
-                    bf16,
-                )
+                span = (first[i], s, e, to, block)
+                kernels.uniform_span(reads[i], offsets, self.bits, tables, span, target, bf16)
 
     def _section_offsets(self, g: KvGeometry) -> dict[str, int]:
         """Each payload section's first byte (:meth:`_sections`' order)."""

@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from numba import njit
 
+Span = tuple[int, int, int, int, int]  # (first table row, s, e, at, block): a pick's tokens
+
 
 def _compiled(inline: bool = False) -> Callable[[Callable[..., Any]], Any]:
     """``numba.njit`` without the GIL, cached on disk where numba finds a writable place (it
@@ -54,30 +56,22 @@ def _compiled(inline: bool = False) -> Callable[[Callable[..., Any]], Any]:
     return wrap
 
 
-def check_span(
-    raw: np.ndarray, s: int, e: int, at: int, block: int, out: np.ndarray, geometry: tuple
-) -> None:
-    """ValueError unless tokens ``[s, e)`` lie in ``raw``'s blocks and ``[at, at + e - s)`` in
-    ``out``'s token axis, and ``out`` is ``(L, 2, H, tokens, D)`` with ``geometry = (L, H, D)``:
-    what the kernels would otherwise read or write out of bounds."""
+def check_span(raw: np.ndarray, span: Span, out: np.ndarray, geometry: tuple[int, ...]) -> None:
+    """ValueError unless tokens ``[s, e)`` of ``span = (first, s, e, at, block)`` lie in
+    ``raw``'s ``block``-token blocks and ``[at, at + e - s)`` in ``out``'s token axis, and
+    ``out`` is ``(L, 2, H, tokens, D)`` with ``geometry = (L, H, D)``: what the kernels would
+    otherwise read or write out of bounds."""
+    _, s, e, at, block = span
     layers, heads, dim = geometry
-    if out.ndim != 5 or (out.shape[0], out.shape[1], out.shape[2], out.shape[4]) != (
-        layers,
-        2,
-        heads,
-        dim,
-    ):
-        raise ValueError(f"KV target of shape {out.shape}, want ({layers}, 2, {heads}, *, {dim})")
-    if not (
-        0 <= s <= e and -(-e // block) <= raw.shape[0] and 0 <= at and at + e - s <= out.shape[3]
-    ):
+    shape = out.shape
+    if out.ndim != 5 or (shape[0], shape[1], shape[2], shape[4]) != (layers, 2, heads, dim):
+        raise ValueError(f"KV target of shape {shape}, want ({layers}, 2, {heads}, *, {dim})")
+    fits = -(-e // block) <= raw.shape[0] and at + e - s <= shape[3]
+    if not (0 <= s <= e and 0 <= at and fits):
         raise ValueError(
             f"KV tokens [{s}, {e}) of a read of {raw.shape[0]} {block}-token blocks into tokens "
-            f"[{at}, {at + e - s}) of a target of {out.shape[3]}"
+            f"[{at}, {at + e - s}) of a target of {shape[3]}"
         )
-
-
-_BF16 = torch.bfloat16
 
 
 def target_of(out: torch.Tensor) -> tuple[np.ndarray, bool] | None:
@@ -86,7 +80,7 @@ def target_of(out: torch.Tensor) -> tuple[np.ndarray, bool] | None:
     dtype or device (the codec's tensor path decodes those)."""
     if out.device.type != "cpu":
         return None
-    if out.dtype == _BF16:
+    if out.dtype == torch.bfloat16:
         return out.view(torch.int16).numpy().view(np.uint16), True
     if out.dtype == torch.float32:
         return out.numpy(), False
@@ -106,23 +100,18 @@ def _round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
 @_compiled(inline=True)
 def _uniform(
     raw: np.ndarray,
-    k_at: int,
-    v_at: int,
-    k_lo: np.ndarray,
-    k_step: np.ndarray,
-    v_lo: np.ndarray,
-    v_step: np.ndarray,
-    first: int,
-    s: int,
-    e: int,
-    at: int,
-    block: int,
+    offsets: tuple[int, int],
+    tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    span: Span,
     out: np.ndarray,
     bf16: bool,
     bits: int,
 ) -> None:
     """:func:`uniform_span`'s loop, inlined into one kernel per code width (``bits`` a
     constant there, so that a byte's unpacking is unrolled)."""
+    k_at, v_at = offsets
+    k_lo, k_step, v_lo, v_step = tables
+    first, s, e, at, block = span
     per = 8 // bits
     mask = (1 << bits) - 1
     layers, _, heads, _, dim = out.shape
@@ -133,8 +122,6 @@ def _uniform(
     vu = vf.view(np.uint32)
     rounded = np.empty(dim, np.uint16)
     for b in range(s // block, (e + block - 1) // block):
-        t0 = max(s, b * block) - b * block
-        t1 = min(e, (b + 1) * block) - b * block
         row = raw[b]
         tb = first + b
         for lay in range(layers):
@@ -142,7 +129,7 @@ def _uniform(
                 lh = lay * heads + h
                 klo = k_lo[tb, lay, h]
                 kst = k_step[tb, lay, h]
-                for tt in range(t0, t1):
+                for tt in range(max(s, b * block) - b * block, min(e, (b + 1) * block) - b * block):
                     kb = k_at + (lh * block + tt) * width
                     vb = v_at + (lh * block + tt) * width
                     vlo = v_lo[tb, lay, h, tt]
@@ -167,62 +154,23 @@ def _uniform(
 
 @_compiled()
 def _uniform8(
-    raw: np.ndarray,
-    k_at: int,
-    v_at: int,
-    k_lo: np.ndarray,
-    k_step: np.ndarray,
-    v_lo: np.ndarray,
-    v_step: np.ndarray,
-    first: int,
-    s: int,
-    e: int,
-    at: int,
-    block: int,
-    out: np.ndarray,
-    bf16: bool,
+    raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
 ) -> None:
-    _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 8)
+    _uniform(raw, offsets, tables, span, out, bf16, 8)
 
 
 @_compiled()
 def _uniform4(
-    raw: np.ndarray,
-    k_at: int,
-    v_at: int,
-    k_lo: np.ndarray,
-    k_step: np.ndarray,
-    v_lo: np.ndarray,
-    v_step: np.ndarray,
-    first: int,
-    s: int,
-    e: int,
-    at: int,
-    block: int,
-    out: np.ndarray,
-    bf16: bool,
+    raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
 ) -> None:
-    _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 4)
+    _uniform(raw, offsets, tables, span, out, bf16, 4)
 
 
 @_compiled()
 def _uniform2(
-    raw: np.ndarray,
-    k_at: int,
-    v_at: int,
-    k_lo: np.ndarray,
-    k_step: np.ndarray,
-    v_lo: np.ndarray,
-    v_step: np.ndarray,
-    first: int,
-    s: int,
-    e: int,
-    at: int,
-    block: int,
-    out: np.ndarray,
-    bf16: bool,
+    raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
 ) -> None:
-    _uniform(raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16, 2)
+    _uniform(raw, offsets, tables, span, out, bf16, 2)
 
 
 _UNIFORM = {8: _uniform8, 4: _uniform4, 2: _uniform2}
@@ -230,27 +178,22 @@ _UNIFORM = {8: _uniform8, 4: _uniform4, 2: _uniform2}
 
 def uniform_span(
     raw: np.ndarray,
-    k_at: int,
-    v_at: int,
+    offsets: tuple[int, int],
     bits: int,
-    k_lo: np.ndarray,
-    k_step: np.ndarray,
-    v_lo: np.ndarray,
-    v_step: np.ndarray,
-    first: int,
-    s: int,
-    e: int,
-    at: int,
-    block: int,
+    tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    span: Span,
     out: np.ndarray,
     bf16: bool,
 ) -> None:
-    """Tokens ``[s, e)`` of ``raw`` (a quantized codec's blocks, key codes at byte ``k_at`` of
-    a payload, value codes at ``v_at``, each ``(L, H, B, D * bits / 8)``, the first code of a
-    byte in its low bits) into ``out``'s tokens from ``at``. Tables (float32, row ``first + b``
-    for the read's block ``b``): ``k_lo`` and ``k_step`` ``(blocks, L, H, D)`` per key channel,
-    ``v_lo`` and ``v_step`` ``(blocks, L, H, B)`` per value token."""
-    _UNIFORM[bits](raw, k_at, v_at, k_lo, k_step, v_lo, v_step, first, s, e, at, block, out, bf16)
+    """Tokens ``[s, e)`` of ``raw`` (a quantized codec's blocks, key codes at byte
+    ``offsets[0]`` of a payload, value codes at ``offsets[1]``, each ``(L, H, B, D * bits /
+    8)``, the first code of a byte in its low bits) into ``out``'s tokens from ``at``, ``span =
+    (first, s, e, at, block)``. ``tables`` (float32, row ``first + b`` for the read's block
+    ``b``): key ``lo`` and ``step`` ``(blocks, L, H, D)`` per channel, value ``lo`` and
+    ``step`` ``(blocks, L, H, B)`` per token; ``out`` and ``bf16``: :func:`target_of`'s.
+    Checked first (:func:`check_span`)."""
+    check_span(raw, span, out, tables[0].shape[1:])
+    _UNIFORM[bits](raw, offsets, tables, span, out, bf16)
 
 
 @_compiled(inline=True)
@@ -260,98 +203,114 @@ def _signed(byte: np.uint8) -> np.float32:
     return np.float32(z - 256 if z > 127 else z)
 
 
+@_compiled(inline=True)
+def _int2mix_tables(
+    row: np.ndarray,
+    sections: np.ndarray,
+    lh: int,
+    units: np.ndarray,
+    place: np.ndarray,
+    scales: np.ndarray,
+) -> None:
+    """One block's tables for layer-head ``lh`` (``units``: its four float32 units): each key
+    channel's ``place`` among a token's ranked codes (the 4-bit ones in channel order, then the
+    2-bit ones, then a zero for the mean-only channels: the codec's order), and ``(4, D)``
+    float32 key ``lo``, key ``step``, value ``lo``, value ``step`` into ``scales`` (``z *
+    lo_unit``, ``c * step_unit``: exact in float32). ValueError for widths other than the
+    encoder's counts."""
+    dim = place.shape[0]
+    q = dim // 4
+    kw, kz, kc, vz, vc = sections[3], sections[4], sections[5], sections[6], sections[7]
+    wide = 0
+    mid = 0
+    for d in range(dim):
+        w = (row[kw + lh * q + d // 4] >> (2 * (d % 4))) & 3
+        if w == 2:
+            place[d] = wide
+            wide += 1
+        elif w == 1:
+            place[d] = q + mid
+            mid += 1
+        else:
+            place[d] = 3 * q
+        scales[0, d] = _signed(row[kz + lh * dim + d]) * units[0]
+        scales[1, d] = np.float32(row[kc + lh * dim + d]) * units[1]
+        scales[2, d] = _signed(row[vz + lh * dim + d]) * units[2]
+        scales[3, d] = np.float32(row[vc + lh * dim + d]) * units[3]
+    if wide != q or mid != 2 * q:  # the encoder's counts; others would index past the codes
+        raise ValueError("int2mix block whose key widths are not D/4 4-bit, D/2 2-bit")
+
+
+@_compiled(inline=True)
+def _int2mix_token(
+    row: np.ndarray,
+    starts: tuple[int, int, int],
+    place: np.ndarray,
+    scales: np.ndarray,
+    ranked: np.ndarray,
+    kf: np.ndarray,
+    vf: np.ndarray,
+) -> None:
+    """One token's float32 key and value head vectors into ``kf`` and ``vf`` ``(D,)``, its codes at
+    ``starts`` (the bytes of its 4-bit keys, 2-bit keys, values), ``ranked``: a ``(3 D / 4 +
+    1,)`` uint8 row whose last entry is 0."""
+    dim = place.shape[0]
+    q, eighth = dim // 4, dim // 8
+    b4, b2, bv = starts
+    for j in range(eighth):
+        x = row[b4 + j]
+        ranked[2 * j] = x & 15
+        ranked[2 * j + 1] = x >> 4
+        y = row[b2 + j]
+        ranked[q + 4 * j] = y & 3
+        ranked[q + 4 * j + 1] = (y >> 2) & 3
+        ranked[q + 4 * j + 2] = (y >> 4) & 3
+        ranked[q + 4 * j + 3] = y >> 6
+    for d in range(dim):
+        kf[d] = np.float32(ranked[place[d]]) * scales[1, d] + scales[0, d]
+    for j in range(q):
+        y = row[bv + j]
+        for m in range(4):
+            d = 4 * j + m
+            vf[d] = np.float32((y >> (2 * m)) & 3) * scales[3, d] + scales[2, d]
+
+
 @_compiled()
-def int2mix_span(
+def _int2mix(
     raw: np.ndarray,
     sections: np.ndarray,
     units: np.ndarray,
-    s: int,
-    e: int,
-    at: int,
-    block: int,
+    span: Span,
     out: np.ndarray,
     bf16: bool,
 ) -> None:
-    """Tokens ``[s, e)`` of ``raw`` (``int2mix`` blocks) into ``out``'s tokens from ``at``.
-    ``sections``: the byte offsets in a payload of its key codes 4, key codes 2, value codes,
-    key widths, key z, key c, value z and value c (``Int2MixCodec._sections``' order); ``units``
-    ``(blocks, L, H, 4)`` float32: each block's float16 units widened.
-
-    Per block, layer and head the tables come first: each key channel's place among its token's
-    ranked codes (the 4-bit ones in channel order, then the 2-bit ones, then a zero for the
-    mean-only channels: the codec's order), ``lo = z * lo_unit`` and ``step = c * step_unit``
-    (exact in float32) for key and value channels; then each token's codes."""
+    """:func:`int2mix_span`'s loop: per touched block, layer and head its tables, then each
+    token's codes."""
+    _, s, e, at, block = span
     layers, _, heads, _, dim = out.shape
-    k4, k2, vcodes, kw, kz, kc, vz, vc = (
-        sections[0],
-        sections[1],
-        sections[2],
-        sections[3],
-        sections[4],
-        sections[5],
-        sections[6],
-        sections[7],
-    )
     q, eighth = dim // 4, dim // 8
     place = np.empty(dim, np.int64)
     ranked = np.zeros(3 * q + 1, np.uint8)  # the last stays 0: a mean-only channel's code
-    klo = np.empty(dim, np.float32)
-    kst = np.empty(dim, np.float32)
-    vlo = np.empty(dim, np.float32)
-    vst = np.empty(dim, np.float32)
+    scales = np.empty((4, dim), np.float32)
     kf = np.empty(dim, np.float32)
     vf = np.empty(dim, np.float32)
     ku = kf.view(np.uint32)
     vu = vf.view(np.uint32)
     rounded = np.empty(dim, np.uint16)
     for b in range(s // block, (e + block - 1) // block):
-        t0 = max(s, b * block) - b * block
-        t1 = min(e, (b + 1) * block) - b * block
         row = raw[b]
         for lay in range(layers):
             for h in range(heads):
                 lh = lay * heads + h
-                u = units[b, lay, h]
-                wide = 0
-                mid = 0
-                for d in range(dim):
-                    w = (row[kw + lh * q + d // 4] >> (2 * (d % 4))) & 3
-                    if w == 2:
-                        place[d] = wide
-                        wide += 1
-                    elif w == 1:
-                        place[d] = q + mid
-                        mid += 1
-                    else:
-                        place[d] = 3 * q
-                    klo[d] = _signed(row[kz + lh * dim + d]) * u[0]
-                    kst[d] = np.float32(row[kc + lh * dim + d]) * u[1]
-                    vlo[d] = _signed(row[vz + lh * dim + d]) * u[2]
-                    vst[d] = np.float32(row[vc + lh * dim + d]) * u[3]
-                if (
-                    wide != q or mid != 2 * q
-                ):  # the encoder's counts; others would index past the codes
-                    raise ValueError("int2mix block whose key widths are not D/4 4-bit, D/2 2-bit")
-                for tt in range(t0, t1):
-                    b4 = k4 + (lh * block + tt) * eighth
-                    b2 = k2 + (lh * block + tt) * eighth
-                    bv = vcodes + (lh * block + tt) * q
-                    for j in range(eighth):
-                        x = row[b4 + j]
-                        ranked[2 * j] = x & 15
-                        ranked[2 * j + 1] = x >> 4
-                        y = row[b2 + j]
-                        ranked[q + 4 * j] = y & 3
-                        ranked[q + 4 * j + 1] = (y >> 2) & 3
-                        ranked[q + 4 * j + 2] = (y >> 4) & 3
-                        ranked[q + 4 * j + 3] = y >> 6
-                    for d in range(dim):
-                        kf[d] = np.float32(ranked[place[d]]) * kst[d] + klo[d]
-                    for j in range(q):
-                        y = row[bv + j]
-                        for m in range(4):
-                            d = 4 * j + m
-                            vf[d] = np.float32((y >> (2 * m)) & 3) * vst[d] + vlo[d]
+                _int2mix_tables(row, sections, lh, units[b, lay, h], place, scales)
+                for tt in range(max(s, b * block) - b * block, min(e, (b + 1) * block) - b * block):
+                    token = lh * block + tt
+                    starts = (
+                        sections[0] + token * eighth,
+                        sections[1] + token * eighth,
+                        sections[2] + token * q,
+                    )
+                    _int2mix_token(row, starts, place, scales, ranked, kf, vf)
                     tok = at + b * block + tt - s
                     if bf16:  # in the loop itself: behind one more call it took twice the time
                         _round_bf16(ku, rounded)
@@ -361,3 +320,23 @@ def int2mix_span(
                     else:
                         out[lay, 0, h, tok, :] = kf
                         out[lay, 1, h, tok, :] = vf
+
+
+def int2mix_span(
+    raw: np.ndarray,
+    sections: np.ndarray,
+    units: np.ndarray,
+    span: Span,
+    out: np.ndarray,
+    bf16: bool,
+) -> None:
+    """Tokens ``[s, e)`` of ``raw`` (``int2mix`` blocks) into ``out``'s tokens from ``at``,
+    ``span = (first, s, e, at, block)`` (``first`` unused: the tables are built here).
+    ``sections``: the byte offsets in a payload of its key codes 4, key codes 2, value codes,
+    key widths, key z, key c, value z and value c (``Int2MixCodec._sections``' order);
+    ``units`` ``(blocks, L, H, 4)`` float32: each block's float16 units widened; ``out`` and
+    ``bf16``: :func:`target_of`'s. Checked first (:func:`check_span`)."""
+    layers, heads = units.shape[1:3]
+    dim = int(sections[5] - sections[4]) // (layers * heads)  # key z: one byte per channel
+    check_span(raw, span, out, (layers, heads, dim))
+    _int2mix(raw, sections, units, span, out, bf16)

@@ -319,12 +319,8 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         }
         for i, s, e, to in picks:
             if e > s:
-                kernels.check_span(
-                    reads[i], s, e, to, g.block_tokens, target, (lay, heads, g.head_dim)
-                )
-                kernels.int2mix_span(
-                    reads[i], sections, units[i], s, e, to, g.block_tokens, target, bf16
-                )
+                span = (0, s, e, to, g.block_tokens)
+                kernels.int2mix_span(reads[i], sections, units[i], span, target, bf16)
 
     def _table_sections(self, g: KvGeometry) -> list[str]:
         return list(self._TABLES)
