@@ -76,7 +76,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # 16 cases on a 300-token forward: ~45 s with numba's cache cold
 @pytest.mark.parametrize("name", QUANTIZED)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("block", [16, 64])
