@@ -508,10 +508,15 @@ class QuantizedCodec(KvCodec):
         """:meth:`_read_tables` of every block of the ``used`` reads, built once for a request
         (a coinrag request: ten 17-token slices): each used read's first row in them, and the
         tables."""
-        cuts = [self._cut(torch.from_numpy(_writable(reads[i])), g) for i in used]
+        at, size = self._section_offsets(g), dict(self._sections(g))
         sizes = [int(reads[i].shape[0]) for i in used]
         first = dict(zip(used, itertools.accumulate(sizes, initial=0), strict=False))
-        joined = {name: torch.cat([cut[name] for cut in cuts]) for name in self._table_sections(g)}
+        joined = {  # only the tables' bytes copied, not whole payloads
+            name: torch.from_numpy(
+                np.concatenate([reads[i][:, at[name] : at[name] + size[name]] for i in used])
+            )
+            for name in self._table_sections(g)
+        }
         return first, self._read_tables(joined, sum(sizes), g)
 
     def _decode_tokens_compiled(
@@ -629,12 +634,8 @@ class QuantizedCodec(KvCodec):
 
     def _cut(self, raw: torch.Tensor, g: KvGeometry) -> dict[str, torch.Tensor]:
         """Blocks' payloads ``(k, payload_bytes)`` -> each section's bytes ``(k, n)``."""
-        cut: dict[str, torch.Tensor] = {}
-        at = 0
-        for name, n in self._sections(g):
-            cut[name] = raw[:, at : at + n]
-            at += n
-        return cut
+        at = self._section_offsets(g)
+        return {name: raw[:, at[name] : at[name] + n] for name, n in self._sections(g)}
 
     def relative_error_bound(self, group: int) -> float:
         """The bound on ``‖x̂ − x‖ / ‖x‖`` over a layer for groups of ``group`` values (before
