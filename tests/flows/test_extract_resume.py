@@ -294,6 +294,7 @@ def _explorer_marks_abandoned(store: Store, row: dict) -> None:
     assert str(escape(row["error"])) in html
 
 
+@pytest.mark.heavy  # over 10 s: the second tier
 def test_malformed_replies_settle_after_three_builds_and_are_not_asked_again(
     tmp_path, sample_corpus, monkeypatch
 ) -> None:

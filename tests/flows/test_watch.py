@@ -68,6 +68,7 @@ def _wait_events(source: Path, n: int, timeout: float = 60) -> list:
     pytest.fail(f"the server did not record {n} {SOURCE_CHANGED_EVENT} event(s) for {source}")
 
 
+@pytest.mark.heavy  # over 10 s: the second tier
 def test_watch_delivers_or_fails_and_reports_deleted_documents(tmp_path) -> None:
     from prefect.settings import PREFECT_API_URL
 

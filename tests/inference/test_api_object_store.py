@@ -48,6 +48,7 @@ def s3_store(monkeypatch, sample_store: Path) -> str:
         server.stop()
 
 
+@pytest.mark.heavy  # over 10 s: the second tier
 def test_api_serves_an_s3_store_and_follows_a_delete(s3_store: str) -> None:
     config = ServerConfig(
         store=s3_store,

@@ -626,6 +626,7 @@ def test_coinrag_contexts_of_a_quantized_store_against_the_float_store(
 # ---------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.heavy  # over 10 s: the second tier
 @pytest.mark.usefixtures("prefect_harness")
 def test_build_query_rebuild_and_gc_with_int4(tmp_path, smollm2_tokenizer, sample_corpus) -> None:
     source = write_corpus(tmp_path / "docs.jsonl", sample_docs(sample_corpus, 3))

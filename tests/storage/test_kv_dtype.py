@@ -115,6 +115,7 @@ def _recorded(store: Path) -> tuple[dict, dict, dict]:
     return json.loads(run.parameters_json), json.loads(run.fingerprints_json), toml["build"]
 
 
+@pytest.mark.heavy  # over 10 s: the second tier
 @pytest.mark.usefixtures("prefect_harness")
 def test_bf16_and_fp32_stores_differ_in_kv_fp_and_both_answer(
     tmp_path: Path, corpus_and_model

@@ -373,6 +373,7 @@ def test_current_producers_are_what_the_build_recorded(built) -> None:
     assert json.loads(result.stdout) == []
 
 
+@pytest.mark.heavy  # over 10 s: the second tier
 def test_stale_after_a_settings_change_then_a_rebuild(built, smollm2_tokenizer, tmp_path) -> None:
     store = tmp_path / "store"
     shutil.copytree(built["store"], store)
