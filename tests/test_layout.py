@@ -41,7 +41,9 @@ LEVELS = {
     "flows": ("cli", ""),
 }
 HALL_GROUPS = {
-    "storage": {"base": {"store", "tables", "readers", "location", "object_lock", "toml_lines"}},
+    "storage": {
+        "base": {"store", "tables", "readers", "location", "object_lock", "toml_lines", "jit"}
+    },
     "tasks": {"chunking": {"chunk", "chunk_content", "chunk_section", "place"}},
 }
 MAX_MODULES = 20  # .py files in one folder or room, __init__.py included

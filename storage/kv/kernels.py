@@ -30,30 +30,12 @@ query compiles them before its port opens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 import torch
-from numba import njit
+
+from coinrag.storage.jit import compiled, round_bf16
 
 Span = tuple[int, int, int, int, int]  # (first table row, s, e, at, block): a pick's tokens
-
-
-def _compiled(inline: bool = False) -> Callable[[Callable[..., Any]], Any]:
-    """``numba.njit`` without the GIL, cached on disk where numba finds a writable place (it
-    refuses ``cache=True`` where it finds none: a read-only install with a read-only home)."""
-    options: dict[str, Any] = {"nogil": True}
-    if inline:
-        options["inline"] = "always"
-
-    def wrap(fn: Callable[..., Any]) -> Any:
-        try:
-            return njit(cache=True, **options)(fn)
-        except RuntimeError:  # "cannot cache function ...: no locator available"
-            return njit(cache=False, **options)(fn)
-
-    return wrap
 
 
 def check_span(raw: np.ndarray, span: Span, out: np.ndarray, geometry: tuple[int, ...]) -> None:
@@ -87,17 +69,7 @@ def target_of(out: torch.Tensor) -> tuple[np.ndarray, bool] | None:
     return None
 
 
-@_compiled(inline=True)
-def _round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
-    """float32 bits ``u`` (uint32) -> bfloat16 bits ``dst`` (uint16), rounded to nearest even
-    as torch rounds. No NaN case: a dequantized value is a small integer times a float16 step
-    plus a float16 minimum, never NaN (an infinity rounds to itself)."""
-    for d in range(u.shape[0]):
-        x = u[d]
-        dst[d] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> 16)
-
-
-@_compiled(inline=True)
+@compiled(inline=True)
 def _uniform(
     raw: np.ndarray,
     offsets: tuple[int, int],
@@ -143,30 +115,30 @@ def _uniform(
                             vf[d] = np.float32((vx >> (bits * m)) & mask) * vst + vlo
                     tok = at + b * block + tt - s
                     if bf16:  # in the loop itself: behind one more call it took twice the time
-                        _round_bf16(ku, rounded)
+                        round_bf16(ku, rounded)
                         out[lay, 0, h, tok, :] = rounded
-                        _round_bf16(vu, rounded)
+                        round_bf16(vu, rounded)
                         out[lay, 1, h, tok, :] = rounded
                     else:
                         out[lay, 0, h, tok, :] = kf
                         out[lay, 1, h, tok, :] = vf
 
 
-@_compiled()
+@compiled()
 def _uniform8(
     raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
 ) -> None:
     _uniform(raw, offsets, tables, span, out, bf16, 8)
 
 
-@_compiled()
+@compiled()
 def _uniform4(
     raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
 ) -> None:
     _uniform(raw, offsets, tables, span, out, bf16, 4)
 
 
-@_compiled()
+@compiled()
 def _uniform2(
     raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
 ) -> None:
@@ -196,14 +168,14 @@ def uniform_span(
     _UNIFORM[bits](raw, offsets, tables, span, out, bf16)
 
 
-@_compiled(inline=True)
+@compiled(inline=True)
 def _signed(byte: np.uint8) -> np.float32:
     """A stored int8 (as its uint8 byte) as float32."""
     z = np.int64(byte)
     return np.float32(z - 256 if z > 127 else z)
 
 
-@_compiled(inline=True)
+@compiled(inline=True)
 def _int2mix_tables(
     row: np.ndarray,
     sections: np.ndarray,
@@ -241,7 +213,7 @@ def _int2mix_tables(
         raise ValueError("int2mix block whose key widths are not D/4 4-bit, D/2 2-bit")
 
 
-@_compiled(inline=True)
+@compiled(inline=True)
 def _int2mix_token(
     row: np.ndarray,
     starts: tuple[int, int, int],
@@ -275,7 +247,7 @@ def _int2mix_token(
             vf[d] = np.float32((y >> (2 * m)) & 3) * scales[3, d] + scales[2, d]
 
 
-@_compiled()
+@compiled()
 def _int2mix(
     raw: np.ndarray,
     sections: np.ndarray,
@@ -313,9 +285,9 @@ def _int2mix(
                     _int2mix_token(row, starts, place, scales, ranked, kf, vf)
                     tok = at + b * block + tt - s
                     if bf16:  # in the loop itself: behind one more call it took twice the time
-                        _round_bf16(ku, rounded)
+                        round_bf16(ku, rounded)
                         out[lay, 0, h, tok, :] = rounded
-                        _round_bf16(vu, rounded)
+                        round_bf16(vu, rounded)
                         out[lay, 1, h, tok, :] = rounded
                     else:
                         out[lay, 0, h, tok, :] = kf

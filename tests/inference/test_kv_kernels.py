@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_kv_codecs import DOCS, _synthetic
 
+from coinrag.storage.jit import round_bf16
 from coinrag.storage.kv import KvLayout, codec_named, kernels
 
 QUANTIZED = ["int8", "int4", "int2", "int2mix"]
@@ -158,7 +159,7 @@ def test_the_bfloat16_rounding_is_torchs_for_every_bit_pattern_class() -> None:
     values = bits.view(np.float32)
     bits, values = bits[~np.isnan(values)], values[~np.isnan(values)]
     got = np.empty(values.shape, dtype=np.uint16)
-    kernels._round_bf16(bits, got)
+    round_bf16(bits, got)
     want = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy()
     assert np.array_equal(got, want.view(np.uint16))
     assert len(got) > 6 * 65_000 and (got == 0x7F80).any()  # +inf, from float32 max rounded up
