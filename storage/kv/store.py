@@ -54,6 +54,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from functools import partial
 from itertools import accumulate
 from pathlib import PurePath
 from typing import Any
@@ -93,7 +94,7 @@ from coinrag.storage.kv.reads import (
 )
 from coinrag.storage.kv.reclaim import KvReclaim, find_garbage, reclaim_dead, remove_garbage
 from coinrag.storage.kv.shard import ShardMeta
-from coinrag.storage.kv.transport import transport_for
+from coinrag.storage.kv.transport import ScratchBuffers, ThreadScratch, transport_for
 from coinrag.storage.kv.writes import ShardStager, StagedShard, WriteStats, distinct_entries
 from coinrag.storage.store import Store
 
@@ -128,6 +129,7 @@ class KvStore:
         self._max_manifest_shard = -1
         self.write_stats = WriteStats()
         self.last_read = ReadStats()
+        self._slice_scratch = ThreadScratch()  # the slice reads' bytes, reused per thread
         self._stager = ShardStager(
             layout, self.root, self.transport, encoder=encoder, fsync=fsync, direct_io=direct_io
         )
@@ -451,8 +453,8 @@ class KvStore:
 
         if plans:
             diagnose = self._catalog.diagnose
-            if self.transport.ranged_slice_reads:
-                fetch = self._fetch_ranges
+            if self.transport.ranged_slice_reads:  # the bytes are decoded before this returns
+                fetch = partial(self._fetch_ranges, scratch=self._slice_scratch.get())
                 results = gather_ranges(plans, self._shards, lay, self.root, fetch, fail, diagnose)
             else:
                 results = gather_zarr(plans, self._shards, lay, fail, diagnose)
@@ -495,10 +497,17 @@ class KvStore:
             g = shard_geometry(self.layout, self._shards[plans[js[0]].shard])
             self.layout.codec.decode_tokens([results[j] for j in js], g, picks, out)
 
-    def _fetch_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+    def _fetch_ranges(
+        self,
+        paths: list[str],
+        starts: list[int],
+        ends: list[int],
+        scratch: ScratchBuffers | None = None,
+    ) -> list[Any]:
         """Byte ranges of files, fetched concurrently, counted in the reader's statistics like
-        Zarr's reads; an exception in place of a failed one."""
-        return self._reader.counted(self.transport.fetch_ranges(paths, starts, ends))
+        Zarr's reads; an exception in place of a failed one (``scratch``: the transport may
+        read into it)."""
+        return self._reader.counted(self.transport.fetch_ranges(paths, starts, ends, scratch))
 
     # ------------------------------------------------------------------ checks
 

@@ -29,6 +29,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
@@ -92,9 +93,16 @@ class KvTransport(ABC):
         May read into ``scratch``: a range is valid until the next call."""
 
     @abstractmethod
-    def fetch_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+    def fetch_ranges(
+        self,
+        paths: list[str],
+        starts: list[int],
+        ends: list[int],
+        scratch: ScratchBuffers | None = None,
+    ) -> list[Any]:
         """Byte ranges of files, fetched concurrently where the transport can; an exception in
-        place of a range that failed."""
+        place of a range that failed. ``scratch``: the ranges may be read into it (each valid
+        until the caller's next fetch through the same buffers)."""
 
     @abstractmethod
     def staging(self, root: PurePath, name: str, fsync: bool) -> Any:
@@ -190,17 +198,36 @@ class LocalTransport(KvTransport):
             os.close(fd)
         return out
 
-    def fetch_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+    def fetch_ranges(
+        self,
+        paths: list[str],
+        starts: list[int],
+        ends: list[int],
+        scratch: ScratchBuffers | None = None,
+    ) -> list[Any]:
+        """Each range one ``pread``; into ``scratch`` where given and the ranges come to at most
+        :data:`SLICE_SCRATCH_MAX` bytes: fresh memory costs a page fault per 4 KiB page on first
+        touch (14 ranges of 211 kB, a coinrag request on ``int2mix``: 1.6 ms into new bytes,
+        0.4 ms into reused memory, page cache warm)."""
+        total = sum(end - start for start, end in zip(starts, ends, strict=True))
+        buf = scratch.get("slices", total) if scratch and total <= SLICE_SCRATCH_MAX else None
         out: list[Any] = []
+        at = 0
         for path, start, end in zip(paths, starts, ends, strict=True):
             try:
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    data = os.pread(fd, end - start, start)
+                    if buf is None:
+                        data = os.pread(fd, end - start, start)
+                        n = len(data)
+                    else:
+                        data = buf[at : at + end - start]
+                        n = os.preadv(fd, [memoryview(data)], start)
+                        at += end - start
                 finally:
                     os.close(fd)
-                if len(data) != end - start:
-                    raise OSError(f"{path}: read {len(data)} of {end - start} bytes at {start}")
+                if n != end - start:
+                    raise OSError(f"{path}: read {n} of {end - start} bytes at {start}")
                 out.append(data)
             except OSError as exc:
                 out.append(exc)
@@ -291,7 +318,14 @@ class ObjectTransport(KvTransport):
                 raise OSError(f"{self.store.uri(path)}: {raw}")
         return got
 
-    def fetch_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+    def fetch_ranges(
+        self,
+        paths: list[str],
+        starts: list[int],
+        ends: list[int],
+        scratch: ScratchBuffers | None = None,
+    ) -> list[Any]:
+        """Concurrently, through fsspec (which returns new bytes: ``scratch`` is not used)."""
         return self.store.fs.cat_ranges(paths, starts, ends, on_error="return")
 
     @contextmanager
@@ -387,9 +421,13 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
+SLICE_SCRATCH_MAX = 64 << 20  # bytes: a slice read of more gets fresh memory (kept per thread)
+
+
 class ScratchBuffers:
     """Reusable, page-aligned uint8 buffers by name: fresh memory costs a page fault per page
-    on first touch, so the write path encodes, writes and reads back through these."""
+    on first touch, so the write path encodes, writes and reads back through these, and each
+    thread's slice reads read into its own (:class:`ThreadScratch`)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray] = {}
@@ -404,6 +442,22 @@ class ScratchBuffers:
 
     def clear(self) -> None:
         self._buffers.clear()
+
+
+class ThreadScratch:
+    """One :class:`ScratchBuffers` per thread: a reader serving requests on several threads
+    gives each thread's reads their own memory (at most about :data:`SLICE_SCRATCH_MAX` x 1.25
+    bytes per thread, freed with the thread)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self) -> ScratchBuffers:
+        """The calling thread's buffers."""
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = ScratchBuffers()
+        return buffers
 
 
 class LocalFiles:

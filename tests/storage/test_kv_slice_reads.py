@@ -75,3 +75,29 @@ def test_the_read_ratio_follows_the_block_size(tmp_path, codec, block, low, high
     assert stats.bytes_read == expected_bytes(kv.layout, spans)
     assert stats.bytes_needed == 120 * kv.layout.block_bytes // kv.layout.block_tokens
     assert low <= stats.amplification <= high, stats.amplification
+
+
+@pytest.mark.parametrize("codec", ["none", "int4"])
+def test_reused_read_memory_never_shows_through(tmp_path, codec) -> None:
+    """Local slice reads read their bytes into memory reused per thread (no page faults on
+    fresh memory). A read's tensors stay what they were when the next read (other spans, same
+    thread) reuses that memory, and four threads reading at once get what one thread reads:
+    equal to each entry's own whole read, sliced."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kv, keys = write_store(tmp_path / "s", codec)
+    whole = {k: kv.read_entry(k) for k in keys}
+
+    def expect(spans):
+        return [whole[k][..., s:e, :] for k, s, e in spans]
+
+    plans = [nugget_spans(keys[:5], seed=seed) for seed in range(8)]
+    kept = [kv.read_slices(spans) for spans in plans]  # one thread, one after the other
+    for spans, got in zip(plans, kept, strict=True):
+        for a, b in zip(got, expect(spans), strict=True):
+            assert torch.equal(a, b)
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            for spans, got in zip(plans, pool.map(kv.read_slices, plans), strict=True):
+                for a, b in zip(got, expect(spans), strict=True):
+                    assert torch.equal(a, b)
