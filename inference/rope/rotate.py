@@ -83,7 +83,13 @@ def _rotate_tiled(
     times (a 512-token chunk of SmolLM2's 30 layers: 4.6-5.4 against 8.0-9.2 ms on one core,
     a layer a pass), and a small tensor takes few passes (10 nugget slices: 4, not 30).
     Elementwise, so the same values bit for bit. ``out``: where to write the result (``keys``
-    itself too: each tile is read whole before it is written), else a new tensor."""
+    itself too: each tile is read whole before it is written), else a new tensor. On the CPU
+    without a gradient to keep, the compiled kernel instead (``inference/rope/kernel.py``: one
+    pass, the same values up to one float32 rounding)."""
+    from coinrag.inference.rope import kernel  # numba loads on the first rotation
+
+    if kernel.applies(keys, out):
+        return kernel.rotate_compiled(keys, cos, sin, out)
     if keys.dim() < 4 or keys.numel() <= _ROTATE_TILE or keys.requires_grad:
         rotated = _rotate(keys, cos, sin, rotary_dim)
         return rotated if out is None else out.copy_(rotated)
