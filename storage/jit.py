@@ -1,5 +1,6 @@
-"""numba helpers of the compiled kernels (``storage/kv/kernels.py``): the one way they are
-compiled, and the bfloat16 rounding they share."""
+"""numba helpers of the compiled kernels (``storage/kv/kernels.py``,
+``inference/rope/kernel.py``): the one way they are compiled, the bfloat16 rounding they share,
+and the float32 operations numba does not spell (a fused multiply-add, bit casts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 
 def compiled(inline: bool = False) -> Callable[[Callable[..., Any]], Any]:
@@ -34,3 +37,39 @@ def round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
     for d in range(u.shape[0]):
         x = u[d]
         dst[d] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> 16)
+
+
+@intrinsic
+def fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    """``a * b + c`` in float32 with one rounding (LLVM's ``fma``; a vfmadd on x86-64)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f32 = ir.FloatType()
+        fnty = ir.FunctionType(f32, [f32, f32, f32])
+        fma = builder.module.declare_intrinsic("llvm.fma", [f32], fnty)
+        return builder.call(fma, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def float_of_bits(typingctx: Any, bits: Any) -> Any:
+    """The float32 whose bits are the uint32 ``bits``."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_of_float(typingctx: Any, value: Any) -> Any:
+    """The bits of the float32 ``value`` as a uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen

@@ -23,54 +23,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
-from coinrag.storage.jit import compiled
-
-
-@intrinsic
-def _fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
-    """``a * b + c`` in float32 with one rounding (LLVM's ``fma``; a vfmadd on x86-64)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        f32 = ir.FloatType()
-        fnty = ir.FunctionType(f32, [f32, f32, f32])
-        fma = builder.module.declare_intrinsic("llvm.fma", [f32], fnty)
-        return builder.call(fma, args)
-
-    return sig, codegen
-
-
-@intrinsic
-def _float_of_bits(typingctx: Any, bits: Any) -> Any:
-    """The float32 whose bits are the uint32 ``bits``."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_of_float(typingctx: Any, value: Any) -> Any:
-    """The bits of the float32 ``value`` as a uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
+from coinrag.storage.jit import bits_of_float, compiled, float_of_bits, fma32
 
 
 @compiled(inline=True)
 def _widened(raw: Any, bf16: bool) -> Any:
     """A stored key value as float32 (bfloat16: its uint16 bits shifted up)."""
     if bf16:
-        return _float_of_bits(np.uint32(raw) << np.uint32(16))
+        return float_of_bits(np.uint32(raw) << np.uint32(16))
     return np.float32(raw)
 
 
@@ -79,7 +40,7 @@ def _narrowed(value: Any, bf16: bool) -> Any:
     """A float32 as stored: bfloat16 bits rounded to nearest even as torch rounds (no NaN case:
     a rotated finite key is finite), or float32 itself."""
     if bf16:
-        u = _bits_of_float(value)
+        u = bits_of_float(value)
         return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> 16)
     return value
 
@@ -101,8 +62,8 @@ def _rotate_rows(
                     s = sin[t, i]
                     x1 = _widened(src[a, b, t, i], bf16)
                     x2 = _widened(src[a, b, t, half + i], bf16)
-                    dst[a, b, t, i] = _narrowed(_fma32(x2, -s, x1 * c), bf16)
-                    dst[a, b, t, half + i] = _narrowed(_fma32(x1, s, x2 * c), bf16)
+                    dst[a, b, t, i] = _narrowed(fma32(x2, -s, x1 * c), bf16)
+                    dst[a, b, t, half + i] = _narrowed(fma32(x1, s, x2 * c), bf16)
                 if dst is not src:
                     for d in range(2 * half, dim):
                         dst[a, b, t, d] = src[a, b, t, d]
