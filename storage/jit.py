@@ -30,6 +30,13 @@ def compiled(inline: bool = False) -> Callable[[Callable[..., Any]], Any]:
 
 
 @compiled(inline=True)
+def bf16_bits(x: np.uint32) -> np.uint16:
+    """float32 bits ``x`` (uint32) -> bfloat16 bits, rounded to nearest even as torch rounds
+    (no NaN case, as :func:`round_bf16`)."""
+    return np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> 16)
+
+
+@compiled(inline=True)
 def round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
     """float32 bits ``u`` (uint32) -> bfloat16 bits ``dst`` (uint16), rounded to nearest even
     as torch rounds. No NaN case: a dequantized value is a small integer times a float16 step

@@ -187,8 +187,11 @@ class StoredKvContext(ContextBuilder):
     ) -> tuple[torch.Tensor, int]:
         """:meth:`ContextBuilder.build` with each slice decoded straight into its place in
         ``C_ctx`` (``KvStore.read_slices_into``: no slice tensors, no concatenation) and all
-        keys rotated at once (:func:`~coinrag.inference.context.assemble.rotate_placed_keys`); the
-        same values bit for bit (``tests/inference/test_kv_keep_codecs.py``). No gradient reaches
+        keys rotated at once (:func:`~coinrag.inference.context.assemble.rotate_placed_keys`), or,
+        for keys stored at position 0 where the codec can (a quantized codec's compiled decode,
+        one RoPE for every layer), each key rotated as it is decoded into place (no second pass
+        over the context); the same values bit for bit either way
+        (``tests/inference/test_kv_keep_codecs.py``). No gradient reaches
         stored KV, so this holds in any grad mode (fine-tuning's ``frozen`` contexts too). Where
         it does not apply (dynamic / longrope RoPE, a subclass that encodes its slices) the
         general path."""
@@ -203,16 +206,20 @@ class StoredKvContext(ContextBuilder):
         ctx = host_buffer(shape, self.prefix_kv.dtype, self.device)  # pinned for a GPU
         ctx[..., :p, :] = self.prefix_kv
         old_starts = [p + e.tok_start for e in evidence]
-        starts = self.slice_starts(p, old_starts, lengths)
-        if evidence:
-            requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
-            self.kv.read_slices_into(requests, ctx[..., p:, :])
+        new = _runs(self.slice_starts(p, old_starts, lengths), lengths)
+        rope = None  # keys stored at position 0: rotated by the decode where the codec can
+        if self.kv.layout.keys_at_zero:
+            angles = self.spec.rotation_cos_sin(self.kv.layout.layers, new)
+            rope = None if angles is None else (angles[0].numpy(), angles[1].numpy())
+        requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
+        rotated = self.kv.read_slices_into(requests, ctx[..., p:, :], rope=rope)
         t1 = time.perf_counter()
         if self.kv.layout.keys_at_zero:
             old = torch.zeros(sum(lengths), dtype=torch.long)
         else:
             old = _runs(old_starts, lengths)
-        rotate_placed_keys(ctx, p, old, _runs(starts, lengths), self.spec)
+        if not rotated:
+            rotate_placed_keys(ctx, p, old, new, self.spec)
         ctx = to_device(ctx, self.device, next(self.model.parameters()).dtype)  # one copy
         if timings is not None:
             timings["kv_load"] = timings.get("kv_load", 0.0) + (t1 - t0) * 1000

@@ -170,15 +170,27 @@ def rerotate_keys(
         )
     _check_seq_len(old_seq_len, old, "old_seq_len")
     _check_seq_len(new_seq_len, new, "new_seq_len")
+    cos, sin = rotation_cos_sin(spec, old, new, old_seq_len, new_seq_len)
+    return _rotate_tiled(keys, cos, sin, spec.rotary_dim, out)
+
+
+def rotation_cos_sin(
+    spec: RopeSpec,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    old_seq_len: int | None = None,
+    new_seq_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``(tokens, rotary_dim / 2)`` float32 of the rotation :func:`rerotate_keys`
+    applies from ``old`` to ``new`` (``(tokens,)`` int64 positions, checked by the caller):
+    the absolute angles formed as transformers forms them (a float32 product), their
+    difference in float64."""
     f_old = spec.inv_freq_for(old_seq_len)
     f_new = spec.inv_freq_for(new_seq_len)
-    # Absolute angles exactly as transformers forms them (float32 product), difference in float64.
     a_old = old.to(torch.float32)[:, None] * f_old
     a_new = new.to(torch.float32)[:, None] * f_new
     theta = a_new.to(torch.float64) - a_old.to(torch.float64)
-    cos = theta.cos().to(torch.float32)
-    sin = theta.sin().to(torch.float32)
-    return _rotate_tiled(keys, cos, sin, spec.rotary_dim, out)
+    return theta.cos().to(torch.float32), theta.sin().to(torch.float32)
 
 
 def _delta_cos_sin(spec: RopeSpec, delta: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -18,7 +18,7 @@ from coinrag.inference.rope.frequencies import (
     UnsafeRerotation,
     UnsupportedRope,
 )
-from coinrag.inference.rope.rotate import rerotate_keys
+from coinrag.inference.rope.rotate import rerotate_keys, rotation_cos_sin
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,19 @@ class _LayerRotation:
     def layer_groups(self, layers: int) -> list[tuple[RopeSpec, list[int]]]:
         """``(spec, layer indices)`` per group of layers sharing a RoPE, for ``layers`` layers."""
         raise NotImplementedError
+
+    def rotation_cos_sin(
+        self, layers: int, new_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin ``(tokens, rotary_dim / 2)`` float32 of :meth:`rotate_layers` from
+        position 0 to ``new_positions`` (``(tokens,)`` int64) where one rotation serves all
+        ``layers`` layers and does not depend on lengths; None otherwise (per-layer RoPE,
+        dynamic / longrope): what a decode that rotates keys as it places them needs."""
+        groups = self.layer_groups(layers)
+        spec = groups[0][0]
+        if len(groups) != 1 or spec.seq_len_dependent:
+            return None
+        return rotation_cos_sin(spec, torch.zeros_like(new_positions), new_positions)
 
     def rotate_layers(
         self,

@@ -164,17 +164,20 @@ class KvCodec(Registered):
         g: KvGeometry,
         picks: Sequence[tuple[int, int, int, int]],
         out: torch.Tensor,
-    ) -> None:
+        rope: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> bool:
         """Write, for each pick ``(read, s, e, at)``, tokens ``[s, e)`` of what :meth:`decode`
         gives for ``reads[read]`` (its token axis) into ``out[..., at : at + e - s, :]``;
         ``out``: ``(layers, 2, kv_heads, tokens, head_dim)`` in ``g.dtype``, any strides (an
         assembled context, say): the same values as ``decode(reads[read], g)[..., s:e, :]``.
-        Codecs that can decode some tokens alone override it."""
+        Codecs that can decode some tokens alone override it. ``rope`` (cos, sin ``(tokens, R /
+        2)`` of ``out``'s tokens): True where the keys were rotated by it, else False (here)."""
         decoded: dict[int, torch.Tensor] = {}
         for i, s, e, at in picks:
             if i not in decoded:
                 decoded[i] = self.decode(reads[i], g)
             out[..., at : at + e - s, :].copy_(decoded[i][..., s:e, :])
+        return False
 
     def trim(self, stored: np.ndarray, tokens: int, g: KvGeometry) -> np.ndarray:
         """Stored values of whole blocks from token 0 -> those of an entry of ``tokens`` tokens
@@ -485,22 +488,25 @@ class QuantizedCodec(KvCodec):
         g: KvGeometry,
         picks: Sequence[tuple[int, int, int, int]],
         out: torch.Tensor,
-    ) -> None:
+        rope: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> bool:
         """:meth:`KvCodec.decode_tokens` dequantizing only the picked tokens (a nugget of 24
         tokens in 16-token blocks touches 32-48 tokens :meth:`decode` would dequantize), bit for
         bit :meth:`decode`'s values (``tests/inference/test_kv_codecs.py``,
         ``test_kv_kernels.py``): compiled (``storage/kv/kernels.py``, one pass per token) into a
-        bfloat16 or float32 ``out`` on the CPU, by tensor operations otherwise."""
+        bfloat16 or float32 ``out`` on the CPU (keys rotated by ``rope`` if given), by tensor
+        operations otherwise (not rotated)."""
         used = sorted({i for i, s, e, _ in picks if e > s})
-        if not used:
-            return
         from coinrag.storage.kv import kernels  # numba, imported where a decode needs it
 
         target = kernels.target_of(out)
         if target is None:
-            self._decode_tokens_tensors(reads, used, g, picks, out)
-        else:
-            self._decode_tokens_compiled(reads, used, g, picks, *target)
+            if used:
+                self._decode_tokens_tensors(reads, used, g, picks, out)
+            return False
+        if used:
+            self._decode_tokens_compiled(reads, used, g, picks, *target, rope)
+        return rope is not None
 
     def _joined_tables(
         self, reads: Sequence[np.ndarray], used: list[int], g: KvGeometry
@@ -527,10 +533,11 @@ class QuantizedCodec(KvCodec):
         picks: Sequence[tuple[int, int, int, int]],
         target: np.ndarray,
         bf16: bool,
+        rope: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """The picks by :func:`kernels.uniform_span` into ``target`` (:func:`kernels.target_of`),
         from the request's tables (:meth:`_joined_tables`, as float32 arrays: key tables
-        ``(blocks, L, H, D)``, value tables ``(blocks, L, H, B)``)."""
+        ``(blocks, L, H, D)``, value tables ``(blocks, L, H, B)``), keys rotated by ``rope``."""
         first, tables = self._joined_tables(reads, used, g)
         rows = sum(int(reads[i].shape[0]) for i in used)
         lay, heads, dim, block = g.layers, g.kv_heads, g.head_dim, g.block_tokens
@@ -540,10 +547,10 @@ class QuantizedCodec(KvCodec):
 
         at = self._section_offsets(g)
         offsets, tables = (at["k_codes"], at["v_codes"]), (k_lo, k_step, v_lo, v_step)
-        for i, s, e, to in picks:
-            if e > s:
-                span = (first[i], s, e, to, block)
-                kernels.uniform_span(reads[i], offsets, self.bits, tables, span, target, bf16)
+        angles = kernels.rope_tables(rope, target)
+        for i, s, e, to in (p for p in picks if p[2] > p[1]):
+            span = (first[i], s, e, to, block)
+            kernels.uniform_span(reads[i], offsets, self.bits, tables, span, target, bf16, angles)
 
     def _section_offsets(self, g: KvGeometry) -> dict[str, int]:
         """Each payload section's first byte (:meth:`_sections`' order)."""

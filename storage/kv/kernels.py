@@ -20,7 +20,10 @@ the time: ``int2mix`` 9.1 against 17.3 ms, ``int4`` 8.5 against 12.3 in one proc
 
 Both write tokens ``[s, e)`` of one read (``raw``: its blocks' payloads ``(blocks,
 payload_bytes)`` uint8, any row stride) into ``out[:, :, :, at : at + e - s, :]``, ``out`` the
-target ``(L, 2, H, tokens, D)`` as :func:`target_of` gives it. Held bit for bit against the
+target ``(L, 2, H, tokens, D)`` as :func:`target_of` gives it; given rotation tables
+(:func:`rope_tables`), each key is rotated from position 0 to its place as it is written: the same
+bits as the decode followed by the key rotation of ``inference/rope/kernel.py``, without a
+second pass over the context. Held bit for bit against the
 tensor path by ``tests/inference/test_kv_kernels.py``. :func:`check_span` guards every call
 (the kernels index without bounds checks). Compiled once per machine and signature (numba's
 cache beside this file, else the user's cache folder; where neither can be written, compiled
@@ -33,9 +36,50 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from coinrag.storage.jit import compiled, round_bf16
+from coinrag.storage.jit import bf16_bits, compiled, fma32
 
 Span = tuple[int, int, int, int, int]  # (first table row, s, e, at, block): a pick's tokens
+Rope = tuple[np.ndarray, np.ndarray]  # cos, sin (tokens of the target, R / 2) float32; 0 rows: none
+NO_ROPE: Rope = (np.zeros((0, 1), np.float32), np.zeros((0, 1), np.float32))
+
+
+def rope_tables(rope: Rope | None, out: np.ndarray) -> Rope:
+    """``rope`` as the kernels take it (C-contiguous float32; :data:`NO_ROPE` for None), checked
+    against the target ``out`` ``(L, 2, H, T, D)``: ``(T, R / 2)`` each, ``0 < R <= D``
+    (ValueError otherwise, before anything is written)."""
+    if rope is None:
+        return NO_ROPE
+    cos, sin = (np.ascontiguousarray(t, dtype=np.float32) for t in rope)
+    tokens, dim = out.shape[3], out.shape[4]
+    if cos.ndim != 2 or cos.shape != sin.shape or cos.shape[0] != tokens:
+        raise ValueError(f"rotation tables {cos.shape} and {sin.shape} for a target {out.shape}")
+    if not 0 < 2 * cos.shape[1] <= dim:
+        raise ValueError(f"rotation tables {cos.shape} and {sin.shape} for a target {out.shape}")
+    return cos, sin
+
+
+@compiled(inline=True)
+def _rotated_key(kf: np.ndarray, ku: np.ndarray, rope: Rope, tok: int, bf16: bool) -> None:
+    """The decoded key head vector ``kf`` (float32; ``ku`` its bits) rotated from position 0 by
+    target token ``tok``'s angles, as the key rotation (``inference/rope/kernel.py``) rotates
+    it once placed: rounded to bfloat16 first where the target is bfloat16, then each pair
+    ``(x1, x2)`` of the rotary dims to ``(fma(x2, -sin, x1 cos), fma(x1, sin, x2 cos))``: the
+    same bits as a decode followed by that rotation."""
+    cos, sin = rope
+    if bf16:
+        for d in range(ku.shape[0]):
+            x = ku[d]
+            ku[d] = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) & np.uint32(
+                0xFFFF0000
+            )
+    half = cos.shape[1]
+    for i in range(half):
+        c = cos[tok, i]
+        s = sin[tok, i]
+        x1 = kf[i]
+        x2 = kf[half + i]
+        kf[i] = fma32(x2, -s, x1 * c)
+        kf[half + i] = fma32(x1, s, x2 * c)
 
 
 def check_span(raw: np.ndarray, span: Span, out: np.ndarray, geometry: tuple[int, ...]) -> None:
@@ -78,6 +122,7 @@ def _uniform(
     out: np.ndarray,
     bf16: bool,
     bits: int,
+    rope: Rope,
 ) -> None:
     """:func:`uniform_span`'s loop, inlined into one kernel per code width (``bits`` a
     constant there, so that a byte's unpacking is unrolled)."""
@@ -92,7 +137,6 @@ def _uniform(
     vf = np.empty(dim, np.float32)
     ku = kf.view(np.uint32)
     vu = vf.view(np.uint32)
-    rounded = np.empty(dim, np.uint16)
     for b in range(s // block, (e + block - 1) // block):
         row = raw[b]
         tb = first + b
@@ -114,11 +158,12 @@ def _uniform(
                             kf[d] = np.float32((kx >> (bits * m)) & mask) * kst[d] + klo[d]
                             vf[d] = np.float32((vx >> (bits * m)) & mask) * vst + vlo
                     tok = at + b * block + tt - s
+                    if rope[0].shape[0]:
+                        _rotated_key(kf, ku, rope, tok, bf16)
                     if bf16:  # in the loop itself: behind one more call it took twice the time
-                        round_bf16(ku, rounded)
-                        out[lay, 0, h, tok, :] = rounded
-                        round_bf16(vu, rounded)
-                        out[lay, 1, h, tok, :] = rounded
+                        for d in range(dim):
+                            out[lay, 0, h, tok, d] = bf16_bits(ku[d])
+                            out[lay, 1, h, tok, d] = bf16_bits(vu[d])
                     else:
                         out[lay, 0, h, tok, :] = kf
                         out[lay, 1, h, tok, :] = vf
@@ -126,23 +171,41 @@ def _uniform(
 
 @compiled()
 def _uniform8(
-    raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
+    raw: np.ndarray,
+    offsets: tuple,
+    tables: tuple,
+    span: Span,
+    out: np.ndarray,
+    bf16: bool,
+    rope: Rope,
 ) -> None:
-    _uniform(raw, offsets, tables, span, out, bf16, 8)
+    _uniform(raw, offsets, tables, span, out, bf16, 8, rope)
 
 
 @compiled()
 def _uniform4(
-    raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
+    raw: np.ndarray,
+    offsets: tuple,
+    tables: tuple,
+    span: Span,
+    out: np.ndarray,
+    bf16: bool,
+    rope: Rope,
 ) -> None:
-    _uniform(raw, offsets, tables, span, out, bf16, 4)
+    _uniform(raw, offsets, tables, span, out, bf16, 4, rope)
 
 
 @compiled()
 def _uniform2(
-    raw: np.ndarray, offsets: tuple, tables: tuple, span: Span, out: np.ndarray, bf16: bool
+    raw: np.ndarray,
+    offsets: tuple,
+    tables: tuple,
+    span: Span,
+    out: np.ndarray,
+    bf16: bool,
+    rope: Rope,
 ) -> None:
-    _uniform(raw, offsets, tables, span, out, bf16, 2)
+    _uniform(raw, offsets, tables, span, out, bf16, 2, rope)
 
 
 _UNIFORM = {8: _uniform8, 4: _uniform4, 2: _uniform2}
@@ -156,16 +219,19 @@ def uniform_span(
     span: Span,
     out: np.ndarray,
     bf16: bool,
+    rope: Rope = NO_ROPE,
 ) -> None:
     """Tokens ``[s, e)`` of ``raw`` (a quantized codec's blocks, key codes at byte
     ``offsets[0]`` of a payload, value codes at ``offsets[1]``, each ``(L, H, B, D * bits /
     8)``, the first code of a byte in its low bits) into ``out``'s tokens from ``at``, ``span =
     (first, s, e, at, block)``. ``tables`` (float32, row ``first + b`` for the read's block
     ``b``): key ``lo`` and ``step`` ``(blocks, L, H, D)`` per channel, value ``lo`` and
-    ``step`` ``(blocks, L, H, B)`` per token; ``out`` and ``bf16``: :func:`target_of`'s.
-    Checked first (:func:`check_span`)."""
+    ``step`` ``(blocks, L, H, B)`` per token; ``out`` and ``bf16``: :func:`target_of`'s;
+    ``rope`` (:func:`rope_tables`, checked there): keys rotated from position 0 as they are
+    placed, by the angles of their row in ``out``'s token axis. Checked first
+    (:func:`check_span`)."""
     check_span(raw, span, out, tables[0].shape[1:])
-    _UNIFORM[bits](raw, offsets, tables, span, out, bf16)
+    _UNIFORM[bits](raw, offsets, tables, span, out, bf16, rope)
 
 
 @compiled(inline=True)
@@ -255,6 +321,7 @@ def _int2mix(
     span: Span,
     out: np.ndarray,
     bf16: bool,
+    rope: Rope,
 ) -> None:
     """:func:`int2mix_span`'s loop: per touched block, layer and head its tables, then each
     token's codes."""
@@ -268,7 +335,6 @@ def _int2mix(
     vf = np.empty(dim, np.float32)
     ku = kf.view(np.uint32)
     vu = vf.view(np.uint32)
-    rounded = np.empty(dim, np.uint16)
     for b in range(s // block, (e + block - 1) // block):
         row = raw[b]
         for lay in range(layers):
@@ -284,11 +350,12 @@ def _int2mix(
                     )
                     _int2mix_token(row, starts, place, scales, ranked, kf, vf)
                     tok = at + b * block + tt - s
+                    if rope[0].shape[0]:
+                        _rotated_key(kf, ku, rope, tok, bf16)
                     if bf16:  # in the loop itself: behind one more call it took twice the time
-                        round_bf16(ku, rounded)
-                        out[lay, 0, h, tok, :] = rounded
-                        round_bf16(vu, rounded)
-                        out[lay, 1, h, tok, :] = rounded
+                        for d in range(dim):
+                            out[lay, 0, h, tok, d] = bf16_bits(ku[d])
+                            out[lay, 1, h, tok, d] = bf16_bits(vu[d])
                     else:
                         out[lay, 0, h, tok, :] = kf
                         out[lay, 1, h, tok, :] = vf
@@ -301,14 +368,16 @@ def int2mix_span(
     span: Span,
     out: np.ndarray,
     bf16: bool,
+    rope: Rope = NO_ROPE,
 ) -> None:
     """Tokens ``[s, e)`` of ``raw`` (``int2mix`` blocks) into ``out``'s tokens from ``at``,
     ``span = (first, s, e, at, block)`` (``first`` unused: the tables are built here).
     ``sections``: the byte offsets in a payload of its key codes 4, key codes 2, value codes,
     key widths, key z, key c, value z and value c (``Int2MixCodec._sections``' order);
     ``units`` ``(blocks, L, H, 4)`` float32: each block's float16 units widened; ``out`` and
-    ``bf16``: :func:`target_of`'s. Checked first (:func:`check_span`)."""
+    ``bf16``: :func:`target_of`'s; ``rope``: as :func:`uniform_span`'s. Checked first
+    (:func:`check_span`)."""
     layers, heads = units.shape[1:3]
     dim = int(sections[5] - sections[4]) // (layers * heads)  # key z: one byte per channel
     check_span(raw, span, out, (layers, heads, dim))
-    _int2mix(raw, sections, units, span, out, bf16)
+    _int2mix(raw, sections, units, span, out, bf16, rope)

@@ -301,9 +301,11 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         picks: Sequence[tuple[int, int, int, int]],
         target: np.ndarray,
         bf16: bool,
+        rope: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """The picks by :func:`kernels.int2mix_span` into ``target``, which builds each touched
-        block's tables itself; only the float16 units are widened here, once per read."""
+        block's tables itself; only the float16 units are widened here, once per read. Keys
+        rotated by ``rope`` (:meth:`QuantizedCodec.decode_tokens`)."""
         from coinrag.storage.kv import kernels  # numba, imported where a decode needs it
 
         at = self._section_offsets(g)
@@ -317,10 +319,11 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
             .reshape(-1, lay, heads, 4)
             for i in used
         }
+        angles = kernels.rope_tables(rope, target)
         for i, s, e, to in picks:
             if e > s:
                 span = (0, s, e, to, g.block_tokens)
-                kernels.int2mix_span(reads[i], sections, units[i], span, target, bf16)
+                kernels.int2mix_span(reads[i], sections, units[i], span, target, bf16, angles)
 
     def _table_sections(self, g: KvGeometry) -> list[str]:
         return list(self._TABLES)

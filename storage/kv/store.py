@@ -402,11 +402,15 @@ class KvStore:
         requests: Sequence[tuple[str, int, int]],
         out: torch.Tensor,
         merge_gap_blocks: int = 0,
-    ) -> None:
+        rope: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> bool:
         """:meth:`read_slices` written back to back into ``out`` ``(layers, 2, kv_heads,
         Σ (tok_end - tok_start), head_dim)`` in the model dtype, any strides (e.g. the part of
         an assembled context after its prefix), decoded straight there (a quantized codec
-        dequantizes only the tokens asked for).
+        dequantizes only the tokens asked for). ``rope``: cos and sin ``(Σ (tok_end -
+        tok_start), R / 2)`` float32 of ``out``'s tokens; True where the codec rotated the keys
+        (stored at position 0) by them as it placed them (``KvCodec.decode_tokens``), False
+        where the caller must rotate them.
 
         Each request is served by the latest entry of its content_key that holds the whole
         range (:meth:`_locate`; every range of a whole-chunk entry); a range no entry holds
@@ -459,12 +463,10 @@ class KvStore:
             else:
                 results = gather_zarr(plans, self._shards, lay, fail, diagnose)
             at = list(accumulate([0, *(e - s for _, s, e in requests)]))
-            self._decode_into(
-                plans,
-                results,
-                [(o0, o1, a) for (_, o0, o1), a in zip(located, at, strict=False)],
-                out,
-            )
+            placed = [(o0, o1, a) for (_, o0, o1), a in zip(located, at, strict=False)]
+            rotated = self._decode_into(plans, results, placed, out, rope)
+        else:
+            rotated = rope is not None  # no token to rotate
         self.last_read = ReadStats(
             requests=len(requests),
             bytes_read=self._reader.data_bytes - before[0],
@@ -473,6 +475,7 @@ class KvStore:
             zarr_reads=len(plans),
             seconds=time.perf_counter() - t0,
         )
+        return rotated
 
     def _decode_into(
         self,
@@ -480,10 +483,13 @@ class KvStore:
         results: Sequence[np.ndarray],
         placed: Sequence[tuple[int, int, int]],
         out: torch.Tensor,
-    ) -> None:
+        rope: tuple[np.ndarray, np.ndarray] | None,
+    ) -> bool:
         """Decode each request's stored tokens ``[start, end)`` (``placed[i]``, with ``at``: where
         it goes in ``out``'s token axis) from the read that served it (``results[j]`` of
-        ``plans[j]``), one codec call per block size (shards may differ)."""
+        ``plans[j]``), one codec call per block size (shards may differ); whether every call
+        rotated the keys by ``rope``."""
+        rotated = True
         by_block: dict[int, list[int]] = defaultdict(list)
         for j, plan in enumerate(plans):
             by_block[self._shards[plan.shard].block_tokens].append(j)
@@ -495,7 +501,9 @@ class KvStore:
             ]
             picks.sort(key=lambda pick: pick[3])  # in request order: out back to back
             g = shard_geometry(self.layout, self._shards[plans[js[0]].shard])
-            self.layout.codec.decode_tokens([results[j] for j in js], g, picks, out)
+            got = [results[j] for j in js]
+            rotated &= self.layout.codec.decode_tokens(got, g, picks, out, rope)
+        return rotated
 
     def _fetch_ranges(
         self,

@@ -137,6 +137,37 @@ def test_compiled_decode_into_a_transposed_context(name, dtype) -> None:
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rotary", [8, 4])
+def test_a_decode_that_rotates_equals_the_decode_then_the_rotation(name, dtype, rotary) -> None:
+    """``decode_tokens(..., rope)`` rotates each key as it places it: the same bits as the
+    decode followed by the key rotation (``inference/rope/kernel.py``) of the placed keys,
+    partial rotary too (dims past ``rotary`` not rotated); values untouched. Tables too short
+    for the target are refused before anything is written."""
+    from coinrag.inference.rope.kernel import rotate_compiled
+
+    codec = codec_named(name)
+    layout = KvLayout("m", "p", 3, 2, 8, str(dtype).removeprefix("torch."), 16, 4, name)
+    reads = [_read_only(codec.encode(_synthetic(n, dtype, seed=n), layout)) for n in (37, 70)]
+    picks = [(1, 20, 66, 0), (0, 3, 30, 46), (1, 0, 5, 73), (0, 36, 37, 78)]
+    theta = torch.rand(79, rotary // 2, generator=torch.Generator().manual_seed(5)) * 500
+    rope = (theta.cos().numpy(), theta.sin().numpy())
+    fused = torch.zeros((3, 2, 2, 79, 8), dtype=dtype)
+    assert codec.decode_tokens(reads, layout, picks, fused, rope) is True
+    plain = torch.zeros_like(fused)
+    assert codec.decode_tokens(reads, layout, picks, plain) is False
+    assert torch.equal(_bits(fused[:, 1]), _bits(plain[:, 1]))
+    assert not torch.equal(fused[:, 0], plain[:, 0])
+    rotate_compiled(plain[:, 0], theta.cos(), theta.sin(), plain[:, 0])
+    assert torch.equal(_bits(fused), _bits(plain))
+    short = (rope[0][:78], rope[1][:78])
+    untouched = torch.zeros_like(fused)
+    with pytest.raises(ValueError, match="rotation tables"):
+        codec.decode_tokens(reads, layout, picks, untouched, short)
+    assert not untouched.any()
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_a_float16_context_is_decoded_by_the_tensor_path(name) -> None:
     """float16 has no compiled target: ``decode_tokens`` writes what ``decode`` gives."""
     codec = codec_named(name)
