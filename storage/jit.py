@@ -1,6 +1,11 @@
 """numba helpers of the compiled kernels (``storage/kv/kernels.py``,
 ``inference/rope/kernel.py``): the one way they are compiled, the bfloat16 rounding they share,
-and the float32 operations numba does not spell (a fused multiply-add, bit casts)."""
+and the float32 operations numba does not spell (a fused multiply-add, bit casts).
+
+numba's disk cache keys a kernel on its own file: the helpers here are inlined into kernels
+of other files, so an edit here leaves those kernels' cached code stale until their files
+change too (an installed release rewrites every file; a developer editing this file clears
+``__pycache__``'s ``*.nbi`` / ``*.nbc`` or sets ``NUMBA_CACHE_DIR`` to a new folder)."""
 
 from __future__ import annotations
 

@@ -98,10 +98,12 @@ def applies(keys: torch.Tensor, out: torch.Tensor | None) -> bool:
         return False
     if keys.requires_grad and torch.is_grad_enabled():
         return False
-    if keys.dim() < 3 or (keys.dim() > 4 and not _mergeable(keys)):
+    if keys.dim() < 3 or keys.numel() == 0 or (keys.dim() > 4 and not _mergeable(keys)):
         return False
     if out is None:
         return True
+    if out.dim() > 4 and not _mergeable(out):
+        return False
     return out.shape == keys.shape and out.dtype == keys.dtype and out.device.type == "cpu"
 
 
@@ -117,6 +119,8 @@ def rotate_compiled(
     if src is None or dst is None:
         raise ValueError(f"keys of shape {tuple(keys.shape)} and strides {keys.stride()}")
     tokens = keys.shape[-2]
+    if cos.shape != sin.shape or not 0 < 2 * cos.shape[-1] <= keys.shape[-1]:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} for keys {keys.shape}")
     c = np.ascontiguousarray(cos.detach().to("cpu", torch.float32).expand(tokens, -1).numpy())
     s = np.ascontiguousarray(sin.detach().to("cpu", torch.float32).expand(tokens, -1).numpy())
     _rotate_rows(src, dst, c, s, keys.dtype == torch.bfloat16)

@@ -147,13 +147,17 @@ class CodecReader:
     def read_slices(self, requests: list[tuple[str, int, int]]) -> list[torch.Tensor]:
         return [self.entry(ck)[:, :, :, s:e].contiguous() for ck, s, e in requests]
 
-    def read_slices_into(self, requests: list[tuple[str, int, int]], out: torch.Tensor) -> None:
-        """The slices one after another along ``out``'s token axis (``KvStore``'s contract)."""
+    def read_slices_into(
+        self, requests: list[tuple[str, int, int]], out: torch.Tensor, rope: object = None
+    ) -> bool:
+        """The slices one after another along ``out``'s token axis (``KvStore``'s contract);
+        keys never rotated here (False: the caller rotates them)."""
         at = 0
         for piece in self.read_slices(requests):
             n = piece.shape[-2]
             out[..., at : at + n, :] = piece
             at += n
+        return False
 
 
 def bytes_per_token(variant: Variant, layout: KvLayout) -> float:

@@ -79,3 +79,23 @@ def test_what_the_kernel_leaves_to_the_tensor_path() -> None:
     unmergeable = torch.randn(3, 2, 4, 8, 64).transpose(0, 1)
     assert not kernel.applies(unmergeable, None)
     assert not kernel.applies(torch.randn(2, 3, 8, 64), torch.randn(2, 3, 8, 64).bfloat16())
+    assert not kernel.applies(torch.randn(2, 2, 3, 8, 64), torch.empty(2, 3, 3, 8, 64)[:, :2])
+    assert not kernel.applies(torch.empty(2, 2, 3, 0, 8), None)  # nothing to rotate
+
+
+def test_a_rotation_through_the_public_api_takes_either_path() -> None:
+    """``rerotate_keys`` with an ``out`` the kernel cannot view, and with no tokens: the tensor
+    path, as before the kernel."""
+    from transformers import LlamaConfig
+
+    from coinrag.inference.rope import RopeSpec, rerotate_keys
+
+    spec = RopeSpec.from_config(LlamaConfig(hidden_size=64, num_attention_heads=4))
+    keys = torch.randn(2, 2, 3, 5, 16)
+    out = torch.empty(2, 3, 3, 5, 16)[:, :2]
+    got = rerotate_keys(keys, [0] * 5, [7, 8, 9, 10, 11], spec, out=out)
+    assert got is out
+    assert torch.equal(out, rerotate_keys(keys, [0] * 5, [7, 8, 9, 10, 11], spec))
+    none = torch.zeros(0, dtype=torch.long)
+    empty = rerotate_keys(torch.empty(2, 2, 3, 0, 16), none, none, spec)
+    assert empty.shape == (2, 2, 3, 0, 16)
