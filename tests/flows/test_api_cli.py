@@ -40,6 +40,7 @@ def _ctrl_c(server: subprocess.Popen) -> int:
         raise
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_coinrag_api_serves_the_sample_store_until_ctrl_c(sample_store: Path) -> None:
     """The secure start of the README: the key in $COINRAG_API_KEY, sent as a bearer token."""
     port = free_port()

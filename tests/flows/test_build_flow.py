@@ -60,6 +60,7 @@ def test_rules_build_then_unchanged_rebuild_does_no_work(tmp_path, sample_corpus
         assert nugget.run_id == first["run_id"] and nugget.extractor_fp.startswith("extractor-")
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_openai_default_from_env_ledger_failures_and_no_secrets(
     tmp_path, sample_corpus, monkeypatch
 ) -> None:

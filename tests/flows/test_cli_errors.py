@@ -167,6 +167,7 @@ def test_blank_questions_are_refused(tmp_path: Path) -> None:
         assert_error_line(result, 2, f"{questions}:2", "'question'")
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
     store = Store.at(tmp_path / "store").init()
     broken = Path(store.root) / "tables" / "runs"

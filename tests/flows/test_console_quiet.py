@@ -37,6 +37,7 @@ def _query(store: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_query_prints_the_answer_and_no_library_progress_bars(sample_store: Path) -> None:
     done = _query(sample_store)
     assert done.returncode == 0, done.stderr

@@ -189,6 +189,7 @@ def test_eval_and_lineage_name_the_place_of_the_evidence(built, tmp_path: Path) 
     assert [r["section"] for r in places["notes.md"]] == [["Harbour notes"]]
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_rebuilds_parse_nothing_reuse_kv_for_a_rename_and_prune_a_removed_file(
     built, folder: Path
 ) -> None:

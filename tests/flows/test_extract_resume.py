@@ -73,6 +73,7 @@ def _build(runner: CliRunner, src: Path, store: Path, config: Path):
     return runner.invoke(app, ["build", str(src), "--store", str(store), "--config", str(config)])
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_failed_extractions_exit_4_and_the_next_build_asks_them_again(
     tmp_path, sample_corpus, monkeypatch
 ) -> None:

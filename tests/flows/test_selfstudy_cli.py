@@ -68,6 +68,7 @@ def task_logs():
     logger.setLevel(level)
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_statements_are_dropped_with_reasons_and_stages_show_an_eta(
     tmp_path: Path, sample_corpus: Path, monkeypatch, task_logs
 ) -> None:

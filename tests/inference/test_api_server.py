@@ -77,6 +77,7 @@ def _cli_query(store: Path, method: str, *more: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_answers_equal_coinrag_query_json(server, client, store: Path) -> None:
     base, srv = server
     for method in ("coinrag", "turborag", "standard"):
@@ -275,6 +276,7 @@ def _wait_served(base: str, client: httpx.Client, run_id: str, seconds: float = 
         time.sleep(0.1)
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_hot_swap_across_build_and_delete(server, client, store: Path, sample_corpus) -> None:
     """A client loop while a build adds a document and edits another and a delete removes a
     third: no failed request, every answer's evidence from the index of the one version it

@@ -157,6 +157,7 @@ QUESTIONS = [
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")  # build_flow needs the Prefect API
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_evaluate_end_to_end(tmp_path: Path) -> None:
     from coinrag.flows.build import build_flow
 
@@ -217,6 +218,7 @@ def test_evaluate_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("prefect_harness")  # build_flow needs the Prefect API
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -67,6 +67,7 @@ def assert_all_kv_readable(st: Store) -> None:
             assert kv.verify_entry(ck), ck
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_delete_prune_gc_and_readd(tmp_path, sample_corpus, tiny_model, minilm):
     docs = sample_docs(sample_corpus, 5)
     src = write_corpus(tmp_path / "docs.jsonl", docs)
@@ -170,6 +171,7 @@ def live_versions_at(summary: dict, st: Store, doc_id: str) -> str:
     return {r.doc_id: r.doc_version for r in rows}[doc_id]
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_failed_index_update_leaves_the_published_index(tmp_path, sample_corpus, tiny_model):
     """The embed stage deletes stale rows before it writes new ones: a build that dies between
     the two has changed only the latest versions, never the published ones."""

@@ -174,6 +174,7 @@ def test_auto_records_what_it_resolved_to(tmp_path: Path, corpus_and_model) -> N
 
 
 @pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_frozen_training_on_a_bf16_store_and_its_kv_rebuild(
     tmp_path: Path, corpus_and_model
 ) -> None:

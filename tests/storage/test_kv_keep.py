@@ -185,6 +185,7 @@ def fake(monkeypatch):
         make_extractor.cache_clear()
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_new_spans_recompute_exactly_their_chunk_and_gc_reclaims_the_old(
     tmp_path, built, tiny_model, fake
 ):
@@ -243,6 +244,7 @@ def test_new_spans_recompute_exactly_their_chunk_and_gc_reclaims_the_old(
     assert dead and not dead & left
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_unchanged_rebuild_and_frozen_training_on_a_nuggets_store(built, tmp_path, tiny_model):
     store = tmp_path / "store"
     shutil.copytree(built["root"] / "nuggets", store)

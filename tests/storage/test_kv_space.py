@@ -97,6 +97,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_a_build_whose_kv_does_not_fit_is_refused_before_extraction(
     tmp_path: Path, sample_corpus: Path, smollm2_tokenizer
 ) -> None:

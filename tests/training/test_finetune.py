@@ -272,6 +272,7 @@ def test_loss_goes_down(built, tmp_path):
     assert len((tmp_path / "m" / "train_log.jsonl").read_text().splitlines()) == 10
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_resume_after_kill_same_next_loss(built, tmp_path):
     cfg = _cfg(epochs=2, raft_p=0.5)
     ref = run_training(
@@ -295,6 +296,7 @@ def test_resume_after_kill_same_next_loss(built, tmp_path):
     assert got["losses"] == ref  # bit-equal, including the steps after the resume
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_flow_frozen_lora_lineage_and_fingerprint(built, tmp_path):
     from coinrag.flows.train import train_nuggets
     from coinrag.inference.model.loading import load_model
@@ -338,6 +340,7 @@ def test_deployment_constructs():
         make_train_deployment("/s", "/d.jsonl", "/o", lr=1e-3)
 
 
+@pytest.mark.heavy  # over 5 s: the second tier
 def test_flow_rebuild_kv_serves_the_new_model_with_its_own_cache(built, tmp_path):
     """rebuild_kv=True: the store gets KV computed by the new weights under the new kv_fp
     (what the new model computes itself), chunks and nuggets are reused, the base model's
