@@ -47,8 +47,7 @@ def round_bf16(u: np.ndarray, dst: np.ndarray) -> None:
     as torch rounds. No NaN case: a dequantized value is a small integer times a float16 step
     plus a float16 minimum, never NaN (an infinity rounds to itself)."""
     for d in range(u.shape[0]):
-        x = u[d]
-        dst[d] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> 16)
+        dst[d] = bf16_bits(u[d])
 
 
 @intrinsic

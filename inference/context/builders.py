@@ -214,11 +214,11 @@ class StoredKvContext(ContextBuilder):
         requests = [(e.content_key, e.tok_start, e.tok_end) for e in evidence]
         rotated = self.kv.read_slices_into(requests, ctx[..., p:, :], rope=rope)
         t1 = time.perf_counter()
-        if self.kv.layout.keys_at_zero:
-            old = torch.zeros(sum(lengths), dtype=torch.long)
-        else:
-            old = _runs(old_starts, lengths)
         if not rotated:
+            if self.kv.layout.keys_at_zero:
+                old = torch.zeros(sum(lengths), dtype=torch.long)
+            else:
+                old = _runs(old_starts, lengths)
             rotate_placed_keys(ctx, p, old, new, self.spec)
         ctx = to_device(ctx, self.device, next(self.model.parameters()).dtype)  # one copy
         if timings is not None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coinrag.storage.jit import bits_of_float, compiled, float_of_bits, fma32
+from coinrag.storage.jit import bf16_bits, bits_of_float, compiled, float_of_bits, fma32
 
 
 @compiled(inline=True)
@@ -40,8 +40,7 @@ def _narrowed(value: Any, bf16: bool) -> Any:
     """A float32 as stored: bfloat16 bits rounded to nearest even as torch rounds (no NaN case:
     a rotated finite key is finite), or float32 itself."""
     if bf16:
-        u = bits_of_float(value)
-        return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> 16)
+        return bf16_bits(bits_of_float(value))
     return value
 
 
@@ -64,9 +63,8 @@ def _rotate_rows(
                     x2 = _widened(src[a, b, t, half + i], bf16)
                     dst[a, b, t, i] = _narrowed(fma32(x2, -s, x1 * c), bf16)
                     dst[a, b, t, half + i] = _narrowed(fma32(x1, s, x2 * c), bf16)
-                if dst is not src:
-                    for d in range(2 * half, dim):
-                        dst[a, b, t, d] = src[a, b, t, d]
+                for d in range(2 * half, dim):  # past the rotary dims: as they are
+                    dst[a, b, t, d] = src[a, b, t, d]
 
 
 def _as_rows(keys: torch.Tensor) -> np.ndarray | None:

@@ -51,9 +51,11 @@ def rope_tables(rope: Rope | None, out: np.ndarray) -> Rope:
         return NO_ROPE
     cos, sin = (np.ascontiguousarray(t, dtype=np.float32) for t in rope)
     tokens, dim = out.shape[3], out.shape[4]
-    if cos.ndim != 2 or cos.shape != sin.shape or cos.shape[0] != tokens:
-        raise ValueError(f"rotation tables {cos.shape} and {sin.shape} for a target {out.shape}")
-    if not 0 < 2 * cos.shape[1] <= dim:
+    if (
+        cos.ndim != 2
+        or cos.shape != sin.shape
+        or not (cos.shape[0] == tokens and 0 < 2 * cos.shape[1] <= dim)
+    ):
         raise ValueError(f"rotation tables {cos.shape} and {sin.shape} for a target {out.shape}")
     return cos, sin
 
@@ -68,10 +70,7 @@ def _rotated_key(kf: np.ndarray, ku: np.ndarray, rope: Rope, tok: int, bf16: boo
     cos, sin = rope
     if bf16:
         for d in range(ku.shape[0]):
-            x = ku[d]
-            ku[d] = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) & np.uint32(
-                0xFFFF0000
-            )
+            ku[d] = np.uint32(bf16_bits(ku[d])) << np.uint32(16)
     half = cos.shape[1]
     for i in range(half):
         c = cos[tok, i]

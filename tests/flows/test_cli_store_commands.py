@@ -126,6 +126,30 @@ def test_eval_report_on_stdout_with_list_options(sample_store: Path, tmp_path: P
     assert {tuple(r["gold"]) for r in per_q} == {("Stanley Kubrick",), ("Nobel Prize in Physics",)}
 
 
+def test_eval_draws_its_progress_without_a_refresh_thread(
+    sample_store: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """``eval``'s progress bar is redrawn after each answer, never from Rich's refresh thread:
+    that thread takes the GIL ten times a second and the timed reads waited for it."""
+    import rich.live
+
+    started: list[object] = []
+    original = rich.live._RefreshThread.start
+
+    def start(thread) -> None:
+        started.append(thread)
+        original(thread)
+
+    monkeypatch.setattr(rich.live._RefreshThread, "start", start)
+    questions = _questions(tmp_path, sample_store)
+    result = cli(
+        "eval", str(questions), "--store", str(sample_store), "--out", str(tmp_path / "eval"),
+        "--methods", "coinrag", "--k", "2", "--max-new-tokens", "2",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert started == []
+
+
 def test_retrieval_only_mrr_for_every_mode(sample_store: Path, tmp_path: Path) -> None:
     from coinrag.inference.retrieval.embedders import load_embedder
     from coinrag.inference.retrieval.retriever import Retriever
