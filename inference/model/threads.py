@@ -64,14 +64,23 @@ def worker_threads(threads: int, local_workers: int | None) -> int:
 
 
 def set_process_threads(threads: int) -> int:
-    """Set torch's intra-op (and, once, inter-op) threads and the OMP/MKL/OpenBLAS variables
-    (read by pools started later, child processes included) to ``resolve_threads(threads)``;
-    returns that number. Calling it again with the same number does nothing."""
+    """Set torch's intra-op (and, once, inter-op) threads, the OMP/MKL/OpenBLAS variables (read
+    by pools started later, child processes included) and the pools already loaded (numpy's
+    OpenBLAS, through threadpoolctl) to ``resolve_threads(threads)``; returns that number.
+    Calling it again with the same number does nothing.
+
+    Why the loaded pools too: numpy starts OpenBLAS when it is imported, before any command
+    reads its settings, with one thread per CPU; after each threaded product (the dense
+    search's ``vectors @ q``) its workers spin for a while before they sleep, on the core the
+    KV decode would have had."""
     n = resolve_threads(threads)
     if _APPLIED.get("threads") == n:
         return n
     for name in ENV_VARS:
         os.environ[name] = str(n)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=n)
     import torch
 
     torch.set_num_threads(n)

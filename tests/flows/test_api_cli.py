@@ -171,7 +171,12 @@ def test_threads_default_holds_on_shared_cores(monkeypatch) -> None:
 
 
 def test_set_process_threads_sets_torch_and_the_pools(monkeypatch) -> None:
+    import numpy  # noqa: F401  (its OpenBLAS is loaded, with a pool started at import)
     import torch
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads() -> set[int]:
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
 
     before = torch.get_num_threads()
     for name in threads.ENV_VARS:
@@ -180,6 +185,10 @@ def test_set_process_threads_sets_torch_and_the_pools(monkeypatch) -> None:
         assert threads.set_process_threads(2) == 2
         assert torch.get_num_threads() == 2
         assert all(os.environ[name] == "2" for name in threads.ENV_VARS)
+        threadpool_limits(limits=3, user_api="blas")  # a pool wider than asked, as numpy starts it
+        assert blas_threads() == {3}
+        assert threads.set_process_threads(1) == 1
+        assert blas_threads() == {1}  # the pool already loaded follows, not only later ones
     finally:
         threads.set_process_threads(before)
 
