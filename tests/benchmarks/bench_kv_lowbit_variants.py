@@ -16,6 +16,12 @@ first, as the quantized stores keep them) with ``int2``'s one-byte scales and cl
   the block's tokens; the widest ``a`` at 4 bits, the next ``b`` at 3, ``c`` at 2, ``d`` at 1,
   the rest their mean (``km:16,0,32,0`` at ``head_dim`` 64 is ``int2mix``'s keys,
   ``storage/kv/mixed.py``);
+- ``kmq:a,b,c,d`` (keys): as ``km``, the channels ranked by range times the RMS of the queries
+  that read them (per layer, key-value head and RoPE channel pair, before RoPE, measured on the
+  texts of ``--query-weights CORPUS.jsonl``: the model run over each, its query projections
+  hooked); ``kmw:a,b,c,d``: the same with the queries' scale read off the query projection's
+  weights (no text); ``vmq:a,b,c,d`` (values): as ``km`` per channel, ranked by range times
+  the norm of the output projection's columns that read the channel;
 - values: ``chan2`` (2-bit per channel over the block: ``int2mix``'s values), ``had2`` /
   ``had3`` (a normalized 64x64 Hadamard rotation of each value vector, then per token),
   ``hadlm2z`` / ``hadlm3z`` (rotated, Lloyd-Max levels of a unit Gaussian on one RMS scale per
@@ -133,10 +139,18 @@ def lloyd0(x, dim, bits, mults=(0.8, 0.9, 1.0, 1.1, 1.2, 1.35)):
     return best
 
 
-def keymix(x, counts, crit="range"):
-    """x (k, L, H, B, D): channels ranked per (k, L, H) by range; the top counts[0] at 4 bits,
+QUERY_RMS: torch.Tensor | None = None  # (L, H, D): set by --query-weights (kmq variants)
+OUT_NORM: torch.Tensor | None = None  # (L, H, D): set by --query-weights (vmq variants)
+QUERY_WEIGHT_NORM: torch.Tensor | None = None  # (L, H, D): set by --query-weights (kmw variants)
+
+
+def keymix(x, counts, weighted=None):
+    """x (k, L, H, B, D): channels ranked per (k, L, H) by range (``weighted``: range times the
+    RMS of the queries that read the channel, ``QUERY_RMS``); the top counts[0] at 4 bits,
     the next counts[1] at 3, counts[2] at 2, counts[3] at 1, the rest their mean."""
     r = x.amax(3) - x.amin(3)  # (k, L, H, D)
+    if weighted is not None:
+        r = r * weighted
     order = torch.sort(r, dim=-1, descending=True, stable=True).indices
     rank = order.argsort(-1)  # rank of each channel
     out = x.mean(3, keepdim=True).expand_as(x).clone()
@@ -176,6 +190,15 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     if kind.startswith("km:"):  # km:a,b,c,d channels at 4, 3, 2, 1 bits, the rest their mean
         counts = [int(i) for i in kind[3:].split(",")]
         return lambda x: keymix(x, counts)
+    if kind.startswith("kmq:"):  # as km, ranked by range x the queries' RMS per channel
+        counts = [int(i) for i in kind[4:].split(",")]
+        return lambda x: keymix(x, counts, weighted=QUERY_RMS)
+    if kind.startswith("kmw:"):  # as kmq, the queries' scale from the weights alone
+        counts = [int(i) for i in kind[4:].split(",")]
+        return lambda x: keymix(x, counts, weighted=QUERY_WEIGHT_NORM)
+    if kind.startswith("vmq:"):  # as km, ranked by range x the output projection's column norm
+        counts = [int(i) for i in kind[4:].split(",")]
+        return lambda x: keymix(x, counts, weighted=OUT_NORM)
     if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>
         _, spec, base = kind.split(":")
         hi = [int(i) for i in spec.split(",")]
@@ -232,6 +255,67 @@ def store_errors(float_kv, spec, p: int, codecs: list[str]) -> None:
         print(f"{c}: {len(e)} entries, {worst}")
 
 
+def out_norms(model) -> torch.Tensor:
+    """(L, KV heads, D) float32: per layer, key-value head and value channel, the norm of the
+    output projection's columns that read it (over the query heads of its group): how much an
+    error in value channel ``c`` moves the attention block's output."""
+    cfg = model.config
+    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // n_q
+    rows = []
+    for layer in model.model.layers:
+        w = layer.self_attn.o_proj.weight.float()  # (hidden, n_q * D)
+        sq = w.square().sum(0).view(n_kv, n_q // n_kv, d).sum(1)
+        rows.append(sq.sqrt())
+    return torch.stack(rows)
+
+
+def query_weight_norms(model) -> torch.Tensor:
+    """(L, KV heads, D) float32: per layer, key-value head and channel, the pair norm (as
+    :func:`query_rms`) of the query projection's rows, the input norm's gain folded in: the
+    queries' scale per channel read off the weights, no text needed."""
+    cfg = model.config
+    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // n_q
+    rows = []
+    for layer in model.model.layers:
+        w = layer.self_attn.q_proj.weight.float() * layer.input_layernorm.weight.float()
+        sq = w.square().sum(1).view(n_kv, n_q // n_kv, d)  # (kv, group, D)
+        rows.append((sq + torch.roll(sq, d // 2, -1)).sum(1).sqrt())
+    return torch.stack(rows)
+
+
+def query_rms(model, texts: list[str], tokenizer, max_tokens: int = 1024) -> torch.Tensor:
+    """(L, KV heads, D) float32: per layer, key-value head and channel, the RMS over tokens and
+    the query heads of its group of the query's pair energy ``q_c**2 + q_c'**2`` (``c'`` the
+    channel RoPE rotates ``c`` with, ``rotate_half``: ``c +- D/2``), before RoPE, on ``texts``
+    (each cut to ``max_tokens``): how much an error in key channel ``c`` moves ``q . k``."""
+    cfg = model.config
+    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // n_q
+    sums = torch.zeros(cfg.num_hidden_layers, n_kv, d, dtype=torch.float64)
+    count = 0
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+
+        def hook(_m, _inp, out, i=i):
+            q = out[0].float().view(-1, n_kv, n_q // n_kv, d)  # (T, kv, group, D)
+            pair = q.square() + torch.roll(q, d // 2, -1).square()
+            sums[i] += pair.sum((0, 2)).double()
+
+        hooks.append(layer.self_attn.q_proj.register_forward_hook(hook))
+    try:
+        with torch.inference_mode():
+            for text in texts:
+                ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+                model(input_ids=ids)
+                count += ids.shape[1] * (n_q // n_kv)
+    finally:
+        for h in hooks:
+            h.remove()
+    return (sums / count).sqrt().float()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", type=Path, required=True, help="a bf16 store, codec none")
@@ -240,6 +324,9 @@ def main():
     ap.add_argument("--variants", nargs="+", default=[], help="K/V e.g. int2/had2")
     ap.add_argument("--codec-errors", nargs="+", default=[], help="codecs, e.g. int4 int2mix")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--query-weights", type=Path, help="corpus JSONL: the queries' RMS for kmq variants"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     from coinrag.inference.context.assemble import KvSlice, assemble_context
@@ -254,6 +341,14 @@ def main():
     context = engine.asset(StoredKv)
     float_kv, spec, prefix_kv = context.kv, context.spec, context.prefix_kv
     p = engine.prompt.n_prefix
+    if args.query_weights:
+        global QUERY_RMS, OUT_NORM, QUERY_WEIGHT_NORM
+        OUT_NORM = out_norms(model)[None]
+        QUERY_WEIGHT_NORM = query_weight_norms(model)[None]
+        texts = [json.loads(line)["text"] for line in args.query_weights.open()]
+        QUERY_RMS = query_rms(model, texts, engine.prompt.tokenizer)[None]
+        print("query RMS per layer (max / min channel):", flush=True)
+        print([round((w.max() / w.min()).item(), 1) for w in QUERY_RMS[0]], flush=True)
     if args.codec_errors:
         store_errors(float_kv, spec, p, args.codec_errors)
     readers = {}
