@@ -142,11 +142,12 @@ def lloyd0(x, dim, bits, mults=(0.8, 0.9, 1.0, 1.1, 1.2, 1.35)):
 QUERY_RMS: torch.Tensor | None = None  # (L, H, D): set by --query-weights (kmq variants)
 OUT_NORM: torch.Tensor | None = None  # (L, H, D): set by --query-weights (vmq variants)
 QUERY_WEIGHT_NORM: torch.Tensor | None = None  # (L, H, D): set by --query-weights (kmw variants)
+WEIGHTED = {"kmq:": "QUERY_RMS", "kmw:": "QUERY_WEIGHT_NORM", "vmq:": "OUT_NORM"}
 
 
 def keymix(x, counts, weighted=None):
-    """x (k, L, H, B, D): channels ranked per (k, L, H) by range (``weighted``: range times the
-    RMS of the queries that read the channel, ``QUERY_RMS``); the top counts[0] at 4 bits,
+    """x (k, L, H, B, D): channels ranked per (k, L, H) by range (``weighted`` (L, H, D), e.g.
+    ``QUERY_RMS``: range times the channel's weight); the top counts[0] at 4 bits,
     the next counts[1] at 3, counts[2] at 2, counts[3] at 1, the rest their mean."""
     r = x.amax(3) - x.amin(3)  # (k, L, H, D)
     if weighted is not None:
@@ -190,15 +191,11 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     if kind.startswith("km:"):  # km:a,b,c,d channels at 4, 3, 2, 1 bits, the rest their mean
         counts = [int(i) for i in kind[3:].split(",")]
         return lambda x: keymix(x, counts)
-    if kind.startswith("kmq:"):  # as km, ranked by range x the queries' RMS per channel
-        counts = [int(i) for i in kind[4:].split(",")]
-        return lambda x: keymix(x, counts, weighted=QUERY_RMS)
-    if kind.startswith("kmw:"):  # as kmq, the queries' scale from the weights alone
-        counts = [int(i) for i in kind[4:].split(",")]
-        return lambda x: keymix(x, counts, weighted=QUERY_WEIGHT_NORM)
-    if kind.startswith("vmq:"):  # as km, ranked by range x the output projection's column norm
-        counts = [int(i) for i in kind[4:].split(",")]
-        return lambda x: keymix(x, counts, weighted=OUT_NORM)
+    if kind[:4] in WEIGHTED:  # kmq / kmw / vmq: as km, ranked by range x a channel weight
+        counts, name = [int(i) for i in kind[4:].split(",")], WEIGHTED[kind[:4]]
+        if globals()[name] is None:
+            raise SystemExit(f"error: variant {kind!r} needs --query-weights CORPUS.jsonl")
+        return lambda x: keymix(x, counts, weighted=globals()[name])
     if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>
         _, spec, base = kind.split(":")
         hi = [int(i) for i in spec.split(",")]
@@ -255,13 +252,18 @@ def store_errors(float_kv, spec, p: int, codecs: list[str]) -> None:
         print(f"{c}: {len(e)} entries, {worst}")
 
 
+def head_dims(model) -> tuple[int, int, int]:
+    """(query heads, key-value heads, head dim) of ``model``'s config."""
+    cfg = model.config
+    n_q = cfg.num_attention_heads
+    return n_q, cfg.num_key_value_heads, cfg.hidden_size // n_q
+
+
 def out_norms(model) -> torch.Tensor:
     """(L, KV heads, D) float32: per layer, key-value head and value channel, the norm of the
     output projection's columns that read it (over the query heads of its group): how much an
     error in value channel ``c`` moves the attention block's output."""
-    cfg = model.config
-    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // n_q
+    n_q, n_kv, d = head_dims(model)
     rows = []
     for layer in model.model.layers:
         w = layer.self_attn.o_proj.weight.float()  # (hidden, n_q * D)
@@ -274,9 +276,7 @@ def query_weight_norms(model) -> torch.Tensor:
     """(L, KV heads, D) float32: per layer, key-value head and channel, the pair norm (as
     :func:`query_rms`) of the query projection's rows, the input norm's gain folded in: the
     queries' scale per channel read off the weights, no text needed."""
-    cfg = model.config
-    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // n_q
+    n_q, n_kv, d = head_dims(model)
     rows = []
     for layer in model.model.layers:
         w = layer.self_attn.q_proj.weight.float() * layer.input_layernorm.weight.float()
@@ -290,10 +290,8 @@ def query_rms(model, texts: list[str], tokenizer, max_tokens: int = 1024) -> tor
     the query heads of its group of the query's pair energy ``q_c**2 + q_c'**2`` (``c'`` the
     channel RoPE rotates ``c`` with, ``rotate_half``: ``c +- D/2``), before RoPE, on ``texts``
     (each cut to ``max_tokens``): how much an error in key channel ``c`` moves ``q . k``."""
-    cfg = model.config
-    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // n_q
-    sums = torch.zeros(cfg.num_hidden_layers, n_kv, d, dtype=torch.float64)
+    n_q, n_kv, d = head_dims(model)
+    sums = torch.zeros(len(model.model.layers), n_kv, d, dtype=torch.float64)
     count = 0
     hooks = []
     for i, layer in enumerate(model.model.layers):
@@ -325,7 +323,7 @@ def main():
     ap.add_argument("--codec-errors", nargs="+", default=[], help="codecs, e.g. int4 int2mix")
     ap.add_argument("--json", type=Path)
     ap.add_argument(
-        "--query-weights", type=Path, help="corpus JSONL: the queries' RMS for kmq variants"
+        "--query-weights", type=Path, help="corpus JSONL: channel weights of kmq/kmw/vmq"
     )
     args = ap.parse_args()
     torch.set_num_threads(1)
