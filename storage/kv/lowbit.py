@@ -41,11 +41,10 @@ from typing import ClassVar
 
 import torch
 
+from coinrag.storage.kv.clip_kernel import search_clips
 from coinrag.storage.kv.codecs import KvGeometry, QuantizedCodec
-from coinrag.storage.kv.quantize import fp16_up
+from coinrag.storage.kv.quantize import LO_LEVELS, STEP_LEVELS, fp16_up
 
-LO_LEVELS = 127  # |z| <= 127 of int8: the minimum's grid
-STEP_LEVELS = 255  # c <= 255 of uint8: the step's grid
 CLIPS = (0.0, 0.1, 0.2)  # fractions of a group's range tried off each end
 
 
@@ -63,7 +62,7 @@ def fine_step(s: torch.Tensor, step_unit: torch.Tensor) -> torch.Tensor:
     return torch.where(c * step_unit < s, c + 1, c).clamp_(0, STEP_LEVELS)
 
 
-def search_clips(
+def search_clips_tensor(
     x: torch.Tensor,
     dim: int,
     bounds: tuple[torch.Tensor, torch.Tensor],
@@ -78,7 +77,10 @@ def search_clips(
     ``z`` and ``c``); ``levels``: the top code, a tensor broadcasting to the groups (a group
     of 0 levels gets codes 0). Each clip fraction ``a`` of ``clips`` (``[min + a r, max - a
     r]``) is tried in order and a later one kept only where its error is smaller (ties keep
-    the earlier), all in place (7 passes over ``x`` per clip)."""
+    the earlier), all in place (7 passes over ``x`` per clip). The codecs encode with its
+    compiled twin (``clip_kernel.search_clips``, held to this by
+    ``tests/inference/test_kv_clip_kernel.py``); this is the reference, and the benchmarks'
+    tensor path."""
     (mn, mx), (lo32, step32) = bounds, units
     divisor = torch.where(levels > 0, levels, torch.ones_like(levels))
     best: tuple[torch.Tensor, ...] = ()

@@ -46,13 +46,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from coinrag.storage.kv.clip_kernel import search_clips
 from coinrag.storage.kv.codecs import TORCH_DTYPES, KvGeometry, QuantizedCodec, _writable
 from coinrag.storage.kv.lowbit import (
     CLIPS,
     LO_LEVELS,
     STEP_LEVELS,
     fine_lo,
-    search_clips,
 )
 from coinrag.storage.kv.quantize import fp16_up
 

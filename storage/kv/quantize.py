@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 
 _F16_INF = torch.tensor(float("inf"), dtype=torch.float16)
+# one-byte scales (``lowbit.py``): |z| <= 127 of int8 (z >= -128), the minimum's grid
+LO_LEVELS = 127
+STEP_LEVELS = 255  # c <= 255 of uint8: the step's grid
 
 
 def _fp16_down(x: torch.Tensor) -> torch.Tensor:
