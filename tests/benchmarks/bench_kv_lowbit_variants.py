@@ -26,7 +26,8 @@ first, as the quantized stores keep them) with ``int2``'s one-byte scales and cl
   ``had3`` (a normalized 64x64 Hadamard rotation of each value vector, then per token),
   ``hadlm2z`` / ``hadlm3z`` (rotated, Lloyd-Max levels of a unit Gaussian on one RMS scale per
   token), ``lm2`` (Lloyd-Max per token, mean and RMS), ``mix:LAYERS:BASE`` (BASE, its 3-bit
-  form on the listed layers).
+  form on the listed layers), ``lay:LAYERS:KIND:BASE`` (BASE, KIND on the listed layers: e.g.
+  ``lay:0,1:int4:km:16,0,32,0`` for keys).
 
 Per question (coinrag's two-stage retrieval, kc 4, k 10; the context assembled from each
 variant's slices, the query prefilled on it): against the bf16 context, the next-token KL
@@ -196,6 +197,17 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
         if globals()[name] is None:
             raise SystemExit(f"error: variant {kind!r} needs --query-weights CORPUS.jsonl")
         return lambda x: keymix(x, counts, weighted=globals()[name])
+    if kind.startswith("lay:"):  # lay:<layers csv>:<kind of those layers>:<base>
+        _, spec, high_kind, base = kind.split(":", 3)
+        chosen = [int(i) for i in spec.split(",")]
+        rest, picked = quantizer(base, dim), quantizer(high_kind, dim)
+
+        def by_layer(x: torch.Tensor) -> torch.Tensor:
+            y = rest(x)
+            y[:, chosen] = picked(x[:, chosen])
+            return y
+
+        return by_layer
     if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>
         _, spec, base = kind.split(":")
         hi = [int(i) for i in spec.split(",")]
