@@ -350,6 +350,11 @@ def main():
     model = engine.model
     context = engine.asset(StoredKv)
     float_kv, spec, prefix_kv = context.kv, context.spec, context.prefix_kv
+    if float_kv.layout.kv_codec != "none":  # the reference would be a quantized one
+        raise SystemExit(
+            f"error: {args.store} reads KV by codec {float_kv.layout.kv_codec!r}; point its "
+            "coinrag.toml at codec none (bench_kv_table.set_kv_settings(STORE, DTYPE, 'none'))"
+        )
     p = engine.prompt.n_prefix
     if args.query_weights:
         global QUERY_RMS, OUT_NORM, QUERY_WEIGHT_NORM
