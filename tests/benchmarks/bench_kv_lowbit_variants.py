@@ -6,8 +6,8 @@ store's entries, keys and values separately, and what each does to the next toke
         --variants int2/int2 int4/int4 int2/exact exact/int2 km:16,0,32,0/exact \
         exact/had2 exact/chan2 km:16,0,32,0/chan2 [--json PATH]
 
-A variant is ``KEYS/VALUES``, each half quantized in 64-token blocks (keys rotated to position 0
-first, as the quantized stores keep them) with ``int2``'s one-byte scales and clipping
+A variant is ``KEYS/VALUES``, each half quantized in 64-token blocks (``--block``; keys rotated
+to position 0 first, as the quantized stores keep them) with ``int2``'s one-byte scales and clipping
 (``storage/kv/lowbit.py``) unless named otherwise:
 
 - ``exact``: as stored (bf16); ``int2`` / ``int3`` / ``int4``: uniform codes, keys per channel
@@ -327,6 +327,7 @@ def query_rms(model, texts: list[str], tokenizer, max_tokens: int = 1024) -> tor
 
 
 def main():
+    global BLOCK
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", type=Path, required=True, help="a bf16 store, codec none")
     ap.add_argument("--questions", type=Path, required=True)
@@ -334,10 +335,12 @@ def main():
     ap.add_argument("--variants", nargs="+", default=[], help="K/V e.g. int2/had2")
     ap.add_argument("--codec-errors", nargs="+", default=[], help="codecs, e.g. int4 int2mix")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--block", type=int, default=BLOCK, help="tokens per quantized block")
     ap.add_argument(
         "--query-weights", type=Path, help="corpus JSONL: channel weights of kmq/kmw/vmq"
     )
     args = ap.parse_args()
+    BLOCK = args.block
     torch.set_num_threads(1)
     from coinrag.inference.context.assemble import KvSlice, assemble_context
     from coinrag.inference.evaluation.evaluate import load_questions
