@@ -212,7 +212,8 @@ class ShardStager:
         if not 0 < len(group) <= lay.slots_per_shard:
             raise ValueError(f"a shard holds 1..{lay.slots_per_shard} entries, got {len(group)}")
         t0 = time.perf_counter()
-        views = [kv if stored else lay.codec.view(kv, lay) for _, kv in group]
+        kvs = [kv for _, kv in group]
+        views = kvs if stored else lay.codec.view_many(kvs, lay)
         tokens = [entry.stored_tokens for entry, _ in group]
         block = lay.block_tokens
         width = max(block, -(-max(tokens) // block) * block)
