@@ -137,11 +137,6 @@ class KvCodec(Registered):
         """``kv`` as the C-contiguous stored array (its sha256 is the manifest's checksum)."""
         return np.ascontiguousarray(self.view(kv, g))
 
-    def view_many(self, kvs: Sequence[torch.Tensor], g: KvGeometry) -> list[np.ndarray]:
-        """:meth:`view` of each of ``kvs`` (a shard's entries), the same values; a codec whose
-        blocks are coded independently may code several entries' blocks in one call."""
-        return [self.view(kv, g) for kv in kvs]
-
     def block_count(self, stored: np.ndarray, g: KvGeometry) -> int:
         """Inner chunks of one entry's stored values."""
         raise NotImplementedError
@@ -286,9 +281,6 @@ def _writable(array: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- quantized
-
-
-BATCH_TOKENS = 1024  # block tokens a quantized codec codes per call in view_many
 
 
 class QuantizedCodec(KvCodec):
@@ -445,53 +437,17 @@ class QuantizedCodec(KvCodec):
     def view(self, kv: torch.Tensor, g: KvGeometry) -> np.ndarray:
         """Quantize ``kv`` (keys already rotated to position 0) into its blocks' payloads
         ``(blocks, payload_bytes)`` uint8."""
-        return self._quantize_blocks(self._blocks(kv, g))
-
-    def view_many(self, kvs: Sequence[torch.Tensor], g: KvGeometry) -> list[np.ndarray]:
-        """:meth:`view` of each of ``kvs``, the blocks of up to :data:`BATCH_TOKENS` tokens'
-        worth of entries quantized in one call (every block is coded alone, so the payloads
-        are :meth:`view`'s bit for bit; a nugget entry of ~20 tokens is one block, and its
-        own call would cost more in the dozens of tensor operations' overhead than in their
-        work). Each result is a row range of its batch's payload array."""
-        out: list[np.ndarray] = []
-        batch: list[torch.Tensor] = []
-        tokens = 0
-        for kv in kvs:
-            batch.append(self._blocks(kv, g))
-            tokens += batch[-1].shape[0] * g.block_tokens
-            if tokens >= BATCH_TOKENS:
-                out += self._quantize_batch(batch)
-                batch, tokens = [], 0
-        if batch:
-            out += self._quantize_batch(batch)
-        return out
-
-    def _blocks(self, kv: torch.Tensor, g: KvGeometry) -> torch.Tensor:
-        """``kv`` ``(L, 2, H, n, D)`` -> float32 blocks ``(k, 2, L, H, B, D)`` (a view of a
-        float32 copy), the last block padded with copies of the last token (ranges
-        unchanged)."""
         x = kv.detach().to("cpu", torch.float32)
         layers, _, heads, n, dim = x.shape
         block = g.block_tokens
         k = max(1, -(-n // block))
-        if k * block > n:
+        if k * block > n:  # pad with copies of the last token: ranges unchanged
             last = x[:, :, :, n - 1 : n].expand(layers, 2, heads, k * block - n, dim)
             x = torch.cat([x, last], dim=3)
-        return x.reshape(layers, 2, heads, k, block, dim).permute(3, 1, 0, 2, 4, 5)
-
-    def _quantize_batch(self, batch: list[torch.Tensor]) -> list[np.ndarray]:
-        """:meth:`_quantize_blocks` of several entries' blocks at once, split per entry."""
-        if len(batch) == 1:
-            return [self._quantize_blocks(batch[0])]
-        payload = self._quantize_blocks(torch.cat(batch))
-        rows = itertools.accumulate((b.shape[0] for b in batch), initial=0)
-        return [payload[a:b] for a, b in itertools.pairwise(rows)]
-
-    def _quantize_blocks(self, x: torch.Tensor) -> np.ndarray:
-        """Blocks ``(k, 2, L, H, B, D)`` float32 -> their payloads ``(k, payload_bytes)``."""
-        k = x.shape[0]
+        x = x.reshape(layers, 2, heads, k, block, dim).permute(3, 1, 0, 2, 4, 5)
         parts = self._quantize_halves(x[:, 0], x[:, 1])  # keys, values (k, L, H, B, D)
-        return torch.cat([p.reshape(k, -1) for p in parts], dim=1).numpy()
+        payload = torch.cat([p.reshape(k, -1) for p in parts], dim=1)
+        return payload.numpy()
 
     def encode(self, kv: torch.Tensor, g: KvGeometry) -> np.ndarray:
         return self.view(kv, g)  # already a new C-contiguous array

@@ -212,8 +212,7 @@ class ShardStager:
         if not 0 < len(group) <= lay.slots_per_shard:
             raise ValueError(f"a shard holds 1..{lay.slots_per_shard} entries, got {len(group)}")
         t0 = time.perf_counter()
-        kvs = [kv for _, kv in group]
-        views = kvs if stored else lay.codec.view_many(kvs, lay)
+        views = [kv if stored else lay.codec.view(kv, lay) for _, kv in group]
         tokens = [entry.stored_tokens for entry, _ in group]
         block = lay.block_tokens
         width = max(block, -(-max(tokens) // block) * block)
