@@ -23,8 +23,9 @@ from coinrag.storage.index.tables import METRIC, InFilter
 VECTOR_INDEX_MIN_ROWS = int(os.environ.get("COINRAG_VECTOR_INDEX_MIN_ROWS", 20_000))
 VECTOR_INDEX_TYPE = "IVF_SQ"
 # A reader keeps a table in memory (FlatTable) when its vectors take at most this many bytes
-# (float32 up to VECTOR_INDEX_MIN_ROWS rows, float16 above): exact search, faster than the ANN
-# index where it fits (measured in FlatTable's docstring). Larger tables use the ANN index.
+# (float32 up to VECTOR_INDEX_MIN_ROWS rows; above, float16 and a bfloat16 copy to rank by: 4
+# bytes a component either way): exact search, faster than the ANN index where it fits
+# (measured in FlatTable's docstring). Larger tables use the ANN index.
 FLAT_MAX_BYTES = int(os.environ.get("COINRAG_FLAT_MAX_BYTES", 512 * 2**20))
 _READERS = {"large_in_memory": True}
 
@@ -116,12 +117,15 @@ class FlatTable:
     (``chunk_id IN (...)``: the rows of those ids only, through a per-column position map).
 
     ``half``: the vectors are held in float16 (a large table: 142,565 nuggets x 384 take 110 MB
-    instead of 219). An unfiltered search then ranks every row by a float16 product (torch; the
-    matrix read once, about 7 ms on one core where the coarse ANN search took 11-20 ms), and
-    rescores its best ``HALF_RESCORE * k`` candidates in float32 (the float16 vectors widened,
-    so a score differs from the float32 vectors' by the rounding of the vectors alone: under
-    1e-3, see ``tests/storage/test_index_flat.py``). A filtered search always scores in
-    float32."""
+    instead of 219), beside a bfloat16 copy to rank by (another 110 MB). An unfiltered search
+    ranks every row by a bfloat16 product (torch, one pass over the copy: 11.2 ms on one core of
+    this CPU for those nuggets, where float16's product took 21.8 ms and float32's 17.5: it has
+    AVX512_BF16 and no float16 arithmetic; the coarse ANN search took 11-20 ms), and rescores its
+    best ``HALF_RESCORE * k`` candidates in float32 from the float16 vectors (widened, so a
+    score differs from the float32 vectors' by their rounding alone: at most 2**-11, held by
+    ``tests/inference/test_reader_in_memory.py``). A candidate is missed only where bfloat16's
+    rounding (at most 2**-9 of a score) moves it below ``HALF_RESCORE * k`` others. A filtered
+    search always scores in float32."""
 
     HALF_RESCORE = 4
 
@@ -132,11 +136,17 @@ class FlatTable:
         unit = vectors / np.where(norms > 0, norms, 1.0)
         self.half = half
         self.vectors = unit.astype(np.float16 if half else np.float32)
+        self._ranking = None  # half: the bfloat16 copy (torch) every row is ranked by
+        if half:
+            import torch
+
+            self._ranking = torch.from_numpy(np.ascontiguousarray(unit, np.float32)).bfloat16()
         self._positions: dict[str, dict[str, np.ndarray]] = {}
 
     @property
     def nbytes(self) -> int:
-        return int(self.vectors.nbytes)
+        ranking = 0 if self._ranking is None else self._ranking.numel() * 2
+        return int(self.vectors.nbytes) + ranking
 
     def _groups(self, column: str) -> dict[str, np.ndarray]:
         """Value -> the positions of the rows holding it (ascending), per column, made on first
@@ -177,12 +187,12 @@ class FlatTable:
         return mat.astype(np.float32, copy=False) @ q
 
     def _half_candidates(self, q: np.ndarray, k: int) -> np.ndarray:
-        """The best ``HALF_RESCORE * k`` rows by a float16 product over the whole matrix."""
+        """The best ``HALF_RESCORE * k`` rows by a bfloat16 product over the whole matrix."""
         import torch
 
         n = len(self.vectors)
         wide = min(n, self.HALF_RESCORE * k)
-        rough = torch.from_numpy(self.vectors) @ torch.from_numpy(q.astype(np.float16))
+        rough = self._ranking @ torch.from_numpy(q).bfloat16()
         return torch.topk(rough.float(), wide).indices.numpy()
 
     def search(

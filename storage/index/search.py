@@ -60,7 +60,7 @@ class IndexSearch:
             flat = None
             rows = 0 if tbl is None else tbl.count_rows()
             half = rows > VECTOR_INDEX_MIN_ROWS
-            fits = rows * self.dim * (2 if half else 4) <= self.flat_max_bytes
+            fits = rows * self.dim * 4 <= self.flat_max_bytes  # float32, or float16 + bf16
             if tbl is not None and fits and (large_tables_in_memory() or not half):
                 words = [self.fts_column(name)] if name in FTS_TABLES else []
                 columns = self.present(name, [*dict.fromkeys([*HIT_COLUMNS[name], *words])])

@@ -1,8 +1,8 @@
 """A reader's in-memory copy of the index tables (``storage.index.ann.FlatTable``) and of their
 text (``storage.index.bm25.Bm25Index``), held to LanceDB's own answers on real tables in a temp
-dir: prefiltered searches, the float16 copy of a large table, text searches from the BM25 copy
-(and from LanceDB where it cannot answer), lexical hits completed from memory, and row lookups
-by id.
+dir: prefiltered searches, the float16 copy of a large table (ranked by a bfloat16 copy), text
+searches from the BM25 copy (and from LanceDB where it cannot answer), lexical hits completed
+from memory, and row lookups by id.
 
 The writer's view (``LanceIndex.open_latest``) never uses a copy: its answers are LanceDB's, so
 each test compares a reader pinned to the published versions with the writer."""
@@ -104,6 +104,28 @@ def test_a_large_table_is_held_in_float16_within_the_stated_tolerance(indexes, m
         for row in got:
             assert row["score"] == pytest.approx(exact_score[row["nugget_id"]], abs=HALF_TOLERANCE)
             assert exact_score[row["nugget_id"]] >= exact[k - 1]["score"] - 2 * HALF_TOLERANCE
+
+
+def test_a_half_table_ranks_by_bfloat16_and_returns_the_exact_top_k() -> None:
+    """A float16 table ranks every row by its bfloat16 copy and rescores the best 4k in float32
+    from the float16 vectors: on 20,000 random unit vectors of dimension 384 (scores close
+    together, the hard case for a rough ranking) the top 10 of 50 queries are the float32 top
+    10 up to ties within twice the stated tolerance, each score within it."""
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((20_000, 384)).astype(np.float32)
+    rows = pa.table({"row_id": np.arange(len(vectors))})
+    flat = index_ann.FlatTable(rows, vectors, half=True)
+    assert flat.half and str(flat._ranking.dtype) == "torch.bfloat16"
+    assert flat.nbytes == 20_000 * 384 * 4  # float16 and bfloat16 copies
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    k = 10
+    for q in rng.standard_normal((50, 384)).astype(np.float32):
+        exact = unit @ (q / np.linalg.norm(q))
+        got = flat.search(q, k, ["row_id"])
+        kth = np.sort(exact)[-k]
+        for row in got:
+            assert row["score"] == pytest.approx(exact[row["row_id"]], abs=HALF_TOLERANCE)
+            assert exact[row["row_id"]] >= kth - 2 * HALF_TOLERANCE
 
 
 def test_a_table_over_the_memory_budget_is_searched_by_lancedb(indexes):
