@@ -22,6 +22,8 @@ to position 0 first, as the quantized stores keep them) with ``int2``'s one-byte
   hooked); ``kmw:a,b,c,d``: the same with the queries' scale read off the query projection's
   weights (no text); ``vmq:a,b,c,d`` (values): as ``km`` per channel, ranked by range times
   the norm of the output projection's columns that read the channel;
+- ``kml:a,b,c,d``: as ``km``, the 2-bit channels by Lloyd-Max levels (``lloyd``'s ideal float
+  scales, so optimistic in bytes); values ``chanlm2``: the same per value channel;
 - values: ``chan2`` (2-bit per channel over the block: ``int2mix``'s values), ``had2`` /
   ``had3`` (a normalized 64x64 Hadamard rotation of each value vector, then per token),
   ``hadlm2z`` / ``hadlm3z`` (rotated, Lloyd-Max levels of a unit Gaussian on one RMS scale per
@@ -146,7 +148,7 @@ QUERY_WEIGHT_NORM: torch.Tensor | None = None  # (L, H, D): set by --query-weigh
 WEIGHTED = {"kmq:": "QUERY_RMS", "kmw:": "QUERY_WEIGHT_NORM", "vmq:": "OUT_NORM"}
 
 
-def keymix(x, counts, weighted=None):
+def keymix(x, counts, weighted=None, two_bit=None):
     """x (k, L, H, B, D): channels ranked per (k, L, H) by range (``weighted`` (L, H, D), e.g.
     ``QUERY_RMS``: range times the channel's weight); the top counts[0] at 4 bits,
     the next counts[1] at 3, counts[2] at 2, counts[3] at 1, the rest their mean."""
@@ -161,7 +163,7 @@ def keymix(x, counts, weighted=None):
         if n == 0:
             continue
         sel = ((rank >= start) & (rank < start + n)).unsqueeze(3).expand_as(x)
-        y = fine(x, 3, 2**bits - 1)
+        y = two_bit(x) if bits == 2 and two_bit is not None else fine(x, 3, 2**bits - 1)
         out = torch.where(sel, y, out)
         start += n
     return out
@@ -189,6 +191,11 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: inner(x @ H64) @ H64.T
     if kind == "chan2":
         return quantizer("int2", 3)
+    if kind == "chanlm2":  # per channel over the block, Lloyd-Max levels (ideal float scales)
+        return lambda x: lloyd(x, 3, 2)
+    if kind.startswith("kml:"):  # as km, the 2-bit channels by Lloyd-Max levels
+        counts = [int(i) for i in kind[4:].split(",")]
+        return lambda x: keymix(x, counts, two_bit=lambda y: lloyd(y, 3, 2))
     if kind.startswith("km:"):  # km:a,b,c,d channels at 4, 3, 2, 1 bits, the rest their mean
         counts = [int(i) for i in kind[3:].split(",")]
         return lambda x: keymix(x, counts)
