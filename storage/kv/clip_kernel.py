@@ -10,7 +10,8 @@ on the KV writer thread beside the model's forward, so its time is the build's.
 :func:`search_clips` does the same search in two passes: the first reads each value once and
 accumulates every candidate's error, the second writes the codes of the winner. Each candidate's
 minimum, step and codes are computed with the float32 operations of the tensor path
-(``lowbit.search_clips_tensor``: the same roundings, so the same bits); only the order in which
+(``tests/clip_reference.py``, the codecs' encode before the kernel: the same roundings, so
+the same bits); only the order in which
 a group's squared errors are summed differs (torch sums a column in a cascade, the kernel from
 the first token to the last), so where two candidates' errors agree to float32 rounding either
 may win. ``tests/inference/test_kv_clip_kernel.py`` holds the kernel to the tensor path: the
@@ -116,11 +117,11 @@ def search_clips(
     levels: torch.Tensor,
     clips: tuple[float, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lowbit.search_clips_tensor`` compiled: for float32 ``x`` ``(k, L, H, B, D)`` and
-    groups over ``dim`` (3: a channel over the block's tokens; 4: a token over ``D``), the
-    clipped range of least squared error of each group: ``(codes, z, c)``, codes uint8
-    ``0..levels`` shaped as ``x``, ``z`` and ``c`` float32 shaped as the groups (``x̂ = codes *
-    c * step_unit + z * lo_unit``).
+    """The clip search of ``tests/clip_reference.py`` compiled: for float32 ``x``
+    ``(k, L, H, B, D)`` and groups over ``dim`` (3: a channel over the block's tokens; 4: a
+    token over ``D``), the clipped range of least squared error of each group: ``(codes, z,
+    c)``, codes uint8 ``0..levels`` shaped as ``x``, ``z`` and ``c`` float32 shaped as the
+    groups (``x̂ = codes * c * step_unit + z * lo_unit``).
 
     ``bounds``: the groups' ``(min, max)`` (``x``'s shape with ``dim`` of size 1); ``units``:
     ``(lo_unit, step_unit)`` float32 ``(k, L, H, 1, 1)``; ``levels``: the top code, a float32

@@ -215,17 +215,9 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
             return y
 
         return by_layer
-    if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>
+    if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>: lay with BASE's 3-bit form
         _, spec, base = kind.split(":")
-        hi = [int(i) for i in spec.split(",")]
-        low, high = quantizer(base, dim), quantizer(base.replace("2", "3"), dim)
-
-        def mixed(x: torch.Tensor) -> torch.Tensor:
-            y = low(x)
-            y[:, hi] = high(x[:, hi])
-            return y
-
-        return mixed
+        return quantizer(f"lay:{spec}:{base.replace('2', '3')}:{base}", dim)
     raise KeyError(f"unknown quantizer {kind!r}")
 
 

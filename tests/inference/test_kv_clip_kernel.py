@@ -1,5 +1,5 @@
 """The compiled clip search of the 2-bit codecs' encode (``storage/kv/clip_kernel.py``) against
-its tensor path (``lowbit.search_clips_tensor``, the reference): each candidate computed to the
+its tensor path (``tests/clip_reference.py``, the reference): each candidate computed to the
 same bits, the same winner wherever two candidates' errors differ by more than float32
 rounding, and the whole encode of both 2-bit codecs unchanged where that holds.
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from clip_reference import search_clips_tensor
 
 from coinrag.storage.kv.clip_kernel import search_clips
-from coinrag.storage.kv.lowbit import CLIPS, fine_lo, search_clips_tensor
+from coinrag.storage.kv.lowbit import CLIPS, fine_lo
 from coinrag.storage.kv.mixed import WIDTH_LEVELS, key_widths
 from coinrag.storage.kv.quantize import LO_LEVELS, STEP_LEVELS, fp16_up
 
