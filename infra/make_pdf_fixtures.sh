@@ -7,6 +7,8 @@
 #                            repeat nowhere);
 #   hyphens.pdf              a 2-page serif page at many widths: soft hyphens, hard hyphens and
 #                            compounds broken at line ends (same header and footer);
+#   pageend.pdf              narrow paragraphs of hyphenated compounds over 5 pages: pages
+#                            that end in a hyphen (PDFium joins them to the next page's header);
 #   labels.pdf               general.pdf's pages 1-4 with page labels i, ii, 1, A-7 and its
 #                            outline through GoTo actions;
 #   scanned.pdf              two pages as images only (no text layer);
@@ -54,6 +56,20 @@ pack "$TMP/bool.pdf" "$OUT/bool.pdf"
 } >"$TMP/hyphens.html"
 print "file://$TMP/hyphens.html" "$TMP/hyphens.pdf"
 pack "$TMP/hyphens.pdf" "$OUT/hyphens.pdf"
+
+# Narrow paragraphs of hyphenated compounds: nearly every line ends at a hyphen, so some page's
+# last line does, and PDFium joins it (U+FFFE) to the next text it draws: the next page's header.
+{
+  echo '<!doctype html><html><head><meta charset="utf-8"><title>Page-end hyphens</title>'
+  echo '<style>body{font-family:serif;font-size:16px} p{margin:0;width:7em}</style></head><body>'
+  set -- well-known object-oriented built-in read-only run-time x-www-form-urlencoded non-blocking
+  for i in $(seq 0 69); do
+    echo "<p>$(eval echo "\${$((i % 7 + 1))} \${$(((i + 1) % 7 + 1))} \${$(((i + 2) % 7 + 1))}")</p>"
+  done
+  echo '</body></html>'
+} >"$TMP/pageend.html"
+print "file://$TMP/pageend.html" "$TMP/pageend.pdf"
+pack "$TMP/pageend.pdf" "$OUT/pageend.pdf"
 
 # Page labels: qpdf 11.3 has no --set-page-labels, so /PageLabels goes into the catalog of a
 # QDF copy (plain text) and fix-qdf repairs the offsets. Its outline entries point at their

@@ -4,8 +4,10 @@ PDF's own page labels, the title from the metadata and the headings from the out
 
 Each page, in four steps (page units: points, origin bottom-left, y up):
 
-1. **Lines.** PDFium's text of the page, cut at the line breaks PDFium writes; each line gets a
-   box from the font boxes of its first and last visible characters.
+1. **Lines.** PDFium's text of the page, cut at the line breaks PDFium writes, and after a
+   hyphen PDFium joined to text that does not go on below it (a page's last line, hyphenated,
+   joined to the next page's header: :func:`_line_spans`); each line gets a box from the font
+   boxes of its first and last visible characters.
 2. **Running lines.** In the top and bottom ``BAND`` of the page height, lines are grouped into
    rows (vertical overlap); a row's key is its text with the whitespace dropped and every run of
    digits (or a row that is only a Roman numeral) made ``#``. A row whose (band, key) comes back
@@ -55,7 +57,7 @@ import math
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
@@ -120,18 +122,41 @@ def page_lines(textpage: Any) -> list[TextLine]:
         return (rect.left, min(rect.bottom, rect.top), rect.right, max(rect.bottom, rect.top))
 
     out = []
-    for m in re.finditer(r"[^\r\n]+", text):
-        body = m.group().strip()
+    for start, end in _line_spans(text, box):
+        piece = text[start:end]
+        body = piece.strip()
         if not body:
             continue
-        first = m.start() + len(m.group()) - len(m.group().lstrip())
-        last = m.start() + len(m.group().rstrip()) - 1
+        first = start + len(piece) - len(piece.lstrip())
+        last = start + len(piece.rstrip()) - 1
         (a0, b0, a1, b1), (c0, d0, c1, d1) = box(first), box(last)
         x0, y0, x1, y1 = min(a0, c0), min(b0, d0), max(a1, c1), max(b1, d1)
         if x0 > x1 or y0 > y1:  # no box (a character PDFium made up): where the last line was
             x0, y0, x1, y1 = (out[-1].x1, out[-1].y0, out[-1].x1, out[-1].y1) if out else (0,) * 4
         out.append(TextLine(body, x0, y0, x1, y1))
     return out
+
+
+def _line_spans(
+    text: str, box: Callable[[int], tuple[float, float, float, float]]
+) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each line of a page's ``text``: cut at PDFium's line breaks, and
+    after a U+FFFE (a hyphen PDFium joined to the next line's text) where that text does not go
+    on below it: PDFium joins a page's last line, hyphenated, to the next text it draws, which
+    may be Chromium's header at the top of the page."""
+    for m in re.finditer(r"[^\r\n]+", text):
+        start = m.start()
+        for joint in re.finditer("\ufffe(?=\\S)", m.group()):
+            at = m.start() + joint.start()
+            before, after = box(at - 1), box(at + 1)
+            height = before[3] - before[1]
+            middle, next_middle = (before[1] + before[3]) / 2, (after[1] + after[3]) / 2
+            if not (math.isfinite(middle) and math.isfinite(next_middle)):
+                continue  # a character without a box: leave PDFium's join
+            if next_middle > before[3] or middle - next_middle > 2.5 * height:
+                yield start, at + 1
+                start = at + 1
+        yield start, m.end()
 
 
 # ---- 2. running headers and footers -----------------------------------------------------------
@@ -527,7 +552,9 @@ class PdfReader(Reader, name="pdf"):
     module)."""
 
     suffixes = (".pdf",)
-    version = "2"  # 2: a band row that marks itself (its page counter, title and date) goes
+    # 2: a band row that marks itself (its page counter, title and date) goes; 3: a line PDFium
+    # joined after a page-end hyphen to text elsewhere on the page (a header) is cut there
+    version = "3"
 
     def read(self, data: bytes, name: str) -> ReadDocument:
         with _PDFIUM_LOCK:

@@ -1,6 +1,7 @@
 """The PDF reader (``tasks/readers/pdf.py``) on real PDFs: Debian's Python FAQ pages printed by
-headless Chromium with its default header and footer, a serif page with hyphenation, page labels,
-a scan, encrypted, truncated and page-less files (``infra/make_pdf_fixtures.sh`` makes them)."""
+headless Chromium with its default header and footer, a serif page with hyphenation, pages that
+end in a hyphen, page labels, a scan, encrypted, truncated and page-less files
+(``infra/make_pdf_fixtures.sh`` makes them)."""
 
 from __future__ import annotations
 
@@ -181,6 +182,25 @@ def test_hyphenation_in_a_chromium_pdf() -> None:
     for wrong in ("wellknown", "builtin", "objectoriented", "exam-ple", "hyphen-ation"):
         assert wrong not in flat
     assert "file://" not in doc.text and "Hyphenation sample" not in doc.text
+
+
+def test_a_page_ending_in_a_hyphen_keeps_the_next_header_apart() -> None:
+    """PDFium joins a page's last line, when it ends in a hyphen, to the next text drawn, here
+    page 2's header (seen on the Python docs' ``library/urllib.request`` printed by Chromium,
+    p. 19): the joined text is cut again where it leaves the row, so the header goes as on every
+    other page and the word stays whole (``x-www-`` at the page end)."""
+    raw = ["\n".join(lines) for lines in pdfium_lines("pageend.pdf")]
+    joined = [i for i, text in enumerate(raw) if re.search("\ufffe\\d+/\\d+/\\d+, ", text)]
+    assert joined  # the fixture still has a page whose last line PDFium joined to a header
+    doc = read("pageend.pdf")
+    assert "file://" not in doc.text and not re.search(r"\d+/\d+/\d+, \d+:\d+", doc.text)
+    assert "Page-end hyphens" not in doc.text and "\ufffe" not in doc.text
+    texts = page_texts(doc)
+    for i in joined:
+        assert texts[i].endswith("-") and texts[i + 1][0].islower(), texts[i][-40:]
+    words = set(doc.text.split())
+    compounds = {"well-known", "object-oriented", "built-in", "read-only", "run-time"}
+    assert compounds | {"x-www-form-urlencoded", "non-blocking"} <= words
 
 
 def test_hyphen_rule() -> None:
