@@ -29,7 +29,19 @@ to position 0 first, as the quantized stores keep them) with ``int2``'s one-byte
   ``hadlm2z`` / ``hadlm3z`` (rotated, Lloyd-Max levels of a unit Gaussian on one RMS scale per
   token), ``lm2`` (Lloyd-Max per token, mean and RMS), ``mix:LAYERS:BASE`` (BASE, its 3-bit
   form on the listed layers), ``lay:LAYERS:KIND:BASE`` (BASE, KIND on the listed layers: e.g.
-  ``lay:0,1:int4:km:16,0,32,0`` for keys).
+  ``lay:0,1:int4:km:16,0,32,0`` for keys);
+- ``pca:BASE``: each vector turned onto the principal axes of its layer and head (keys or
+  values, the centered covariance over every ``--pca``-th entry of the store), BASE there, turned
+  back; ``pcaq:BASE`` (keys): the keys scaled per channel by the queries' RMS (``kmq``'s weights,
+  ``--query-weights``) first and their principal axes taken there; ``pcao:BASE`` (values): the
+  values times ``G^1/2`` first, ``G`` the Gram matrix of the output projection's columns that
+  read the head (an error's size in the attention block's output), axes taken there;
+- ``tokx:N:BASE``: per block, layer and head the ``N`` tokens farthest from the block's channel
+  means kept exact and out of BASE's ranges (token outliers).
+
+``--f1 N`` (``--f1-methods coinrag turborag``, ``--f1-out DIR``): then ``coinrag eval``'s own
+loop (``evaluate``, kc 4, k 10) on the first N questions, the store read as stored (not with
+``--f1-no-reference``) and through each variant: the answers' F1 and recall per method.
 
 Per question (coinrag's two-stage retrieval, kc 4, k 10; the context assembled from each
 variant's slices, the query prefilled on it): against the bf16 context, the next-token KL
@@ -142,6 +154,46 @@ def lloyd0(x, dim, bits, mults=(0.8, 0.9, 1.0, 1.1, 1.2, 1.35)):
     return best
 
 
+# (1, L, H, D, D) principal axes: keys (3), values (4), keys scaled by the queries' RMS ("q"),
+# values times G^1/2 ("o")
+PCA: dict[int | str, torch.Tensor | None] = {3: None, 4: None, "q": None, "o": None}
+OUT_ROOT: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, L, H, D, D): G^1/2, G^-1/2
+
+
+def out_root(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer and key-value head ``G = sum_h W_o,h^T W_o,h`` over the query heads of its
+    group: ``(G^1/2, G^-1/2)`` as ``(1, L, H, D, D)``: an error ``e`` in a value moves the
+    attention block's output by ``|e G^1/2|``."""
+    n_q, n_kv, d = head_dims(model)
+    roots, invs = [], []
+    for layer in model.model.layers:
+        w = layer.self_attn.o_proj.weight.detach().double().view(-1, n_kv, n_q // n_kv, d)
+        g = torch.einsum("okgi,okgj->kij", w, w)
+        vals, vecs = torch.linalg.eigh(g)
+        vals = vals.clamp_min(vals.max() * 1e-8)
+        roots.append(vecs @ torch.diag_embed(vals.sqrt()) @ vecs.transpose(-1, -2))
+        invs.append(vecs @ torch.diag_embed(vals.rsqrt()) @ vecs.transpose(-1, -2))
+    return torch.stack(roots).float()[None], torch.stack(invs).float()[
+        None
+    ]  # (L, H, D, D) keys (3), values (4)
+
+
+def principal_axes(entries: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer and head the eigenvectors of the centered covariance over every token of
+    ``entries`` (each ``(L, 2, H, T, D)``, keys at position 0), largest first, as ``(1, L, H,
+    D, D)`` column matrices, for keys and for values."""
+    out = []
+    for half in (0, 1):
+        x = torch.cat([e[:, half].double() for e in entries], 2)  # (L, H, T, D)
+        x = x - x.mean(2, keepdim=True)
+        cov = x.transpose(-1, -2) @ x / x.shape[2]
+        vals, vecs = torch.linalg.eigh(cov)
+        out.append(vecs.flip(-1).float()[None])
+        share = (vals.flip(-1).cumsum(-1) / vals.sum(-1, keepdim=True))[..., 7].mean()
+        print(f"{'KV'[half]}: top-8 axes hold {share:.3f} of the variance (mean)", flush=True)
+    return out[0], out[1]
+
+
 QUERY_RMS: torch.Tensor | None = None  # (L, H, D): set by --query-weights (kmq variants)
 OUT_NORM: torch.Tensor | None = None  # (L, H, D): set by --query-weights (vmq variants)
 QUERY_WEIGHT_NORM: torch.Tensor | None = None  # (L, H, D): set by --query-weights (kmw variants)
@@ -167,6 +219,23 @@ def keymix(x, counts, weighted=None, two_bit=None):
         out = torch.where(sel, y, out)
         start += n
     return out
+
+
+def outlier_tokens(base: Callable[[torch.Tensor], torch.Tensor], n: int):
+    """Per block, layer and head the ``n`` tokens farthest from the block's channel means
+    (in units of each channel's range over the block, the largest over channels) kept exact
+    and left out of the ranges ``base`` quantizes the others by."""
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(3, keepdim=True)
+        span = (x.amax(3, keepdim=True) - x.amin(3, keepdim=True)).clamp_min(1e-12)
+        far = ((x - mean) / span).abs().amax(-1)  # (k, L, H, B)
+        top = far.topk(n, dim=-1).indices  # (k, L, H, n)
+        sel = torch.zeros_like(far, dtype=torch.bool).scatter_(-1, top, True).unsqueeze(-1)
+        kept = torch.where(sel, mean.expand_as(x), x)
+        return torch.where(sel, x, base(kept))
+
+    return round_trip
 
 
 FINE_LEVELS = {"int2": 3, "int3": 7, "int4": 15}  # uniform codes, int2's scales and clipping
@@ -215,6 +284,22 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
             return y
 
         return by_layer
+    if kind.startswith("pca:"):  # pca:<base>: the store's principal axes, then BASE
+        inner, rot = quantizer(kind[4:], dim), PCA[dim]
+        if rot is None:
+            raise SystemExit(f"error: variant {kind!r} needs --pca")
+        return lambda x: inner(x @ rot) @ rot.transpose(-1, -2)
+    if kind.startswith("pcaq:"):  # keys: scaled by the queries' RMS, their principal axes
+        inner, rot, w = quantizer(kind[5:], dim), PCA["q"], QUERY_RMS[:, :, :, None]
+        if rot is None:
+            raise SystemExit(f"error: variant {kind!r} needs --pca and --query-weights")
+        return lambda x: (inner((x * w) @ rot) @ rot.transpose(-1, -2)) / w
+    if kind.startswith("pcao:"):  # values: whitened by the output projection, principal axes
+        inner, rot, (sq, inv) = quantizer(kind[5:], dim), PCA["o"], OUT_ROOT
+        return lambda x: (inner((x @ sq) @ rot) @ rot.transpose(-1, -2)) @ inv
+    if kind.startswith("tokx:"):  # tokx:<n>:<base>: per block n outlier tokens kept exact
+        _, n, base = kind.split(":", 2)
+        return outlier_tokens(quantizer(base, dim), int(n))
     if kind.startswith("mix:"):  # mix:<layers 3-bit csv>:<base>: lay with BASE's 3-bit form
         _, spec, base = kind.split(":")
         return quantizer(f"lay:{spec}:{base.replace('2', '3')}:{base}", dim)
@@ -238,6 +323,54 @@ class Reader(B.CodecReader):
         diff = (out.to(torch.float64) - ref).flatten(2).norm(dim=2)
         self.errors[ck] = diff / ref.flatten(2).norm(dim=2)
         return out
+
+    def __getattr__(self, name: str):  # the rest of KvStore's reads (chunk_tokens, ...)
+        if name == "kv":
+            raise AttributeError(name)
+        return getattr(self.kv, name)
+
+
+def calibrate_axes(model, entries: list[torch.Tensor]) -> None:
+    """``PCA`` and ``OUT_ROOT`` from ``entries`` (each ``(L, 2, H, T, D)``, keys at position
+    0); the ``"q"`` axes only where ``--query-weights`` set ``QUERY_RMS``."""
+    global OUT_ROOT
+    PCA[3], PCA[4] = principal_axes(entries)
+    if QUERY_RMS is not None:
+        w = torch.stack([QUERY_RMS[0], torch.ones_like(QUERY_RMS[0])], 1)  # (L, 2, H, D)
+        PCA["q"], _ = principal_axes([e * w[..., None, :] for e in entries])
+    OUT_ROOT = out_root(model)
+    root = OUT_ROOT[0][0]  # (L, H, D, D)
+    both = torch.stack([torch.eye(root.shape[-1]).expand_as(root), root], 1)[:, :, :, None]
+    _, PCA["o"] = principal_axes([(e.unsqueeze(-2) @ both).squeeze(-2) for e in entries])
+
+
+def answer_f1(engine, context, readers, args) -> dict[str, dict[str, float]]:
+    """F1 / recall of ``--f1-methods`` on the first ``--f1`` questions (kc 4, k 10), the store
+    read as stored (``none``) and through each variant's round trip: ``coinrag eval``'s own
+    loop (``evaluate``), one directory per variant under ``--f1-out``."""
+    from coinrag.inference.evaluation.evaluate import evaluate
+
+    float_kv, out = context.kv, {}
+    reference = [] if args.f1_no_reference else [("none", float_kv)]
+    for name, reader in [*reference, *readers.items()]:
+        context.kv = reader
+        table = evaluate(
+            args.store,
+            args.questions,
+            args.f1_out / name.replace("/", "_").replace(":", "-"),
+            methods=tuple(args.f1_methods),
+            sweep=[(4, 10)],
+            limit=args.f1,
+            engine=engine,
+            quiet=True,
+        ).to_pylist()
+        for row in table:
+            if row.get("method") in args.f1_methods:
+                got = {m: row[m] for m in ("f1", "recall", "n")}
+                out.setdefault(name, {})[row["method"]] = got
+        print("F1", name, json.dumps(out.get(name)), flush=True)
+    context.kv = float_kv
+    return out
 
 
 def store_errors(float_kv, spec, p: int, codecs: list[str]) -> None:
@@ -334,6 +467,12 @@ def main():
     ap.add_argument("--variants", nargs="+", default=[], help="K/V e.g. int2/had2")
     ap.add_argument("--codec-errors", nargs="+", default=[], help="codecs, e.g. int4 int2mix")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--f1", type=int, default=0, help="answers of the first N questions")
+    ap.add_argument("--f1-methods", nargs="+", default=["coinrag"])
+    ap.add_argument("--f1-out", type=Path, default=Path("variants-f1"))
+    ap.add_argument("--f1-no-reference", action="store_true", help="--f1 without `none`'s run")
+    ap.add_argument("--calibrate", type=Path, help="JSONL texts: queries' RMS and axes from them")
+    ap.add_argument("--pca", type=int, default=0, help="pca: axes from every N-th entry")
     ap.add_argument("--block", type=int, default=BLOCK, help="tokens per quantized block")
     ap.add_argument(
         "--query-weights", type=Path, help="corpus JSONL: channel weights of kmq/kmw/vmq"
@@ -345,7 +484,7 @@ def main():
     from coinrag.inference.evaluation.evaluate import load_questions
     from coinrag.inference.methods import RagEngine
     from coinrag.inference.methods.assets import StoredKv
-    from coinrag.inference.model.encode import to_dynamic_cache
+    from coinrag.inference.model.encode import document_kv, to_dynamic_cache
     from coinrag.inference.rope import reset_rotary
 
     engine = RagEngine.open(str(args.store), max_new_tokens=32, methods=("coinrag",))
@@ -366,12 +505,31 @@ def main():
         QUERY_RMS = query_rms(model, texts, engine.prompt.tokenizer)[None]
         print("query RMS per layer (max / min channel):", flush=True)
         print([round((w.max() / w.min()).item(), 1) for w in QUERY_RMS[0]], flush=True)
+    if args.calibrate:  # the queries' RMS and the axes from other texts than the store's
+        texts = [json.loads(line)["text"] for line in args.calibrate.open()]
+        QUERY_RMS = query_rms(model, texts, engine.prompt.tokenizer)[None]
+        tok = engine.prompt.tokenizer
+        ids = [tok(t, add_special_tokens=False).input_ids[:512] for t in texts]
+        calibrate_axes(
+            model,
+            [keys_to_position_zero(document_kv(model, engine.prompt, i), spec, p) for i in ids],
+        )
+    elif args.pca:
+        calibrate_axes(
+            model,
+            [
+                keys_to_position_zero(float_kv.read_entry(ck), spec, p)
+                for ck in list(float_kv.manifest())[:: args.pca]
+            ],
+        )
     if args.codec_errors:
         store_errors(float_kv, spec, p, args.codec_errors)
     readers = {}
     for v in args.variants:
         kk, vv = v.split("/", 1)
         readers[v] = Reader(float_kv, v, spec, p, quantizer(kk, 3), quantizer(vv, 4))
+    if args.f1:
+        answer_f1(engine, context, readers, args)
     questions = load_questions(args.questions)
     stats = {v: {"kl": [], "top1": [], "kl_first": [], "top1_first": []} for v in readers}
     t0 = time.perf_counter()
