@@ -62,9 +62,9 @@ pack "$TMP/hyphens.pdf" "$OUT/hyphens.pdf"
 {
   echo '<!doctype html><html><head><meta charset="utf-8"><title>Page-end hyphens</title>'
   echo '<style>body{font-family:serif;font-size:16px} p{margin:0;width:7em}</style></head><body>'
-  set -- well-known object-oriented built-in read-only run-time x-www-form-urlencoded non-blocking
+  words=(well-known object-oriented built-in read-only run-time x-www-form-urlencoded non-blocking)
   for i in $(seq 0 69); do
-    echo "<p>$(eval echo "\${$((i % 7 + 1))} \${$(((i + 1) % 7 + 1))} \${$(((i + 2) % 7 + 1))}")</p>"
+    echo "<p>${words[i % 7]} ${words[(i + 1) % 7]} ${words[(i + 2) % 7]}</p>"
   done
   echo '</body></html>'
 } >"$TMP/pageend.html"

@@ -68,6 +68,7 @@ PAGE_SEPARATOR = "\n\n"
 BAND = 0.08  # the top and bottom fraction of a page height where running lines are looked for
 ROW_SPACE = 0.15  # a gap over this fraction of a line's height between two lines of a row: a space
 CUT_SHARE = 0.8  # an XY cut splits at every gap at least this share of the region's widest gap
+JOIN_DROP = 2.5  # text after a joined hyphen this many line heights lower: not the next line
 HYPHENS = "-\u2010\u00ad\ufffe"  # hyphen-minus, hyphen, soft hyphen, PDFium's joined hyphen
 _PDFIUM_LOCK = threading.Lock()
 _WORD = re.compile(r"[^\W\d_]+(?:[-\u2010][^\W\d_]+)*")
@@ -142,8 +143,9 @@ def _line_spans(
 ) -> Iterator[tuple[int, int]]:
     """``(start, end)`` of each line of a page's ``text``: cut at PDFium's line breaks, and
     after a U+FFFE (a hyphen PDFium joined to the next line's text) where that text does not go
-    on below it: PDFium joins a page's last line, hyphenated, to the next text it draws, which
-    may be Chromium's header at the top of the page."""
+    on below it (it is higher, or more than ``JOIN_DROP`` line heights lower): PDFium joins a
+    page's last line, hyphenated, to the next text it draws, which may be Chromium's header at
+    the top of the page."""
     for m in re.finditer(r"[^\r\n]+", text):
         start = m.start()
         for joint in re.finditer("\ufffe(?=\\S)", m.group()):
@@ -153,7 +155,7 @@ def _line_spans(
             middle, next_middle = (before[1] + before[3]) / 2, (after[1] + after[3]) / 2
             if not (math.isfinite(middle) and math.isfinite(next_middle)):
                 continue  # a character without a box: leave PDFium's join
-            if next_middle > before[3] or middle - next_middle > 2.5 * height:
+            if next_middle > before[3] or middle - next_middle > JOIN_DROP * height:
                 yield start, at + 1
                 start = at + 1
         yield start, m.end()

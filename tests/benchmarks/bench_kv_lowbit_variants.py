@@ -287,14 +287,18 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     if kind.startswith("pca:"):  # pca:<base>: the store's principal axes, then BASE
         inner, rot = quantizer(kind[4:], dim), PCA[dim]
         if rot is None:
-            raise SystemExit(f"error: variant {kind!r} needs --pca")
+            raise SystemExit(f"error: variant {kind!r} needs --calibrate or --pca")
         return lambda x: inner(x @ rot) @ rot.transpose(-1, -2)
     if kind.startswith("pcaq:"):  # keys: scaled by the queries' RMS, their principal axes
+        if PCA["q"] is None or QUERY_RMS is None:
+            raise SystemExit(
+                f"error: variant {kind!r} needs --calibrate, or --pca and --query-weights"
+            )
         inner, rot, w = quantizer(kind[5:], dim), PCA["q"], QUERY_RMS[:, :, :, None]
-        if rot is None:
-            raise SystemExit(f"error: variant {kind!r} needs --pca and --query-weights")
         return lambda x: (inner((x * w) @ rot) @ rot.transpose(-1, -2)) / w
     if kind.startswith("pcao:"):  # values: whitened by the output projection, principal axes
+        if PCA["o"] is None or OUT_ROOT is None:
+            raise SystemExit(f"error: variant {kind!r} needs --calibrate or --pca")
         inner, rot, (sq, inv) = quantizer(kind[5:], dim), PCA["o"], OUT_ROOT
         return lambda x: (inner((x @ sq) @ rot) @ rot.transpose(-1, -2)) @ inv
     if kind.startswith("tokx:"):  # tokx:<n>:<base>: per block n outlier tokens kept exact

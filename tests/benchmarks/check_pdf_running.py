@@ -19,14 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+from check_pdf_store import RUNNING as STORE_RUNNING
+
 from coinrag.tasks.readers.base import ReadError
 from coinrag.tasks.readers.pdf import PdfReader
 
-RUNNING = [
-    re.compile(r"file://\S+\.html\s+\d+/\d+"),  # Chromium's footer
-    re.compile(r"\d{1,2}/\d{1,2}/\d{2}, \d{1,2}:\d{2}\s?[AP]M"),  # its header's print date
-    re.compile(r"file://"),  # any other file:// URL
-]
+# Chromium's footer and its header's print date (check_pdf_store.py's), and any other file:// URL
+RUNNING = [*STORE_RUNNING, re.compile(r"file://")]
 
 
 def main(folder: Path) -> int:
