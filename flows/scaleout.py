@@ -48,7 +48,7 @@ see the store folder at the same path (a shared file system).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import lru_cache, partial
 from typing import Any, ClassVar
@@ -291,15 +291,23 @@ def _apply_worker_threads(settings: BuildSettings) -> int:
 
 
 @task(name="kv-prepare", cache_policy=NO_CACHE)
-def kv_prepare_task(store: Store, settings: BuildSettings, options: KvOptions, keep: str) -> KvPrep:
+def kv_prepare_task(
+    store: Store,
+    settings: BuildSettings,
+    options: KvOptions,
+    keep: str,
+    calibration: list[ChunkRow] | None = None,
+) -> KvPrep:
     """Runs on a KV worker: ``kv_dtype = auto`` is resolved there (the device that computes the
-    KV decides), and the layout carries the result to the other workers."""
+    KV decides), and the layout carries the result to the other workers; a basis codec's key
+    basis is calibrated there on ``calibration`` (``tasks.kv.prepare_kv``)."""
     from coinrag.inference.model.prompt import RagPrompt
 
     threads = _apply_worker_threads(settings)
     get_run_logger().info("kv: %d thread(s) per worker", threads)
     loaded = _kv_model(settings)
-    return prepare_kv(store, loaded, RagPrompt.for_tokenizer(loaded.tokenizer), options, keep)
+    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
+    return prepare_kv(store, loaded, prompt, options, keep, calibration or ())
 
 
 @task(name="kv-group", cache_policy=NO_CACHE)
@@ -326,11 +334,13 @@ class TaskKv(KvWorkers):
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
 
-    def prepare(self, store: Store, options: KvOptions, keep: str) -> KvPrep:
-        params = {"store": store, "settings": self.runner.settings}
+    def prepare(
+        self, store: Store, options: KvOptions, keep: str, calibration: Sequence[ChunkRow] = ()
+    ) -> KvPrep:
+        params = {"store": store, "settings": self.runner.settings, "options": options}
         with self.runner.placement():
             future = self.runner.submit(
-                kv_prepare_task, params | {"options": options, "keep": keep}
+                kv_prepare_task, params | {"keep": keep, "calibration": list(calibration)}
             )
         return future.result()
 

@@ -21,7 +21,8 @@ from coinrag.storage.tables import read_table
 
 @dataclass(frozen=True)
 class CorruptEntry:
-    """One stored entry (or a prefix: ``content_key`` ``"prefix"``) that failed its check."""
+    """One stored entry (or a prefix or key basis: ``content_key`` ``"prefix"`` or ``"basis"``)
+    that failed its check."""
 
     kv_fp: str
     content_key: str
@@ -41,8 +42,9 @@ class VerifyReport:
 
 
 def verify_store(store: str, level: str = "crc32c") -> VerifyReport:
-    """Check every KV entry (and prefix) of ``store`` at ``level``; raises FileNotFoundError
-    when ``store`` is not a coinrag store and ValueError for an unknown level."""
+    """Check every KV entry (and prefix, and key basis) of ``store`` at ``level``; raises
+    FileNotFoundError when ``store`` is not a coinrag store and ValueError for an unknown
+    level."""
     st = Store.at(store)
     if not st.exists():
         raise FileNotFoundError(f"{st} is not a coinrag store (run coinrag build first)")
@@ -59,6 +61,9 @@ def verify_store(store: str, level: str = "crc32c") -> VerifyReport:
         prefix = kv.corrupt_prefix()
         if prefix is not None:
             report.corrupt.append(CorruptEntry(kv_fp, "prefix", f"{prefix} ({kv_fp}/prefix)"))
+        basis = kv.key_basis.problem()  # int2basis: the keys' basis, rebuilt with every entry
+        if basis is not None:
+            report.corrupt.append(CorruptEntry(kv_fp, "basis", f"{basis} ({kv_fp}/basis)"))
         if problems and chunks is None:
             chunks = _chunks_by_content(st)
         for key, problem in sorted(problems.items(), key=lambda item: item[1]):

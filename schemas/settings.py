@@ -27,7 +27,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     chunk_size = 512
     tau = 0.7
     kv_dtype = "auto"           # auto | float32 | bfloat16 | float16 (KV forward and store)
-    kv_codec = "none"           # none | int8 | int4 | int2 | int2mix (how the stored KV is encoded)
+    kv_codec = "none"           # none | int8 | int4 | int2 | int2mix | int2basis (stored KV)
     kv_keep = "chunks"          # chunks | nuggets (store only the KV of nugget spans)
     retrieval = "hybrid"        # dense | lexical | hybrid (how queries rank; per query too)
     rerank = "none"             # none | upr (reorder the top chunks by the model's likelihood)
@@ -62,10 +62,11 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
 # (inference/model/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 | int2 | int2mix
-# (quantized per block: keys per channel, values per token, int2mix's per channel;
+# How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 | int2 | int2mix |
+# int2basis (quantized per block: keys per channel, values per token, int2mix's per channel;
+# int2basis: int2mix's keys in the store's calibrated key basis, storage/kv/basis.py;
 # storage/kv/codecs.py, lowbit.py and mixed.py state the error bounds).
-KV_CODECS = ("none", "int8", "int4", "int2", "int2mix")
+KV_CODECS = ("none", "int8", "int4", "int2", "int2mix", "int2basis")
 # What the KV store keeps of each chunk (storage/kv/kept.py): the whole chunk's KV (every method
 # can use it), or only the token ranges its nuggets cover (coinrag and training read only those).
 KV_KEEPS = ("chunks", "nuggets")

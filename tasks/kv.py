@@ -44,6 +44,11 @@ units, written how, and what it did.
   found corrupt (:class:`storage.kv.CorruptKvEntry`) to rebuild just those. A stored ``C_p``
   that fails its check is recomputed first (:func:`settle_prefix_kv`); if the recomputed one is
   not bit for bit the damaged one, every entry is rebuilt against it.
+- A codec that codes keys in a calibrated basis (``int2basis``: ``storage/kv/basis.py``) gets
+  it before the first entry: calibrated on the ``CALIBRATION_CHUNKS`` chunks of the first run
+  with the lowest content_keys (a spread of the corpus that does not depend on its order) and
+  written once (:func:`settle_key_basis`). A stored basis that fails its check is replaced by
+  a new one and every entry is rebuilt.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from typing import Any
 
 import torch
 
+from coinrag.inference.model.calibrate import calibrated_key_basis
 from coinrag.inference.model.encode import KvBatching, compute_prefix_kv, kv_layout, pad_id
 from coinrag.inference.model.kv_pipeline import (
     compute_group_kv,
@@ -77,10 +83,13 @@ from coinrag.storage.kv import (
     KvLayout,
     KvStore,
     StagedShard,
+    codec_named,
 )
+from coinrag.storage.kv.basis import KeyBasis
 from coinrag.storage.store import Store
 
 ProgressFn = Callable[[int, int], None]  # (entries computed so far, entries to compute)
+CALIBRATION_CHUNKS = 24  # chunks a key basis is calibrated on (about 12k tokens)
 
 
 @dataclass
@@ -97,6 +106,7 @@ class KvCounts:
     rebuilt: int = 0  # had a manifest row that failed the check (or was named in `rebuild`)
     problems: dict[str, str] = field(default_factory=dict)  # content_key -> why it failed
     prefix_repaired: bool = False  # the stored C_p failed its check and was recomputed
+    basis_written: str = ""  # "new" or "replaced": a key basis was calibrated and stored
     computed: int = 0  # entries computed and written by this run (includes `rebuilt`)
     forward_passes: int = 0  # batched model calls (the prefix's excluded)
     tokens: int = 0  # chunk tokens computed
@@ -231,25 +241,53 @@ class KvPrep:
     prefix_ids: tuple[int, ...]
     prefix_kv: torch.Tensor | None  # C_p, when the store holds no usable one
     frequencies: ForwardFrequencies  # how the chunks are batched (KvBatching)
+    key_basis: KeyBasis | None = None  # a basis codec's, when the store holds no usable one
+    calibration: dict[str, Any] = field(default_factory=dict)  # what key_basis came from
 
 
 def prepare_kv(
-    store: Store, loaded: Any, prompt: RagPrompt, options: KvOptions, keep: str
+    store: Store,
+    loaded: Any,
+    prompt: RagPrompt,
+    options: KvOptions,
+    keep: str,
+    calibration: Sequence[ChunkRow] = (),
 ) -> KvPrep:
     """:class:`KvPrep` of a loaded model (``inference.model.loading.LoadedModel``) and ``prompt``,
     the layout of ``options`` and ``keep`` (``chunks`` | ``nuggets``): ``C_p`` computed only
-    when ``store`` lacks one that passes its check (read only: the driver creates the store
-    and writes or repairs ``C_p``)."""
+    when ``store`` lacks one that passes its check, and a basis codec's key basis likewise,
+    calibrated on the ``calibration`` chunks (:func:`calibration_chunks`). Read only: the
+    driver creates the store and writes or repairs them."""
     layout = kv_layout(loaded, prompt, **options.layout_options(keep))
     kv = KvStore(store, layout)
     usable = kv.has_prefix() and kv.corrupt_prefix() is None
+    basis, source = None, {}
+    wanted = layout.codec.needs_basis and not (
+        kv.key_basis.exists() and kv.key_basis.problem() is None
+    )
+    if wanted and calibration:
+        texts = [c.token_ids for c in calibration]
+        basis, queries = calibrated_key_basis(loaded.model, prompt, texts)
+        keys = [c.content_key for c in calibration]
+        source = {"chunks": keys, "tokens": sum(map(len, texts)), "queries": queries}
     return KvPrep(
         layout=layout,
         tokenizer_fp=getattr(loaded, "tokenizer_fp", None),
         prefix_ids=tuple(prompt.prefix_ids),
         prefix_kv=None if usable else compute_prefix_kv(loaded.model, prompt.prefix_ids),
         frequencies=ForwardFrequencies.from_config(loaded.model.config),
+        key_basis=basis,
+        calibration=source,
     )
+
+
+def calibration_chunks(chunks: Sequence[ChunkRow], options: KvOptions) -> list[ChunkRow]:
+    """The chunks a key basis is calibrated on where ``options``' codec needs one: the
+    ``CALIBRATION_CHUNKS`` distinct ones with the lowest content_keys; else none."""
+    if not codec_named(options.kv_codec).needs_basis:
+        return []
+    distinct = {c.content_key: c for c in chunks if c.token_ids}
+    return [distinct[k] for k in sorted(distinct)[:CALIBRATION_CHUNKS]]
 
 
 class GroupKv(ABC):
@@ -293,8 +331,11 @@ class KvWorkers(ABC):
     workers (``flows/scaleout.py``). The driver, :func:`run_kv_stage`, is the same for all."""
 
     @abstractmethod
-    def prepare(self, store: Store, options: KvOptions, keep: str) -> KvPrep:
-        """The layout (``options.layout_options(keep)``), ``C_p`` if needed: :func:`prepare_kv`."""
+    def prepare(
+        self, store: Store, options: KvOptions, keep: str, calibration: Sequence[ChunkRow] = ()
+    ) -> KvPrep:
+        """The layout (``options.layout_options(keep)``), ``C_p`` and a key basis if needed:
+        :func:`prepare_kv`."""
 
     @abstractmethod
     def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
@@ -356,8 +397,10 @@ class LocalKv(KvWorkers):
     def __init__(self, loaded: Any, prompt: RagPrompt) -> None:
         self.loaded, self.prompt = loaded, prompt
 
-    def prepare(self, store: Store, options: KvOptions, keep: str) -> KvPrep:
-        return prepare_kv(store, self.loaded, self.prompt, options, keep)
+    def prepare(
+        self, store: Store, options: KvOptions, keep: str, calibration: Sequence[ChunkRow] = ()
+    ) -> KvPrep:
+        return prepare_kv(store, self.loaded, self.prompt, options, keep, calibration)
 
     def compute(self, job: KvJob, groups: list[list[ChunkRow]]) -> Iterator[GroupKv]:
         """The groups through one pipeline (``inference/model/kv_pipeline.py``: on a CUDA
@@ -451,14 +494,15 @@ def run_kv_stage(
     """
     t_start = time.perf_counter()
     options = options or KvOptions()
-    prep = workers.prepare(store, options, "chunks" if kept is None else "nuggets")
+    calibration = calibration_chunks(chunks, options)
+    prep = workers.prepare(store, options, "chunks" if kept is None else "nuggets", calibration)
     kv = KvStore.create(store, prep.layout)
     counts = KvCounts(
         kv_fp=kv.kv_fp, chunks=len(chunks), model_fp=prep.layout.model_fp, kv_dtype=kv.layout.dtype
     )
     secs = counts.seconds
     t0 = time.perf_counter()
-    if settle_prefix_kv(kv, prep, counts):
+    if settle_prefix_kv(kv, prep, counts) | settle_key_basis(kv, prep, counts):
         rebuild = set(rebuild) | set(kv.manifest(refresh=True))
     prefix_kv = stored_prefix_kv(kv, prep.prefix_ids)
     secs["prefix"] = time.perf_counter() - t0
@@ -633,3 +677,23 @@ def repair_prefix_kv(
     counts.prefix_repaired = True
     counts.problems["prefix"] = f"{problem} ({kv.kv_fp}/prefix)"
     return not kv.repair_prefix(compute(), prefix_ids)
+
+
+def settle_key_basis(kv: KvStore, prep: KvPrep, counts: KvCounts) -> bool:
+    """Store ``prep.key_basis`` where ``kv``'s codec needs a basis and lacks one, or has one
+    that fails its check (then replaced: True, every stored entry must be rebuilt). A run
+    without chunks to calibrate on stores none (and writes no entry)."""
+    folder = kv.key_basis
+    if not kv.layout.codec.needs_basis or prep.key_basis is None:
+        return False
+    if not folder.exists():
+        folder.write(prep.key_basis, prep.calibration)
+        counts.basis_written = "new"
+        return False
+    problem = folder.problem()
+    if problem is None:  # another run stored one since prep looked: keep it
+        return False
+    counts.problems["key_basis"] = f"{problem} ({kv.kv_fp}/basis)"
+    folder.replace(prep.key_basis, prep.calibration)
+    counts.basis_written = "replaced"
+    return True

@@ -15,6 +15,7 @@ One module per job (import the public names from here):
 - ``transport.py``: local disk or object store, one interface (stage, publish, ranged reads);
 - ``reads.py``: slice reads planned into block reads and fetched;
 - ``store.py``: :class:`KvStore` (manifest, reads, checks, writes, the prefix ``C_p``);
+- ``basis.py``, ``basis_folder.py``: the key basis of ``int2basis`` and where it is stored;
 - ``reclaim.py``: garbage, dead entries, and the dry-run plan.
 """
 
@@ -45,11 +46,12 @@ from coinrag.storage.kv.layout import (
     parse_location,
 )
 from coinrag.storage.kv.lowbit import Int2Codec  # registers int2
-from coinrag.storage.kv.mixed import Int2MixCodec  # registers int2mix
+from coinrag.storage.kv.mixed import Int2BasisCodec, Int2MixCodec  # registers int2mix, int2basis
 from coinrag.storage.kv.reads import ReadStats
 from coinrag.storage.kv.reclaim import KvReclaim
 from coinrag.storage.kv.shard import encode_shard
-from coinrag.storage.kv.store import KvStore, kv_free_bytes, stored_content_keys
+from coinrag.storage.kv.store import KvStore, stored_content_keys
+from coinrag.storage.kv.transport import kv_free_bytes
 from coinrag.storage.kv.writes import StagedShard, WriteStats
 
 assert set(KV_CODECS) == set(KvCodec.registry), "schemas.settings.KV_CODECS names every codec"
@@ -61,6 +63,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "SHARD_OVERHEAD_BYTES",
     "CorruptKvEntry",
+    "Int2BasisCodec",
     "Int2Codec",
     "Int2MixCodec",
     "KeptRanges",

@@ -94,6 +94,7 @@ class KvCodec(Registered):
     keys_at_zero: ClassVar[bool] = False  # stored keys rotated back to position 0 (before RoPE)
     default_block_tokens: ClassVar[int] = 4  # tokens per stored block of new shards
     lossless: ClassVar[bool] = True
+    needs_basis: ClassVar[bool] = False  # keys coded in the store's key basis (basis.py)
 
     # ------------------------------------------------------------------ the shard array
 
@@ -661,8 +662,7 @@ class Int8Codec(QuantizedCodec, name="int8"):
 
 
 class Int4Codec(QuantizedCodec, name="int4"):
-    """4-bit codes (16 levels), two per byte: ~0.33 of the raw bfloat16 bytes with 16-token
-    blocks."""
+    """4-bit codes (16 levels), two per byte: ~0.33 of the raw bfloat16 bytes (16-token blocks)."""
 
     bits = 4
 

@@ -380,3 +380,26 @@ def int2mix_span(
     dim = int(sections[5] - sections[4]) // (layers * heads)  # key z: one byte per channel
     check_span(raw, span, out, (layers, heads, dim))
     _int2mix(raw, sections, units, span, out, bf16, rope)
+
+
+@compiled()
+def basis_rows(coordinates: np.ndarray, inverse: np.ndarray, out: np.ndarray) -> None:
+    """Keys from their coordinates in a key basis (``storage/kv/basis.py``): ``out[l, h, t] =
+    coordinates[l, h, t] @ inverse[l, h]``, all C-contiguous float32, ``coordinates`` and
+    ``out`` ``(L, H, T, D)``, ``inverse`` ``(L, H, D, D)``. Each output value is summed over
+    ``i`` in order with one rounding per term (``fma``), whatever ``T``: a token's bits do not
+    depend on which tokens are decoded with it (a BLAS product's do: its blocking follows the
+    shape)."""
+    layers, heads, tokens, dim = coordinates.shape
+    for lay in range(layers):
+        for h in range(heads):
+            m = inverse[lay, h]
+            for t in range(tokens):
+                row = out[lay, h, t]
+                c = coordinates[lay, h, t]
+                for j in range(dim):
+                    row[j] = np.float32(0.0)
+                for i in range(dim):
+                    ci = c[i]
+                    for j in range(dim):
+                        row[j] = fma32(ci, m[i, j], row[j])

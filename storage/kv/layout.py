@@ -99,13 +99,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from coinrag.schemas.keys import fingerprint
 from coinrag.schemas.settings import KV_KEEPS
+from coinrag.storage.kv.basis import BasisSlot
 from coinrag.storage.kv.codecs import (
     STORAGE_DTYPES,
     TORCH_DTYPES,
@@ -176,6 +177,8 @@ class KvLayout:
     slots_per_shard: int = 0  # 0: derived from DEFAULT_SHARD_BYTES for 512-token entries
     kv_codec: str = "none"
     keep: str = "chunks"  # kv_keep: whole chunks | only nugget spans (storage/kv/kept.py)
+    # the store's key basis (a codec that ``needs_basis``), set by its KvStore; not identity
+    key_basis: BasisSlot = field(default_factory=BasisSlot, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:

@@ -244,8 +244,19 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         g: KvGeometry,
         tables: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 keys and values ``(L, H, e - s, D)`` of tokens ``[s, e)`` of the blocks in
-        ``cut``, from the blocks that hold them only: (nearly) whole blocks dequantized as
+        """:meth:`_dequantize_coded`: the stored keys are the keys."""
+        return self._dequantize_coded(cut, s, e, g, tables)
+
+    def _dequantize_coded(
+        self,
+        cut: dict[str, torch.Tensor],
+        s: int,
+        e: int,
+        g: KvGeometry,
+        tables: tuple[torch.Tensor, ...] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 keys (as coded) and values ``(L, H, e - s, D)`` of tokens ``[s, e)`` of the
+        blocks in ``cut``, from the blocks that hold them only: (nearly) whole blocks dequantized as
         blocks, then cut; a short span (a nugget) block by block, only its tokens' codes
         unpacked. The same float32 products either way (``codes * step + lo``). ``tables``:
         :meth:`_block_tables` of every block of ``cut`` where the caller has them."""
@@ -253,7 +264,7 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         b0, b1 = s // block, -(-e // block)
         if b1 - b0 > 1 and 4 * (b1 - b0) * block > 5 * (e - s):  # a short span over blocks
             parts = [
-                self._dequantize_tokens(cut, max(s, b * block), min(e, (b + 1) * block), g, tables)
+                self._dequantize_coded(cut, max(s, b * block), min(e, (b + 1) * block), g, tables)
                 for b in range(b0, b1)
             ]
             return tuple(torch.cat(halves, dim=2) for halves in zip(*parts, strict=True))
@@ -347,3 +358,76 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         SmolLM2 measures keys 0.164, values 0.317, ``tests/inference/test_kv_mixed.py``)."""
         int2 = ((group / 2) ** 0.5 * (1 + 2**-9) + 2**-8) / 3
         return max(int2, 1.0) + (group * 256 / 16) ** 0.5 / 127
+
+
+class Int2BasisCodec(Int2MixCodec, name="int2basis"):
+    """``int2mix``'s payload with the keys coded in the store's calibrated key basis
+    (``storage/kv/basis.py``: coordinates ``k @ forward``, weighted by the queries that read
+    them and turned onto the keys' principal axes); values as ``int2mix``. The same bytes per
+    block, plus the basis once per store (float32 ``2 L H D²``: 2.9 MB for SmolLM2).
+
+    Why: in the plain channels a key's spread is shared by many channels, so ``int2mix``'s
+    widest codes cover only part of it; on the principal axes of the query-weighted keys a
+    quarter of the coordinates holds most of it. Emulated on the 9 FAQ pages' store (SmolLM2,
+    30 questions, ``tests/benchmarks/RESULTS.md``): keys alone next-token KL 0.030 in the
+    channels, 0.013 in the basis.
+
+    Decoding: the coordinates are dequantized in float32 as ``int2mix``'s keys, then turned
+    back (``@ inverse``, float32) and rounded once to the model dtype; the compiled path
+    decodes into a float32 scratch first, so :meth:`decode_tokens` never rotates the keys by
+    RoPE itself (it returns False: the caller rotates them).
+    """
+
+    needs_basis = True
+
+    def view(self, kv: torch.Tensor, g: KvGeometry) -> np.ndarray:
+        """Quantize ``kv`` ``(L, 2, H, n, D)`` (keys at position 0) with its keys turned into
+        the basis of ``g.key_basis`` first."""
+        x = kv.detach().to("cpu", torch.float32)
+        coded = torch.stack([g.key_basis.get().to_coordinates(x[:, 0]), x[:, 1]], dim=1)
+        return super().view(coded, g)
+
+    def _dequantize_tokens(
+        self,
+        cut: dict[str, torch.Tensor],
+        s: int,
+        e: int,
+        g: KvGeometry,
+        tables: tuple[torch.Tensor, ...] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 keys (turned back from the basis) and values ``(L, H, e - s, D)``."""
+        coordinates, values = self._dequantize_coded(cut, s, e, g, tables)
+        return g.key_basis.get().from_coordinates(coordinates), values
+
+    def decode_tokens(
+        self,
+        reads: Sequence[np.ndarray],
+        g: KvGeometry,
+        picks: Sequence[tuple[int, int, int, int]],
+        out: torch.Tensor,
+        rope: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> bool:
+        """:meth:`KvCodec.decode_tokens`: compiled into a float32 scratch of ``out``'s shape
+        (where ``out`` is a CPU bfloat16 or float32 tensor), each pick's keys turned back from
+        the basis into ``out``; the tensor path otherwise. Keys never rotated: False."""
+        from coinrag.storage.kv import kernels  # numba, imported where a decode needs it
+
+        if kernels.target_of(out) is None:
+            return super().decode_tokens(reads, g, picks, out, None)
+        coordinates = torch.empty(out.shape, dtype=torch.float32)
+        super().decode_tokens(reads, g, picks, coordinates, None)
+        basis = g.key_basis.get()
+        for _, s, e, at in picks:
+            if e > s:
+                span = slice(at, at + e - s)
+                out[:, 0, :, span].copy_(basis.from_coordinates(coordinates[:, 0, :, span]))
+                out[:, 1, :, span].copy_(coordinates[:, 1, :, span])
+        return False
+
+    def relative_error_bound_in_basis(self, group: int, condition: float) -> float:
+        """The bound on a layer's keys' ``‖k̂ − k‖ / ‖k‖``: ``int2mix``'s bound in coordinate
+        space (:meth:`relative_error_bound`) times the basis's ``condition`` (the largest of
+        the layer's heads, :meth:`KeyBasis.condition`), since ``‖(ĉ − c) inverse‖ <=
+        ‖inverse‖ ‖ĉ − c‖`` and ``‖c‖ <= ‖forward‖ ‖k‖``; plus float32's rounding of the
+        product. Values: :meth:`relative_error_bound`, as ``int2mix``."""
+        return self.relative_error_bound(group) * condition * (1 + 2**-16)

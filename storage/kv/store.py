@@ -64,6 +64,7 @@ import torch
 import zarr
 
 from coinrag.schemas.tables import ChunkRow, KvManifestRow
+from coinrag.storage.kv.basis_folder import BasisFolder
 from coinrag.storage.kv.catalog import ShardCatalog
 from coinrag.storage.kv.codecs import entry_checksum
 from coinrag.storage.kv.errors import (
@@ -134,6 +135,10 @@ class KvStore:
             layout, self.root, self.transport, encoder=encoder, fsync=fsync, direct_io=direct_io
         )
         self._prefix = PrefixFolder(store, layout, self.root, self.transport, self._reader, fsync)
+        # a basis codec's keys: the basis read on first use (written by the kv stage)
+        self.key_basis = BasisFolder(store, layout, self.root, self.transport, self._reader, fsync)
+        if layout.codec.needs_basis:
+            layout.key_basis.bind(self.key_basis.read)
 
     def release_buffers(self) -> None:
         """Free the write path's scratch buffers (about two shards' worth)."""
@@ -688,9 +693,3 @@ class KvStore:
 def stored_content_keys(store: Store, layout: KvLayout) -> set[str]:
     """The content_keys with a manifest row under ``layout``'s kv_fp (no shard is read)."""
     return {row.content_key for row in KvStore(store, layout).manifest().values()}
-
-
-def kv_free_bytes(store: Store) -> int | None:
-    """Bytes free on the file system that holds ``STORE/kv/`` (the nearest existing folder on
-    the way there); None for an object store, which has no such limit to check."""
-    return transport_for(store).free_bytes(store.root / "kv")

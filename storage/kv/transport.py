@@ -130,6 +130,12 @@ def transport_for(store: Store) -> KvTransport:
     return LocalTransport(store) if store.is_local else ObjectTransport(store)
 
 
+def kv_free_bytes(store: Store) -> int | None:
+    """Bytes free on the file system that holds ``STORE/kv/`` (the nearest existing folder on
+    the way there); None for an object store, which has no such limit to check."""
+    return transport_for(store).free_bytes(store.root / "kv")
+
+
 @dataclass(eq=False)
 class KvFolder:
     """One KV store's folder as its parts (the shard catalog, the prefix folder) reach it:

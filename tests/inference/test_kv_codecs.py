@@ -334,10 +334,10 @@ def test_kv_fp_is_unchanged_for_none_and_names_a_lossy_codec_and_its_block() -> 
         for c, b in (("int8", 16), ("int4", 16), ("int4", 8))
     }
     assert len(fps) == 3 and legacy not in fps
-    assert set(KV_CODECS) == {"none", "int8", "int4", "int2", "int2mix"}
+    assert set(KV_CODECS) == {"none", "int8", "int4", "int2", "int2mix", "int2basis"}
     with pytest.raises(ValueError, match="unknown KV codec 'int3'"):
         KvLayout("m", "p", 2, 2, 8, "float32", kv_codec="int3")
-    known = "none, int8, int4, int2, int2mix"
+    known = "none, int8, int4, int2, int2mix, int2basis"
     with pytest.raises(SettingsError, match=f"kv_codec 'int3' is not one of {known}"):
         BuildSettings(kv_codec="int3").validate()
 
@@ -678,5 +678,5 @@ def test_build_query_rebuild_and_gc_with_int4(tmp_path, smollm2_tokenizer, sampl
     result = CliRunner().invoke(app, ["gc", "--store", str(store)])
     assert result.exit_code == 0, result.output
     bad = CliRunner().invoke(app, ["build", str(source), "--store", str(store), "--kv-codec", "q"])
-    known = "none, int8, int4, int2, int2mix"
+    known = "none, int8, int4, int2, int2mix, int2basis"
     assert bad.exit_code == 2 and f"kv_codec 'q' is not one of {known}" in bad.output

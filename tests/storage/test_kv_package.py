@@ -101,6 +101,6 @@ def test_transports_and_codecs_are_chosen_by_name(tmp_path):
     assert codec_named("int4").storage_dtype("bfloat16").str == "|u1"
     assert codec_named("int2").storage_dtype("bfloat16").str == "|u1"
     assert codec_named("int2mix").storage_dtype("bfloat16").str == "|u1"
-    known = r"\(int2, int2mix, int4, int8, none\)"
+    known = r"\(int2, int2basis, int2mix, int4, int8, none\)"
     with pytest.raises(ValueError, match=rf"unknown KV codec 'int3' {known}"):
         codec_named("int3")
