@@ -248,34 +248,36 @@ def _int2mix_tables(
     units: np.ndarray,
     place: np.ndarray,
     scales: np.ndarray,
+    counts: tuple[int, int],
 ) -> None:
     """One block's tables for layer-head ``lh`` (``units``: its four float32 units): each key
-    channel's ``place`` among a token's ranked codes (the 4-bit ones in channel order, then the
-    2-bit ones, then a zero for the mean-only channels: the codec's order), and ``(4, D)``
-    float32 key ``lo``, key ``step``, value ``lo``, value ``step`` into ``scales`` (``z *
-    lo_unit``, ``c * step_unit``: exact in float32). ValueError for widths other than the
-    encoder's counts."""
+    channel's ``place`` among a token's ranked codes (the ``counts[0]`` 4-bit ones in channel
+    order, then the ``counts[1]`` 2-bit ones, then a zero for the mean-only channels: the
+    codec's order), and ``(4, D)`` float32 key ``lo``, key ``step``, value ``lo``, value
+    ``step`` into ``scales`` (``z * lo_unit``, ``c * step_unit``: exact in float32).
+    ValueError for widths other than the encoder's counts."""
     dim = place.shape[0]
     q = dim // 4
+    n_wide, n_mid = counts
     kw, kz, kc, vz, vc = sections[3], sections[4], sections[5], sections[6], sections[7]
     wide = 0
     mid = 0
     for d in range(dim):
         w = (row[kw + lh * q + d // 4] >> (2 * (d % 4))) & 3
         if w == 2:
-            place[d] = wide
+            place[d] = min(wide, n_wide)  # past the count: refused below, never read
             wide += 1
         elif w == 1:
-            place[d] = q + mid
+            place[d] = n_wide + min(mid, n_mid)
             mid += 1
         else:
-            place[d] = 3 * q
+            place[d] = n_wide + n_mid
         scales[0, d] = _signed(row[kz + lh * dim + d]) * units[0]
         scales[1, d] = np.float32(row[kc + lh * dim + d]) * units[1]
         scales[2, d] = _signed(row[vz + lh * dim + d]) * units[2]
         scales[3, d] = np.float32(row[vc + lh * dim + d]) * units[3]
-    if wide != q or mid != 2 * q:  # the encoder's counts; others would index past the codes
-        raise ValueError("int2mix block whose key widths are not D/4 4-bit, D/2 2-bit")
+    if wide != n_wide or mid != n_mid:  # the encoder's counts; others would index past codes
+        raise ValueError("int2mix block whose key widths are not the codec's counts")
 
 
 @compiled(inline=True)
@@ -287,22 +289,25 @@ def _int2mix_token(
     ranked: np.ndarray,
     kf: np.ndarray,
     vf: np.ndarray,
+    counts: tuple[int, int],
 ) -> None:
     """One token's float32 key and value head vectors into ``kf`` and ``vf`` ``(D,)``, its codes at
-    ``starts`` (the bytes of its 4-bit keys, 2-bit keys, values), ``ranked``: a ``(3 D / 4 +
-    1,)`` uint8 row whose last entry is 0."""
+    ``starts`` (the bytes of its ``counts[0]`` 4-bit keys, ``counts[1]`` 2-bit keys, values),
+    ``ranked``: a ``(counts[0] + counts[1] + 1,)`` uint8 row whose last entry is 0."""
     dim = place.shape[0]
-    q, eighth = dim // 4, dim // 8
+    q = dim // 4
+    n_wide, n_mid = counts
     b4, b2, bv = starts
-    for j in range(eighth):
+    for j in range(n_wide // 2):
         x = row[b4 + j]
         ranked[2 * j] = x & 15
         ranked[2 * j + 1] = x >> 4
+    for j in range(n_mid // 4):
         y = row[b2 + j]
-        ranked[q + 4 * j] = y & 3
-        ranked[q + 4 * j + 1] = (y >> 2) & 3
-        ranked[q + 4 * j + 2] = (y >> 4) & 3
-        ranked[q + 4 * j + 3] = y >> 6
+        ranked[n_wide + 4 * j] = y & 3
+        ranked[n_wide + 4 * j + 1] = (y >> 2) & 3
+        ranked[n_wide + 4 * j + 2] = (y >> 4) & 3
+        ranked[n_wide + 4 * j + 3] = y >> 6
     for d in range(dim):
         kf[d] = np.float32(ranked[place[d]]) * scales[1, d] + scales[0, d]
     for j in range(q):
@@ -321,14 +326,16 @@ def _int2mix(
     out: np.ndarray,
     bf16: bool,
     rope: Rope,
+    counts: tuple[int, int],
 ) -> None:
     """:func:`int2mix_span`'s loop: per touched block, layer and head its tables, then each
     token's codes."""
     _, s, e, at, block = span
     layers, _, heads, _, dim = out.shape
-    q, eighth = dim // 4, dim // 8
+    q = dim // 4
+    n_wide, n_mid = counts
     place = np.empty(dim, np.int64)
-    ranked = np.zeros(3 * q + 1, np.uint8)  # the last stays 0: a mean-only channel's code
+    ranked = np.zeros(n_wide + n_mid + 1, np.uint8)  # the last stays 0: a mean-only code
     scales = np.empty((4, dim), np.float32)
     kf = np.empty(dim, np.float32)
     vf = np.empty(dim, np.float32)
@@ -339,15 +346,15 @@ def _int2mix(
         for lay in range(layers):
             for h in range(heads):
                 lh = lay * heads + h
-                _int2mix_tables(row, sections, lh, units[b, lay, h], place, scales)
+                _int2mix_tables(row, sections, lh, units[b, lay, h], place, scales, counts)
                 for tt in range(max(s, b * block) - b * block, min(e, (b + 1) * block) - b * block):
                     token = lh * block + tt
                     starts = (
-                        sections[0] + token * eighth,
-                        sections[1] + token * eighth,
+                        sections[0] + token * (n_wide // 2),
+                        sections[1] + token * (n_mid // 4),
                         sections[2] + token * q,
                     )
-                    _int2mix_token(row, starts, place, scales, ranked, kf, vf)
+                    _int2mix_token(row, starts, place, scales, ranked, kf, vf, counts)
                     tok = at + b * block + tt - s
                     if rope[0].shape[0]:
                         _rotated_key(kf, ku, rope, tok, bf16)
@@ -368,18 +375,23 @@ def int2mix_span(
     out: np.ndarray,
     bf16: bool,
     rope: Rope = NO_ROPE,
+    counts: tuple[int, int] | None = None,
 ) -> None:
     """Tokens ``[s, e)`` of ``raw`` (``int2mix`` blocks) into ``out``'s tokens from ``at``,
     ``span = (first, s, e, at, block)`` (``first`` unused: the tables are built here).
     ``sections``: the byte offsets in a payload of its key codes 4, key codes 2, value codes,
     key widths, key z, key c, value z and value c (``Int2MixCodec._sections``' order);
     ``units`` ``(blocks, L, H, 4)`` float32: each block's float16 units widened; ``out`` and
-    ``bf16``: :func:`target_of`'s; ``rope``: as :func:`uniform_span`'s. Checked first
-    (:func:`check_span`)."""
+    ``bf16``: :func:`target_of`'s; ``rope``: as :func:`uniform_span`'s; ``counts``: the
+    codec's 4-bit and 2-bit key channels per head (``Int2MixCodec.key_counts``; default ``D /
+    4`` and ``D / 2``). Checked first (:func:`check_span`)."""
     layers, heads = units.shape[1:3]
     dim = int(sections[5] - sections[4]) // (layers * heads)  # key z: one byte per channel
     check_span(raw, span, out, (layers, heads, dim))
-    _int2mix(raw, sections, units, span, out, bf16, rope)
+    wide, mid = counts or (dim // 4, dim // 2)
+    if wide % 2 or mid % 4 or wide + mid > dim:
+        raise ValueError(f"int2mix key counts {wide}, {mid} for head_dim {dim}")
+    _int2mix(raw, sections, units, span, out, bf16, rope, (int(wide), int(mid)))
 
 
 @compiled()

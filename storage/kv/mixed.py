@@ -61,16 +61,18 @@ _KERNEL_SECTIONS = ("k_codes4", "k_codes2", "v_codes", "k_widths", "k_z", "k_c",
 WIDTH_LEVELS = (0, 3, 15)  # levels of a key channel of width 0 (mean), 1 (2 bits), 2 (4 bits)
 
 
-def key_widths(keys: torch.Tensor) -> torch.Tensor:
+def key_widths(keys: torch.Tensor, counts: tuple[int, int] | None = None) -> torch.Tensor:
     """Keys ``(k, L, H, B, D)`` -> each channel's width ``(k, L, H, D)`` uint8: 2 for the
-    widest ``D / 4`` channels by range over the block's tokens, 1 for the next ``D / 2``, 0 for
-    the rest (ties: the lower channel first)."""
+    widest ``counts[0]`` channels by range over the block's tokens (default ``D / 4``), 1 for
+    the next ``counts[1]`` (default ``D / 2``), 0 for the rest (ties: the lower channel
+    first)."""
     d = keys.shape[-1]
+    wide, mid = counts or (d // 4, d // 2)
     ranges = keys.amax(dim=3) - keys.amin(dim=3)
     order = torch.sort(ranges, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(d).expand_as(order).contiguous())
-    widths = (rank < d // 4).to(torch.uint8) + (rank < 3 * d // 4).to(torch.uint8)
+    widths = (rank < wide).to(torch.uint8) + (rank < wide + mid).to(torch.uint8)
     return widths
 
 
@@ -159,20 +161,27 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
     _TABLES = ("k_widths", "k_z", "k_c", "v_z", "v_c", "units")  # per block, layer and head
     _table_block_axis: ClassVar[int] = 2  # _block_tables' tensors are (L, H, blocks, 1, D)
 
+    def key_counts(self, dim: int) -> tuple[int, int]:
+        """How many key channels of a head of ``dim`` get 4-bit and 2-bit codes (the rest
+        their mean): a quarter and a half."""
+        return dim // 4, dim // 2
+
     def _code_bytes(self, g: KvGeometry) -> int:
         if g.head_dim % 8:
             raise ValueError(
-                f"kv_codec int2mix needs a head_dim that is a multiple of 8, got {g.head_dim}; "
-                "use int2 or int4 for this model"
+                f"kv_codec {self.name} needs a head_dim that is a multiple of 8, got "
+                f"{g.head_dim}; use int2 or int4 for this model"
             )
         return g.layers * g.kv_heads * g.block_tokens * g.head_dim // 4
 
     def _sections(self, g: KvGeometry) -> list[tuple[str, int]]:
         lh, dim = g.layers * g.kv_heads, g.head_dim
         codes = self._code_bytes(g)
+        wide, mid = self.key_counts(dim)
+        tokens = lh * g.block_tokens
         return [
-            ("k_codes4", codes // 2),
-            ("k_codes2", codes // 2),
+            ("k_codes4", tokens * wide // 2),
+            ("k_codes2", tokens * mid // 4),
             ("v_codes", codes),
             ("k_widths", lh * dim // 4),
             ("k_z", lh * dim),
@@ -185,16 +194,16 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
     def _quantize_halves(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
         from coinrag.storage.kv.lowbit import quantize_fine_scales
 
-        widths = key_widths(keys)
+        wide, mid = self.key_counts(keys.shape[-1])
+        widths = key_widths(keys, (wide, mid))
         k_codes, k_z, k_c, k_lo_unit, k_step_unit = quantize_mixed(keys, widths)
         v_codes, v_z, v_c, v_lo_unit, v_step_unit = quantize_fine_scales(values, 3, 3, CLIPS)
-        d = keys.shape[-1]
         order = torch.sort(widths, dim=-1, descending=True, stable=True).indices
         ranked = k_codes.gather(-1, order.unsqueeze(3).expand_as(k_codes))
         units = torch.cat([k_lo_unit, k_step_unit, v_lo_unit, v_step_unit], dim=-1)
         return [
-            pack_bits(ranked[..., : d // 4], 4),
-            pack_bits(ranked[..., d // 4 : 3 * d // 4], 2),
+            pack_bits(ranked[..., :wide], 4),
+            pack_bits(ranked[..., wide : wide + mid], 2),
             pack_bits(v_codes, 2),
             pack_bits(widths, 2),
             k_z.view(torch.uint8),
@@ -225,9 +234,10 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         widths = unpack_bits(cut["k_widths"][b0:b1].reshape(nb, lay, heads, 1, dim // 4), 2)
         widths = widths.permute(1, 2, 0, 3, 4).to(torch.int64)
         wide, mid = widths == 2, widths == 1
+        n_wide, n_mid = self.key_counts(dim)
         # a channel's rank among its width's channels (channel order), offset to its section
-        pos = torch.where(wide, wide.cumsum(-1) - 1, mid.cumsum(-1) - 1 + dim // 4)
-        pos = torch.where(wide | mid, pos, 3 * dim // 4)  # mean-only: a zero code
+        pos = torch.where(wide, wide.cumsum(-1) - 1, mid.cumsum(-1) - 1 + n_wide)
+        pos = torch.where(wide | mid, pos, n_wide + n_mid)  # mean-only: a zero code
         return (
             scale("k_z", 0, True),
             scale("k_c", 1, False),
@@ -281,9 +291,10 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
             k_lo, k_step, v_lo, v_step, pos = self._block_tables(cut, b0, b1, g)
         else:
             k_lo, k_step, v_lo, v_step, pos = (t[:, :, b0:b1] for t in tables)
-        ranked = section("k_codes4", 4, dim // 4)  # (L, H, nb, t, D / 4)
-        zero = torch.zeros((*ranked.shape[:-1], dim // 4), dtype=torch.uint8)
-        ranked = torch.cat([ranked, section("k_codes2", 2, dim // 2), zero], dim=-1)
+        n_wide, n_mid = self.key_counts(dim)
+        ranked = section("k_codes4", 4, n_wide)  # (L, H, nb, t, n_wide)
+        zero = torch.zeros((*ranked.shape[:-1], dim - n_wide - n_mid), dtype=torch.uint8)
+        ranked = torch.cat([ranked, section("k_codes2", 2, n_mid), zero], dim=-1)
         keys = ranked.gather(-1, pos.expand(*ranked.shape[:-1], dim)).to(torch.float32)
         values = section("v_codes", 2, dim).to(torch.float32)
         n = nb * (t1 - t0)
@@ -331,10 +342,13 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
             for i in used
         }
         angles = kernels.rope_tables(rope, target)
+        counts = self.key_counts(g.head_dim)
         for i, s, e, to in picks:
             if e > s:
                 span = (0, s, e, to, g.block_tokens)
-                kernels.int2mix_span(reads[i], sections, units[i], span, target, bf16, angles)
+                kernels.int2mix_span(
+                    reads[i], sections, units[i], span, target, bf16, angles, counts
+                )
 
     def _table_sections(self, g: KvGeometry) -> list[str]:
         return list(self._TABLES)
@@ -379,6 +393,15 @@ class Int2BasisCodec(Int2MixCodec, name="int2basis"):
     """
 
     needs_basis = True
+
+    def key_counts(self, dim: int) -> tuple[int, int]:
+        """``5 D / 16`` 4-bit key channels (rounded to an even count), ``D - 2`` that many
+        2-bit ones and the rest their mean (at ``D`` 64: 20, 24, 20): in the basis the spread
+        sits in fewer coordinates, and spending more bits on them lowers the next-token KL
+        (SmolLM2, 30 FAQ questions: 0.033 against 0.039 at ``int2mix``'s 16, 32, 16;
+        ``tests/benchmarks/RESULTS.md``). The same 2 bits per value on average."""
+        wide = 2 * round(5 * dim / 32)
+        return wide, dim - 2 * wide
 
     def view(self, kv: torch.Tensor, g: KvGeometry) -> np.ndarray:
         """Quantize ``kv`` ``(L, 2, H, n, D)`` (keys at position 0) with its keys turned into

@@ -7,10 +7,14 @@ sees the same machine load (a shared machine's load moves a row-by-row table by 
 
 - ``KV tok/s``: ``tasks.kv.kv_stage`` on the first ``--chunks`` 512-token chunks of three FAQ
   pages (SmolLM2-135M, bfloat16, batch 4, shard writes overlapped as in a build), each codec
-  into a fresh store, the codecs alternated ``--rounds`` times; best and median;
+  into a fresh store, the codecs alternated ``--rounds`` times; best and median. A codec with
+  a key basis (``int2basis``) gets its store's basis written first (calibrated on the other
+  FAQ pages' chunks, as a build's first run does once per store), so its rate is a build's
+  after that; the calibration's own seconds are printed beside;
 - per-layer ``‖x̂ − x‖ / ‖x‖`` of keys (at position 0, as stored) and values of one 512-token
-  chunk (mean and worst layer), the order-0 entropy of the codes (bits per code) and the bytes
-  of the payloads compressed by zstd (numcodecs, level 3, block by block) over raw bf16;
+  chunk (mean and worst layer; a key basis calibrated on the other FAQ pages' chunks), the
+  order-0 entropy of the codes (bits per code) and the bytes of the payloads compressed by
+  zstd (numcodecs, level 3, block by block) over raw bf16;
 - with ``--store`` (a store holding those codecs' KV of whole chunks, e.g. ``bench_kv_table.py
   --one-store``'s): ``KvStore.read_slices`` of coinrag-like requests (10 slices of 17 tokens
   in 4 random chunks) per codec, alternated per question; mean and P99 ms; each codec twice:
@@ -41,7 +45,36 @@ from coinrag.storage.store import Store  # noqa: E402
 FAQ = Path("/usr/share/doc/python3.11/html/_sources/faq")
 
 
+def calibration_rows(loaded) -> list:
+    """The chunks a key basis is calibrated on here: ``tasks.kv.calibration_chunks`` of the
+    FAQ pages after the first three (those the throughput and errors are measured on)."""
+    from coinrag.inference.model.loading import tokenizer_fingerprint
+    from coinrag.tasks.chunk import chunk_document
+    from coinrag.tasks.kv import KvOptions, calibration_chunks
+
+    tok = loaded.tokenizer
+    fp = tokenizer_fingerprint(tok)
+    rows = []
+    for page in sorted(FAQ.glob("*.rst.txt"))[3:]:
+        text = page.read_text(encoding="utf-8")
+        rows += chunk_document(tok, page.stem, "v", text, tokenizer_fp=fp, run_id="r")
+    return calibration_chunks(rows, KvOptions(kv_codec="int2basis"))
+
+
+def key_basis(loaded) -> tuple[object, float]:
+    """A key basis calibrated on :func:`calibration_rows`, and the seconds that took."""
+    from coinrag.inference.model.calibrate import calibrated_key_basis
+    from coinrag.inference.model.prompt import RagPrompt
+
+    rows = calibration_rows(loaded)
+    t0 = time.perf_counter()
+    prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
+    basis, _ = calibrated_key_basis(loaded.model, prompt, [r.token_ids for r in rows])
+    return basis, time.perf_counter() - t0
+
+
 def throughput(loaded, codecs: list[str], chunks: int, rounds: int) -> dict[str, list[float]]:
+    from coinrag.inference.model.encode import kv_layout
     from coinrag.inference.model.loading import tokenizer_fingerprint
     from coinrag.inference.model.prompt import RagPrompt
     from coinrag.tasks.chunk import chunk_document
@@ -56,9 +89,16 @@ def throughput(loaded, codecs: list[str], chunks: int, rounds: int) -> dict[str,
     tokens = sum(r.n_tokens for r in rows)
     root = Path(tempfile.mkdtemp(prefix="bench-codec-speed-"))
     out: dict[str, list[float]] = {c: [] for c in codecs}
+    basis = None
+    if any(KvLayout("m", "p", 1, 1, 8, "bfloat16", kv_codec=c).codec.needs_basis for c in codecs):
+        basis, secs = key_basis(loaded)
+        print(f"key basis: calibrated on 24 chunks in {secs:.1f} s (once per store)")
     for r in range(rounds):
         for c in codecs:
             store = Store.at(root / f"{c}-{r}").init()
+            layout = kv_layout(loaded, prompt, **KvOptions(kv_codec=c).layout_options("chunks"))
+            if layout.codec.needs_basis:  # written once per store, before its first entry
+                KvStore.create(store, layout).key_basis.write(basis, {"chunks": "bench"})
             t0 = time.perf_counter()
             kv_stage(store, rows, loaded, prompt, "run", KvOptions(batch_size=4, kv_codec=c))
             out[c].append(tokens / (time.perf_counter() - t0))
@@ -87,13 +127,15 @@ def errors(loaded, codecs: list[str]) -> None:
     for name in codecs:
         lay = KvLayout("m", "p", layers, heads, dim, "bfloat16", kv_codec=name)
         codec = lay.codec
+        if codec.needs_basis:
+            lay.key_basis.set(key_basis(loaded)[0])
         stored = codec.encode(pre, lay)
         got = codec.decode(stored, lay)[:, :, :, :n].double()
         rel = (got - pre.double()).flatten(2).norm(dim=2) / pre.double().flatten(2).norm(dim=2)
         zstd = sum(len(Zstd(level=3).encode(np.ascontiguousarray(b))) for b in stored)
         line = f"{name}: bytes/raw bf16 {stored.nbytes / raw:.4f}, zstd {zstd / raw:.4f}"
         cut = codec._cut(torch.from_numpy(stored), lay) if hasattr(codec, "levels") else {}
-        if "k_codes" in cut:  # int2mix's key codes are in two widths: not counted
+        if "k_codes" in cut:  # int2mix's (int2basis's) key codes are in two widths: not counted
             shape = (stored.shape[0], layers, heads, lay.block_tokens, dim * codec.bits // 8)
             bits = [
                 entropy_bits(codec._unpack(cut[s].reshape(shape), dim), codec.levels)

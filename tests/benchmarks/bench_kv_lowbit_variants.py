@@ -37,7 +37,10 @@ to position 0 first, as the quantized stores keep them) with ``int2``'s one-byte
   values times ``G^1/2`` first, ``G`` the Gram matrix of the output projection's columns that
   read the head (an error's size in the attention block's output), axes taken there;
 - ``tokx:N:BASE``: per block, layer and head the ``N`` tokens farthest from the block's channel
-  means kept exact and out of BASE's ranges (token outliers).
+  means kept exact and out of BASE's ranges (token outliers);
+- ``stored:BASE`` (keys): in the key basis a store's ``int2basis`` KV holds (``--basis
+  STORE``: ``k @ forward``, BASE there, ``@ inverse``), e.g. the codec's own keys are
+  ``stored:km:16,0,32,0``.
 
 ``--f1 N`` (``--f1-methods coinrag turborag``, ``--f1-out DIR``): then ``coinrag eval``'s own
 loop (``evaluate``, kc 4, k 10) on the first N questions, the store read as stored (not with
@@ -157,6 +160,7 @@ def lloyd0(x, dim, bits, mults=(0.8, 0.9, 1.0, 1.1, 1.2, 1.35)):
 # (1, L, H, D, D) principal axes: keys (3), values (4), keys scaled by the queries' RMS ("q"),
 # values times G^1/2 ("o")
 PCA: dict[int | str, torch.Tensor | None] = {3: None, 4: None, "q": None, "o": None}
+STORED_BASIS = None  # --basis: the key basis of a store's int2basis KV (storage/kv/basis.py)
 OUT_ROOT: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, L, H, D, D): G^1/2, G^-1/2
 
 
@@ -296,6 +300,11 @@ def quantizer(kind: str, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
             )
         inner, rot, w = quantizer(kind[5:], dim), PCA["q"], QUERY_RMS[:, :, :, None]
         return lambda x: (inner((x * w) @ rot) @ rot.transpose(-1, -2)) / w
+    if kind.startswith("stored:"):  # keys in the basis an int2basis KV store holds (--basis)
+        if STORED_BASIS is None:
+            raise SystemExit(f"error: variant {kind!r} needs --basis STORE")
+        inner, basis = quantizer(kind[7:], dim), STORED_BASIS
+        return lambda x: inner(x @ basis.forward) @ basis.inverse
     if kind.startswith("pcao:"):  # values: whitened by the output projection, principal axes
         if PCA["o"] is None or OUT_ROOT is None:
             raise SystemExit(f"error: variant {kind!r} needs --calibrate or --pca")
@@ -400,6 +409,19 @@ def store_errors(float_kv, spec, p: int, codecs: list[str]) -> None:
         print(f"{c}: {len(e)} entries, {worst}")
 
 
+def stored_basis(store: Path):
+    """The key basis of ``store``'s ``int2basis`` KV (its first KV folder with one)."""
+    from coinrag.storage.kv import KvStore
+    from coinrag.storage.store import Store
+
+    st = Store.at(store)
+    for folder in sorted((store / "kv").glob("kv-*")):
+        kv = KvStore.open(st, folder.name)
+        if kv.layout.codec.needs_basis:
+            return kv.key_basis.read()
+    raise SystemExit(f"error: {store} holds no int2basis KV")
+
+
 def head_dims(model) -> tuple[int, int, int]:
     """(query heads, key-value heads, head dim) of ``model``'s config."""
     cfg = model.config
@@ -477,6 +499,7 @@ def main():
     ap.add_argument("--f1-no-reference", action="store_true", help="--f1 without `none`'s run")
     ap.add_argument("--calibrate", type=Path, help="JSONL texts: queries' RMS and axes from them")
     ap.add_argument("--pca", type=int, default=0, help="pca: axes from every N-th entry")
+    ap.add_argument("--basis", type=Path, help="stored: the key basis of this store's int2basis KV")
     ap.add_argument("--block", type=int, default=BLOCK, help="tokens per quantized block")
     ap.add_argument(
         "--query-weights", type=Path, help="corpus JSONL: channel weights of kmq/kmw/vmq"
@@ -526,6 +549,9 @@ def main():
                 for ck in list(float_kv.manifest())[:: args.pca]
             ],
         )
+    if args.basis:
+        global STORED_BASIS
+        STORED_BASIS = stored_basis(args.basis)
     if args.codec_errors:
         store_errors(float_kv, spec, p, args.codec_errors)
     readers = {}

@@ -5,10 +5,11 @@ The bounds, held against the float entry:
 
 - the basis: ``forward @ inverse = I`` within float32 rounding, and the calibration keys'
   coordinates uncorrelated with their variance in descending order;
-- per layer, keys: in coordinate space ``int2mix``'s bound (``mixed_step_bounds`` of the
-  coordinates of the float entry), carried back per head by ``‖inverse_h‖₂``: ``‖k̂ − k‖² <=
-  Σ_h ‖inverse_h‖₂² Σ (step / 2)²``; values as ``int2mix``'s; plus ``ROUNDING`` half-ulps of
-  the model dtype and float32's rounding of the product;
+- per layer, keys: in coordinate space ``int2mix``'s bound at the codec's key counts
+  (``mixed_step_bounds`` of the coordinates of the float entry), carried back per head by
+  ``‖inverse_h‖₂``: ``‖k̂ − k‖² <= Σ_h ‖inverse_h‖₂² Σ (step / 2)²``; values as
+  ``int2mix``'s; plus ``ROUNDING`` half-ulps of the model dtype and float32's rounding of the
+  product;
 - per layer, relative: keys within ``relative_error_bound_in_basis`` (``int2mix``'s bound times
   the basis's condition), values within ``int2mix``'s.
 
@@ -21,12 +22,14 @@ random Qwen2, Llama and Qwen3 (whose queries are read after ``q_norm``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 
+import httpx
 import numpy as np
 import pytest
 import torch
-from store_fixtures import synthetic_chunk
+from store_fixtures import sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from test_kv_codecs import (
     DOCS,
     HALF_ULP,
@@ -38,7 +41,9 @@ from test_kv_codecs import (
     _tiny,
     mixed_step_bounds,
 )
+from typer.testing import CliRunner
 
+from coinrag.flows.cli import app
 from coinrag.flows.verify import verify_store
 from coinrag.inference.context.assemble import KvSlice, assemble_context
 from coinrag.inference.model.calibrate import key_statistics, query_modules
@@ -46,9 +51,12 @@ from coinrag.inference.model.encode import keys_to_position_zero
 from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
 from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, rerotate_keys
-from coinrag.storage.kv import KvError, KvLayout, KvStore, codec_named
+from coinrag.schemas.tables import RunRow
+from coinrag.storage.kv import CorruptKvEntry, KvError, KvLayout, KvStore, codec_named
 from coinrag.storage.kv.basis import KeyBasis, calibrated_basis
+from coinrag.storage.kv.layout import parse_location
 from coinrag.storage.store import Store
+from coinrag.storage.tables import read_rows
 from coinrag.tasks.chunk import chunk_document
 from coinrag.tasks.kv import CALIBRATION_CHUNKS, KvOptions, calibration_chunks, kv_stage
 
@@ -262,7 +270,8 @@ def _key_bound_sq(kv: KvStore, pre: torch.Tensor, s: int, e: int) -> torch.Tenso
     basis = kv.layout.key_basis.get()
     exact = pre.float().clone()
     exact[:, 0] = basis.to_coordinates(pre[:, 0].float())
-    steps = mixed_step_bounds(exact, kv.layout.block_tokens)[:, :, :, s:e]
+    counts = kv.layout.codec.key_counts(kv.layout.head_dim)
+    steps = mixed_step_bounds(exact, kv.layout.block_tokens, counts)[:, :, :, s:e]
     per_head = (steps / 2).pow(2).sum((3, 4))  # (L, 2, H)
     sigma = torch.linalg.matrix_norm(basis.inverse.double(), ord=2)  # (L, H)
     per_head[:, 0] *= sigma.square() * (1 + 2**-12)  # and float32's rounding of the product
@@ -362,3 +371,76 @@ def test_a_damaged_basis_is_replaced_and_every_entry_rebuilt(model, stores, tmp_
     assert fresh.key_basis.problem() is None
     for c in chunks:  # the same basis recalibrated on the same chunks: the same bytes
         assert np.array_equal(fresh.read_stored(c.content_key), before[c.content_key])
+
+
+def test_a_flipped_byte_in_a_block_is_found_and_the_build_repairs_it(
+    model, stores, tmp_path
+) -> None:
+    """A block of an ``int2basis`` entry with a flipped byte fails its crc32c on a slice read
+    and on the check before reuse; the next KV stage rebuilds that entry alone (the basis
+    stays) and it reads back as before."""
+    _, chunks = stores["int2basis"]
+    prompt = RagPrompt.for_tokenizer(model.tokenizer)
+    store = Store.at(tmp_path / "s").init()
+    options = KvOptions(batch_size=1, kv_codec="int2basis")
+    first = kv_stage(store, chunks, model, prompt, "run-1", options)
+    kv = KvStore.open(store, first.kv_fp)
+    ck = chunks[0].content_key
+    before = kv.read_entry(ck)
+    shard = kv._shard(parse_location(kv.manifest()[ck].location)[1])
+    data = kv.root / shard.name / shard.data_key
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0x01  # slot 0, block 0
+    data.write_bytes(bytes(raw))
+    fresh = KvStore.open(store, first.kv_fp)
+    with pytest.raises(CorruptKvEntry, match="block 0 fails its crc32c"):
+        fresh.read_slices([(ck, 0, 3)])
+    assert set(fresh.entry_problems(fresh.manifest(), "crc32c")) == {ck}
+    repaired = kv_stage(store, chunks, model, prompt, "run-2", options)
+    assert (repaired.rebuilt, repaired.computed, repaired.basis_written) == (1, 1, "")
+    assert torch.equal(KvStore.open(store, first.kv_fp).read_entry(ck), before)
+
+
+@pytest.mark.heavy  # over 10 s: the second tier
+@pytest.mark.usefixtures("prefect_harness")
+def test_build_query_and_serve_with_int2basis(tmp_path, smollm2_tokenizer, sample_corpus) -> None:
+    """``coinrag build --kv-codec int2basis`` stores a key basis and answers coinrag and
+    turborag from it, by ``coinrag query`` and by the API server alike; ``verify`` passes."""
+    from api_harness import serving
+
+    from coinrag.inference.server.app import ServerConfig
+
+    source = write_corpus(tmp_path / "docs.jsonl", sample_docs(sample_corpus, 3))
+    model = save_tiny_llama(tmp_path / "llama", smollm2_tokenizer, 5)
+    store = tmp_path / "store"
+    build = ["build", str(source), "--store", str(store), "--extractor", "rules", "--model"]
+    build += [str(model), "--chunk-size", "64", "--kv-dtype", "bfloat16"]
+    result = CliRunner().invoke(app, [*build, "--kv-codec", "int2basis"])
+    assert result.exit_code == 0, result.output
+    (run,) = [r for r in read_rows(Store.at(store), RunRow) if r.status == "completed"]
+    kv = KvStore.open(Store.at(store), json.loads(run.fingerprints_json)["kv_fp"])
+    assert kv.layout.kv_codec == "int2basis" and kv.key_basis.problem() is None
+    assert kv.key_basis.calibration()["queries"] == "q_proj"
+    assert verify_store(str(store)).corrupt == []
+    question = "Who directed 2001: A Space Odyssey?"
+    answers = {}
+    for method in ("coinrag", "turborag"):
+        result = CliRunner().invoke(
+            app,
+            ["query", question, "--store", str(store), "--method", method, "--kc", "2", "--k"]
+            + ["4", "--max-new-tokens", "4", "--json", "--threads", "1"],
+        )
+        assert result.exit_code == 0, result.output
+        answers[method] = json.loads(result.stdout.strip().splitlines()[-1])
+        assert answers[method]["evidence"] and answers[method]["timings"]["kv_load"] > 0
+    config = ServerConfig(
+        store=str(store), methods=("coinrag", "turborag"), max_new_tokens=4,
+        settings={"threads": 1},
+    )  # fmt: skip
+    with serving(config) as (base, _), httpx.Client(timeout=120) as client:
+        for method, cli in answers.items():
+            body = {"question": question, "method": method, "kc": 2, "k": 4}
+            served = client.post(f"{base}/query", json=body)
+            assert served.status_code == 200, served.text
+            assert served.json()["answer"] == cli["answer"]
+            assert served.json()["evidence"] == cli["evidence"]

@@ -129,7 +129,7 @@ def _fine_step_bound(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return steps + step_unit
 
 
-def mixed_step_bounds(pre: torch.Tensor, block: int) -> torch.Tensor:
+def mixed_step_bounds(pre: torch.Tensor, block: int, counts: tuple[int, int] | None = None):
     """:func:`step_bounds` of ``int2mix``: per block, layer and head the key channels ranked by
     range (float32, as the codec ranks its input; largest first, ties by channel), the widest
     quarter bounded as 4-bit groups, the next half as 2-bit ones, the rest by ``range +
@@ -141,7 +141,8 @@ def mixed_step_bounds(pre: torch.Tensor, block: int) -> torch.Tensor:
     ranges = keys32.amax(-2) - keys32.amin(-2)
     order = torch.sort(ranges, dim=-1, descending=True, stable=True).indices
     rank = order.argsort(-1)
-    levels = torch.where(rank < dim // 4, 15.0, torch.where(rank < 3 * dim // 4, 3.0, 0.0))
+    wide, mid = counts or (dim // 4, dim // 2)  # the codec's key_counts
+    levels = torch.where(rank < wide, 15.0, torch.where(rank < wide + mid, 3.0, 0.0))
     levels = levels.to(torch.float64).unsqueeze(-2)
     keys = _pad_blocks(x[:, 0], block)
     lo, hi = keys.amin(-2, keepdim=True), keys.amax(-2, keepdim=True)
