@@ -329,6 +329,8 @@ class BuildOutputs:
             "kv_rebuilt": kv.get("rebuilt", 0),
             "kv_disk_bytes": kv.get("disk_bytes", 0),
             "kv_nothing_kept": kv.get("nothing_kept", 0),
+            # int2basis: "new" or "replaced" where this run calibrated and stored a key basis
+            **({"kv_basis": kv["basis_written"]} if kv.get("basis_written") else {}),
             "kv_dtype": kv_dtype,
             "kv_keep": s.kv_keep,
             "embedded": index.get("embedded", 0),

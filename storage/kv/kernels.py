@@ -41,6 +41,7 @@ from coinrag.storage.jit import bf16_bits, compiled, fma32
 Span = tuple[int, int, int, int, int]  # (first table row, s, e, at, block): a pick's tokens
 Rope = tuple[np.ndarray, np.ndarray]  # cos, sin (tokens of the target, R / 2) float32; 0 rows: none
 NO_ROPE: Rope = (np.zeros((0, 1), np.float32), np.zeros((0, 1), np.float32))
+NO_BASIS = np.zeros((0, 0, 0, 0), np.float32)  # int2mix: keys stored as they are
 
 
 def rope_tables(rope: Rope | None, out: np.ndarray) -> Rope:
@@ -248,17 +249,16 @@ def _int2mix_tables(
     units: np.ndarray,
     place: np.ndarray,
     scales: np.ndarray,
-    counts: tuple[int, int],
 ) -> None:
     """One block's tables for layer-head ``lh`` (``units``: its four float32 units): each key
-    channel's ``place`` among a token's ranked codes (the ``counts[0]`` 4-bit ones in channel
-    order, then the ``counts[1]`` 2-bit ones, then a zero for the mean-only channels: the
-    codec's order), and ``(4, D)`` float32 key ``lo``, key ``step``, value ``lo``, value
-    ``step`` into ``scales`` (``z * lo_unit``, ``c * step_unit``: exact in float32).
-    ValueError for widths other than the encoder's counts."""
+    channel's ``place`` among a token's ranked codes (the ``sections[8]`` 4-bit ones in
+    channel order, then the ``sections[9]`` 2-bit ones, then a zero for the mean-only
+    channels: the codec's order), and ``(4, D)`` float32 key ``lo``, key ``step``, value
+    ``lo``, value ``step`` into ``scales`` (``z * lo_unit``, ``c * step_unit``: exact in
+    float32). ValueError for widths other than the encoder's counts."""
     dim = place.shape[0]
     q = dim // 4
-    n_wide, n_mid = counts
+    n_wide, n_mid = sections[8], sections[9]
     kw, kz, kc, vz, vc = sections[3], sections[4], sections[5], sections[6], sections[7]
     wide = 0
     mid = 0
@@ -317,6 +317,22 @@ def _int2mix_token(
             vf[d] = np.float32((y >> (2 * m)) & 3) * scales[3, d] + scales[2, d]
 
 
+@compiled(inline=True)
+def _from_basis(kf: np.ndarray, m: np.ndarray, kb: np.ndarray) -> None:
+    """A key from its coordinates ``kf`` in a key basis, ``kf @ m`` (``m``: the head's
+    ``inverse``), written back into ``kf``: as :func:`basis_rows` computes each value (summed
+    over ``i`` in order, one ``fma`` a term), so both give the same bits."""
+    dim = kf.shape[0]
+    for j in range(dim):
+        kb[j] = np.float32(0.0)
+    for i in range(dim):
+        ci = kf[i]
+        for j in range(dim):
+            kb[j] = fma32(ci, m[i, j], kb[j])
+    for j in range(dim):
+        kf[j] = kb[j]
+
+
 @compiled()
 def _int2mix(
     raw: np.ndarray,
@@ -326,19 +342,21 @@ def _int2mix(
     out: np.ndarray,
     bf16: bool,
     rope: Rope,
-    counts: tuple[int, int],
+    inverse: np.ndarray,
 ) -> None:
     """:func:`int2mix_span`'s loop: per touched block, layer and head its tables, then each
-    token's codes."""
+    token's codes (its key turned back from the basis where ``inverse`` has rows)."""
     _, s, e, at, block = span
     layers, _, heads, _, dim = out.shape
     q = dim // 4
-    n_wide, n_mid = counts
+    n_wide, n_mid = sections[8], sections[9]
+    counts = (n_wide, n_mid)
     place = np.empty(dim, np.int64)
     ranked = np.zeros(n_wide + n_mid + 1, np.uint8)  # the last stays 0: a mean-only code
     scales = np.empty((4, dim), np.float32)
     kf = np.empty(dim, np.float32)
     vf = np.empty(dim, np.float32)
+    kb = np.empty(dim, np.float32)
     ku = kf.view(np.uint32)
     vu = vf.view(np.uint32)
     for b in range(s // block, (e + block - 1) // block):
@@ -346,7 +364,7 @@ def _int2mix(
         for lay in range(layers):
             for h in range(heads):
                 lh = lay * heads + h
-                _int2mix_tables(row, sections, lh, units[b, lay, h], place, scales, counts)
+                _int2mix_tables(row, sections, lh, units[b, lay, h], place, scales)
                 for tt in range(max(s, b * block) - b * block, min(e, (b + 1) * block) - b * block):
                     token = lh * block + tt
                     starts = (
@@ -355,6 +373,8 @@ def _int2mix(
                         sections[2] + token * q,
                     )
                     _int2mix_token(row, starts, place, scales, ranked, kf, vf, counts)
+                    if inverse.shape[0]:
+                        _from_basis(kf, inverse[lay, h], kb)
                     tok = at + b * block + tt - s
                     if rope[0].shape[0]:
                         _rotated_key(kf, ku, rope, tok, bf16)
@@ -375,23 +395,30 @@ def int2mix_span(
     out: np.ndarray,
     bf16: bool,
     rope: Rope = NO_ROPE,
-    counts: tuple[int, int] | None = None,
+    inverse: np.ndarray | None = None,
 ) -> None:
-    """Tokens ``[s, e)`` of ``raw`` (``int2mix`` blocks) into ``out``'s tokens from ``at``,
+    """Tokens ``[s, e)`` of ``raw`` (``int2mix`` or ``int2basis`` blocks) into ``out``'s
+    tokens from ``at``,
     ``span = (first, s, e, at, block)`` (``first`` unused: the tables are built here).
     ``sections``: the byte offsets in a payload of its key codes 4, key codes 2, value codes,
-    key widths, key z, key c, value z and value c (``Int2MixCodec._sections``' order);
+    key widths, key z, key c, value z and value c (``Int2MixCodec._sections``' order), then
+    the codec's counts of 4-bit and 2-bit key channels per head (``key_counts``);
     ``units`` ``(blocks, L, H, 4)`` float32: each block's float16 units widened; ``out`` and
-    ``bf16``: :func:`target_of`'s; ``rope``: as :func:`uniform_span`'s; ``counts``: the
-    codec's 4-bit and 2-bit key channels per head (``Int2MixCodec.key_counts``; default ``D /
-    4`` and ``D / 2``). Checked first (:func:`check_span`)."""
+    ``bf16``: :func:`target_of`'s; ``rope``: as :func:`uniform_span`'s, applied after the
+    basis; ``inverse``: ``int2basis``'s ``(L, H, D, D)`` float32 (``KeyBasis.inverse``), keys
+    turned back from their coordinates as :func:`basis_rows` turns them (None: ``int2mix``).
+    Checked first (:func:`check_span`)."""
     layers, heads = units.shape[1:3]
     dim = int(sections[5] - sections[4]) // (layers * heads)  # key z: one byte per channel
     check_span(raw, span, out, (layers, heads, dim))
-    wide, mid = counts or (dim // 4, dim // 2)
+    wide, mid = int(sections[8]), int(sections[9])
     if wide % 2 or mid % 4 or wide + mid > dim:
         raise ValueError(f"int2mix key counts {wide}, {mid} for head_dim {dim}")
-    _int2mix(raw, sections, units, span, out, bf16, rope, (int(wide), int(mid)))
+    if inverse is None:
+        inverse = NO_BASIS
+    elif inverse.shape != (layers, heads, dim, dim) or inverse.dtype != np.float32:
+        raise ValueError(f"a key basis {inverse.shape} {inverse.dtype} for {(layers, heads, dim)}")
+    _int2mix(raw, sections, units, span, out, bf16, rope, np.ascontiguousarray(inverse))
 
 
 @compiled()

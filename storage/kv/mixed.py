@@ -331,7 +331,8 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         from coinrag.storage.kv import kernels  # numba, imported where a decode needs it
 
         at = self._section_offsets(g)
-        sections = np.array([at[name] for name in _KERNEL_SECTIONS], dtype=np.int64)
+        offsets = [at[name] for name in _KERNEL_SECTIONS]
+        sections = np.array([*offsets, *self.key_counts(g.head_dim)], dtype=np.int64)
         lay, heads = g.layers, g.kv_heads
         units_at = at["units"]
         units = {
@@ -342,13 +343,17 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
             for i in used
         }
         angles = kernels.rope_tables(rope, target)
-        counts = self.key_counts(g.head_dim)
+        inverse = self._inverse(g)
         for i, s, e, to in picks:
             if e > s:
                 span = (0, s, e, to, g.block_tokens)
                 kernels.int2mix_span(
-                    reads[i], sections, units[i], span, target, bf16, angles, counts
+                    reads[i], sections, units[i], span, target, bf16, angles, inverse
                 )
+
+    def _inverse(self, g: KvGeometry) -> np.ndarray | None:
+        """The compiled decode's key basis: none (``int2mix`` stores keys as they are)."""
+        return None
 
     def _table_sections(self, g: KvGeometry) -> list[str]:
         return list(self._TABLES)
@@ -364,21 +369,24 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         ``head_dim`` up to 256 (Gemma's): the larger of ``int2``'s (``sqrt(group / 2) / 3``,
         widened for the units) and 1 (a mean-only channel's squared error is at most its
         squared norm: the mean minimizes it), plus the rounding of the means to ``lo_unit``
-        (``n (lo_unit / 2)²`` per mean-only channel, a quarter of ``head_dim`` of them, against
-        a head whose norm is at least the ``max |min or mean| = 127 lo_unit`` the unit is taken
-        from: ``sqrt(group * 256 / 16) / 127`` at ``head_dim`` 256).
+        (``n (lo_unit / 2)²`` per mean-only channel, ``m`` of them, a quarter of ``head_dim``
+        for ``int2mix``, against a head whose norm is at least the ``max |min or mean| = 127
+        lo_unit`` the unit is taken from: ``sqrt(group * m / 4) / 127`` at ``head_dim`` 256).
 
         E.g. 64-token blocks: 1.890 + 0.252 = 2.142 (at 2 bits nothing better than 1 is stated;
         SmolLM2 measures keys 0.164, values 0.317, ``tests/inference/test_kv_mixed.py``)."""
         int2 = ((group / 2) ** 0.5 * (1 + 2**-9) + 2**-8) / 3
-        return max(int2, 1.0) + (group * 256 / 16) ** 0.5 / 127
+        mean_only = 256 - sum(self.key_counts(256))
+        return max(int2, 1.0) + (group * mean_only / 4) ** 0.5 / 127
 
 
 class Int2BasisCodec(Int2MixCodec, name="int2basis"):
     """``int2mix``'s payload with the keys coded in the store's calibrated key basis
     (``storage/kv/basis.py``: coordinates ``k @ forward``, weighted by the queries that read
-    them and turned onto the keys' principal axes); values as ``int2mix``. The same bytes per
-    block, plus the basis once per store (float32 ``2 L H D²``: 2.9 MB for SmolLM2).
+    them and turned onto the keys' principal axes) and in other widths (:meth:`key_counts`: at
+    ``head_dim`` 64, 20 coordinates 4-bit, 24 2-bit, 20 their mean); values as ``int2mix``. The
+    same bytes per block, plus the basis once per store (float32 ``2 L H D²``: 2.9 MB for
+    SmolLM2).
 
     Why: in the plain channels a key's spread is shared by many channels, so ``int2mix``'s
     widest codes cover only part of it; on the principal axes of the query-weighted keys a
@@ -387,9 +395,10 @@ class Int2BasisCodec(Int2MixCodec, name="int2basis"):
     channels, 0.013 in the basis.
 
     Decoding: the coordinates are dequantized in float32 as ``int2mix``'s keys, then turned
-    back (``@ inverse``, float32) and rounded once to the model dtype; the compiled path
-    decodes into a float32 scratch first, so :meth:`decode_tokens` never rotates the keys by
-    RoPE itself (it returns False: the caller rotates them).
+    back (``@ inverse`` in float32, each value summed in order, one ``fma`` a term:
+    ``kernels.basis_rows``, so a token's bits do not depend on the tokens decoded with it)
+    and rounded once to the model dtype; the compiled decode does it per token as it places
+    it, then rotates it by RoPE as for ``int2mix``.
     """
 
     needs_basis = True
@@ -422,30 +431,10 @@ class Int2BasisCodec(Int2MixCodec, name="int2basis"):
         coordinates, values = self._dequantize_coded(cut, s, e, g, tables)
         return g.key_basis.get().from_coordinates(coordinates), values
 
-    def decode_tokens(
-        self,
-        reads: Sequence[np.ndarray],
-        g: KvGeometry,
-        picks: Sequence[tuple[int, int, int, int]],
-        out: torch.Tensor,
-        rope: tuple[np.ndarray, np.ndarray] | None = None,
-    ) -> bool:
-        """:meth:`KvCodec.decode_tokens`: compiled into a float32 scratch of ``out``'s shape
-        (where ``out`` is a CPU bfloat16 or float32 tensor), each pick's keys turned back from
-        the basis into ``out``; the tensor path otherwise. Keys never rotated: False."""
-        from coinrag.storage.kv import kernels  # numba, imported where a decode needs it
-
-        if kernels.target_of(out) is None:
-            return super().decode_tokens(reads, g, picks, out, None)
-        coordinates = torch.empty(out.shape, dtype=torch.float32)
-        super().decode_tokens(reads, g, picks, coordinates, None)
-        basis = g.key_basis.get()
-        for _, s, e, at in picks:
-            if e > s:
-                span = slice(at, at + e - s)
-                out[:, 0, :, span].copy_(basis.from_coordinates(coordinates[:, 0, :, span]))
-                out[:, 1, :, span].copy_(coordinates[:, 1, :, span])
-        return False
+    def _inverse(self, g: KvGeometry) -> np.ndarray | None:
+        """The compiled decode's key basis: each key turned back as it is decoded, before
+        RoPE, the same bits as :meth:`_dequantize_tokens`' (``kernels.basis_rows``)."""
+        return g.key_basis.get().inverse.numpy()
 
     def relative_error_bound_in_basis(self, group: int, condition: float) -> float:
         """The bound on a layer's keys' ``‖k̂ − k‖ / ‖k‖``: ``int2mix``'s bound in coordinate

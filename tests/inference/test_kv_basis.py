@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+from itertools import accumulate
 
 import httpx
 import numpy as np
@@ -144,9 +145,10 @@ def _basis_store(tmp_path, name: str = "s", dtype: str = "bfloat16") -> tuple[Kv
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 def test_the_store_reads_what_the_codec_decodes_on_every_path(tmp_path, dtype) -> None:
     """``read_entry`` (the tensor path, whole blocks), ``read_slices`` (bfloat16 and float32:
-    compiled into a float32 scratch, then the basis; float16: the tensor path, span by span)
-    and a fresh store's reads (the basis loaded from disk) give the same bits; the codec
-    never rotates the keys itself (``read_slices_into`` with a rope returns False)."""
+    the compiled decode, each key turned back from the basis as it is placed; float16: the
+    tensor path, span by span) and a fresh store's reads (the basis loaded from disk) give the
+    same bits, and so does ``read_slices_into`` with a rope of angle 0 (the compiled decode
+    rotates after the basis; the tensor path leaves the rotation to the caller)."""
     kv, entries = _basis_store(tmp_path, dtype=dtype)
     fresh = KvStore.open(kv.store, kv.kv_fp)
     assert fresh.layout.key_basis is not kv.layout.key_basis
@@ -166,7 +168,11 @@ def test_the_store_reads_what_the_codec_decodes_on_every_path(tmp_path, dtype) -
     half = kv.layout.head_dim // 2
     rope = (np.ones((total, half), np.float32), np.zeros((total, half), np.float32))
     out = torch.empty(kv.layout.entry_shape(total), dtype=kv.layout.torch_dtype)
-    assert kv.read_slices_into(requests, out, rope=rope) is False
+    compiled = dtype != "float16"  # the compiled decode rotates as it places (identity here)
+    assert kv.read_slices_into(requests, out, rope=rope) is compiled
+    starts = list(accumulate([0, *(e - s for _, s, e in requests)]))[:-1]
+    for (ck, s, e), at in zip(requests, starts, strict=True):
+        assert torch.equal(out[:, :, :, at : at + e - s], kv.read_entry(ck)[:, :, :, s:e])
 
 
 def test_a_basis_store_without_its_basis_is_refused_and_a_damaged_one_found(tmp_path) -> None:
@@ -419,6 +425,7 @@ def test_build_query_and_serve_with_int2basis(tmp_path, smollm2_tokenizer, sampl
     assert result.exit_code == 0, result.output
     (run,) = [r for r in read_rows(Store.at(store), RunRow) if r.status == "completed"]
     kv = KvStore.open(Store.at(store), json.loads(run.fingerprints_json)["kv_fp"])
+    assert json.loads(run.counts_json)["kv_basis"] == "new"
     assert kv.layout.kv_codec == "int2basis" and kv.key_basis.problem() is None
     assert kv.key_basis.calibration()["queries"] == "q_proj"
     assert verify_store(str(store)).corrupt == []
