@@ -4,9 +4,10 @@ before RoPE and the size of the queries that read them, on a few of the store's 
 Each calibration text is encoded after the prompt prefix, as the KV stage encodes a chunk
 (:func:`encode.document_kv`), its keys rotated back to position 0 (the frame a quantized store
 codes); the queries are read in the same forward from the module whose output is the query
-before RoPE: ``q_norm`` where the attention has one (Qwen3, Gemma 3: a per-head norm after the
-projection), else ``q_proj``. A model whose attention has neither gets weights of 1 (the basis
-is then the keys' principal axes alone: still exact to invert, only less tuned).
+before RoPE: ``q_norm`` where the attention has one (Qwen3 and Gemma 3: per head, after the
+projection; OLMo 2: over the whole projection), else ``q_proj``. A model whose attention has
+neither (GPT-NeoX's and Phi-3's fused projections) gets weights of 1: the basis is then the
+keys' principal axes alone, still exact to invert, only less tuned.
 """
 
 from __future__ import annotations
@@ -53,16 +54,21 @@ def key_statistics(model: Any, prompt: RagPrompt, texts: Sequence[Sequence[int]]
     if not texts:
         raise ValueError("calibration needs at least one text")
     config = model.config.get_text_config(decoder=True)
-    n_q, n_kv = config.num_attention_heads, config.num_key_value_heads
+    n_q = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_q  # GPT-NeoX: no GQA
     dim = getattr(config, "head_dim", None) or config.hidden_size // n_q
     source, modules = query_modules(model)
     sums = torch.zeros(config.num_hidden_layers, n_kv, dim, dtype=torch.float64)
     count = 0
     p = prompt.n_prefix
+    length = [0]  # tokens of the forward running: prefix and text
 
     def hook(index: int) -> Any:
         def record(_module: Any, _inputs: Any, out: torch.Tensor) -> None:
-            q = out[:, p:].float().reshape(-1, n_kv, n_q // n_kv, dim)  # (T, H, group, D)
+            q = out.float()
+            if q.dim() == 4 and q.shape[1] != length[0]:  # (B, heads, T, D): Gemma 3's q_norm
+                q = q.transpose(1, 2)
+            q = q[:, p:].reshape(-1, n_kv, n_q // n_kv, dim)  # (T, H, group, D)
             pair = q.square() + torch.roll(q, dim // 2, -1).square()
             sums[index] += pair.sum((0, 2)).double()
 
@@ -73,6 +79,7 @@ def key_statistics(model: Any, prompt: RagPrompt, texts: Sequence[Sequence[int]]
     keys = []
     try:
         for ids in texts:
+            length[0] = p + len(ids)
             kv = document_kv(model, prompt, ids)
             keys.append(keys_to_position_zero(kv, spec, p)[:, 0].contiguous())
             count += len(ids) * (n_q // n_kv)

@@ -30,7 +30,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from store_fixtures import sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
+from model_families import FAMILIES, family_model
+from store_fixtures import random_ids, sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from test_kv_codecs import (
     DOCS,
     HALF_ULP,
@@ -51,7 +52,7 @@ from coinrag.inference.model.calibrate import key_statistics, query_modules
 from coinrag.inference.model.encode import keys_to_position_zero
 from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
 from coinrag.inference.model.prompt import RagPrompt
-from coinrag.inference.rope import RopeSpec, rerotate_keys
+from coinrag.inference.rope import RopeSpec, model_rope, rerotate_keys
 from coinrag.schemas.tables import RunRow
 from coinrag.storage.kv import CorruptKvEntry, KvError, KvLayout, KvStore, codec_named
 from coinrag.storage.kv.basis import KeyBasis, calibrated_basis
@@ -451,3 +452,35 @@ def test_build_query_and_serve_with_int2basis(tmp_path, smollm2_tokenizer, sampl
             assert served.status_code == 200, served.text
             assert served.json()["answer"] == cli["answer"]
             assert served.json()["evidence"] == cli["evidence"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_of_the_matrix_calibrates_and_holds_the_bound(family: str) -> None:
+    """Each family of the model matrix (``tests/model_families.py``, float32): a basis
+    calibrated on two texts after a prefix, its queries read where the family computes them
+    before RoPE (``q_norm`` for Qwen3, OLMo 2 and Gemma 3, ``q_proj`` for the others, weights
+    of 1 where the attention has neither: GPT-NeoX's and Phi-3's fused projections), and a
+    chunk's KV round-tripped by ``int2basis`` within the per-layer bound."""
+    from coinrag.inference.model.calibrate import calibrated_key_basis
+    from coinrag.inference.model.encode import compute_chunk_kv, compute_prefix_kv
+
+    model = family_model(family, "eager")
+    prefix = random_ids(6, 1)
+    prompt = RagPrompt(None, "", "", prefix, "sha-x", False)
+    texts = [random_ids(40, 11), random_ids(33, 12)]
+    basis, source = calibrated_key_basis(model, prompt, texts)
+    layers = {"qwen3": "q_norm", "olmo2": "q_norm", "gemma3": "q_norm"}
+    assert source == layers.get(family, "none" if family in ("gpt_neox", "phi3") else "q_proj")
+    eye = torch.eye(basis.shape[2]).expand_as(basis.forward)
+    assert torch.allclose(basis.forward @ basis.inverse, eye, atol=1e-4)
+    chunk = random_ids(45, 13)
+    prefix_kv = compute_prefix_kv(model, prefix)
+    row = dataclasses.replace(synthetic_chunk(0, len(chunk)), token_ids=chunk)
+    (kv,) = compute_chunk_kv(model, prefix_kv, [row], pad_id=0)
+    pre = keys_to_position_zero(kv, model_rope(model.config), len(prefix))
+    layout = KvLayout("m", "p", *basis.shape[:2], basis.shape[2], "float32", 16, 4, "int2basis")
+    layout.key_basis.set(basis)
+    codec = layout.codec
+    got = codec.decode(codec.encode(pre, layout), layout)[:, :, :, : len(chunk)]
+    store = type("Bound", (), {"layout": layout})()
+    _within(got, pre, _key_bound_sq(store, pre, 0, len(chunk)), torch.float32)
