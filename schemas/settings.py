@@ -234,9 +234,10 @@ class BuildSettings:
     )
     kv_codec: str = setting(
         "none",  # how the stored KV is encoded (KV_CODECS)
-        "none | int8 | int4 | int2 | int2mix: how the stored KV is encoded (default none: as "
-        "computed; int8 ~0.58, int4 ~0.33, int2 and int2mix ~0.14 of the raw bfloat16 bytes, "
-        "quantized per block).",
+        "none | int8 | int4 | int2 | int2mix | int2basis: how the stored KV is encoded "
+        "(default none: as computed; int8 ~0.58, int4 ~0.33, int2, int2mix and int2basis "
+        "~0.14 of the raw bfloat16 bytes, quantized per block; int2basis codes keys in a "
+        "basis calibrated on the store's first chunks).",
         cli=True,
     )
     kv_keep: str = setting(

@@ -29,7 +29,8 @@ class KeyStatistics:
     """``query_rms`` ``(L, H, D)`` float32: per layer, key-value head and channel, the RMS
     over the texts' tokens and the query heads of the group of the query's pair energy
     ``q_c² + q_c'²`` (``c'`` the channel RoPE turns with ``c``: ``c ± D / 2``); ``keys``: each
-    text's keys before RoPE ``(L, H, T_i, D)`` float32; ``queries_from``: the module read
+    text's keys before RoPE ``(L, H, T_i, D)`` float32 (on the CPU, whatever the model's
+    device); ``queries_from``: the module read
     (``q_norm``, ``q_proj`` or ``none``)."""
 
     query_rms: torch.Tensor
@@ -70,7 +71,7 @@ def key_statistics(model: Any, prompt: RagPrompt, texts: Sequence[Sequence[int]]
                 q = q.transpose(1, 2)
             q = q[:, p:].reshape(-1, n_kv, n_q // n_kv, dim)  # (T, H, group, D)
             pair = q.square() + torch.roll(q, dim // 2, -1).square()
-            sums[index] += pair.sum((0, 2)).double()
+            sums[index] += pair.sum((0, 2)).double().cpu()
 
         return record
 
@@ -81,7 +82,7 @@ def key_statistics(model: Any, prompt: RagPrompt, texts: Sequence[Sequence[int]]
         for ids in texts:
             length[0] = p + len(ids)
             kv = document_kv(model, prompt, ids)
-            keys.append(keys_to_position_zero(kv, spec, p)[:, 0].contiguous())
+            keys.append(keys_to_position_zero(kv, spec, p)[:, 0].cpu().contiguous())
             count += len(ids) * (n_q // n_kv)
     finally:
         for handle in handles:
