@@ -254,8 +254,14 @@ class Int2MixCodec(QuantizedCodec, name="int2mix"):
         g: KvGeometry,
         tables: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_dequantize_coded`: the stored keys are the keys."""
-        return self._dequantize_coded(cut, s, e, g, tables)
+        """Float32 keys and values ``(L, H, e - s, D)``: :meth:`_dequantize_coded`, the keys
+        through :meth:`_keys`."""
+        coded, values = self._dequantize_coded(cut, s, e, g, tables)
+        return self._keys(coded, g), values
+
+    def _keys(self, coded: torch.Tensor, g: KvGeometry) -> torch.Tensor:
+        """Keys ``(L, H, n, D)`` float32 from their dequantized codes: as they are."""
+        return coded
 
     def _dequantize_coded(
         self,
@@ -419,17 +425,9 @@ class Int2BasisCodec(Int2MixCodec, name="int2basis"):
         coded = torch.stack([g.key_basis.get().to_coordinates(x[:, 0]), x[:, 1]], dim=1)
         return super().view(coded, g)
 
-    def _dequantize_tokens(
-        self,
-        cut: dict[str, torch.Tensor],
-        s: int,
-        e: int,
-        g: KvGeometry,
-        tables: tuple[torch.Tensor, ...] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 keys (turned back from the basis) and values ``(L, H, e - s, D)``."""
-        coordinates, values = self._dequantize_coded(cut, s, e, g, tables)
-        return g.key_basis.get().from_coordinates(coordinates), values
+    def _keys(self, coded: torch.Tensor, g: KvGeometry) -> torch.Tensor:
+        """Keys ``(L, H, n, D)`` float32 turned back from their coordinates in the basis."""
+        return g.key_basis.get().from_coordinates(coded)
 
     def _inverse(self, g: KvGeometry) -> np.ndarray | None:
         """The compiled decode's key basis: each key turned back as it is decoded, before

@@ -33,7 +33,6 @@ import torch
 from model_families import FAMILIES, family_model
 from store_fixtures import random_ids, sample_docs, save_tiny_llama, synthetic_chunk, write_corpus
 from test_kv_codecs import (
-    DOCS,
     HALF_ULP,
     MODELS,
     ROUNDING,
@@ -41,6 +40,8 @@ from test_kv_codecs import (
     _own_cache,
     _synthetic,
     _tiny,
+    _within,
+    codec_chunks,
     mixed_step_bounds,
 )
 from typer.testing import CliRunner
@@ -50,7 +51,7 @@ from coinrag.flows.verify import verify_store
 from coinrag.inference.context.assemble import KvSlice, assemble_context
 from coinrag.inference.model.calibrate import key_statistics, query_modules
 from coinrag.inference.model.encode import keys_to_position_zero
-from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.model.loading import LoadedModel
 from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, model_rope, rerotate_keys
 from coinrag.schemas.tables import RunRow
@@ -59,16 +60,9 @@ from coinrag.storage.kv.basis import KeyBasis, calibrated_basis
 from coinrag.storage.kv.layout import parse_location
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
-from coinrag.tasks.chunk import chunk_document
 from coinrag.tasks.kv import CALIBRATION_CHUNKS, KvOptions, calibration_chunks, kv_stage
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------- the basis
@@ -208,14 +202,8 @@ def model(request, smollm2_tokenizer) -> LoadedModel:
 @pytest.fixture(scope="module")
 def stores(model, tmp_path_factory):
     """The same chunks stored by ``model`` as ``none`` and ``int2basis``."""
-    text = DOCS.read_text(encoding="utf-8") if DOCS.is_file() else "Python is a language. " * 80
-    tok = model.tokenizer
-    rows = chunk_document(
-        tok, "d", "dv", text, tokenizer_fp=tokenizer_fingerprint(tok), chunk_size=50, run_id="r"
-    )
-    chunks = rows[:2] + [dataclasses.replace(rows[2], token_ids=rows[2].token_ids[:30])]
-    chunks[2] = dataclasses.replace(chunks[2], n_tokens=30, content_key="ck-short")
-    prompt = RagPrompt.for_tokenizer(tok)
+    chunks = codec_chunks(model.tokenizer)
+    prompt = RagPrompt.for_tokenizer(model.tokenizer)
     out = {}
     root = tmp_path_factory.mktemp("basis")
     for codec in ("none", "int2basis"):
@@ -283,12 +271,6 @@ def _key_bound_sq(kv: KvStore, pre: torch.Tensor, s: int, e: int) -> torch.Tenso
     sigma = torch.linalg.matrix_norm(basis.inverse.double(), ord=2)  # (L, H)
     per_head[:, 0] *= sigma.square() * (1 + 2**-12)  # and float32's rounding of the product
     return per_head.sum(2)
-
-
-def _within(got, ref, bound_sq, dtype) -> None:
-    diff, norm = _layer_errors(got, ref)
-    allowed = bound_sq.sqrt() + ROUNDING * HALF_ULP[dtype] * norm
-    assert (diff <= allowed).all(), (diff / norm).max(dim=0)
 
 
 def test_turborag_contexts_against_the_models_own_cache(model, stores) -> None:

@@ -497,17 +497,22 @@ def model(request, smollm2_tokenizer) -> LoadedModel:
     return _tiny(arch, smollm2_tokenizer, **MODELS[request.param])
 
 
-@pytest.fixture(scope="module")
-def stores(model, tmp_path_factory):
-    """The same chunks stored by ``model`` with each codec: ``{codec: (KvStore, chunks)}``."""
+def codec_chunks(tok) -> list:
+    """Three chunks of a FAQ page by ``tok``: two of 50 tokens and one cut to 30."""
     text = DOCS.read_text(encoding="utf-8") if DOCS.is_file() else "Python is a language. " * 80
-    tok = model.tokenizer
     rows = chunk_document(
         tok, "d", "dv", text, tokenizer_fp=tokenizer_fingerprint(tok), chunk_size=50, run_id="r"
     )
     chunks = rows[:2] + [dataclasses.replace(rows[2], token_ids=rows[2].token_ids[:30])]
     chunks[2] = dataclasses.replace(chunks[2], n_tokens=30, content_key="ck-short")
-    prompt = RagPrompt.for_tokenizer(tok)
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def stores(model, tmp_path_factory):
+    """The same chunks stored by ``model`` with each codec: ``{codec: (KvStore, chunks)}``."""
+    chunks = codec_chunks(model.tokenizer)
+    prompt = RagPrompt.for_tokenizer(model.tokenizer)
     out = {}
     root = tmp_path_factory.mktemp("codecs")
     for codec in KV_CODECS:

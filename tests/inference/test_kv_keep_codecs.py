@@ -36,6 +36,7 @@ from test_kv_codecs import (
     ROUNDING,
     _layer_errors,
     _tiny,
+    codec_chunks,
     codec_step_bounds,
     step_bounds,
 )
@@ -47,7 +48,7 @@ from coinrag.inference.context.assemble import KvSlice, assemble_context
 from coinrag.inference.methods import RagEngine
 from coinrag.inference.methods.assets import StoredNuggetKv
 from coinrag.inference.model.encode import keys_to_position_zero
-from coinrag.inference.model.loading import LoadedModel, tokenizer_fingerprint
+from coinrag.inference.model.loading import LoadedModel
 from coinrag.inference.model.prompt import RagPrompt
 from coinrag.inference.rope import RopeSpec, rerotate_keys
 from coinrag.schemas.tables import NuggetRow
@@ -55,7 +56,6 @@ from coinrag.storage.gc import kv_fps
 from coinrag.storage.kv import KeptRanges, KvStore, UnstoredKvSlice, codec_named, entry_key
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
-from coinrag.tasks.chunk import chunk_document
 from coinrag.tasks.kv import KvOptions, kv_stage
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources/faq/general.rst.txt")
@@ -95,15 +95,8 @@ def stores(model, tmp_path_factory):
     """Three chunks stored by ``model``, one chunk per forward: ``{(keep, codec): KvStore}``
     for whole chunks in ``none`` and ``int4``, and nugget spans (``SPANS``) in ``int8``,
     ``int4``, ``int2`` and ``int2mix``; and the chunks."""
-    import dataclasses
-
-    text = DOCS.read_text(encoding="utf-8") if DOCS.is_file() else "Python is a language. " * 80
     tok = model.tokenizer
-    rows = chunk_document(
-        tok, "d", "dv", text, tokenizer_fp=tokenizer_fingerprint(tok), chunk_size=50, run_id="r"
-    )
-    chunks = rows[:2] + [dataclasses.replace(rows[2], token_ids=rows[2].token_ids[:30])]
-    chunks[2] = dataclasses.replace(chunks[2], n_tokens=30, content_key="ck-short")
+    chunks = codec_chunks(tok)
     kept = {chunks[i].chunk_id: KeptRanges.of_spans(s) for i, s in SPANS.items()}
     prompt = RagPrompt.for_tokenizer(tok)
     root = tmp_path_factory.mktemp("keep-codecs")
