@@ -565,13 +565,17 @@ class ObjectStore(Store):
         process that exits while a scan runs in another thread (a server's store watcher) then
         aborts in finalization ("PyGILState_Release: thread state ... must be current",
         exit 134; ``tests/storage/test_object_store_exit.py``). Whole files are fetched, also
-        for a scan of a few columns: a store's table files are small (one per run and stage)."""
+        for a scan of a few columns: a store's table files are small (one per run and stage).
+        Each copied into Arrow's memory: a fragment over Python ``bytes`` takes the GIL when
+        Arrow's own worker frees it, which aborts a process that finalizes meanwhile."""
         import pyarrow as pa
         import pyarrow.dataset as ds
 
+        from coinrag.storage.exit_gate import arrow_owned
+
         blobs = self.fs.cat_ranges([str(f) for f in files], None, None, on_error="raise")
         parquet = ds.ParquetFileFormat()
-        fragments = [parquet.make_fragment(pa.BufferReader(blob)) for blob in blobs]
+        fragments = [parquet.make_fragment(pa.BufferReader(arrow_owned(b))) for b in blobs]
         return ds.FileSystemDataset(fragments, schema=schema, format=parquet)
 
     def require_local(self, what: str) -> Path:

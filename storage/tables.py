@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 
 from coinrag.schemas.tables import TABLES, arrow_schema, table_name
+from coinrag.storage.exit_gate import native_scan
 from coinrag.storage.store import Store, safe_component
 
 if TYPE_CHECKING:  # imported where used: readers of rows (a query) never pay for DuckDB
@@ -80,8 +81,8 @@ def read_files(store: Store, record: type[R], files: Sequence[PurePath]) -> list
     """The rows of some Parquet files of ``record``'s schema (staged or table files)."""
     if not files:
         return []
-    dataset = store.parquet_dataset(files, arrow_schema(record))
-    return [record(**row) for row in dataset.to_table().to_pylist()]
+    table = scan_files(store, files, arrow_schema(record))
+    return [record(**row) for row in table.to_pylist()]
 
 
 def rewrite_rows(
@@ -101,7 +102,7 @@ def rewrite_rows(
     """
     dropped = 0
     for path in table_files(store, record):
-        table = store.parquet_dataset([path], arrow_schema(record)).to_table()
+        table = scan_files(store, [path], arrow_schema(record))
         mask = [bool(keep(v)) for v in table.column(column).to_pylist()]
         if all(mask):
             continue
@@ -129,6 +130,24 @@ def table_files(store: Store, record: type) -> list[PurePath]:
     return [directory / n for n in names if n.endswith(".parquet") and not n.startswith(".")]
 
 
+def scan_files(
+    store: Store,
+    files: Sequence[PurePath],
+    schema: pa.Schema,
+    columns: list[str] | None = None,
+    filter: Any = None,
+) -> pa.Table:
+    """The rows of ``files`` (Parquet of ``schema``) as one Arrow table, the dataset made,
+    scanned and freed inside :func:`native_scan`: a dataset over fetched bytes takes the GIL
+    again when it is freed, and a daemon thread doing that as the interpreter finalizes aborts
+    the process (``storage/exit_gate.py``). The table holds only Arrow's own memory."""
+    with native_scan():
+        dataset = store.parquet_dataset(files, schema)
+        table = dataset.to_table(columns=columns, filter=filter)
+        del dataset
+    return table
+
+
 def read_table(
     store: Store, record: type, columns: Sequence[str] | None = None, filter: Any = None
 ) -> pa.Table:
@@ -138,8 +157,7 @@ def read_table(
     if not files:
         empty = schema.empty_table()
         return empty.select(list(columns)) if columns else empty
-    dataset = store.parquet_dataset(files, schema)
-    return dataset.to_table(columns=list(columns) if columns else None, filter=filter)
+    return scan_files(store, files, schema, list(columns) if columns else None, filter)
 
 
 def read_rows(store: Store, record: type[R], filter: Any = None) -> list[R]:
