@@ -42,7 +42,16 @@ LEVELS = {
 }
 HALL_GROUPS = {
     "storage": {
-        "base": {"store", "tables", "readers", "location", "object_lock", "toml_lines", "jit"}
+        "base": {
+            "store",
+            "tables",
+            "readers",
+            "location",
+            "object_lock",
+            "toml_lines",
+            "jit",
+            "exit_gate",
+        }
     },
     "tasks": {"chunking": {"chunk", "chunk_content", "chunk_section", "place"}},
 }
