@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from coinrag.storage.jit import bf16_bits, compiled, fma32
+from coinrag.storage.jit import LANES, bf16_bits, compiled, fma32, two_chain_product
 
 Span = tuple[int, int, int, int, int]  # (first table row, s, e, at, block): a pick's tokens
 Rope = tuple[np.ndarray, np.ndarray]  # cos, sin (tokens of the target, R / 2) float32; 0 rows: none
@@ -320,24 +320,22 @@ def _int2mix_token(
 @compiled(inline=True)
 def _key_product(c: np.ndarray, m: np.ndarray, kb: np.ndarray) -> None:
     """``kb = c @ m`` for one head vector ``c`` ``(D,)`` and matrix ``m`` ``(D, D)``, float32:
-    each value summed over ``i`` in order from 0, one ``fma`` a term (four terms per pass
-    over ``kb``: the same chain, fewer loads and stores), whatever else is decoded."""
+    each value two ``fma`` chains, over ``i`` in ``[0, D/2)`` and in ``[D/2, D)`` in order from
+    0, added at the end, whatever else is decoded. Vectorized with the accumulators in
+    registers (``jit.two_chain_product``) where ``D`` is a multiple of 16 (every head size of
+    the model matrix but the tiny configs'), else the same sums by a scalar loop."""
     dim = c.shape[0]
+    if dim % LANES == 0:
+        two_chain_product(c, m, kb)
+        return
+    half = dim // 2
     for j in range(dim):
-        kb[j] = np.float32(0.0)
-    i = 0
-    while i + 4 <= dim:
-        c0, c1, c2, c3 = c[i], c[i + 1], c[i + 2], c[i + 3]
-        r0, r1, r2, r3 = m[i], m[i + 1], m[i + 2], m[i + 3]
-        for j in range(dim):
-            a = fma32(c1, r1[j], fma32(c0, r0[j], kb[j]))
-            kb[j] = fma32(c3, r3[j], fma32(c2, r2[j], a))
-        i += 4
-    while i < dim:
-        ci, ri = c[i], m[i]
-        for j in range(dim):
-            kb[j] = fma32(ci, ri[j], kb[j])
-        i += 1
+        low = np.float32(0.0)
+        high = np.float32(0.0)
+        for i in range(half):
+            low = fma32(c[i], m[i, j], low)
+            high = fma32(c[half + i], m[half + i, j], high)
+        kb[j] = low + high
 
 
 @compiled(inline=True)
@@ -442,17 +440,15 @@ def int2mix_span(
 def basis_rows(coordinates: np.ndarray, inverse: np.ndarray, out: np.ndarray) -> None:
     """Keys from their coordinates in a key basis (``storage/kv/basis.py``): ``out[l, h, t] =
     coordinates[l, h, t] @ inverse[l, h]``, all C-contiguous float32, ``coordinates`` and
-    ``out`` ``(L, H, T, D)``, ``inverse`` ``(L, H, D, D)``. Each output value is summed over
-    ``i`` in order with one rounding per term (``fma``, :func:`_key_product`), whatever ``T``:
-    a token's bits do not depend on which tokens are decoded with it (a BLAS product's do: its
-    blocking follows the shape, and a one-row product takes another path). About 3.3 ms for
-    coinrag's ~180 tokens at SmolLM2's dims (90 heads of 64) on one thread of this CPU, where
-    torch's float32 ``matmul`` takes 1.3: the price of those bits."""
+    ``out`` ``(L, H, T, D)``, ``inverse`` ``(L, H, D, D)``. Each output value is summed in a
+    fixed order (two ``fma`` chains, :func:`_key_product`), whatever ``T``: a token's bits do
+    not depend on which tokens are decoded with it (a BLAS product's do: its blocking follows
+    the shape, and a one-row product takes another path). About 1.6 ms for coinrag's ~180
+    tokens at SmolLM2's dims (90 heads of 64) on one thread of this CPU, where torch's float32
+    ``matmul`` takes 1.3-2.1 (one chain a value through memory, before: 3.0-3.3)."""
     layers, heads, tokens, dim = coordinates.shape
-    kb = np.empty(dim, np.float32)
     for lay in range(layers):
         for h in range(heads):
             m = inverse[lay, h]
             for t in range(tokens):
-                _key_product(coordinates[lay, h, t], m, kb)
-                out[lay, h, t, :] = kb
+                _key_product(coordinates[lay, h, t], m, out[lay, h, t])

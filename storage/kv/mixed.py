@@ -401,7 +401,7 @@ class Int2BasisCodec(Int2MixCodec, name="int2basis"):
     channels, 0.013 in the basis.
 
     Decoding: the coordinates are dequantized in float32 as ``int2mix``'s keys, then turned
-    back (``@ inverse`` in float32, each value summed in order, one ``fma`` a term:
+    back (``@ inverse`` in float32, each value summed in a fixed order, two ``fma`` chains:
     ``kernels.basis_rows``, so a token's bits do not depend on the tokens decoded with it)
     and rounded once to the model dtype; the compiled decode does it per token as it places
     it, then rotates it by RoPE as for ``int2mix``.

@@ -100,6 +100,33 @@ def test_a_calibrated_basis_inverts_and_orders_the_weighted_spread() -> None:
         calibrated_basis(w, [])
 
 
+@pytest.mark.parametrize("dim", [8, 16, 48, 64, 80, 128, 256])
+def test_the_basis_product_is_exact_where_it_can_be_and_independent_of_the_tokens(dim) -> None:
+    """``kernels.basis_rows`` (two ``fma`` chains a value; vectors of 64 then 16 columns where
+    ``D`` is a multiple of 16, a scalar loop for the tiny configs' 8): on dyadic values, whose
+    every sum is exact in float32, the float64 product itself (every tile and column placed);
+    on random ones within float32's rounding of it, and each token's bits those of that token
+    decoded alone."""
+    from coinrag.storage.kv.kernels import basis_rows
+
+    rng = np.random.default_rng(dim)
+    c = rng.integers(-64, 65, (2, 3, 7, dim)).astype(np.float32) / 8
+    m = rng.integers(-64, 65, (2, 3, dim, dim)).astype(np.float32) / 8
+    out = np.empty_like(c)
+    basis_rows(c, m, out)
+    assert np.array_equal(out, np.einsum("lhti,lhij->lhtj", c.astype(np.float64), m))
+    c = rng.standard_normal((2, 3, 7, dim)).astype(np.float32)
+    m = rng.standard_normal((2, 3, dim, dim)).astype(np.float32)
+    basis_rows(c, m, out)
+    exact = np.einsum("lhti,lhij->lhtj", c.astype(np.float64), m.astype(np.float64))
+    scale = np.einsum("lhti,lhij->lhtj", np.abs(c).astype(np.float64), np.abs(m))
+    assert (np.abs(out - exact) <= dim * 2**-24 * scale).all()  # dim roundings of each term
+    alone = np.empty((2, 3, 1, dim), np.float32)
+    for t in range(7):
+        basis_rows(np.ascontiguousarray(c[:, :, t : t + 1]), m, alone)
+        assert np.array_equal(alone[:, :, 0].view(np.uint32), out[:, :, t].view(np.uint32))
+
+
 def test_a_layout_pickles_with_its_basis_not_its_loader(tmp_path) -> None:
     layout = KvLayout("m", "p", 3, 2, 8, "bfloat16", 16, 4, "int2basis")
     kv = KvStore.create(Store.at(tmp_path / "s").init(), layout)
