@@ -11,34 +11,25 @@ chunks' content keys, tokens, where the queries were read).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import zarr
-from zarr.codecs import Crc32cCodec
-from zarr.storage import LocalStore
 
 from coinrag.storage.kv.basis import KeyBasis
-from coinrag.storage.kv.errors import CorruptKvEntry, KvError, MissingKvEntry
-from coinrag.storage.kv.layout import ATTR
-from coinrag.storage.kv.shard import read_problem
-from coinrag.storage.kv.transport import KvFolder
+from coinrag.storage.kv.errors import CorruptKvEntry, KvError
+from coinrag.storage.kv.transport import OneArrayFolder
 
 BASIS = "basis"  # the folder of the key basis
 
 
 @dataclass(eq=False)
-class BasisFolder(KvFolder):
+class BasisFolder(OneArrayFolder):
     """The key basis of one KV store: ``root / "basis"``, read through ``reader``, written
     through ``transport``; what it reads or writes is set in the layout's ``key_basis`` slot."""
 
-    fsync: bool = False
-
-    def exists(self) -> bool:
-        return self.store.is_file(self.root / BASIS / "zarr.json")
+    folder: ClassVar[str] = BASIS
 
     def write(self, basis: KeyBasis, calibration: dict[str, Any]) -> None:
         """Store ``basis`` (calibrated on ``calibration``: JSON, e.g. the chunks' content
@@ -50,66 +41,26 @@ class BasisFolder(KvFolder):
         if self.exists():
             raise KvError(f"{lay.kv_fp} has a key basis already: it is written once")
         stored = torch.stack([basis.forward, basis.inverse], dim=1).numpy().astype("<f4")
-        attrs = {"sha256": basis.sha256(), "calibration": calibration}
-        with self.transport.new_folder(self.root, BASIS, self.fsync) as folder:
-            array = zarr.create_array(
-                store=LocalStore(folder),
-                shape=stored.shape,
-                chunks=stored.shape,
-                dtype=stored.dtype,
-                compressors=[Crc32cCodec()],
-                fill_value=0,
-                dimension_names=("layer", "map", "head", "row", "column"),
-                attributes={ATTR: attrs},
-                zarr_format=3,
-            )
-            array[...] = stored
-            back = zarr.open_array(store=LocalStore(folder, read_only=True), mode="r")[...]
-            if not np.array_equal(back, stored):
-                raise KvError("the key basis does not read back as written")
+        axes = ("layer", "map", "head", "row", "column")
+        self.write_array(stored, axes, {"sha256": basis.sha256(), "calibration": calibration})
         lay.key_basis.set(basis)
 
     def read(self) -> KeyBasis:
         """The stored basis, its crc32c and sha256 checked (:class:`MissingKvEntry` where none
         is stored, :class:`CorruptKvEntry` where it fails a check)."""
-        location = f"{self.layout.kv_fp}/{BASIS}"
-        try:
-            array = zarr.open_array(store=self.reader, path=BASIS, mode="r")
-            attrs = dict(array.attrs.get(ATTR) or {})
-            stored = np.ascontiguousarray(array[...])
-        except FileNotFoundError as exc:
-            raise MissingKvEntry(
-                f"no key basis under {self.layout.kv_fp}: its codec codes keys in one, which "
-                "the kv stage writes before the first entry"
-            ) from exc
-        except Exception as exc:
-            raise CorruptKvEntry("basis", location, read_problem(exc)) from exc
+        stored, attrs = self.read_array(
+            f"no key basis under {self.layout.kv_fp}: its codec codes keys in one, which "
+            "the kv stage writes before the first entry"
+        )
         tensor = torch.from_numpy(stored.astype(np.float32))
         basis = KeyBasis(tensor[:, 0].contiguous(), tensor[:, 1].contiguous())
         if basis.sha256() != attrs.get("sha256"):
-            raise CorruptKvEntry("basis", location, "sha256 differs")
+            raise CorruptKvEntry(BASIS, self.location, "sha256 differs")
         return basis
 
     def calibration(self) -> dict[str, Any]:
         """What the stored basis was calibrated on (its metadata; {} where unreadable)."""
-        try:
-            meta = json.loads(self.store.read_bytes(self.root / BASIS / "zarr.json"))
-            return dict(meta["attributes"][ATTR]["calibration"])
-        except Exception:
-            return {}
-
-    def problem(self) -> str | None:
-        """Why the stored basis fails its check (unreadable, a crc32c or its sha256), or None
-        when it checks out or none is stored."""
-        if not self.exists():
-            return None
-        try:
-            self.read()
-        except MissingKvEntry:
-            return None
-        except CorruptKvEntry as exc:
-            return exc.reason
-        return None
+        return dict(self.recorded().get("calibration") or {})
 
     def replace(self, basis: KeyBasis, calibration: dict[str, Any]) -> None:
         """Set a stored basis that fails its check aside (a ``.tmp-`` leftover ``gc``

@@ -14,8 +14,9 @@ from typing import Any
 
 import zarr
 
+from coinrag.storage.kv.errors import read_problem
 from coinrag.storage.kv.layout import SHARD_RE
-from coinrag.storage.kv.shard import ShardMeta, read_problem, verify_slots
+from coinrag.storage.kv.shard import ShardMeta, verify_slots
 from coinrag.storage.kv.transport import KvFolder, ScratchBuffers
 
 

@@ -58,3 +58,11 @@ class KvFingerprintMismatch(KvError):
             "so it must be rebuilt (run the kv stage) for the current model"
         )
         super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+def read_problem(exc: BaseException) -> str:
+    """A failed read as a short reason (Zarr's checksum error quotes raw bytes: not in a
+    message a user reads)."""
+    if "checksum" in str(exc).lower():
+        return "read failed: a crc32c does not match"
+    return f"read failed: {exc}"

@@ -11,32 +11,24 @@ whatever the entries' codec: it is a few dozen tokens, and every context starts 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
-import numpy as np
 import torch
-import zarr
-from zarr.codecs import Crc32cCodec
-from zarr.storage import LocalStore
 
 from coinrag.storage.kv.codecs import AXES, entry_checksum, from_storage, to_storage
-from coinrag.storage.kv.errors import CorruptKvEntry, KvError, KvFingerprintMismatch, MissingKvEntry
-from coinrag.storage.kv.layout import ATTR, PREFIX
-from coinrag.storage.kv.shard import read_problem
-from coinrag.storage.kv.transport import KvFolder
+from coinrag.storage.kv.errors import CorruptKvEntry, KvFingerprintMismatch
+from coinrag.storage.kv.layout import PREFIX
+from coinrag.storage.kv.transport import OneArrayFolder
 
 
 @dataclass(eq=False)
-class PrefixFolder(KvFolder):
+class PrefixFolder(OneArrayFolder):
     """``C_p`` of one KV store: ``root / "prefix"``, read through ``reader`` (the store's
     counting Zarr reader), written through ``transport``."""
 
-    fsync: bool = False
-
-    def exists(self) -> bool:
-        return self.store.is_file(self.root / PREFIX / "zarr.json")
+    folder: ClassVar[str] = PREFIX
 
     def write(self, prefix_kv: torch.Tensor, prefix_ids: Sequence[int]) -> None:
         """Store ``C_p``: ``(layers, 2, kv_heads, len(prefix_ids), head_dim)``. Written once;
@@ -57,53 +49,17 @@ class PrefixFolder(KvFolder):
             return
         stored = to_storage(prefix_kv)
         attrs = {"prefix_ids": ids, "prefix_sha": lay.prefix_sha}
-        with self.transport.new_folder(self.root, PREFIX, self.fsync) as folder:
-            array = zarr.create_array(
-                store=LocalStore(folder),
-                shape=stored.shape,
-                chunks=stored.shape,
-                dtype=stored.dtype,
-                compressors=[Crc32cCodec()],
-                fill_value=0,
-                dimension_names=AXES[1:],
-                attributes={ATTR: {**attrs, "sha256": entry_checksum(stored)}},
-                zarr_format=3,
-            )
-            array[...] = stored
-            back = zarr.open_array(store=LocalStore(folder, read_only=True), mode="r")[...]
-            if not np.array_equal(back, stored):
-                raise KvError("prefix KV does not read back as written")
+        self.write_array(stored, AXES[1:], {**attrs, "sha256": entry_checksum(stored)})
 
     def read(self) -> tuple[torch.Tensor, list[int]]:
         """``(C_p, prefix_ids)``: ``(layers, 2, kv_heads, |p|, head_dim)``, sha256-checked."""
         lay = self.layout
-        location = f"{lay.kv_fp}/{PREFIX}"
-        try:
-            array = zarr.open_array(store=self.reader, path=PREFIX, mode="r")
-            attrs = dict(array.attrs.get(ATTR) or {})
-            stored = np.ascontiguousarray(array[...])
-        except FileNotFoundError as exc:
-            raise MissingKvEntry(f"no prefix KV under {lay.kv_fp}") from exc
-        except Exception as exc:
-            raise CorruptKvEntry("prefix", location, read_problem(exc)) from exc
+        stored, attrs = self.read_array(f"no prefix KV under {lay.kv_fp}")
         if attrs.get("prefix_sha") != lay.prefix_sha:
             raise KvFingerprintMismatch(str(attrs.get("prefix_sha")), lay.prefix_sha)
         if entry_checksum(stored) != attrs.get("sha256"):
-            raise CorruptKvEntry("prefix", location, "sha256 differs")
+            raise CorruptKvEntry(PREFIX, self.location, "sha256 differs")
         return from_storage(stored, lay.dtype), [int(t) for t in attrs["prefix_ids"]]
-
-    def problem(self) -> str | None:
-        """Why the stored ``C_p`` fails its check (unreadable, a crc32c or its sha256), or
-        None when it checks out or none is stored."""
-        if not self.exists():
-            return None
-        try:
-            self.read()
-        except MissingKvEntry:
-            return None
-        except CorruptKvEntry as exc:
-            return exc.reason
-        return None
 
     def repair(self, prefix_kv: torch.Tensor, prefix_ids: Sequence[int]) -> bool:
         """Replace a stored ``C_p`` that fails its check by ``prefix_kv`` (recomputed by the
@@ -113,12 +69,10 @@ class PrefixFolder(KvFolder):
 
         The damaged folder is moved aside as a ``.tmp-`` leftover (``gc`` removes it; an object
         store removes it at once) before the new one is written."""
-        recorded: tuple[str, list[int]] | None = None
+        attrs = self.recorded()  # {} where unreadable: nothing to compare with
         try:
-            meta = json.loads(self.store.read_bytes(self.root / PREFIX / "zarr.json"))
-            attrs = meta["attributes"][ATTR]
             recorded = (str(attrs["sha256"]), [int(t) for t in attrs["prefix_ids"]])
-        except Exception:  # unreadable metadata: nothing to compare with
+        except (KeyError, TypeError, ValueError):
             recorded = None
         self.transport.set_aside(self.root / PREFIX)
         self.write(prefix_kv, prefix_ids)

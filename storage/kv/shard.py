@@ -42,7 +42,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 from zarr.storage import LocalStore
 
-from coinrag.storage.kv.errors import KvError
+from coinrag.storage.kv.errors import KvError, read_problem
 from coinrag.storage.kv.layout import ATTR, KvLayout
 from coinrag.storage.kv.transport import LocalFiles, ScratchBuffers, round_up
 
@@ -168,14 +168,6 @@ def block_problem(chunk: Any, b: int, expected: int) -> str | None:
     if google_crc32c.value(chunk[:-4]) != int.from_bytes(bytes(chunk[-4:]), "little"):
         return f"block {b} fails its crc32c"
     return None
-
-
-def read_problem(exc: BaseException) -> str:
-    """A failed read as a short reason (Zarr's checksum error quotes raw bytes: not in a
-    message a user reads)."""
-    if "checksum" in str(exc).lower():
-        return "read failed: a crc32c does not match"
-    return f"read failed: {exc}"
 
 
 def stored_blocks(index_row: np.ndarray, b0: int = 0) -> list[tuple[int, int, int]]:

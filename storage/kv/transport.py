@@ -26,6 +26,7 @@ live here too: both transports encode shards on local disk first.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -41,10 +42,11 @@ from typing import Any, ClassVar
 import google_crc32c  # zarr's crc32c codec uses it (a dependency of zarr)
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec
 from zarr.storage import FsspecStore, LocalStore
 
-from coinrag.storage.kv.errors import KvError
-from coinrag.storage.kv.layout import KvLayout
+from coinrag.storage.kv.errors import CorruptKvEntry, KvError, MissingKvEntry, read_problem
+from coinrag.storage.kv.layout import ATTR, KvLayout
 from coinrag.storage.location import zarr_storage_options
 from coinrag.storage.object_lock import precondition_failed
 from coinrag.storage.store import Store
@@ -147,6 +149,82 @@ class KvFolder:
     root: PurePath
     transport: KvTransport
     reader: Any
+
+
+@dataclass(eq=False)
+class OneArrayFolder(KvFolder):
+    """A folder of one small Zarr array written once beside the shards (``root / folder``: the
+    prompt prefix's ``C_p``, a key basis): one inner chunk with its crc32c, what it records in
+    its attributes under ``layout.ATTR`` (a sha256 of what it holds among them); read back and
+    compared as it is written. A subclass names the folder and says what the array holds
+    (``read``: the checked content, raising :class:`MissingKvEntry` / :class:`CorruptKvEntry`)."""
+
+    fsync: bool = False
+    folder: ClassVar[str]
+
+    def exists(self) -> bool:
+        return self.store.is_file(self.root / self.folder / "zarr.json")
+
+    def write_array(self, stored: np.ndarray, axes: Sequence[str], attrs: dict[str, Any]) -> None:
+        """Write ``stored`` (dimension names ``axes``) with ``attrs`` into a new folder, published
+        once it reads back as written (:class:`KvError` otherwise)."""
+        with self.transport.new_folder(self.root, self.folder, self.fsync) as folder:
+            array = zarr.create_array(
+                store=LocalStore(folder),
+                shape=stored.shape,
+                chunks=stored.shape,
+                dtype=stored.dtype,
+                compressors=[Crc32cCodec()],
+                fill_value=0,
+                dimension_names=tuple(axes),
+                attributes={ATTR: attrs},
+                zarr_format=3,
+            )
+            array[...] = stored
+            back = zarr.open_array(store=LocalStore(folder, read_only=True), mode="r")[...]
+            if not np.array_equal(back, stored):
+                raise KvError(f"{self.folder} of {self.layout.kv_fp} does not read back as written")
+
+    def read_array(self, missing: str) -> tuple[np.ndarray, dict[str, Any]]:
+        """The stored array and its attributes, the crc32c checked: :class:`MissingKvEntry`
+        (``missing``) where none is stored, :class:`CorruptKvEntry` where it fails a read."""
+        try:
+            array = zarr.open_array(store=self.reader, path=self.folder, mode="r")
+            attrs = dict(array.attrs.get(ATTR) or {})
+            return np.ascontiguousarray(array[...]), attrs
+        except FileNotFoundError as exc:
+            raise MissingKvEntry(missing) from exc
+        except Exception as exc:
+            raise CorruptKvEntry(self.folder, self.location, read_problem(exc)) from exc
+
+    @property
+    def location(self) -> str:
+        return f"{self.layout.kv_fp}/{self.folder}"
+
+    def read(self) -> Any:
+        raise NotImplementedError
+
+    def recorded(self) -> dict[str, Any]:
+        """The attributes the stored metadata records ({} where it cannot be read), without
+        reading the array: what a damaged copy said it held."""
+        try:
+            meta = json.loads(self.store.read_bytes(self.root / self.folder / "zarr.json"))
+            return dict(meta["attributes"][ATTR])
+        except Exception:
+            return {}
+
+    def problem(self) -> str | None:
+        """Why the stored array fails its check (unreadable, a crc32c or its sha256), or None
+        when it checks out or none is stored."""
+        if not self.exists():
+            return None
+        try:
+            self.read()
+        except MissingKvEntry:
+            return None
+        except CorruptKvEntry as exc:
+            return exc.reason
+        return None
 
 
 # ---------------------------------------------------------------------------- local disk
