@@ -40,6 +40,7 @@ from coinrag.storage.store import Store
 if TYPE_CHECKING:
     from coinrag.schemas.settings import BuildSettings
     from coinrag.schemas.training_settings import RetrieverTrainSettings
+    from coinrag.tasks.fusion import FusionChoice
     from coinrag.tasks.generated_questions import GeneratedQuestions
 
 FUSION_FLOW_NAME = "coinrag-train-fusion"
@@ -144,17 +145,19 @@ def tune_fusion_flow(
             counts |= generated_counts(made)
             fps["question_generator_fp"] = made.generator_fp
         finish_run(st, run, "completed", fingerprints=fps, counts=counts)
-    logger.info(
-        "fusion of %s: dense weight %.2f (chosen on %d %s, reported on %d; %d evaluation "
-        "questions excluded)",
-        st.root,
-        choice.dense_weight,
-        choice.n_train,
-        choice.chosen_on,
-        choice.n_held_out,
-        choice.excluded,
-    )
+    logger.info("fusion of %s: %s", st.root, _choice_line(choice, record))
     return {**record, "run_id": run_id}
+
+
+def _choice_line(choice: FusionChoice, record: dict[str, Any]) -> str:
+    """What ``train fusion`` chose, for its log: the weight, the training questions' best and
+    whether the held-out questions confirmed it."""
+    held = "confirmed" if record["confirmed_on_held_out"] else "not better than the default"
+    return (
+        f"dense weight {choice.dense_weight:.2f} (best {record['best_on_train']:.2f} on "
+        f"{choice.n_train} {choice.chosen_on}, {held} on the {choice.n_held_out} held out; "
+        f"{choice.excluded} evaluation questions excluded)"
+    )
 
 
 def _generated(

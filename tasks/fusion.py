@@ -33,6 +33,7 @@ from coinrag.inference.retrieval.embedders import Embedder
 from coinrag.inference.retrieval.fusion import (
     WEIGHT_GRID,
     choose_weight,
+    confirmed_weight,
     normalise,
     question_lists,
     score_weights,
@@ -136,20 +137,24 @@ class FusionChoice:
     excluded: int  # questions dropped for equalling an evaluation question
     embedder_fp: str
     chosen_on: str = "headings"  # the kinds of synthetic question, e.g. "headings+nuggets"
+    best_on_train: float | None = None  # the training questions' best (None: dense_weight)
 
     def record(self) -> dict[str, Any]:
         """The index's ``fusion`` record (TOML-able: numbers and tables of them)."""
         w = self.dense_weight
-        shown = {"chosen": w, "default": HYBRID_DENSE_WEIGHT, "dense": 1.0, "lexical": 0.0}
+        best = w if self.best_on_train is None else self.best_on_train
+        shown = {"chosen": best, "default": HYBRID_DENSE_WEIGHT, "dense": 1.0, "lexical": 0.0}
         return {
             "dense_weight": w,
+            "best_on_train": best,
+            "confirmed_on_held_out": best == w,
             "method": FUSION_METHOD,
             "chosen_on": self.chosen_on,
             "embedder_fp": self.embedder_fp,
             "questions": self.n_train,
             "held_out_questions": self.n_held_out,
             "excluded_as_evaluation": self.excluded,
-            "train": _rounded(self.train[w]),
+            "train": _rounded(self.train[best]),
             "held_out": {name: _rounded(self.held_out[v]) for name, v in shown.items()},
         }
 
@@ -197,15 +202,17 @@ def choose_fusion(
             "on; the default weight stays"
         )
     scored = score_weights(train, WEIGHT_GRID)
-    weight = choose_weight(scored, HYBRID_DENSE_WEIGHT)
-    shown = sorted({weight, HYBRID_DENSE_WEIGHT, 0.0, 1.0})
+    best = choose_weight(scored, HYBRID_DENSE_WEIGHT)
+    held_scores = score_weights(held, sorted({best, HYBRID_DENSE_WEIGHT, 0.0, 1.0}))
+    weight = confirmed_weight(best, HYBRID_DENSE_WEIGHT, held_scores, len(held))
     return FusionChoice(
         weight,
         scored,
-        score_weights(held, shown),
+        held_scores,
         len(train),
         len(held),
         excluded,
         embedder.fingerprint,
         "+".join(sorted({f"{q.kind}s" for q in questions})),
+        best,
     )

@@ -109,3 +109,17 @@ def objective(scores: dict[str, float]) -> float:
 def choose_weight(scored: dict[float, dict[str, float]], default: float) -> float:
     """The weight of the best :func:`objective` (ties: the one closest to ``default``)."""
     return max(scored, key=lambda w: (round(objective(scored[w]), 9), -abs(w - default)))
+
+
+def confirmed_weight(
+    chosen: float, default: float, held_out: dict[float, dict[str, float]], n_held_out: int
+) -> float:
+    """``chosen`` where it beats ``default`` by :func:`objective` on the held-out questions'
+    scores (``held_out``: :func:`score_weights` of both), else ``default``: a weight that wins
+    only on the questions it was chosen on is noise (on the whole Python documentation with
+    nuggets, 0.25 chosen on 194 generated questions scored 0.380 on the 137 held out against
+    the default's 0.463). With no held-out question there is nothing to check: ``chosen``."""
+    if chosen == default or n_held_out == 0:
+        return chosen
+    better = round(objective(held_out[chosen]), 9) > round(objective(held_out[default]), 9)
+    return chosen if better else default

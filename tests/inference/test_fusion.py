@@ -16,7 +16,9 @@ from test_lexical_retrieval import _docs
 from coinrag.inference.retrieval.fusion import (
     QuestionLists,
     choose_weight,
+    confirmed_weight,
     gold_rank,
+    objective,
     question_lists,
     quotes,
     score_weights,
@@ -53,6 +55,27 @@ def test_score_weights_worked_example():
     missed = QuestionLists([dense, lexical], frozenset({"zzz"}))
     assert gold_rank(missed, 0.5) is None
     assert score_weights([missed], [0.5])[0.5]["mrr"] == 0.0
+
+
+def test_a_weight_that_wins_only_where_it_was_chosen_gives_way_to_the_default():
+    """``confirmed_weight``: the training questions' best is kept only where it also beats the
+    default on the held-out questions (the same objective); a tie keeps the default."""
+    dense = [_row("a", "q", 0.9), _row("b", "p", 0.8), _row("c", "r", 0.1)]
+    lexical = [_row("b", "p", 9.0), _row("a", "q", 1.0)]
+    wants_lexical = QuestionLists([dense, lexical], frozenset({"p"}))  # b: lexical's first
+    wants_dense = QuestionLists([dense, lexical], frozenset({"q"}))  # a: dense's first
+    weights = sorted({0.0, HYBRID_DENSE_WEIGHT, 1.0})
+    default = HYBRID_DENSE_WEIGHT
+    held = score_weights([wants_dense], weights)  # the held-out questions disagree with 0
+    assert confirmed_weight(0.0, default, held, 1) == default
+    held = score_weights([wants_lexical], weights)  # they agree: 0 ranks b first, so does 0.5
+    assert objective(held[0.0]) == objective(held[default])
+    assert confirmed_weight(0.0, default, held, 1) == default  # a tie: the default stays
+    held = score_weights([wants_dense, wants_dense], weights)
+    assert objective(held[1.0]) > objective(held[default])
+    assert confirmed_weight(1.0, default, held, 2) == 1.0
+    assert confirmed_weight(0.0, default, {}, 0) == 0.0  # nothing held out: nothing to check
+    assert confirmed_weight(default, default, {}, 0) == default
 
 
 def test_quotes_masks_the_chunk_that_holds_the_question():
