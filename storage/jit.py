@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 
@@ -127,8 +128,6 @@ def _product_tiles(
     """:func:`two_chain_product`'s columns from ``first``, ``tiles`` tiles of ``width`` vectors:
     per tile, two chains of ``width`` accumulators (allocas in the entry block, promoted to
     registers by LLVM) over ``i`` in the two halves, then their sum stored."""
-    from numba.core import cgutils
-
     c_ptr, m_ptr, out_ptr = ptrs
     i64, i32 = dim.type, ir.IntType(32)
     vec = ir.VectorType(ir.FloatType(), LANES)

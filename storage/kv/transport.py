@@ -152,7 +152,7 @@ class KvFolder:
 
 
 @dataclass(eq=False)
-class OneArrayFolder(KvFolder):
+class OneArrayFolder(KvFolder, ABC):
     """A folder of one small Zarr array written once beside the shards (``root / folder``: the
     prompt prefix's ``C_p``, a key basis): one inner chunk with its crc32c, what it records in
     its attributes under ``layout.ATTR`` (a sha256 of what it holds among them); read back and
@@ -201,8 +201,9 @@ class OneArrayFolder(KvFolder):
     def location(self) -> str:
         return f"{self.layout.kv_fp}/{self.folder}"
 
+    @abstractmethod
     def read(self) -> Any:
-        raise NotImplementedError
+        """What the folder holds, checked (:class:`MissingKvEntry`, :class:`CorruptKvEntry`)."""
 
     def recorded(self) -> dict[str, Any]:
         """The attributes the stored metadata records ({} where it cannot be read), without
