@@ -63,6 +63,12 @@ from itertools import accumulate
 from typing import Any
 
 from coinrag.tasks.readers.base import Heading, Page, ReadDocument, Reader, ReadError
+from coinrag.tasks.readers.pdf_headings import (
+    MAX_HEADING_CHARS,
+    SizedLine,
+    font_headings,
+    line_size,
+)
 
 PAGE_SEPARATOR = "\n\n"
 BAND = 0.08  # the top and bottom fraction of a page height where running lines are looked for
@@ -85,14 +91,15 @@ _OPEN_ERRORS = {
 
 @dataclass(frozen=True)
 class TextLine:
-    """One line of a page: its ``text`` and its box ``x0 <= x1``, ``y0 <= y1`` in points (origin
-    bottom-left, y up)."""
+    """One line of a page: its ``text``, its box ``x0 <= x1``, ``y0 <= y1`` in points (origin
+    bottom-left, y up) and its font ``size`` (points; 0: not measured)."""
 
     text: str
     x0: float
     y0: float
     x1: float
     y1: float
+    size: float = 0.0
 
     @property
     def middle(self) -> float:
@@ -122,6 +129,17 @@ def page_lines(textpage: Any) -> list[TextLine]:
             return (math.inf, math.inf, -math.inf, -math.inf)
         return (rect.left, min(rect.bottom, rect.top), rect.right, max(rect.bottom, rect.top))
 
+    def size(first: int, last: int) -> float:
+        """The font size of the line ``text[first:last + 1]``: its characters' most common
+        (a heading's, at most MAX_HEADING_CHARS), else its first and last characters' larger."""
+        chars = range(first, last + 1) if last - first < MAX_HEADING_CHARS else (first, last)
+        found = []
+        for i in chars:
+            char = pdfium_c.FPDFText_GetCharIndexFromTextIndex(textpage.raw, units[i])
+            if char >= 0 and not text[i].isspace():
+                found.append(pdfium_c.FPDFText_GetFontSize(textpage.raw, char))
+        return line_size(found) if last - first < MAX_HEADING_CHARS else max(found, default=0.0)
+
     out = []
     for start, end in _line_spans(text, box):
         piece = text[start:end]
@@ -134,7 +152,7 @@ def page_lines(textpage: Any) -> list[TextLine]:
         x0, y0, x1, y1 = min(a0, c0), min(b0, d0), max(a1, c1), max(b1, d1)
         if x0 > x1 or y0 > y1:  # no box (a character PDFium made up): where the last line was
             x0, y0, x1, y1 = (out[-1].x1, out[-1].y0, out[-1].x1, out[-1].y1) if out else (0,) * 4
-        out.append(TextLine(body, x0, y0, x1, y1))
+        out.append(TextLine(body, x0, y0, x1, y1, size(first, last)))
     return out
 
 
@@ -369,6 +387,7 @@ def join_rows(lines: list[TextLine]) -> list[TextLine]:
             min(prev.y0, line.y0),
             line.x1,
             max(prev.y1, line.y1),
+            prev.size if len(prev.text) >= len(line.text) else line.size,
         )
     return out
 
@@ -545,6 +564,16 @@ def outline_headings(doc: Any, pages: list[_PageText], starts: list[int]) -> tup
     return tuple(found[k] for k in sorted(found))
 
 
+def sized_lines(pages: list[_PageText], starts: list[int]) -> list[SizedLine]:
+    """Every line of the document in reading order, where it starts in the document's text
+    (``starts[i]``: page ``i``'s start) and its font size."""
+    return [
+        SizedLine(starts[i] + at, line.text, line.size, i, line.y1, line.y0)
+        for i, page in enumerate(pages)
+        for line, at in zip(page.lines, page.starts, strict=True)
+    ]
+
+
 def _line_at(page: _PageText, offset: int) -> TextLine:
     return page.lines[bisect.bisect_right(page.starts, offset) - 1]
 
@@ -555,8 +584,9 @@ class PdfReader(Reader, name="pdf"):
 
     suffixes = (".pdf",)
     # 2: a band row that marks itself (its page counter, title and date) goes; 3: a line PDFium
-    # joined after a page-end hyphen to text elsewhere on the page (a header) is cut there
-    version = "3"
+    # joined after a page-end hyphen to text elsewhere on the page (a header) is cut there; 4:
+    # without an outline, headings by font size (pdf_headings.py)
+    version = "4"
 
     def read(self, data: bytes, name: str) -> ReadDocument:
         with _PDFIUM_LOCK:
@@ -598,6 +628,6 @@ def _read(doc: Any, name: str) -> ReadDocument:
         PAGE_SEPARATOR.join(page.text for page in pages),
         title,
         pages=tuple(Page(s, i + 1, labels[i]) for i, s in enumerate(starts)),
-        headings=outline_headings(doc, pages, starts),
+        headings=outline_headings(doc, pages, starts) or font_headings(sized_lines(pages, starts)),
         extra={"pages_without_text": blank} if blank else {},
     )
