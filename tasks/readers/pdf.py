@@ -64,7 +64,6 @@ from typing import Any
 
 from coinrag.tasks.readers.base import Heading, Page, ReadDocument, Reader, ReadError
 from coinrag.tasks.readers.pdf_headings import (
-    MAX_HEADING_CHARS,
     SizedLine,
     font_headings,
     line_size,
@@ -74,6 +73,7 @@ PAGE_SEPARATOR = "\n\n"
 BAND = 0.08  # the top and bottom fraction of a page height where running lines are looked for
 ROW_SPACE = 0.15  # a gap over this fraction of a line's height between two lines of a row: a space
 CUT_SHARE = 0.8  # an XY cut splits at every gap at least this share of the region's widest gap
+SIZE_SAMPLES = 9  # characters of a line whose font size is read (evenly spaced, both ends)
 JOIN_DROP = 2.5  # text after a joined hyphen this many line heights lower: not the next line
 HYPHENS = "-\u2010\u00ad\ufffe"  # hyphen-minus, hyphen, soft hyphen, PDFium's joined hyphen
 _PDFIUM_LOCK = threading.Lock()
@@ -130,15 +130,15 @@ def page_lines(textpage: Any) -> list[TextLine]:
         return (rect.left, min(rect.bottom, rect.top), rect.right, max(rect.bottom, rect.top))
 
     def size(first: int, last: int) -> float:
-        """The font size of the line ``text[first:last + 1]``: its characters' most common
-        (a heading's, at most MAX_HEADING_CHARS), else its first and last characters' larger."""
-        chars = range(first, last + 1) if last - first < MAX_HEADING_CHARS else (first, last)
+        """The font size of the line ``text[first:last + 1]``: the most common of its
+        characters' at ``SIZE_SAMPLES`` evenly spaced places (both ends included)."""
+        step = max(1, (last - first) // (SIZE_SAMPLES - 1))
         found = []
-        for i in chars:
+        for i in [*range(first, last, step), last]:
             char = pdfium_c.FPDFText_GetCharIndexFromTextIndex(textpage.raw, units[i])
             if char >= 0 and not text[i].isspace():
                 found.append(pdfium_c.FPDFText_GetFontSize(textpage.raw, char))
-        return line_size(found) if last - first < MAX_HEADING_CHARS else max(found, default=0.0)
+        return line_size(found)
 
     out = []
     for start, end in _line_spans(text, box):
@@ -585,8 +585,9 @@ class PdfReader(Reader, name="pdf"):
     suffixes = (".pdf",)
     # 2: a band row that marks itself (its page counter, title and date) goes; 3: a line PDFium
     # joined after a page-end hyphen to text elsewhere on the page (a header) is cut there; 4:
-    # without an outline, headings by font size (pdf_headings.py)
-    version = "4"
+    # without an outline, headings by font size (pdf_headings.py); 5: a title's lines within 0.3
+    # line heights are one wrapped heading (two headings in a row stay two), sizes sampled
+    version = "5"
 
     def read(self, data: bytes, name: str) -> ReadDocument:
         with _PDFIUM_LOCK:

@@ -114,4 +114,10 @@ def test_levels_wrapped_titles_and_what_is_not_a_heading() -> None:
         Heading(977, 2, "on page two"),
     )
     assert font_headings([line(0, "one size", 12, 700), line(9, "all over", 12, 680)]) == ()
+    # Two headings in a row, a heading's margin (0.57 of a line) apart: not one wrapped title.
+    two = [line(0, "9.18. distutils.log", 16, 700), line(20, "9.19. distutils.spawn", 16, 675)]
+    assert [h.title for h in font_headings([*two, line(42, "x " * 99, 12, 640)])] == [
+        "9.18. distutils.log",
+        "9.19. distutils.spawn",
+    ]
     assert font_headings([]) == ()
