@@ -93,18 +93,17 @@ def font_headings(lines: Sequence[SizedLine]) -> tuple[Heading, ...]:
     body = body_size(lines)
     if not body:
         return ()
-    marked = [line for line in lines if _is_heading(line, body)]
-    level = _levels({line.size for line in marked})
+    marked = [_is_heading(line, body) for line in lines]
+    level = _levels({line.size for line, heading in zip(lines, marked, strict=True) if heading})
     found: list[tuple[SizedLine, SizedLine, str]] = []  # (first line, last line, title)
-    previous: SizedLine | None = None  # the line before this one, where it was a heading
-    for line in lines:
-        heading = _is_heading(line, body)
-        if heading and previous is not None and _continues(found[-1][1], line):
+    for i, line in enumerate(lines):
+        if not marked[i]:
+            continue
+        if i > 0 and marked[i - 1] and _continues(found[-1][1], line):
             first, _, title = found[-1]
             found[-1] = (first, line, f"{title} {line.text.strip()}")
-        elif heading:
+        else:
             found.append((line, line, line.text.strip()))
-        previous = line if heading else None
     return tuple(
         Heading(first.offset, level(first.size), " ".join(title.split()))
         for first, _, title in found
