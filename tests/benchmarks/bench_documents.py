@@ -16,9 +16,11 @@ how the documents are read, chunked and indexed):
   path, so the gold ids match; ``html-noprefix``: the same without the heading prefix in the
   searched text (the heading path and a chunk's inner titles patched out for the build);
   ``html-section``, ``html-sentence``, ``html-content``: other chunkers;
-- ``pdf``: a folder of the same pages printed to PDF (``--pdf``).
+- ``pdf``: a folder of the same pages printed to PDF (``--pdf``);
+- modifiers combine on any format: ``html-noprefix-section``, ``text-sentence``.
 
-For every store and question set (the FAQ questions, and ``infra/python_natural_questions.jsonl``)
+For every store and question set (the FAQ questions, ``infra/python_natural_questions.jsonl``
+and ``infra/python_natural_questions_2.jsonl``)
 it runs ``coinrag eval --retrieval-only --kc 1 2 4 8`` (dense, lexical, hybrid) and prints hit@kc
 of the top-kc chunks, and each build's seconds.
 """
@@ -36,33 +38,33 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[2]
 NATURAL = REPO / "infra" / "python_natural_questions.jsonl"
+NATURAL_2 = REPO / "infra" / "python_natural_questions_2.jsonl"
 KCS = (1, 2, 4, 8)
 
 
 def _variant(
     name: str, args: argparse.Namespace
 ) -> tuple[str, dict, contextlib.AbstractContextManager]:
-    """(source, build settings, context to build in) of a variant."""
-    base = {"extractor": "none", "kv": False, "threads": 1}
-    html = {**base, "exclude": "_sources/*"}
-    if name == "text":
-        return str(args.text), base, contextlib.nullcontext()
-    if name == "html":
-        return str(args.html), html, contextlib.nullcontext()
-    if name == "html-noprefix":  # no heading path, and no inner titles, searched
-        stack = contextlib.ExitStack()
-        stack.enter_context(mock.patch("coinrag.tasks.embed.heading", lambda s: ""))
-        stack.enter_context(mock.patch("coinrag.tasks.embed.inner_headings", lambda c, h: []))
-        return str(args.html), html, stack
-    if name.startswith("html-"):
-        return (
-            str(args.html),
-            {**html, "chunker": name.removeprefix("html-")},
-            contextlib.nullcontext(),
-        )
-    if name == "pdf":
-        return str(args.pdf), base, contextlib.nullcontext()
-    raise SystemExit(f"unknown variant {name!r}")
+    """(source, build settings, build context) of a variant ``FORMAT[-noprefix][-CHUNKER]``."""
+    from coinrag.schemas.settings import CHUNKERS
+
+    fmt, *modifiers = name.split("-")
+    sources = {"text": args.text, "html": args.html, "pdf": args.pdf}
+    if sources.get(fmt) is None:
+        raise SystemExit(f"unknown variant {name!r}, or its source not given")
+    settings: dict = {"extractor": "none", "kv": False, "threads": 1}
+    if fmt == "html":
+        settings["exclude"] = "_sources/*"
+    stack = contextlib.ExitStack()
+    for modifier in modifiers:
+        if modifier == "noprefix":  # no heading path, and no inner titles, searched
+            stack.enter_context(mock.patch("coinrag.tasks.embed.heading", lambda s: ""))
+            stack.enter_context(mock.patch("coinrag.tasks.embed.inner_headings", lambda c, h: []))
+        elif modifier in CHUNKERS:
+            settings["chunker"] = modifier
+        else:
+            raise SystemExit(f"unknown variant {name!r}: {modifier!r}")
+    return str(sources[fmt]), settings, stack
 
 
 def build(name: str, args: argparse.Namespace) -> tuple[Path, float | None]:
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--faq", type=Path, required=True, help="infra/python_faq.py's questions")
-    ap.add_argument("--natural", type=Path, default=NATURAL)
+    ap.add_argument("--natural", type=Path, nargs="+", default=[NATURAL, NATURAL_2])
     ap.add_argument("--text", type=Path, help="infra/python_faq.py's corpus.jsonl")
     ap.add_argument("--html", type=Path, default=Path("/usr/share/doc/python3.11/html"))
     ap.add_argument("--pdf", type=Path, help="the HTML pages printed to PDF")
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for name in args.variants:
         store, seconds = build(name, args)
-        for questions in (args.faq, args.natural):
+        for questions in (args.faq, *args.natural):
             hits = evaluate(name, store, questions, args)
             for mode in ("dense", "lexical", "hybrid"):
                 cells = " / ".join(f"{100 * hits[(mode, kc)]:.1f}" for kc in KCS)
