@@ -14,6 +14,8 @@ Outputs (JSONL, UTF-8):
   of answer quality; recall of the right FAQ page (``doc_ids``) is the sharper measure.
 - ``corpus.jsonl``: every ``_sources/**/*.rst.txt`` as ``{"id": <relative path without
   .rst.txt>, "text": <file text>}``; the FAQ pages stay in (finding them is the task).
+- ``rst/``: the same pages as a folder of ``.rst`` files (``rst/faq/programming.rst``), a SOURCE
+  for ``coinrag build`` whose reST reader parses the section titles; its ids are the corpus's.
 - with ``--subset N``: ``corpus_subset.jsonl``, all ``faq/*`` pages plus ``N`` other pages
   drawn with a fixed seed (a corpus small enough to build on a CPU).
 
@@ -201,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     _write(args.out_dir / "corpus.jsonl", docs)
     print(f"{len(pairs)} question/answer pairs -> {args.out_dir / 'questions.jsonl'}")
     print(f"{len(docs)} pages -> {args.out_dir / 'corpus.jsonl'}")
+    for doc in docs:
+        path = args.out_dir / "rst" / f"{doc['id']}.rst"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(doc["text"], encoding="utf-8")
+    print(f"{len(docs)} pages -> {args.out_dir / 'rst'}")
     if args.subset is not None:
         sub = subset(docs, args.subset, args.seed)
         _write(args.out_dir / "corpus_subset.jsonl", sub)

@@ -81,7 +81,7 @@ FORWARDS = ("auto", "eager", "compiled", "graphs")
 # ends | content-defined (edit-stable) | at the document's headings (section).
 CHUNKERS = ("fixed", "sentence", "content", "section")
 # Document readers by file format (tasks/readers/): what a folder SOURCE reads.
-READERS = ("text", "markdown", "html", "pdf", "docx")
+READERS = ("text", "markdown", "rst", "html", "pdf", "docx")
 HTML_MODES = ("main", "whole")  # html reader: the main content (trafilatura) or the whole body
 # How retrieval ranks chunks, nuggets and documents (inference.retrieval.retriever.SEARCH_MODES; a
 # test keeps them equal): by embedding (dense), by BM25 over the words (lexical), or both fused

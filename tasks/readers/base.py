@@ -140,6 +140,7 @@ class Reader(Registered):
         modules={
             "text": "coinrag.tasks.readers.text",
             "markdown": "coinrag.tasks.readers.markdown",
+            "rst": "coinrag.tasks.readers.rst",
             "html": "coinrag.tasks.readers.html",
             "pdf": "coinrag.tasks.readers.pdf",
             "docx": "coinrag.tasks.readers.docx",

@@ -12,6 +12,8 @@ Variants (stores without KV and without nuggets, ``extractor = "none"``: what is
 how the documents are read, chunked and indexed):
 
 - ``text``: the JSONL corpus of the reST sources (ids ``faq/programming``, ...);
+- ``rst``: the same sources as a folder of ``.rst`` files (``infra/python_faq.py``'s ``rst/``,
+  ``--rst``): the same text, its section titles parsed by the reST reader;
 - ``html``: the HTML folder as SOURCE (``_sources/`` excluded: the same reST again), ids by
   path, so the gold ids match; ``html-noprefix``: the same without the heading prefix in the
   searched text (the heading path and a chunk's inner titles patched out for the build);
@@ -49,7 +51,7 @@ def _variant(
     from coinrag.schemas.settings import CHUNKERS
 
     fmt, *modifiers = name.split("-")
-    sources = {"text": args.text, "html": args.html, "pdf": args.pdf}
+    sources = {"text": args.text, "rst": args.rst, "html": args.html, "pdf": args.pdf}
     if sources.get(fmt) is None:
         raise SystemExit(f"unknown variant {name!r}, or its source not given")
     settings: dict = {"extractor": "none", "kv": False, "threads": 1}
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faq", type=Path, required=True, help="infra/python_faq.py's questions")
     ap.add_argument("--natural", type=Path, nargs="+", default=[NATURAL, NATURAL_2])
     ap.add_argument("--text", type=Path, help="infra/python_faq.py's corpus.jsonl")
+    ap.add_argument("--rst", type=Path, help="infra/python_faq.py's rst/ folder")
     ap.add_argument("--html", type=Path, default=Path("/usr/share/doc/python3.11/html"))
     ap.add_argument("--pdf", type=Path, help="the HTML pages printed to PDF")
     ap.add_argument("--variants", nargs="+", default=["text", "html", "html-noprefix", "pdf"])

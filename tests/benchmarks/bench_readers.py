@@ -13,8 +13,9 @@ Formats and what a page is:
 - ``docx``: ``--docx N`` Word files written here with python-docx into a temporary folder,
   ``PAGES_PER_DOCX`` pages each (pages separated by page breaks; a page: a heading, four
   paragraphs of the docs' reST text, a five-item list and a 4x3 table); 0 skips them;
-- ``markdown``, ``text``: the reST sources (``--sources``, default the docs' ``_sources``, read
-  as ``.md`` and as ``.txt``), which have no pages: a page is ``CHARS_PER_PAGE`` characters.
+- ``rst``, ``markdown``, ``text``: the reST sources (``--sources``, default the docs'
+  ``_sources``, read as ``.rst``, ``.md`` and ``.txt``), which have no pages: a page is
+  ``CHARS_PER_PAGE`` characters.
 
 Every file is read once from memory (the bytes are loaded before the clock starts; one read of
 each format first, untimed, imports the reader and its libraries). Seconds are CPU seconds of
@@ -167,6 +168,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-docx-") as tmp:
             files = docx_files(args.docx, args.sources, Path(tmp))
         rows.append(measure("docx", registry["docx"](), files))
+    rows.append(measure("rst", registry["rst"](), source_files(args.sources, ".rst")))
     rows.append(measure("markdown", registry["markdown"](), source_files(args.sources, ".md")))
     rows.append(measure("text", registry["text"](), source_files(args.sources, ".txt")))
 
