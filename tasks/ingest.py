@@ -1,6 +1,6 @@
 """Ingest: read documents from a source into (doc_id, text, metadata) records, rejecting bad ones.
 
-A source is a folder of documents (``tasks/ingest_files.py``: text, Markdown, HTML, PDF and Word
+A source is a folder of documents (``tasks/ingest_files.py``: text, Markdown, reST, HTML, PDF, Word
 files, each read by its format's reader in ``tasks/readers``, with its page and heading maps;
 doc_id = the file's path relative to the folder, without extension, ``/``-separated), a JSONL
 file (one ``{"id": ..., "text": ..., ...}`` object a line; other fields are kept as metadata),

@@ -16,7 +16,7 @@ from coinrag.schemas.settings import BuildSettings
 Source = Annotated[
     str,
     typer.Argument(
-        help="Folder of documents (.txt, .md, .html, .pdf, .docx), a .jsonl file ({id, text, "
+        help="Folder of documents (.txt, .md, .rst, .html, .pdf, .docx), a .jsonl file ({id, text, "
         "...}), a .parquet file (id, text columns), or 'sample' for the bundled sample corpus."
     ),
 ]
