@@ -61,19 +61,18 @@ def rst_headings(text: str) -> tuple[Heading, ...]:
         starts.append(starts[-1] + len(line))
     styles: list[tuple[str, bool]] = []
     out: list[Heading] = []
-    literal_from: int | None = None  # indentation ends a literal block opened by "::"
+    in_literal = False  # inside a literal block: the indented lines after a line ending "::"
     i = 0
     while i < len(bodies) - 1:
         body = bodies[i]
-        if literal_from is not None:
-            if not body.strip() or body[: len(body) - len(body.lstrip())]:
+        if in_literal:
+            if not body.strip() or body[0].isspace():
                 i += 1
                 continue
-            literal_from = None
+            in_literal = False
         found = _title_at(bodies, i)
         if found is None:
-            if body.rstrip().endswith("::"):
-                literal_from = i
+            in_literal = body.rstrip().endswith("::")
             i += 1
             continue
         title_line, style, used = found
