@@ -30,13 +30,14 @@ ADORNMENT = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")  # docutils' adornme
 MIN_ADORNMENT = 2  # a shorter line is never an adornment (a one-character title "A" under "=")
 
 _LINK = re.compile(r"`([^`<]+?)\s*<[^>]*>`_{1,2}")  # `text <target>`_ -> text
-_ROLE = re.compile(r":[\w.:+-]+:`~?!?([^`]*)`")  # :mod:`re` -> re
+_ROLE = re.compile(r":[\w.:+-]+:`~?!?([^`<]*?)\s*(?:<[^`>]*>)?`")  # :ref:`dict <x>` -> dict
 _MARKUP = re.compile(r"\*{1,2}|`{1,2}|\|")  # emphasis, literals, substitutions
 
 
 def clean_title(line: str) -> str:
     """A title line without inline markup: ``":mod:`re` --- Regular expressions"`` ->
-    ``"re --- Regular expressions"``; ``"The ``with`` *statement*"`` -> ``"The with
+    ``"re --- Regular expressions"``; ``"New :ref:`dict <typesmapping>` implementation"`` ->
+    ``"New dict implementation"``; ``"The ``with`` *statement*"`` -> ``"The with
     statement"``."""
     text = _ROLE.sub(r"\1", _LINK.sub(r"\1", line))
     text = re.sub(r"`([^`]+)`_{1,2}", r"\1", text)  # `named reference`_

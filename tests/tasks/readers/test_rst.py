@@ -94,6 +94,7 @@ def test_clean_title_drops_inline_markup() -> None:
     assert clean_title("The ``with`` *statement*") == "The with statement"
     assert clean_title("See `the docs <https://x.org>`_ and `Other`_") == "See the docs and Other"
     assert clean_title(":func:`~os.path.join` |version|") == "os.path.join version"
+    assert clean_title("New :ref:`dict <typesmapping>` implementation") == "New dict implementation"
 
 
 def test_a_folder_of_rst_files_builds_documents_with_their_sections(tmp_path: Path) -> None:
