@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
-from coinrag.tasks.readers.base import Heading, ReadDocument, Reader
-from coinrag.tasks.readers.text import decode_utf8
+from coinrag.tasks.readers.base import Heading
+from coinrag.tasks.readers.text import MarkedUpTextReader
 
 _ATX = re.compile(r" {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
@@ -64,14 +64,11 @@ def _list_or_quote(line: str) -> bool:
     return line.startswith((">", "- ", "* ", "+ ")) or bool(re.match(r"\d+[.)] ", line))
 
 
-class MarkdownReader(Reader, name="markdown"):
+class MarkdownReader(MarkedUpTextReader, name="markdown"):
     """A Markdown file: its text, untouched, and its headings."""
 
     suffixes = (".md", ".markdown")
     version = "1"
 
-    def read(self, data: bytes, name: str) -> ReadDocument:
-        text = decode_utf8(data, name)
-        headings = markdown_headings(text)
-        title = next((h.title for h in headings if h.level == 1), None)
-        return ReadDocument(text, title, headings=headings)
+    def headings(self, text: str) -> tuple[Heading, ...]:
+        return markdown_headings(text)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import re
 
-from coinrag.tasks.readers.base import Heading, ReadDocument, Reader
-from coinrag.tasks.readers.text import decode_utf8
+from coinrag.tasks.readers.base import Heading
+from coinrag.tasks.readers.text import MarkedUpTextReader
 
 ADORNMENT = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")  # docutils' adornment characters
 MIN_ADORNMENT = 2  # a shorter line is never an adornment (a one-character title "A" under "=")
@@ -107,14 +107,11 @@ def _title_at(bodies: list[str], i: int) -> tuple[int, tuple[str, bool], int] | 
     return i, (mark, False), 2
 
 
-class RstReader(Reader, name="rst"):
+class RstReader(MarkedUpTextReader, name="rst"):
     """A reStructuredText file: its text, untouched, and its section titles."""
 
     suffixes = (".rst", ".rest")
     version = "1"
 
-    def read(self, data: bytes, name: str) -> ReadDocument:
-        text = decode_utf8(data, name)
-        headings = rst_headings(text)
-        title = next((h.title for h in headings if h.level == 1), None)
-        return ReadDocument(text, title, headings=headings)
+    def headings(self, text: str) -> tuple[Heading, ...]:
+        return rst_headings(text)

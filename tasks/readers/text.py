@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coinrag.tasks.readers.base import ReadDocument, Reader, ReadError
+from coinrag.tasks.readers.base import Heading, ReadDocument, Reader, ReadError
 
 
 def decode_utf8(data: bytes, name: str) -> str:
@@ -25,3 +25,18 @@ class TextReader(Reader, name="text"):
 
     def read(self, data: bytes, name: str) -> ReadDocument:
         return ReadDocument(decode_utf8(data, name))
+
+
+class MarkedUpTextReader(Reader):
+    """A text format whose headings are marked in the text itself (Markdown, reST): the file's
+    UTF-8 text, untouched, its :meth:`headings`, and as its title its first level-1 heading."""
+
+    def headings(self, text: str) -> tuple[Heading, ...]:
+        """Every heading of ``text``, in order (offsets into ``text``)."""
+        raise NotImplementedError
+
+    def read(self, data: bytes, name: str) -> ReadDocument:
+        text = decode_utf8(data, name)
+        headings = self.headings(text)
+        title = next((h.title for h in headings if h.level == 1), None)
+        return ReadDocument(text, title, headings=headings)
