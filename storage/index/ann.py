@@ -4,7 +4,9 @@ table (:class:`FlatTable`)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,8 +25,8 @@ from coinrag.storage.index.tables import METRIC, InFilter
 VECTOR_INDEX_MIN_ROWS = int(os.environ.get("COINRAG_VECTOR_INDEX_MIN_ROWS", 20_000))
 VECTOR_INDEX_TYPE = "IVF_SQ"
 # A reader keeps a table in memory (FlatTable) when its vectors take at most this many bytes
-# (float32 up to VECTOR_INDEX_MIN_ROWS rows; above, float16 and a bfloat16 copy to rank by: 4
-# bytes a component either way): exact search, faster than the ANN index where it fits
+# (float32 up to VECTOR_INDEX_MIN_ROWS rows; above, float16 and at most a bfloat16 copy to rank
+# by: at most 4 bytes a component): exact search, faster than the ANN index where it fits
 # (measured in FlatTable's docstring). Larger tables use the ANN index.
 FLAT_MAX_BYTES = int(os.environ.get("COINRAG_FLAT_MAX_BYTES", 512 * 2**20))
 _READERS = {"large_in_memory": True}
@@ -109,6 +111,40 @@ def tune_ann_query(query: Any, coarse: bool = False) -> Any:
     return query.refine_factor(SEARCH_REFINE_FACTOR) if SEARCH_REFINE_FACTOR else query
 
 
+# The half dtypes a large table can be ranked in (torch names); COINRAG_RANKING_DTYPE picks one,
+# else the faster on this CPU (fastest_ranking_dtype).
+RANKING_DTYPES = ("float16", "bfloat16")
+
+
+@functools.cache
+def fastest_ranking_dtype(rows: int = 65_536, dim: int = 384, repeats: int = 5) -> str:
+    """The dtype of :data:`RANKING_DTYPES` whose matrix-vector product over a ``(rows, dim)``
+    matrix is faster on this CPU (the median of ``repeats``, one call each, on this process's
+    torch threads), measured once per process (~0.1 s), or ``COINRAG_RANKING_DTYPE``. Which one
+    wins is the CPU's and torch's: stop 46's VM ranked 142,565 x 384 in 11.2 ms in bfloat16
+    and 21.8 in float16; an AMD EPYC (Zen 4, AVX512_BF16, one thread, torch 2.13) the other way
+    round, 23.3 ms in bfloat16 and 8.4 in float16."""
+    import torch
+
+    chosen = os.environ.get("COINRAG_RANKING_DTYPE")
+    if chosen:
+        if chosen not in RANKING_DTYPES:
+            raise ValueError(f"COINRAG_RANKING_DTYPE={chosen!r}: use one of {RANKING_DTYPES}")
+        return chosen
+    base = torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
+    medians = {}
+    for name in RANKING_DTYPES:
+        mat, q = base.to(getattr(torch, name)), base[0].to(getattr(torch, name))
+        mat @ q  # warm
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mat @ q
+            times.append(time.perf_counter() - t)
+        medians[name] = sorted(times)[repeats // 2]
+    return min(RANKING_DTYPES, key=medians.__getitem__)
+
+
 class FlatTable:
     """A reader's in-memory copy of one table, read once at the reader's pinned version: its
     rows' hit columns and their L2-normalised ``(n, dim)`` vectors, searched exactly (a
@@ -117,36 +153,54 @@ class FlatTable:
     (``chunk_id IN (...)``: the rows of those ids only, through a per-column position map).
 
     ``half``: the vectors are held in float16 (a large table: 142,565 nuggets x 384 take 110 MB
-    instead of 219), beside a bfloat16 copy to rank by (another 110 MB). An unfiltered search
-    ranks every row by a bfloat16 product (torch, one pass over the copy: 11.2 ms on one core of
-    this CPU for those nuggets, where float16's product took 21.8 ms and float32's 17.5: it has
-    AVX512_BF16 and no float16 arithmetic; the coarse ANN search took 11-20 ms), and rescores its
-    best ``HALF_RESCORE * k`` candidates in float32 from the float16 vectors (widened, so a
-    score differs from the float32 vectors' by their rounding alone: at most 2**-11, held by
-    ``tests/inference/test_reader_in_memory.py``). A candidate is missed only where bfloat16's
-    rounding (at most 2**-9 of a score) moves it below ``HALF_RESCORE * k`` others. A filtered
-    search always scores in float32."""
+    instead of 219). An unfiltered search ranks every row by a half-precision product (torch,
+    one pass over the matrix) in ``ranking_dtype`` (None: :func:`fastest_ranking_dtype`):
+    float16 ranks the float16 vectors themselves (no copy), bfloat16 a copy beside them
+    (another 110 MB). On stop 46's VM bfloat16 took 11.2 ms for those nuggets on one core,
+    float16 21.8, float32 17.5; on an AMD EPYC (Zen 4) float16 8.4, bfloat16 23.3, float32 30.1
+    (the coarse ANN search took 11-20 ms). The best ``HALF_RESCORE * k`` candidates are
+    rescored in float32 from the float16 vectors (widened, so a score differs from the float32
+    vectors' by their rounding alone: at most 2**-11, held by
+    ``tests/inference/test_reader_in_memory.py``). A candidate is missed only where the
+    ranking's rounding (at most 2**-9 of a score in bfloat16, 2**-11 in float16) moves it below
+    ``HALF_RESCORE * k`` others. A filtered search always scores in float32."""
 
     HALF_RESCORE = 4
 
-    def __init__(self, rows: pa.Table, vectors: np.ndarray, half: bool = False) -> None:
+    def __init__(
+        self,
+        rows: pa.Table,
+        vectors: np.ndarray,
+        half: bool = False,
+        ranking_dtype: str | None = None,
+    ) -> None:
         self.rows = rows.combine_chunks()  # one chunk per column: ``take`` of a few rows is
         # microseconds (on the many chunks LanceDB returns it was 10 ms at 142,565 rows)
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         unit = vectors / np.where(norms > 0, norms, 1.0)
         self.half = half
         self.vectors = unit.astype(np.float16 if half else np.float32)
-        self._ranking = None  # half: the bfloat16 copy (torch) every row is ranked by
+        self._ranking = None  # half: the matrix (torch) every row is ranked by
         if half:
             import torch
 
-            self._ranking = torch.from_numpy(np.ascontiguousarray(unit, np.float32)).bfloat16()
+            name = ranking_dtype or fastest_ranking_dtype()
+            if name not in RANKING_DTYPES:
+                raise ValueError(f"ranking dtype {name!r}: use one of {RANKING_DTYPES}")
+            # float16: the vectors themselves (``to`` keeps the tensor); else a copy
+            self._ranking = torch.from_numpy(self.vectors).to(getattr(torch, name))
         self._positions: dict[str, dict[str, np.ndarray]] = {}
 
     @property
     def nbytes(self) -> int:
-        ranking = 0 if self._ranking is None else self._ranking.numel() * 2
+        shared = self._ranking is None or self._ranking.data_ptr() == self.vectors.ctypes.data
+        ranking = 0 if shared else self._ranking.numel() * self._ranking.element_size()
         return int(self.vectors.nbytes) + ranking
+
+    @property
+    def ranking_dtype(self) -> str | None:
+        """The dtype every row is ranked in by an unfiltered search (None: float32 scores)."""
+        return None if self._ranking is None else str(self._ranking.dtype).removeprefix("torch.")
 
     def _groups(self, column: str) -> dict[str, np.ndarray]:
         """Value -> the positions of the rows holding it (ascending), per column, made on first
@@ -187,12 +241,12 @@ class FlatTable:
         return mat.astype(np.float32, copy=False) @ q
 
     def _half_candidates(self, q: np.ndarray, k: int) -> np.ndarray:
-        """The best ``HALF_RESCORE * k`` rows by a bfloat16 product over the whole matrix."""
+        """The best ``HALF_RESCORE * k`` rows by a half-precision product over the whole matrix."""
         import torch
 
         n = len(self.vectors)
         wide = min(n, self.HALF_RESCORE * k)
-        rough = self._ranking @ torch.from_numpy(q).bfloat16()
+        rough = self._ranking @ torch.from_numpy(q).to(self._ranking.dtype)
         return torch.topk(rough.float(), wide).indices.numpy()
 
     def search(

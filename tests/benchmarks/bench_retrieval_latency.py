@@ -76,6 +76,56 @@ def timed_index(index: Any, calls: dict[str, list[float]]) -> None:
         setattr(index, name, wrapper)
 
 
+def context_timings(args: argparse.Namespace, results: dict[str, list[Any]]) -> dict:
+    """``kv_load`` and ``assembly`` ms of coinrag's (or turborag's) context for the default
+    variant's evidence, two builds in alternated blocks; ``{}`` where the store holds no KV."""
+    from coinrag.inference.context.builders import ContextBuilder
+    from coinrag.inference.methods import RagEngine
+    from coinrag.inference.methods.assets import StoredNuggetKv
+    from coinrag.inference.methods.base import MissingAssets
+    from coinrag.inference.retrieval.retriever import Evidence
+
+    try:
+        engine = RagEngine.open(args.store, methods=["coinrag"])
+    except MissingAssets as exc:
+        print(f"\ncontext timings skipped: {exc}")
+        return {}
+    context = engine.asset(StoredNuggetKv)
+    n_query = 25
+    evidence = [r.evidence for r in results["default"]]
+    if args.whole_chunks:  # turborag's context: the top-kc chunks whole
+        evidence = [
+            [
+                Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score)
+                for h in r.chunks
+            ]
+            for r in results["default"]
+        ]
+    builds = {"into-context": context.build, "general": partial(ContextBuilder.build, context)}
+    for build in builds.values():
+        for ev in evidence:  # warm: file handles, the page cache (the same for both builds)
+            build(ev, n_query)
+    parts: dict[str, dict[str, list[float]]] = {n: {"kv_load": [], "assembly": []} for n in builds}
+    for _ in range(args.rounds):
+        for name, build in builds.items():
+            for ev in evidence:
+                timings: dict[str, float] = {}
+                build(ev, n_query, timings)
+                for part in ("kv_load", "assembly"):
+                    parts[name][part].append(timings[part])
+    slices = statistics.mean(len(ev) for ev in evidence)
+    tokens = statistics.mean(sum(e.tok_end - e.tok_start for e in ev) for ev in evidence)
+    method = "turborag" if args.whole_chunks else "coinrag"
+    print(f"\n{method} context ({slices:.1f} slices, {tokens:.0f} tokens a question), ms:")
+    for name, got in parts.items():
+        both = [a + b for a, b in zip(got["kv_load"], got["assembly"], strict=True)]
+        print(f"  {name}")
+        print(f"    kv_load             {summary(got['kv_load'])}")
+        print(f"    assembly            {summary(got['assembly'])}")
+        print(f"    kv_load + assembly  {summary(both)}")
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", required=True)
@@ -93,11 +143,9 @@ def main() -> None:
     from coinrag.inference.model.threads import set_process_threads
 
     set_process_threads(args.threads)
-    from coinrag.inference.context.builders import ContextBuilder
-    from coinrag.inference.methods import RagEngine
-    from coinrag.inference.methods.assets import StoredNuggetKv
     from coinrag.inference.retrieval.embedders import load_embedder
-    from coinrag.inference.retrieval.retriever import Evidence, Retriever
+    from coinrag.inference.retrieval.retriever import Retriever
+    from coinrag.storage.index.ann import fastest_ranking_dtype
     from coinrag.storage.index.lance import LanceIndex
     from coinrag.storage.store import Store
 
@@ -123,7 +171,9 @@ def main() -> None:
         print(f"{name}: first question (tables into memory) {time.perf_counter() - t:.2f} s")
         timed_index(index, calls)
         variants[name] = (retriever, calls)
-    print(f"default query dtype: {auto.query_dtype}; load {os.getloadavg()[0]:.2f}")
+    ranking = fastest_ranking_dtype()
+    print(f"default query dtype: {auto.query_dtype}; large tables ranked in {ranking}")
+    print(f"load average {os.getloadavg()[0]:.2f}")
 
     totals: dict[str, list[float]] = {n: [] for n in variants}
     embeds: dict[str, list[float]] = {n: [] for n in variants}
@@ -174,40 +224,7 @@ def main() -> None:
             f"  hit@{args.kc} {hits / len(rows):.1%}"
         )
 
-    engine = RagEngine.open(args.store, methods=["coinrag"])
-    context = engine.asset(StoredNuggetKv)
-    n_query = 25
-    evidence = [r.evidence for r in results["default"]]
-    if args.whole_chunks:  # turborag's context: the top-kc chunks whole
-        evidence = [
-            [
-                Evidence(h.chunk_id, h.doc_id, h.content_key, 0, h.n_tokens, h.text, h.score)
-                for h in r.chunks
-            ]
-            for r in results["default"]
-        ]
-    builds = {"into-context": context.build, "general": partial(ContextBuilder.build, context)}
-    for build in builds.values():
-        for ev in evidence:  # warm: file handles, the page cache (the same for both builds)
-            build(ev, n_query)
-    parts: dict[str, dict[str, list[float]]] = {n: {"kv_load": [], "assembly": []} for n in builds}
-    for _ in range(args.rounds):
-        for name, build in builds.items():
-            for ev in evidence:
-                timings: dict[str, float] = {}
-                build(ev, n_query, timings)
-                for part in ("kv_load", "assembly"):
-                    parts[name][part].append(timings[part])
-    slices = statistics.mean(len(ev) for ev in evidence)
-    tokens = statistics.mean(sum(e.tok_end - e.tok_start for e in ev) for ev in evidence)
-    method = "turborag" if args.whole_chunks else "coinrag"
-    print(f"\n{method} context ({slices:.1f} slices, {tokens:.0f} tokens a question), ms:")
-    for name, got in parts.items():
-        both = [a + b for a, b in zip(got["kv_load"], got["assembly"], strict=True)]
-        print(f"  {name}")
-        print(f"    kv_load             {summary(got['kv_load'])}")
-        print(f"    assembly            {summary(got['assembly'])}")
-        print(f"    kv_load + assembly  {summary(both)}")
+    parts = context_timings(args, results)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         out = {

@@ -106,17 +106,23 @@ def test_a_large_table_is_held_in_float16_within_the_stated_tolerance(indexes, m
             assert exact_score[row["nugget_id"]] >= exact[k - 1]["score"] - 2 * HALF_TOLERANCE
 
 
-def test_a_half_table_ranks_by_bfloat16_and_returns_the_exact_top_k() -> None:
-    """A float16 table ranks every row by its bfloat16 copy and rescores the best 4k in float32
-    from the float16 vectors: on 20,000 random unit vectors of dimension 384 (scores close
-    together, the hard case for a rough ranking) the top 10 of 50 queries are the float32 top
-    10 up to ties within twice the stated tolerance, each score within it."""
+@pytest.mark.parametrize(
+    ("dtype", "nbytes"), [("bfloat16", 20_000 * 384 * 4), ("float16", 20_000 * 384 * 2)]
+)
+def test_a_half_table_ranks_in_half_precision_and_returns_the_exact_top_k(
+    dtype: str, nbytes: int
+) -> None:
+    """A float16 table ranks every row by a half-precision product (bfloat16: a copy; float16:
+    the vectors themselves) and rescores the best 4k in float32 from the float16 vectors: on
+    20,000 random unit vectors of dimension 384 (scores close together, the hard case for a
+    rough ranking) the top 10 of 50 queries are the float32 top 10 up to ties within twice the
+    stated tolerance, each score within it."""
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((20_000, 384)).astype(np.float32)
     rows = pa.table({"row_id": np.arange(len(vectors))})
-    flat = index_ann.FlatTable(rows, vectors, half=True)
-    assert flat.half and str(flat._ranking.dtype) == "torch.bfloat16"
-    assert flat.nbytes == 20_000 * 384 * 4  # float16 and bfloat16 copies
+    flat = index_ann.FlatTable(rows, vectors, half=True, ranking_dtype=dtype)
+    assert flat.half and flat.ranking_dtype == dtype
+    assert flat.nbytes == nbytes
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     k = 10
     for q in rng.standard_normal((50, 384)).astype(np.float32):
@@ -126,6 +132,26 @@ def test_a_half_table_ranks_by_bfloat16_and_returns_the_exact_top_k() -> None:
         for row in got:
             assert row["score"] == pytest.approx(exact[row["row_id"]], abs=HALF_TOLERANCE)
             assert exact[row["row_id"]] >= kth - 2 * HALF_TOLERANCE
+
+
+def test_the_ranking_dtype_is_the_faster_one_or_the_one_asked_for(monkeypatch) -> None:
+    """Without a choice a half table ranks in the dtype measured faster on this CPU (one of
+    the two); ``COINRAG_RANKING_DTYPE`` picks it; an unknown name is an error naming both."""
+    measured = index_ann.fastest_ranking_dtype(rows=4096, dim=64, repeats=3)
+    assert measured in index_ann.RANKING_DTYPES
+    vectors = np.random.default_rng(1).standard_normal((300, 64)).astype(np.float32)
+    rows = pa.table({"row_id": np.arange(300)})
+    chosen = index_ann.FlatTable(rows, vectors, half=True).ranking_dtype
+    assert chosen == index_ann.fastest_ranking_dtype()
+    assert index_ann.FlatTable(rows, vectors).ranking_dtype is None  # float32 scores
+    for name in index_ann.RANKING_DTYPES:
+        monkeypatch.setenv("COINRAG_RANKING_DTYPE", name)
+        assert index_ann.fastest_ranking_dtype.__wrapped__() == name
+    monkeypatch.setenv("COINRAG_RANKING_DTYPE", "float8")
+    with pytest.raises(ValueError, match="float16"):
+        index_ann.fastest_ranking_dtype.__wrapped__()
+    with pytest.raises(ValueError, match="bfloat16"):
+        index_ann.FlatTable(rows, vectors, half=True, ranking_dtype="int8")
 
 
 def test_a_table_over_the_memory_budget_is_searched_by_lancedb(indexes):
