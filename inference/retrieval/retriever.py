@@ -322,12 +322,19 @@ class DenseSearch(SearchMode, name="dense"):
         return index.search_vector(table, vector, k, embedder_fp=fp, where=where, coarse=coarse)
 
     def _own(self, index: LanceIndex, query: Query, k: int, where: str | None) -> dict[str, float]:
-        """Chunk id -> own cosine (exact) of at least ``k`` chunks (fewer if there are not
-        that many), best first: the chunks of the top windows (more windows asked while they
-        hold fewer than ``k`` chunks), or the top chunks by their own vector."""
+        """Chunk id -> own cosine (exact) of the top ``k`` chunks (fewer if there are not that
+        many), best first: by their best window (in one pass where the reader holds the windows
+        in memory, else the chunks of the top windows, more windows asked while they hold fewer
+        than ``k`` chunks), or by their own vector."""
         if not index.count("windows"):
             rows = self._search(index, "chunks", query, k, where)
             return {row["chunk_id"]: float(row["score"]) for row in rows}
+        fp = query.embedder.fingerprint
+        grouped = index.best_of_groups(
+            "windows", "chunk_id", query.vector, k, embedder_fp=fp, where=where
+        )
+        if grouped is not None:
+            return dict(grouped)
         wide = k
         while True:
             rows = self._search(index, "windows", query, wide, where)
@@ -335,7 +342,7 @@ class DenseSearch(SearchMode, name="dense"):
             for row in rows:  # best first: a chunk's first window is its best
                 best.setdefault(row["chunk_id"], float(row["score"]))
             if len(best) >= k or len(rows) < wide:
-                return best
+                return dict(list(best.items())[:k])
             wide *= 2
 
     def _own_of(self, index: LanceIndex, query: Query, chunk_ids: list[str]) -> dict[str, float]:

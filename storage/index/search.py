@@ -251,6 +251,27 @@ class IndexSearch:
             coarse=coarse,
         )
 
+    def best_of_groups(
+        self,
+        name: str,
+        column: str,
+        vector: np.ndarray,
+        k: int,
+        *,
+        embedder_fp: str,
+        where: str | None = None,
+    ) -> list[tuple[str, float]] | None:
+        """The ``k`` values of ``column`` (``chunk_id`` of ``windows``, say) whose best row of
+        ``name`` is closest to ``vector`` (``(dim,)`` float32), best first, with that row's
+        cosine (exact; see :meth:`FlatTable.best_of_groups`), in one pass over a reader's
+        in-memory copy; None where the table is not held in memory (the caller searches its
+        rows with :meth:`search_vector`). ``where``: a prefilter."""
+        self.check(embedder_fp, vector)
+        flat = self._flat_for(name, where)
+        if flat is None or column not in flat.rows.column_names:
+            return None
+        return flat.best_of_groups(vector, k, column, where)
+
     def search_text(
         self, name: str, text: str, k: int, *, where: str | None = None
     ) -> list[dict[str, Any]]:

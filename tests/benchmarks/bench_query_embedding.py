@@ -1,7 +1,7 @@
 """Where a question's embedding goes: the default embedder's forward in float32, with bf16
-weights (transformers' forward, and the lean BERT forward the bf16 question copy runs:
-``inference/retrieval/lean_encoder.py``), and with int8 dynamic quantization, side by side in one
-run on one thread.
+and with float16 weights (transformers' forward, and the lean BERT forward the half-precision
+question copy runs: ``inference/retrieval/lean_encoder.py``), and with int8 dynamic
+quantization, side by side in one run on one thread.
 
 For each variant: median and p90 ms of ``embed one question`` (tokenizer + forward + mean
 pooling + L2 normalisation) over the question file, and the smallest cosine of its vectors to
@@ -64,10 +64,13 @@ def main() -> None:
     embedder = load_embedder(None)
     tokenizer, fp32 = embedder.tokenizer, embedder._flag.model.eval()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    fp16 = copy.deepcopy(fp32).to(torch.float16)
     variants = {
         "float32": fp32,
         "bf16 weights": bf16,
         "bf16 lean": LeanBertEncoder.of(bf16),
+        "fp16 weights": fp16,
+        "fp16 lean": LeanBertEncoder.of(fp16),
         "int8 dynamic": torch.ao.quantization.quantize_dynamic(
             copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8
         ),
