@@ -120,7 +120,7 @@ RANKING_DTYPES = ("float16", "bfloat16")
 def fastest_ranking_dtype(rows: int = 65_536, dim: int = 384, repeats: int = 5) -> str:
     """The dtype of :data:`RANKING_DTYPES` whose matrix-vector product over a ``(rows, dim)``
     matrix is faster on this CPU (the median of ``repeats``, one call each, on this process's
-    torch threads), measured once per process (~0.1 s), or ``COINRAG_RANKING_DTYPE``. Which one
+    torch threads), measured once per process (~0.15 s), or ``COINRAG_RANKING_DTYPE``. Which one
     wins is the CPU's and torch's: stop 46's VM ranked 142,565 x 384 in 11.2 ms in bfloat16
     and 21.8 in float16; an AMD EPYC (Zen 4, AVX512_BF16, one thread, torch 2.13) the other way
     round, 23.3 ms in bfloat16 and 8.4 in float16."""
@@ -131,10 +131,10 @@ def fastest_ranking_dtype(rows: int = 65_536, dim: int = 384, repeats: int = 5) 
         if chosen not in RANKING_DTYPES:
             raise ValueError(f"COINRAG_RANKING_DTYPE={chosen!r}: use one of {RANKING_DTYPES}")
         return chosen
-    base = torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
     medians = {}
     for name in RANKING_DTYPES:
-        mat, q = base.to(getattr(torch, name)), base[0].to(getattr(torch, name))
+        mat = torch.full((rows, dim), 0.01, dtype=getattr(torch, name))  # values: no matter
+        q = mat[0].clone()
         mat @ q  # warm
         times = []
         for _ in range(repeats):
