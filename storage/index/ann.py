@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -116,33 +117,51 @@ def tune_ann_query(query: Any, coarse: bool = False) -> Any:
 RANKING_DTYPES = ("float16", "bfloat16")
 
 
-@functools.cache
-def fastest_ranking_dtype(rows: int = 65_536, dim: int = 384, repeats: int = 5) -> str:
-    """The dtype of :data:`RANKING_DTYPES` whose matrix-vector product over a ``(rows, dim)``
-    matrix is faster on this CPU (the median of ``repeats``, one call each, on this process's
-    torch threads), measured once per process (~0.15 s), or ``COINRAG_RANKING_DTYPE``. Which one
-    wins is the CPU's and torch's: stop 46's VM ranked 142,565 x 384 in 11.2 ms in bfloat16
-    and 21.8 in float16; an AMD EPYC (Zen 4, AVX512_BF16, one thread, torch 2.13) the other way
-    round, 23.3 ms in bfloat16 and 8.4 in float16."""
+_RANKING_LOCK = threading.Lock()
+
+
+def ranking_product_seconds(
+    rows: int = 65_536, dim: int = 384, repeats: int = 5
+) -> dict[str, float]:
+    """Dtype of :data:`RANKING_DTYPES` -> the fastest of ``repeats`` matrix-vector products
+    over a ``(rows, dim)`` matrix in it (seconds, on this process's torch threads; the dtypes
+    alternated, so that a burst of load falls on both)."""
     import torch
 
+    pairs = {}
+    for name in RANKING_DTYPES:
+        mat = torch.full((rows, dim), 0.01, dtype=getattr(torch, name))  # values: no matter
+        pairs[name] = (mat, mat[0].clone())
+        mat @ pairs[name][1]  # warm
+    best = dict.fromkeys(RANKING_DTYPES, float("inf"))
+    for _ in range(repeats):
+        for name, (mat, q) in pairs.items():
+            t = time.perf_counter()
+            mat @ q
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+@functools.cache
+def _measured_ranking_dtype() -> str:
+    seconds = ranking_product_seconds()
+    return min(RANKING_DTYPES, key=seconds.__getitem__)
+
+
+def fastest_ranking_dtype() -> str:
+    """``COINRAG_RANKING_DTYPE`` if set, else the dtype of :data:`RANKING_DTYPES` whose
+    matrix-vector product is faster on this CPU (:func:`ranking_product_seconds`), measured
+    once a process (~0.15 s; under a lock, so threads opening tables at once share one
+    measurement). Which one wins is the CPU's and torch's: stop 46's VM ranked 142,565 x 384 in
+    11.2 ms in bfloat16 and 21.8 in float16; an AMD EPYC (Zen 4, AVX512_BF16, one thread, torch
+    2.13) the other way round, 23.3 ms in bfloat16 and 8.4 in float16."""
     chosen = os.environ.get("COINRAG_RANKING_DTYPE")
     if chosen:
         if chosen not in RANKING_DTYPES:
             raise ValueError(f"COINRAG_RANKING_DTYPE={chosen!r}: use one of {RANKING_DTYPES}")
         return chosen
-    medians = {}
-    for name in RANKING_DTYPES:
-        mat = torch.full((rows, dim), 0.01, dtype=getattr(torch, name))  # values: no matter
-        q = mat[0].clone()
-        mat @ q  # warm
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            mat @ q
-            times.append(time.perf_counter() - t)
-        medians[name] = sorted(times)[repeats // 2]
-    return min(RANKING_DTYPES, key=medians.__getitem__)
+    with _RANKING_LOCK:
+        return _measured_ranking_dtype()
 
 
 class FlatTable:
@@ -162,10 +181,12 @@ class FlatTable:
     rescored in float32 from the float16 vectors (widened, so a score differs from the float32
     vectors' by their rounding alone: at most 2**-11, held by
     ``tests/inference/test_reader_in_memory.py``). A candidate is missed only where the
-    ranking's rounding (at most 2**-9 of a score in bfloat16, 2**-11 in float16) moves it below
-    ``HALF_RESCORE * k`` others. A filtered search always scores in float32."""
+    ranking's rounding (of the order of 2**-8 of a score in bfloat16, 2**-10 in float16: the
+    vectors, the query and the product rounded) moves it below ``HALF_RESCORE * k`` others. A
+    filtered search always scores in float32."""
 
     HALF_RESCORE = 4
+    SCORE_BLOCK = 16_384  # rows of a half table widened to float32 at a time (25 MB at 384)
 
     def __init__(
         self,
@@ -246,9 +267,19 @@ class FlatTable:
         return self.rows.select(list(columns)).take(at).to_pylist()
 
     def _scores(self, q: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
-        """Float32 cosine scores of the rows at ``positions`` (all rows if None)."""
-        mat = self.vectors if positions is None else self.vectors[positions]
-        return mat.astype(np.float32, copy=False) @ q
+        """Float32 cosine scores ``(n,)`` of the rows at ``positions`` (all rows if None); a
+        half table's rows are widened :data:`SCORE_BLOCK` at a time (not all at once: 4 bytes a
+        component more)."""
+        n = len(self.vectors) if positions is None else len(positions)
+        if not self.half or n <= self.SCORE_BLOCK:
+            mat = self.vectors if positions is None else self.vectors[positions]
+            return mat.astype(np.float32, copy=False) @ q
+        out = np.empty(n, np.float32)
+        for a in range(0, n, self.SCORE_BLOCK):
+            at = slice(a, a + self.SCORE_BLOCK)
+            part = self.vectors[at] if positions is None else self.vectors[positions[at]]
+            out[at] = part.astype(np.float32) @ q
+        return out
 
     def _half_candidates(self, q: np.ndarray, k: int) -> np.ndarray:
         """The best ``HALF_RESCORE * k`` rows by a half-precision product over the whole matrix."""
@@ -288,42 +319,55 @@ class FlatTable:
         self, column: str, positions: np.ndarray | None, scores: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(groups, best)``: the codes of the ``column`` values among the rows at
-        ``positions`` (all rows if None) and each one's best of their ``scores``."""
+        ``positions`` (all rows if None) and each one's best of their ``scores`` (a NaN score
+        ignored; a value whose scores are all NaN left out)."""
         keys, codes = self._group_codes(column)
         best = np.full(len(keys), -np.inf, np.float32)
-        np.maximum.at(best, codes if positions is None else codes[positions], scores)
+        np.fmax.at(best, codes if positions is None else codes[positions], scores)
         groups = np.flatnonzero(best > -np.inf)
         return groups, best[groups]
+
+    def _half_group_rows(self, q: np.ndarray, k: int, column: str) -> np.ndarray:
+        """The rows (ascending) of the best ``HALF_RESCORE * k`` values of ``column`` (all of
+        them if there are no more) by their rows' half-precision scores."""
+        import torch
+
+        _, codes = self._group_codes(column)
+        rough = (self._ranking @ torch.from_numpy(q).to(self._ranking.dtype)).float().numpy()
+        groups, best = self._group_best(column, None, rough)
+        n = min(self.HALF_RESCORE * k, len(groups))
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        chosen = np.zeros(len(self._group_codes(column)[0]), dtype=bool)
+        chosen[groups[np.argpartition(-best, n - 1)[:n]]] = True
+        return np.flatnonzero(chosen[codes])
 
     def best_of_groups(
         self, q: np.ndarray, k: int, column: str, where: InFilter | None = None
     ) -> list[tuple[str, float]]:
-        """The ``k`` values of ``column`` whose best row is closest to ``q``, best first, each
-        with that row's float32 cosine: one pass over the rows (the chunks of the best windows,
-        where asking :meth:`search` for more windows until they hold ``k`` chunks scanned the
-        table two or three times). ``where``: only the rows it keeps. A half table without
-        ``where`` ranks the values by their rows' half-precision scores and rescores the rows of
-        the best ``HALF_RESCORE * k`` in float32 (the caveat of :meth:`search`)."""
-        q = np.asarray(q, dtype=np.float32) / (np.linalg.norm(q) or 1.0)
+        """The ``k`` values of ``column`` whose best row is closest to ``q`` (``(dim,)``), best
+        first, each with that row's float32 cosine: one pass over the rows (the chunks of the
+        best windows, where asking :meth:`search` for more windows until they hold ``k`` chunks
+        scanned the table two or three times). ``where``: only the rows it keeps. A half table
+        without ``where`` ranks the values by their rows' half-precision scores and rescores
+        the rows of the best ``HALF_RESCORE * k`` in float32 from the float16 vectors (the
+        caveat of :meth:`search`). Ties in no particular order."""
+        if k <= 0:
+            return []
+        q = np.asarray(q, dtype=np.float32).reshape(-1)
+        q = q / (np.linalg.norm(q) or 1.0)
         keys, _ = self._group_codes(column)
         if where is not None:
             positions = self.positions(where)
-        elif self.half and len(keys) > self.HALF_RESCORE * k:
-            import torch
-
-            rough = (self._ranking @ torch.from_numpy(q).to(self._ranking.dtype)).float()
-            groups, best = self._group_best(column, None, rough.numpy())
-            n = self.HALF_RESCORE * k
-            wide = groups[np.argpartition(-best, n - 1)[:n]]
-            by_key = self._groups(column)
-            positions = np.sort(np.concatenate([by_key[str(keys[g])] for g in wide]))
+        elif self.half:
+            positions = self._half_group_rows(q, k, column)
         else:
             positions = None
         scores = self._scores(q, positions)
-        if len(scores) == 0 or k <= 0:
-            return []
         groups, best = self._group_best(column, positions, scores)
         k = min(k, len(groups))
+        if k == 0:
+            return []
         top = np.argpartition(-best, k - 1)[:k]
         top = top[np.argsort(-best[top], kind="stable")]
         return [(str(keys[groups[i]]), float(best[i])) for i in top]

@@ -60,7 +60,7 @@ def summary(values: list[float]) -> str:
 def timed_index(index: Any, calls: dict[str, list[float]]) -> None:
     """Record the milliseconds of each search call of ``index`` under a name saying what it
     searched (table, filtered or not)."""
-    for name in ("search_vector", "search_text", "rows_where"):
+    for name in ("search_vector", "best_of_groups", "search_text", "rows_where"):
         method = getattr(index, name)
 
         @functools.wraps(method)
@@ -76,7 +76,59 @@ def timed_index(index: Any, calls: dict[str, list[float]]) -> None:
         setattr(index, name, wrapper)
 
 
-def context_timings(args: argparse.Namespace, results: dict[str, list[Any]]) -> dict:
+def print_timings(
+    args: argparse.Namespace,
+    n_questions: int,
+    totals: dict[str, list[float]],
+    embeds: dict[str, list[float]],
+    calls_by_variant: dict[str, dict[str, list[float]]],
+) -> None:
+    """Each variant's retrieval and embedding ms (mean, median, P99) and its index calls."""
+    setting = f"{args.mode}, kc {args.kc}, k {args.k}, {args.threads} thread(s)"
+    print(f"\n{n_questions} questions, {setting}")
+    print(f"{'variant':<12} {'ms: mean median P99':>21} | embedding mean median P99")
+    for name in totals:
+        print(f"{name:<12} {summary(totals[name])} | {summary(embeds[name])}")
+    for name, calls in calls_by_variant.items():
+        print(f"  {name} index calls (mean ms, n):")
+        for key, ms in sorted(calls.items()):
+            print(f"    {key:<34} {statistics.mean(ms):6.2f}  {len(ms)}")
+
+
+def print_agreement(
+    args: argparse.Namespace, rows: list[dict[str, Any]], results: dict[str, list[Any]]
+) -> None:
+    """How often each variant's top-``kc`` chunks and evidence equal ``lancedb``'s, and its
+    hit rate of a gold document in the top ``kc`` chunks."""
+
+    def chunk_ids(r: Any) -> list[str]:
+        return [h.chunk_id for h in r.chunks]
+
+    def spans(r: Any) -> list[tuple[str, int, int]]:
+        return r.triples
+
+    print("\nagreement with lancedb (top-kc chunks, evidence) and gold-document hit@kc:")
+    for name in results:
+        same_chunks = sum(
+            chunk_ids(a) == chunk_ids(b)
+            for a, b in zip(results[name], results["lancedb"], strict=True)
+        )
+        same_spans = sum(
+            spans(a) == spans(b) for a, b in zip(results[name], results["lancedb"], strict=True)
+        )
+        hits = sum(
+            bool({h.doc_id for h in r.chunks} & set(row.get("doc_ids", [])))
+            for r, row in zip(results[name], rows, strict=True)
+        )
+        print(
+            f"  {name:<12} chunks {same_chunks}/{len(rows)}  evidence {same_spans}/{len(rows)}"
+            f"  hit@{args.kc} {hits / len(rows):.1%}"
+        )
+
+
+def context_timings(
+    args: argparse.Namespace, results: dict[str, list[Any]]
+) -> dict[str, dict[str, list[float]]]:
     """``kv_load`` and ``assembly`` ms of coinrag's (or turborag's) context for the default
     variant's evidence, two builds in alternated blocks; ``{}`` where the store holds no KV."""
     from coinrag.inference.context.builders import ContextBuilder
@@ -189,41 +241,8 @@ def main() -> None:
                 if round_ == 0:
                     results[name].append(got)
 
-    print(
-        f"\n{len(rows)} questions, {args.mode}, kc {args.kc}, k {args.k}, {args.threads} thread(s)"
-    )
-    print(f"{'variant':<12} {'ms: mean median P99':>21} | embedding mean median P99")
-    for name in variants:
-        print(f"{name:<12} {summary(totals[name])} | {summary(embeds[name])}")
-    for name, (_, calls) in variants.items():
-        print(f"  {name} index calls (mean ms, n):")
-        for key, ms in sorted(calls.items()):
-            print(f"    {key:<34} {statistics.mean(ms):6.2f}  {len(ms)}")
-
-    def chunk_ids(r: Any) -> list[str]:
-        return [h.chunk_id for h in r.chunks]
-
-    def spans(r: Any) -> list[tuple[str, int, int]]:
-        return r.triples
-
-    print("\nagreement with lancedb (top-kc chunks, evidence) and gold-document hit@kc:")
-    for name in variants:
-        same_chunks = sum(
-            chunk_ids(a) == chunk_ids(b)
-            for a, b in zip(results[name], results["lancedb"], strict=True)
-        )
-        same_spans = sum(
-            spans(a) == spans(b) for a, b in zip(results[name], results["lancedb"], strict=True)
-        )
-        hits = sum(
-            bool({h.doc_id for h in r.chunks} & set(row.get("doc_ids", [])))
-            for r, row in zip(results[name], rows, strict=True)
-        )
-        print(
-            f"  {name:<12} chunks {same_chunks}/{len(rows)}  evidence {same_spans}/{len(rows)}"
-            f"  hit@{args.kc} {hits / len(rows):.1%}"
-        )
-
+    print_timings(args, len(rows), totals, embeds, {n: c for n, (_, c) in variants.items()})
+    print_agreement(args, rows, results)
     parts = context_timings(args, results)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.json:

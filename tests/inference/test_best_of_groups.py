@@ -83,6 +83,27 @@ def test_a_half_table_ranks_groups_roughly_and_rescores_them(dtype: str):
             assert exact[gid] >= kth - 2 * HALF_TOLERANCE
 
 
+@pytest.mark.parametrize("half", [False, True])
+def test_edge_cases_of_a_grouped_search(half: bool):
+    """k of 0 or less finds nothing; a half table with no more groups than ``4 k`` rescores
+    them all (its rows widened in blocks: more rows than one block here); a NaN row is
+    ignored by its group; a prefilter that keeps nothing finds nothing."""
+    vectors, rows = _grouped(20_000, 30, 16, seed=6)
+    vectors[7] = np.nan
+    flat = index_ann.FlatTable(rows, vectors, half=half)
+    assert len(vectors) > flat.SCORE_BLOCK
+    q = np.random.default_rng(7).standard_normal(16).astype(np.float32)
+    assert flat.best_of_groups(q, 0, "chunk_id") == [] == flat.best_of_groups(q, -3, "chunk_id")
+    kept = np.delete(np.arange(len(vectors)), 7)  # every group has other rows (~667 each)
+    want = _brute(vectors[kept], rows.take(kept), q)
+    got = flat.best_of_groups(q, 30, "chunk_id")
+    ranked = sorted(want.items(), key=lambda kv: -kv[1])
+    assert [g for g, _ in got] == [g for g, _ in ranked]
+    tolerance = HALF_TOLERANCE if half else 1e-6
+    assert [s for _, s in got] == pytest.approx([s for _, s in ranked], abs=tolerance)
+    assert flat.best_of_groups(q, 3, "chunk_id", in_filter("chunk_id", ["nothing"])) == []
+
+
 @pytest.fixture()
 def long_indexes(tmp_path, smollm2_tokenizer, monkeypatch):
     """(writer, reader, embedder) over the sample texts, each said three times (numbered),
@@ -107,9 +128,12 @@ def test_a_reader_finds_a_chunks_best_window_in_one_pass_as_the_writer_does(long
     chunk_ids = [r["chunk_id"] for r in writer.rows_where("chunks", "doc_id IN ('birds')", 50)]
     for text in QUERIES:
         q = emb.embed_queries([text])[0]
-        assert (
-            writer.best_of_groups("windows", "chunk_id", q, 3, embedder_fp=emb.fingerprint) is None
-        )
+        fp = emb.fingerprint
+        assert writer.best_of_groups("windows", "chunk_id", q, 3, embedder_fp=fp) is None
+        one_pass = reader.best_of_groups("windows", "chunk_id", q, 3, embedder_fp=fp)
+        assert one_pass is not None and len(one_pass) == 3  # the reader's path is this one
+        row_vector = reader.best_of_groups("windows", "chunk_id", q[None, :], 3, embedder_fp=fp)
+        assert row_vector == one_pass  # a (1, dim) vector, as search_vector takes it
         for k, where in ((1, None), (3, None), (50, None), (2, in_filter("chunk_id", chunk_ids))):
             want = dense._own(writer, Query(text, emb), k, where)
             got = dense._own(reader, Query(text, emb), k, where)
