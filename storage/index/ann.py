@@ -281,14 +281,18 @@ class FlatTable:
             out[at] = part.astype(np.float32) @ q
         return out
 
+    def _rough_scores(self, q: np.ndarray) -> Any:
+        """Every row's score ``(n,)`` by the half-precision product (a float32 torch tensor)."""
+        import torch
+
+        return (self._ranking @ torch.from_numpy(q).to(self._ranking.dtype)).float()
+
     def _half_candidates(self, q: np.ndarray, k: int) -> np.ndarray:
         """The best ``HALF_RESCORE * k`` rows by a half-precision product over the whole matrix."""
         import torch
 
-        n = len(self.vectors)
-        wide = min(n, self.HALF_RESCORE * k)
-        rough = self._ranking @ torch.from_numpy(q).to(self._ranking.dtype)
-        return torch.topk(rough.float(), wide).indices.numpy()
+        wide = min(len(self.vectors), self.HALF_RESCORE * k)
+        return torch.topk(self._rough_scores(q), wide).indices.numpy()
 
     def search(
         self, q: np.ndarray, k: int, columns: Sequence[str], where: InFilter | None = None
@@ -330,15 +334,12 @@ class FlatTable:
     def _half_group_rows(self, q: np.ndarray, k: int, column: str) -> np.ndarray:
         """The rows (ascending) of the best ``HALF_RESCORE * k`` values of ``column`` (all of
         them if there are no more) by their rows' half-precision scores."""
-        import torch
-
-        _, codes = self._group_codes(column)
-        rough = (self._ranking @ torch.from_numpy(q).to(self._ranking.dtype)).float().numpy()
-        groups, best = self._group_best(column, None, rough)
+        keys, codes = self._group_codes(column)
+        groups, best = self._group_best(column, None, self._rough_scores(q).numpy())
         n = min(self.HALF_RESCORE * k, len(groups))
         if n == 0:
             return np.empty(0, dtype=np.int64)
-        chosen = np.zeros(len(self._group_codes(column)[0]), dtype=bool)
+        chosen = np.zeros(len(keys), dtype=bool)
         chosen[groups[np.argpartition(-best, n - 1)[:n]]] = True
         return np.flatnonzero(chosen[codes])
 

@@ -60,9 +60,8 @@ class IndexSearch:
             flat = None
             rows = 0 if tbl is None else tbl.count_rows()
             half = rows > VECTOR_INDEX_MIN_ROWS
-            fits = (
-                rows * self.dim * 4 <= self.flat_max_bytes
-            )  # float32, or float16 and at most a copy
+            # 4 bytes a component: float32, or float16 and at most a copy to rank by
+            fits = rows * self.dim * 4 <= self.flat_max_bytes
             if tbl is not None and fits and (large_tables_in_memory() or not half):
                 words = [self.fts_column(name)] if name in FTS_TABLES else []
                 columns = self.present(name, [*dict.fromkeys([*HIT_COLUMNS[name], *words])])
@@ -266,9 +265,9 @@ class IndexSearch:
         """The ``k`` values of ``column`` (``chunk_id`` of ``windows``, say) whose best row of
         ``name`` is closest to ``vector`` (``(dim,)`` float32), best first, with that row's
         float32 cosine (from float16 vectors in a large table, within 2**-11: see
-        :meth:`FlatTable.best_of_groups`), in one pass over a reader's
-        in-memory copy; None where the table is not held in memory (the caller searches its
-        rows with :meth:`search_vector`). ``where``: a prefilter."""
+        :meth:`FlatTable.best_of_groups`), in one pass over a reader's in-memory copy; None
+        where the table is not held in memory (the caller searches its rows with
+        :meth:`search_vector`). ``where``: a prefilter."""
         self.check(embedder_fp, vector)
         flat = self._flat_for(name, where)
         if flat is None or column not in flat.rows.column_names:
