@@ -143,10 +143,10 @@ def embed_task(
 ) -> dict[str, Any]:
     """Embed and index (``tasks.embed.embed_stage``; ``parts``: where the vectors are computed,
     None: here)."""
-    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import store_embedder_of
     from coinrag.tasks.embed import EmbedOptions, embed_stage
 
-    embedder = load_embedder(settings.embedder)
+    embedder = store_embedder_of(settings)
     nuggets = current_nuggets(store, [c.chunk_id for c in chunks], extractor_fp, settings.tau)
     progress = ProgressLog(get_run_logger(), "embed", "texts", 0)
     options = EmbedOptions.from_settings(settings, parts)

@@ -70,10 +70,10 @@ def evaluation_questions(paths: Sequence[str]) -> tuple[list[str], list[dict[str
 def store_embedder(st: Store, embedder: str | None = None) -> Any:
     """The embedder of the store's published index (``embedder``: a reference to load instead;
     the build settings' ``embedder`` by default), loaded on one thread's budget."""
-    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import store_embedder_of
 
     settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
-    return load_embedder(embedder or settings.embedder, device=settings.device)
+    return store_embedder_of(settings, embedder, device=settings.device)
 
 
 @flow(name=FUSION_FLOW_NAME)
@@ -296,7 +296,11 @@ def train_retriever_flow(
     (a deployment retraining after each build: never overwrite the folder readers load).
     Returns the summary (``base_embedder_fp``, ``embedder_fp``, counts)."""
     from coinrag.inference.model.threads import set_process_threads
-    from coinrag.inference.retrieval.embedders import load_embedder, locate_embedder, root_embedder
+    from coinrag.inference.retrieval.embedders import (
+        locate_embedder,
+        root_embedder,
+        store_embedder_of,
+    )
     from coinrag.schemas.training_settings import RetrieverTrainSettings
     from coinrag.storage.gc import last_build_source
     from coinrag.training.retriever import finetune_embedder
@@ -334,7 +338,7 @@ def train_retriever_flow(
         trained = finetune_embedder(
             locate_embedder(base_ref), base.max_length, pairs, out_dir, cfg, lineage
         )
-        adapted = load_embedder(out_dir, device=build.device)
+        adapted = store_embedder_of(build, out_dir, device=build.device)
         summary = {"base_embedder_fp": base.fingerprint, "embedder_fp": adapted.fingerprint}
         summary |= {"model_dir": str(out_dir), "counts": {**counts, **trained}}
         if reembed:

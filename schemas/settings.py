@@ -23,6 +23,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     llm_model = "gpt-4o-mini"
     model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
     embedder = "minilm"         # packaged all-MiniLM-L6-v2, or a local BGE-M3 folder
+    embed_dtype = "float32"     # float32 | bfloat16 (stored vectors; bfloat16 ~1.9x faster)
     chunker = "fixed"           # fixed (the paper's) | sentence | content (edit-stable) | section
     chunk_size = 512
     tau = 0.7
@@ -62,6 +63,7 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # The KV forward's dtype: auto = bfloat16 where the device computes it natively, else float32
 # (inference/model/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+EMBED_DTYPES = ("float32", "bfloat16")  # dtypes stored texts are embedded in (embed_dtype)
 # How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 | int2 | int2mix |
 # int2basis (quantized per block: keys per channel, values per token, int2mix's per channel;
 # int2basis: int2mix's keys in the store's calibrated key basis, storage/kv/basis.py;
@@ -225,6 +227,13 @@ class BuildSettings:
         "'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder.",
         cli=True,
     )
+    embed_dtype: str = setting(
+        "float32",  # dtype the embedder computes stored vectors in (EMBED_DTYPES)
+        "float32 | bfloat16: dtype the embedder computes the index's vectors in (default "
+        "float32; bfloat16 embeds about 1.9x faster on a CPU with AVX512-BF16, vectors within "
+        "cosine 0.9999 of float32's; part of the embedder's fingerprint: a change re-embeds).",
+        cli=True,
+    )
     kv: bool = True  # build the per-chunk KV of `model`
     kv_dtype: str = setting(
         "auto",  # dtype of the KV forward and of the stored KV (KV_DTYPES)
@@ -309,6 +318,10 @@ class BuildSettings:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise SettingsError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.embed_dtype not in EMBED_DTYPES:
+            raise SettingsError(
+                f"embed_dtype {self.embed_dtype!r} is not one of {', '.join(EMBED_DTYPES)}"
+            )
         if self.kv_codec not in KV_CODECS:
             raise SettingsError(f"kv_codec {self.kv_codec!r} is not one of {', '.join(KV_CODECS)}")
         if self.kv_keep not in KV_KEEPS:

@@ -26,7 +26,7 @@ def current_producers(settings: BuildSettings) -> dict[str, str]:
         reference_model_fingerprint,
         tokenizer_fingerprint,
     )
-    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import store_embedder_of
     from coinrag.tasks.chunk import chunker_fingerprint
     from coinrag.tasks.extractors.factory import make_extractor
 
@@ -41,7 +41,7 @@ def current_producers(settings: BuildSettings) -> dict[str, str]:
             resolve_kv_dtype(settings.kv_dtype, settings.device).dtype,
         ),
         "cartridge_model_fp": reference_model_fingerprint(settings.model, settings.device),
-        "embedder_fp": load_embedder(settings.embedder).fingerprint,
+        "embedder_fp": store_embedder_of(settings).fingerprint,
     }
     assert tuple(values) == PRODUCERS, "keep PRODUCERS and this function in step"
     return values

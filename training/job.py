@@ -69,7 +69,7 @@ class Prepared:
         retrieves."""
         from coinrag.inference.model.kv_dtype import resolve_kv_dtype
         from coinrag.inference.model.loading import load_model
-        from coinrag.inference.retrieval.embedders import load_embedder
+        from coinrag.inference.retrieval.embedders import store_embedder_of
         from coinrag.inference.retrieval.retriever import Retriever
         from coinrag.schemas.settings import settings_from_toml
         from coinrag.storage.index.lance import LanceIndex
@@ -84,7 +84,7 @@ class Prepared:
         if at_kv_dtype:
             loaded.model.requires_grad_(False)
         prompt = RagPrompt.for_tokenizer(loaded.tokenizer)
-        emb = load_embedder(job.embedder or settings.embedder)
+        emb = store_embedder_of(settings, job.embedder)
         retriever = Retriever(store, emb, LanceIndex.open(store), mode=settings.retrieval)
         t0 = time.perf_counter()
         plans, counts = make_plans(examples, retriever, prompt, loaded.tokenizer, cfg, objective)

