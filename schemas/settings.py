@@ -23,7 +23,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     llm_model = "gpt-4o-mini"
     model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
     embedder = "minilm"         # packaged all-MiniLM-L6-v2, or a local BGE-M3 folder
-    embed_dtype = "float32"     # float32 | bfloat16 (stored vectors; bfloat16 ~1.9x faster)
+    embed_dtype = "float32"     # float32 | bfloat16 (stored vectors; bfloat16 ~2x faster)
     chunker = "fixed"           # fixed (the paper's) | sentence | content (edit-stable) | section
     chunk_size = 512
     tau = 0.7
@@ -230,7 +230,7 @@ class BuildSettings:
     embed_dtype: str = setting(
         "float32",  # dtype the embedder computes stored vectors in (EMBED_DTYPES)
         "float32 | bfloat16: dtype the embedder computes the index's vectors in (default "
-        "float32; bfloat16 embeds about 1.9x faster on a CPU with AVX512-BF16, vectors within "
+        "float32; bfloat16 embeds 1.7-2.1x faster on a CPU with AVX512-BF16, vectors within "
         "cosine 0.9999 of float32's; part of the embedder's fingerprint: a change re-embeds).",
         cli=True,
     )

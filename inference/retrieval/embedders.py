@@ -35,9 +35,16 @@ embeds a question in 11.2 ms instead of 18.4 (``tests/benchmarks/bench_query_emb
 pooled and normalised in float32, its vector within cosine 0.99994 of the float32 one. A plain
 BERT encoder's copy (the default MiniLM) runs through a lean forward of the same layers
 (``inference/retrieval/lean_encoder.py``: no per-module overhead, Q/K/V in one product; 9.1 against
-10.9 ms median a question). Stored vectors (``embed_documents``) are always float32 from
-transformers' forward: the fingerprint, the cache and the index do not depend on the query
-dtype.
+10.9 ms median a question). The fingerprint, the cache and the index do not depend on the
+query dtype.
+
+Stored texts (``embed_documents``) run through the encoder in ``document_dtype`` (the build
+setting ``embed_dtype``): ``float32`` (default: FlagEmbedding's float32 model itself) or
+``bfloat16`` (a copy, shared with the questions' where both are bfloat16), pooled and normalised
+in float32 either way; 1.7-2.1x the texts a second on an AVX512-BF16 CPU, vectors within
+cosine 0.9999 of float32's (``tests/benchmarks/bench_document_embedding.py``). It is part of
+the fingerprint: a store's readers load the embedder with its ``embed_dtype``
+(:func:`store_embedder_of`), and an index never holds vectors of both.
 """
 
 from __future__ import annotations
