@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from coinrag.inference.retrieval.embedders import load_embedder  # noqa: E402
+from coinrag.inference.retrieval.embedders import store_embedder_of  # noqa: E402
 from coinrag.inference.retrieval.normalise import SCORE_NORMALISERS, score_normaliser  # noqa: E402
 from coinrag.inference.retrieval.retriever import (  # noqa: E402
     FUSION_NORMALISER,
@@ -67,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     store = Store.at(args.store)
     settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-    embedder = load_embedder(settings.embedder)
+    embedder = store_embedder_of(settings)
     index = LanceIndex.open(store)
     index.check(embedder.fingerprint)
     rows = []

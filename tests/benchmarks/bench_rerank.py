@@ -58,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from coinrag.inference.context.builders import StoredKvContext
     from coinrag.inference.context.rerank import store_reranker
-    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import store_embedder_of
     from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.schemas.qa import load_questions
     from coinrag.schemas.settings import settings_from_toml
@@ -67,7 +67,7 @@ def main() -> None:
     store = Store.at(args.store)
     settings = settings_from_toml(store.read_toml(), args.store)
     questions = [q.question for q in load_questions(args.questions)][: args.limit + 1]
-    embedder = load_embedder(settings.embedder)
+    embedder = store_embedder_of(settings)
     plain = Retriever(store, embedder, mode=args.mode)
     reranker = store_reranker("upr", store, settings)
     ranked = Retriever(store, embedder, plain.index, mode=args.mode, reranker=reranker)

@@ -197,6 +197,7 @@ def main() -> None:
     set_process_threads(args.threads)
     from coinrag.inference.retrieval.embedders import load_embedder
     from coinrag.inference.retrieval.retriever import Retriever
+    from coinrag.schemas.settings import settings_from_toml
     from coinrag.storage.index.ann import fastest_ranking_dtype
     from coinrag.storage.index.lance import LanceIndex
     from coinrag.storage.store import Store
@@ -204,7 +205,9 @@ def main() -> None:
     lines = args.questions.read_text(encoding="utf-8").splitlines()
     rows = [json.loads(x) for x in lines if x.strip()][: args.limit]
     store = Store.at(args.store)
-    fp32, auto = load_embedder(None, query_dtype="float32"), load_embedder(None)
+    stored = settings_from_toml(store.read_toml(), store.uri(store.settings_path)).embed_dtype
+    fp32 = load_embedder(None, query_dtype="float32", document_dtype=stored)
+    auto = load_embedder(None, document_dtype=stored)
     variants: dict[str, tuple[Retriever, dict[str, list[float]]]] = {}
     for name, embedder, in_memory in (
         ("lancedb", fp32, ()),
