@@ -47,12 +47,11 @@ class Index(Asset[Retriever]):
 
     @classmethod
     def load(cls, engine: RagEngine) -> Retriever:
-        from coinrag.inference.retrieval.embedders import load_embedder
+        from coinrag.inference.retrieval.embedders import store_embedder_of
 
         embedder = engine.embedder
-        if isinstance(embedder, str):
-            dtype = engine.store_settings.embed_dtype
-            embedder = load_embedder(embedder, document_dtype=dtype)
+        if isinstance(embedder, str):  # in the store's embed_dtype: its index's fingerprint
+            embedder = store_embedder_of(engine.store_settings, embedder)
         from coinrag.inference.retrieval.rerank import open_reranker
         from coinrag.storage.index.lance import LanceIndex
 

@@ -40,11 +40,12 @@ query dtype.
 
 Stored texts (``embed_documents``) run through the encoder in ``document_dtype`` (the build
 setting ``embed_dtype``): ``float32`` (default: FlagEmbedding's float32 model itself) or
-``bfloat16`` (a copy, shared with the questions' where both are bfloat16), pooled and normalised
-in float32 either way; 1.7-2.1x the texts a second on an AVX512-BF16 CPU, vectors within
-cosine 0.9999 of float32's (``tests/benchmarks/bench_document_embedding.py``). It is part of
-the fingerprint: a store's readers load the embedder with its ``embed_dtype``
-(:func:`store_embedder_of`), and an index never holds vectors of both.
+``bfloat16`` (a copy; where questions are bfloat16 too, theirs, run through the lean forward),
+pooled and normalised in float32 either way; 1.7-2.1x the texts a second on an AVX512-BF16
+CPU, vectors within cosine 0.9999 of float32's (tests/benchmarks'
+``bench_document_embedding.py``). It is part of the fingerprint: a store's readers load the
+embedder with its ``embed_dtype`` (:func:`store_embedder_of`), and an index never holds
+vectors of both.
 """
 
 from __future__ import annotations
@@ -202,9 +203,13 @@ class FlagEmbedder:
             raise ValueError(
                 f"embed_dtype {document_dtype!r} is not one of {', '.join(EMBED_DTYPES)}"
             )
-        self._document_model = self._model_in(document_dtype)
         self.document_dtype = document_dtype
-        self._query_model = self._model_in(self.query_dtype)
+        self._document_model = self._model_in(document_dtype)
+        self._query_model = (  # one reduced-precision copy where both dtypes are the same
+            self._document_model
+            if self.query_dtype == document_dtype
+            else self._model_in(self.query_dtype)
+        )
         self._lean_query = None  # the reduced-precision copy of a plain BERT: a lean forward
         if kind != "bge-m3" and self.query_dtype != "float32":
             from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder
@@ -246,8 +251,6 @@ class FlagEmbedder:
 
         if dtype == "float32":
             return self._flag.model
-        if dtype == getattr(self, "document_dtype", None):  # the documents' copy serves both
-            return self._document_model
         return copy.deepcopy(self._flag.model).to(getattr(torch, dtype)).eval()
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> Any:
