@@ -165,7 +165,6 @@ class FlagEmbedder:
         query_dtype: str = "auto",
         document_dtype: str = "float32",
     ) -> None:
-        from coinrag.inference.model.kv_dtype import resolve_kv_dtype
         from coinrag.inference.model.loading import weights_sha256
 
         kind, pooling, max_length = encoder.kind, encoder.pooling, encoder.max_length
@@ -195,26 +194,7 @@ class FlagEmbedder:
             config = self._flag.model.config
         self._flag.model.to(self.device).float().eval()
         self.tokenizer = self._flag.tokenizer
-        try:
-            self.query_dtype = resolve_kv_dtype(query_dtype, self.device).dtype
-        except ValueError as exc:
-            raise ValueError(f"query_dtype: {exc}") from None
-        if document_dtype not in EMBED_DTYPES:
-            raise ValueError(
-                f"embed_dtype {document_dtype!r} is not one of {', '.join(EMBED_DTYPES)}"
-            )
-        self.document_dtype = document_dtype
-        self._document_model = self._model_in(document_dtype)
-        self._query_model = (  # one reduced-precision copy where both dtypes are the same
-            self._document_model
-            if self.query_dtype == document_dtype
-            else self._model_in(self.query_dtype)
-        )
-        self._lean_query = None  # the reduced-precision copy of a plain BERT: a lean forward
-        if kind != "bge-m3" and self.query_dtype != "float32":
-            from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder
-
-            self._lean_query = LeanBertEncoder.of(self._query_model)
+        self._copies(query_dtype, document_dtype)
         limit = int(getattr(config, "max_position_embeddings", max_length) or max_length)
         if getattr(config, "model_type", "") in ("xlm-roberta", "roberta", "camembert"):
             limit -= 2  # positions start after padding_idx
@@ -236,6 +216,34 @@ class FlagEmbedder:
                 "impl": _IMPL_VERSION,
             },
         )
+
+    def _copies(self, query_dtype: str, document_dtype: str) -> None:
+        """The encoders questions and stored texts run through: ``query_dtype`` resolved on the
+        device, ``document_dtype`` one of :data:`EMBED_DTYPES` (ValueError naming a bad one);
+        one reduced-precision copy where both are the same; a plain BERT's reduced-precision
+        question copy also as a lean forward."""
+        from coinrag.inference.model.kv_dtype import resolve_kv_dtype
+
+        try:
+            self.query_dtype = resolve_kv_dtype(query_dtype, self.device).dtype
+        except ValueError as exc:
+            raise ValueError(f"query_dtype: {exc}") from None
+        if document_dtype not in EMBED_DTYPES:
+            raise ValueError(
+                f"embed_dtype {document_dtype!r} is not one of {', '.join(EMBED_DTYPES)}"
+            )
+        self.document_dtype = document_dtype
+        self._document_model = self._model_in(document_dtype)
+        self._query_model = (
+            self._document_model
+            if self.query_dtype == document_dtype
+            else self._model_in(self.query_dtype)
+        )
+        self._lean_query = None  # the reduced-precision copy of a plain BERT: a lean forward
+        if self.kind != "bge-m3" and self.query_dtype != "float32":
+            from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder
+
+            self._lean_query = LeanBertEncoder.of(self._query_model)
 
     def __repr__(self) -> str:
         return f"FlagEmbedder({self.name!r}, fp={self.fingerprint}, dim={self.dim})"

@@ -172,6 +172,7 @@ BUILD_SETTINGS = {
     "extract_batch_size": 32,
     "device": "cpu",
     "embedder": "minilm",
+    "embed_dtype": "float32",
     "kv": True,
     "kv_dtype": "auto",
     "kv_codec": "none",
