@@ -195,7 +195,7 @@ def main() -> None:
     from coinrag.inference.model.threads import set_process_threads
 
     set_process_threads(args.threads)
-    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.embedders import store_embedder_of
     from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.schemas.settings import settings_from_toml
     from coinrag.storage.index.ann import fastest_ranking_dtype
@@ -205,9 +205,9 @@ def main() -> None:
     lines = args.questions.read_text(encoding="utf-8").splitlines()
     rows = [json.loads(x) for x in lines if x.strip()][: args.limit]
     store = Store.at(args.store)
-    stored = settings_from_toml(store.read_toml(), store.uri(store.settings_path)).embed_dtype
-    fp32 = load_embedder(None, query_dtype="float32", document_dtype=stored)
-    auto = load_embedder(None, document_dtype=stored)
+    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
+    fp32 = store_embedder_of(settings, query_dtype="float32")
+    auto = store_embedder_of(settings)
     variants: dict[str, tuple[Retriever, dict[str, list[float]]]] = {}
     for name, embedder, in_memory in (
         ("lancedb", fp32, ()),

@@ -52,8 +52,8 @@ def test_a_bfloat16_store_builds_searches_and_goes_back(tmp_path: Path, sample_c
         "--kc", "1", "--k", "3", "--retrieval", "dense",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    rows = json.loads((out / "eval_run.json").read_text())
-    assert rows["embedder_fp"] == bf16_fp
+    run = json.loads((out / "eval_run.json").read_text())
+    assert run["embedder_fp"] == bf16_fp
 
     result = cli(
         "query", line["question"], "--store", str(store), "--method", "standard", "--kc", "1",

@@ -118,6 +118,17 @@ def test_dask_local_cluster_builds_the_same_assets(tmp_path, corpus, default_bui
 
 
 @pytest.mark.heavy
+def test_dask_workers_embed_in_the_builds_embed_dtype(tmp_path, corpus) -> None:
+    """The workers compute the vectors in the build's ``embed_dtype``: bfloat16 vectors equal,
+    byte for byte, to those a local build computes (float32 ones would differ)."""
+    bf16 = SETTINGS | {"kv": False, "embed_dtype": "bfloat16"}
+    build_flow(str(corpus), str(tmp_path / "local"), bf16)
+    build_flow(str(corpus), str(tmp_path / "dask"), bf16 | {"runner": "dask", "workers": 2})
+    local, dask = _vectors(tmp_path / "local"), _vectors(tmp_path / "dask")
+    assert all(local.values()) and dask == local
+
+
+@pytest.mark.heavy
 def test_ray_local_cluster_builds_the_same_assets(tmp_path, corpus, default_build) -> None:
     reference, ref_summary = default_build
     store = tmp_path / "store"
