@@ -18,6 +18,9 @@ QUESTION_GENERATORS = ("openai", "local")  # self-study question generators
 # Fine-tuning: who encodes the context (inference.context.builders.FINETUNE_CONTEXTS maps each to
 # a class).
 FINETUNE_MODES = ("live", "frozen")
+# Compute dtypes of inference-only models loaded by reference and of embedder training: auto is
+# bfloat16 where the device computes it natively (inference/model/kv_dtype.py), else float32.
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 _View = TypeVar("_View", "TeacherSettings", "CartridgeTrainSettings")
 
@@ -109,7 +112,8 @@ class CartridgeSettings:
     n_calls: int | None = None  # default: 1 per document + 1 per chars_per_call characters
     chars_per_call: int = 2000
     seed: int = 0
-    local_batch_size: int = 8
+    local_batch_size: int = 32
+    local_dtype: str = "auto"  # COMPUTE_DTYPES: the local generator's model, loaded by reference
     # teacher
     max_new_tokens: int = 48
     top_k: int = 20
@@ -199,7 +203,15 @@ class RetrieverTrainSettings:
     query_max_length: int = setting(48, "Word pieces kept of a query.", cli=True, min=4)
     passage_max_length: int = setting(256, "Word pieces kept of a passage.", cli=True, min=8)
     max_minutes: float = setting(
-        8.0, "Stop training after this many minutes (the time budget).", cli=True, min=0.0
+        6.0, "Stop training after this many minutes (the time budget).", cli=True, min=0.0
+    )
+    dtype: str = setting(
+        "auto",
+        "Compute dtype of the training forward and backward (autocast; weights and optimizer "
+        "stay float32): auto (bfloat16 where the device computes it natively), float32 or "
+        "bfloat16.",
+        cli=True,
+        choices=COMPUTE_DTYPES,
     )
     seed: int = setting(0, "Seed of the pair sample and the batches.", cli=True)
     # the command's --generated N and --generator (flows/cli/train.py)
@@ -221,6 +233,8 @@ class RetrieverTrainSettings:
             )
         if self.lr <= 0 or self.max_minutes <= 0:
             raise ValueError(f"lr and max_minutes must be > 0, got {self.lr}, {self.max_minutes}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,6 +10,11 @@ positives: in-batch negatives, and every BM25 hard negative), the target its own
     q: (B, dim), p: (2B, dim) = [positives; negatives]     logits = scale * q @ p.T   (B, 2B)
     loss = cross_entropy(logits, arange(B))
 
+The forward and backward run under ``torch.autocast`` at the ``dtype`` setting (``auto``:
+bfloat16 where the CPU computes it natively, about 1.6x the steps a minute of float32 on
+this machine); the weights, their gradients and AdamW's state stay float32, so the saved
+encoder is float32 either way.
+
 Training stops after ``epochs`` passes or ``max_minutes`` of wall time, whichever is first (a
 whole-corpus run on one CPU thread is budgeted; the time is checked between steps). The output
 folder is a sentence-transformers style folder that ``load_embedder(OUT)`` reads (weights,
@@ -61,8 +66,11 @@ class PairTrainer:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
+        from coinrag.inference.model.kv_dtype import resolve_compute_dtype
+
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
+        self.dtype = resolve_compute_dtype("dtype", cfg.dtype, "cpu")  # float32 | bfloat16
         self.tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
         self.model = AutoModel.from_pretrained(str(base_dir)).float().train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
@@ -72,21 +80,30 @@ class PairTrainer:
         )
 
     def encode(self, texts: Sequence[str], max_length: int) -> Any:
-        """``(len(texts), dim)`` unit vectors, with gradients."""
+        """``(len(texts), dim)`` float32 unit vectors, with gradients (pooled in float32 under
+        autocast too)."""
         batch = self.tokenizer(
             list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
         )
-        hidden = self.model(**batch, return_dict=True).last_hidden_state
+        hidden = self.model(**batch, return_dict=True).last_hidden_state.float()
         return mean_pool(hidden, batch["attention_mask"])
+
+    def cosines(self, pairs: Sequence[Any], passages: Sequence[str]) -> Any:
+        """``(B, len(passages))`` float32 cosines of the pairs' queries to ``passages``, computed
+        at the training dtype (autocast), with gradients."""
+        import torch
+
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bfloat16"):
+            q = self.encode([p.query for p in pairs], self.cfg.query_max_length)
+            d = self.encode(passages, self.cfg.passage_max_length)
+        return q @ d.T
 
     def step(self, pairs: Sequence[Any]) -> float:
         """One optimiser step on ``pairs``; returns the loss."""
         import torch
 
-        q = self.encode([p.query for p in pairs], self.cfg.query_max_length)
         passages = [p.positive for p in pairs] + [p.negative for p in pairs]
-        d = self.encode(passages, self.cfg.passage_max_length)
-        logits = self.cfg.scale * q @ d.T  # (B, 2B)
+        logits = self.cfg.scale * self.cosines(pairs, passages)  # (B, 2B)
         logits = logits.masked_fill(own_passage_elsewhere(pairs, passages), float("-inf"))
         loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(pairs)))
         self.optimizer.zero_grad(set_to_none=True)
@@ -167,6 +184,7 @@ def finetune_embedder(
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         "train_seconds": round(time.perf_counter() - started, 1),
         "stopped_by_budget": stopped_by_budget,
+        "dtype": trainer.dtype,
     }
     record = {
         **lineage,

@@ -108,3 +108,18 @@ def resolve_kv_dtype(setting: str, device: str, *, cpuinfo: str | None = None) -
             return KvDtype("bfloat16", f"auto: the CPU has {', '.join(found)}")
         return KvDtype("float32", "auto: the CPU has no avx512_bf16 / amx_bf16")
     return KvDtype("float32", f"auto: no native bf16 detected for device type {kind!r}")
+
+
+def resolve_compute_dtype(name: str, setting: str, device: str) -> str:
+    """The dtype a compute-dtype setting ``name`` (``schemas.training_settings.COMPUTE_DTYPES``:
+    the local question generator's model, embedder training) means on ``device``: ``auto``
+    as for ``kv_dtype`` (bfloat16 where the device computes it natively, else float32).
+
+    >>> resolve_compute_dtype("dtype", "float32", "cpu")
+    'float32'
+    """
+    from coinrag.schemas.training_settings import COMPUTE_DTYPES
+
+    if setting not in COMPUTE_DTYPES:
+        raise ValueError(f"{name} {setting!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    return resolve_kv_dtype(setting, device).dtype

@@ -63,9 +63,11 @@ class QuestionSampling:
 class LocalQuestionGenerator(QuestionGenerator, name="local"):
     """Questions from a local causal LM under the JSON-array skeleton constraint (module doc).
 
-    ``model``: a reference for ``inference.model.loading.load_model`` (None: packaged SmolLM2) or a
-    loaded ``LoadedModel``. Calls are run ``batch_size`` at a time; each samples with a
-    generator seeded from its call key, so a call's questions do not depend on the batch.
+    ``model``: a reference for ``inference.model.loading.load_model`` (None: packaged SmolLM2),
+    loaded at ``dtype`` (``auto``: bfloat16 where ``device`` computes it natively, else float32;
+    the dtype is in ``model_fp``, hence in the fingerprint), or a loaded ``LoadedModel`` (its own
+    dtype). Calls are run ``batch_size`` at a time; each samples with a generator seeded from its
+    call key, so a call's questions do not depend on the batch.
     """
 
     model: Any = None
@@ -74,8 +76,9 @@ class LocalQuestionGenerator(QuestionGenerator, name="local"):
     min_question_tokens: int = 4
     max_question_tokens: int = 24
     sampling: QuestionSampling = QuestionSampling()
-    batch_size: int = 8
+    batch_size: int = 32
     device: str = "cpu"
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self._loaded = None if self.model is None or isinstance(self.model, str) else self.model
@@ -90,14 +93,17 @@ class LocalQuestionGenerator(QuestionGenerator, name="local"):
             n_questions=settings.n_questions,
             batch_size=settings.local_batch_size,
             device=settings.device,
+            dtype=settings.local_dtype,
         )
 
     @property
     def loaded(self) -> Any:
         if self._loaded is None:
+            from coinrag.inference.model.kv_dtype import resolve_compute_dtype
             from coinrag.inference.model.loading import load_model
 
-            self._loaded = load_model(self.model, device=self.device)
+            dtype = resolve_compute_dtype("local_dtype", self.dtype, self.device)
+            self._loaded = load_model(self.model, device=self.device, dtype=dtype)
         return self._loaded
 
     @property
