@@ -14,8 +14,8 @@ Both are runs of the runs table (``tune-fusion``, ``train-retriever``) with thei
 (the evaluation files' paths and sha256) and counts; the fusion is published with the index
 version (``storage.publish.publish_fusion``), so a reader opened before it keeps the weight it
 opened with and one opened after reads the new one. Every evaluation file named is read and its
-questions never become training or tuning questions (``tasks.fusion.excluding``; the count of
-dropped ones is recorded).
+questions never become training or tuning questions (``tasks.retrieval.fusion.excluding``; the
+count of dropped ones is recorded).
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from coinrag.storage.store import Store
 if TYPE_CHECKING:
     from coinrag.schemas.settings import BuildSettings
     from coinrag.schemas.training_settings import RetrieverTrainSettings
-    from coinrag.tasks.fusion import FusionChoice
     from coinrag.tasks.generated_questions import GeneratedQuestions
+    from coinrag.tasks.retrieval.fusion import FusionChoice
 
 FUSION_FLOW_NAME = "coinrag-train-fusion"
-RETRIEVER = ("retriever",)  # the page split (tasks.fusion.page_split) the embedder trains on
+# the page split (tasks.retrieval.fusion.page_split) the embedder trains on
+RETRIEVER = ("retriever",)
 
 
 def evaluation_questions(paths: Sequence[str]) -> tuple[list[str], list[dict[str, str]]]:
@@ -85,13 +86,14 @@ def tune_fusion_flow(
     generated_chunks: int = 0,
     generator: str | None = None,
 ) -> dict[str, Any]:
-    """Choose the store's hybrid fusion weight on its own headings (``tasks/fusion.py``), or,
-    with ``generated_chunks``, on the questions the configured question generator writes about
-    that many chunks (``tasks/generated_questions.py``; ``generator``: ``local`` or ``openai``,
-    default OpenAI where ``OPENAI_API_KEY`` is set, else local; cached in the store), and
-    publish it with the index version. Returns the fusion record with ``run_id``."""
+    """Choose the store's hybrid fusion weight on its own headings
+    (``tasks/retrieval/fusion.py``), or, with ``generated_chunks``, on the questions the
+    configured question generator writes about that many chunks
+    (``tasks/generated_questions.py``; ``generator``: ``local`` or ``openai``, default OpenAI
+    where ``OPENAI_API_KEY`` is set, else local; cached in the store), and publish it with the
+    index version. Returns the fusion record with ``run_id``."""
     from coinrag.inference.model.threads import set_process_threads
-    from coinrag.tasks.fusion import MAX_QUESTIONS, choose_fusion
+    from coinrag.tasks.retrieval.fusion import MAX_QUESTIONS, choose_fusion
 
     logger = get_run_logger()
     st = Store.at(store)
@@ -235,9 +237,10 @@ def _retriever_questions(
 def _pairs(
     st: Store, evaluation: list[str], cfg: RetrieverTrainSettings, made: GeneratedQuestions | None
 ) -> tuple[list[Any], dict[str, Any]]:
-    """The training pairs (``tasks.retriever_pairs.training_pairs``, the generated questions
-    first) and their counts, with the seconds they took and the generated questions' counts."""
-    from coinrag.tasks.retriever_pairs import training_pairs
+    """The training pairs (``tasks.retrieval.retriever_pairs.training_pairs``, the generated
+    questions first) and their counts, with the seconds they took and the generated questions'
+    counts."""
+    from coinrag.tasks.retrieval.retriever_pairs import training_pairs
 
     t0 = time.perf_counter()
     generated = made.questions if made is not None else ()
@@ -283,7 +286,7 @@ def train_retriever_flow(
     source: str | None = None,
     versioned_out: bool = False,
 ) -> dict[str, Any]:
-    """Fine-tune the store's embedder on its own pairs (``tasks/retriever_pairs.py``,
+    """Fine-tune the store's embedder on its own pairs (``tasks/retrieval/retriever_pairs.py``,
     ``training/retriever.py``; ``settings``: ``RetrieverTrainSettings``, whose
     ``generated_chunks`` adds the generator's questions about that many chunks of the
     ``retriever`` pages, its ``generator`` as for :func:`tune_fusion_flow`),

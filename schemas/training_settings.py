@@ -189,7 +189,7 @@ class KvLinkOptions:
 @dataclass(frozen=True)
 class RetrieverTrainSettings:
     """``coinrag train retriever`` (``training/retriever.py``): fine-tune the store's embedder
-    on its own pairs (``tasks/retriever_pairs.py``) with in-batch and BM25 hard negatives
+    on its own pairs (``tasks/retrieval/retriever_pairs.py``) with in-batch and BM25 hard negatives
     (InfoNCE over ``scale`` times the cosines), AdamW at ``lr`` with a linear warm-up over the
     first ``warmup`` of the steps; at most ``max_pairs`` pairs, ``epochs`` passes, and never
     past ``max_minutes`` of training (the one-thread budget of a whole-corpus run)."""

@@ -8,7 +8,7 @@ chunk's text writes questions in its own words ("How does the harmonic mean of a
 calculate its average?" for a chunk of ``library/statistics``), closer to what a user asks.
 
 What is asked: ``n_chunks`` chunks (seeded sample) of the pages whose questions the fusion is
-chosen or reported on (``tasks.fusion.page_split``: ``fusion`` and ``report``, never the
+chosen or reported on (``tasks.retrieval.fusion.page_split``: ``fusion`` and ``report``, never the
 ``retriever`` pages an adapted embedder trains on; ``coinrag train retriever --generated N``
 asks about ``retriever`` pages only, for training pairs), each of at least :data:`MIN_CHUNK_CHARS`
 characters, one call a chunk with the ``question`` seed type and ``questions_per_chunk``
@@ -31,9 +31,9 @@ from coinrag.schemas.tables import ChunkRow
 from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
-from coinrag.tasks.fusion import GENERATED_KIND, SyntheticQuestion, page_split
 from coinrag.tasks.question_generators.base import QuestionGenerator
 from coinrag.tasks.questions import CallPlan, SelfStudyCounts, call_key, selfstudy_stage
+from coinrag.tasks.retrieval.fusion import GENERATED_KIND, SyntheticQuestion, page_split
 
 MIN_CHUNK_CHARS = 400  # shorter chunks (a title, a link line) give no question worth asking
 QUESTION_SEED = "question"  # the self-study seed type: factual recall and reasoning
@@ -55,9 +55,9 @@ def chunks_to_ask(
     index: LanceIndex, n_chunks: int, seed: int = 0, splits: Sequence[str] = ASKED_SPLITS
 ) -> list[dict[str, str]]:
     """``n_chunks`` chunk rows (``chunk_id``, ``doc_id``, ``doc_version``, ``text``) of the
-    pages of ``splits`` (``tasks.fusion.page_split``; default the fusion and report pages), at
-    least :data:`MIN_CHUNK_CHARS` long: a sample seeded by ``seed`` from them in chunk id order,
-    so the same chunks for the same index and seed."""
+    pages of ``splits`` (``tasks.retrieval.fusion.page_split``; default the fusion and report
+    pages), at least :data:`MIN_CHUNK_CHARS` long: a sample seeded by ``seed`` from them in
+    chunk id order, so the same chunks for the same index and seed."""
     rows = index.columns("chunks", ["chunk_id", "doc_id", "doc_version", "text"]).to_pylist()
     rows = [
         r

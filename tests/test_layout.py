@@ -37,7 +37,15 @@ LEVELS = {
         "llm",
     ),
     "storage": ("", "index", "kv", "base"),
-    "tasks": ("", "recover", "chunking", "extractors", "question_generators", "readers"),
+    "tasks": (
+        "",
+        "retrieval",
+        "recover",
+        "chunking",
+        "extractors",
+        "question_generators",
+        "readers",
+    ),
     "flows": ("cli", ""),
 }
 HALL_GROUPS = {

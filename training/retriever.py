@@ -3,7 +3,7 @@
 Plain torch, no sentence-transformers: the encoder is transformers' ``AutoModel`` of the base
 embedder's folder, pooled the way ``inference.retrieval.embedders`` pools it (mean over the
 attention mask, L2-normalised). One step takes ``batch_size`` pairs ``(query, positive,
-negative)`` (``tasks/retriever_pairs.py``) and minimises InfoNCE: each query's ``scale *
+negative)`` (``tasks/retrieval/retriever_pairs.py``) and minimises InfoNCE: each query's ``scale *
 cosine`` against all ``2 * batch_size`` passages of the step (its positive, the other queries'
 positives: in-batch negatives, and every BM25 hard negative), the target its own positive::
 

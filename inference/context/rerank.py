@@ -20,8 +20,8 @@ Why it works where the embedder fails (measured on the 497 pages of the Python d
 store, hybrid search, docs/retrieval.md): a user's question ("Which module parses command-line
 options and generates the --help message?") shares few words with the answer's heading, but the
 model reading the chunk finds the question likely. ``depth`` and ``weight`` were chosen on the
-store's headings (synthetic questions on the ``fusion`` pages of ``tasks.fusion.page_split``,
-their own chunks masked), never on an evaluation set.
+store's headings (synthetic questions on the ``fusion`` pages of
+``tasks.retrieval.fusion.page_split``, their own chunks masked), never on an evaluation set.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def relative_scores(
 def dense_weight(index: LanceIndex) -> float:
     """The dense ranking's weight in hybrid fusion for ``index``: the one chosen for it on
     synthetic questions of its store and recorded with the index version (``IndexMeta.fusion``,
-    ``tasks/fusion.py``) when it was chosen for this code's :data:`FUSION_METHOD`, else
+    ``tasks/retrieval/fusion.py``) when it was chosen for this code's :data:`FUSION_METHOD`, else
     :data:`HYBRID_DENSE_WEIGHT` (a weight chosen for another normalisation, e.g. the min-max one
     of earlier versions, means something else); lexical weighs the rest."""
     fusion = index.meta.fusion or {}

@@ -101,8 +101,8 @@ class IndexMeta:
     index: its embedder, its vector indexes, and ``fusion``: how hybrid search fuses the dense
     and lexical rankings of this index, as chosen for it on synthetic questions of the store
     (``{"dense_weight": 0.6, "method": "dbsf-convex-v1", "chosen_on": "headings", ...}``,
-    ``tasks/fusion.py``; None: not chosen yet, the code's default weight applies; a record whose
-    ``method`` is not the code's ``retriever.FUSION_METHOD`` is kept but not used)."""
+    ``tasks/retrieval/fusion.py``; None: not chosen yet, the code's default weight applies; a
+    record whose ``method`` is not the code's ``retriever.FUSION_METHOD`` is kept but not used)."""
 
     embedder_fp: str
     dim: int

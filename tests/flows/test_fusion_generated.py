@@ -17,12 +17,12 @@ from coinrag.schemas.tables import RunRow, SelfStudyCallRow
 from coinrag.storage.index.lance import LanceIndex
 from coinrag.storage.store import Store
 from coinrag.storage.tables import read_rows
-from coinrag.tasks.fusion import page_split
 from coinrag.tasks.generated_questions import (
     MIN_CHUNK_CHARS,
     QUESTIONS_PER_CHUNK,
     chunks_to_ask,
 )
+from coinrag.tasks.retrieval.fusion import page_split
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from coinrag.tasks.fusion import (
+from coinrag.tasks.retrieval.fusion import (
     SyntheticQuestion,
     clean_heading,
     excluding,
@@ -15,7 +15,7 @@ from coinrag.tasks.fusion import (
     store_headings,
     text_headings,
 )
-from coinrag.tasks.retriever_pairs import heading_candidates, without_headings
+from coinrag.tasks.retrieval.retriever_pairs import heading_candidates, without_headings
 
 REPO = Path(__file__).resolve().parents[2]
 RST = """.. _sorting:
@@ -111,8 +111,8 @@ def test_generated_questions_become_pairs_first_and_never_an_evaluation_question
     split's page and one without its passage are not pairs."""
     from coinrag.storage.index.lance import LanceIndex
     from coinrag.storage.store import Store
-    from coinrag.tasks.fusion import GENERATED_KIND
-    from coinrag.tasks.retriever_pairs import training_pairs
+    from coinrag.tasks.retrieval.fusion import GENERATED_KIND
+    from coinrag.tasks.retrieval.retriever_pairs import training_pairs
 
     index = LanceIndex.open(Store.at(sample_store))
     rows = index.columns("chunks", ["doc_id", "text"]).to_pylist()

@@ -5,9 +5,9 @@ A pair is ``(query, positive, negative)``: a text a user might search with, the 
 answers it, and a hard negative (the best BM25 chunk of another page). Made of:
 
 - **headings**: a heading (the last part of a chunk's ``section`` where readers filled it, as in
-  HTML; else a reST / Markdown title in the chunk's text, ``tasks.fusion.text_headings``) and
-  the section text under it: the chunk's text without its heading lines, so the pair cannot be
-  matched by copying the heading;
+  HTML; else a reST / Markdown title in the chunk's text,
+  ``tasks.retrieval.fusion.text_headings``) and the section text under it: the chunk's text
+  without its heading lines, so the pair cannot be matched by copying the heading;
 - **nuggets**: a nugget's text (``nuggets`` table) and the text of its chunk, where the store
   has nuggets;
 - **generated questions** (``coinrag train retriever --generated N``): the configured question
@@ -17,8 +17,8 @@ answers it, and a hard negative (the best BM25 chunk of another page). Made of:
   the headings give thousands for free), so they come first, before the others are sampled
   (``max_pairs`` counts them too).
 
-Only pages of the ``retriever`` split (``tasks.fusion.page_split``: 70 % of pages by id hash)
-give pairs, so the fusion weight, chosen and reported on the other 30 %, is never chosen on
+Only pages of the ``retriever`` split (``tasks.retrieval.fusion.page_split``: 70 % of pages by id
+hash) give pairs, so the fusion weight, chosen and reported on the other 30 %, is never chosen on
 questions the embedder was trained on; and a pair whose query equals (normalised) a question of
 any evaluation file given is dropped and counted (:func:`training_pairs` returns the count).
 
@@ -37,7 +37,7 @@ from typing import Any
 
 from coinrag.inference.retrieval.fusion import normalise
 from coinrag.storage.index.lance import LanceIndex
-from coinrag.tasks.fusion import (
+from coinrag.tasks.retrieval.fusion import (
     GENERATED_KIND,
     MIN_HEADING_WORDS,
     SyntheticQuestion,
@@ -59,7 +59,7 @@ class TrainingPair:
     positive: str
     negative: str
     doc_id: str
-    kind: str  # heading | nugget | generated question (tasks.fusion.GENERATED_KIND)
+    kind: str  # heading | nugget | generated question (tasks.retrieval.fusion.GENERATED_KIND)
 
 
 def without_headings(text: str, heads: Iterable[str]) -> str:
