@@ -343,13 +343,13 @@ def train_retriever_flow(
         )
         adapted = store_embedder_of(build, out_dir, device=build.device)
         summary = {"base_embedder_fp": base.fingerprint, "embedder_fp": adapted.fingerprint}
-        summary |= {"model_dir": str(out_dir), "counts": {**counts, **trained}}
+        summary |= {"model_dir": str(out_dir), "counts": {**counts, **trained}, "adopted": None}
         if reembed:
-            t1 = time.perf_counter()
-            summary["build"] = _reembed(st, str(src), build, out_dir)
-            summary["counts"]["reembed_seconds"] = round(time.perf_counter() - t1, 1)
-            fusion = (None, cfg.seed, cfg.generated_chunks, cfg.generator)
-            summary["fusion"] = tune_fusion_flow(str(st.root), list(exclude_questions), *fusion)
+            adoption = _adopt(
+                st, run_id, str(src), (build, cfg), (adapted, out_dir), exclude_questions
+            )
+            summary["counts"] |= adoption.pop("counts")
+            summary |= adoption
     fps = {k: summary[k] for k in ("base_embedder_fp", "embedder_fp")}
     if made is not None:
         fps["question_generator_fp"] = made.generator_fp
@@ -357,3 +357,85 @@ def train_retriever_flow(
         finish_run(st, run, "completed", fingerprints=fps, counts=summary["counts"])
     logger.info("train-retriever %s: %s -> %s", run_id, base.fingerprint, adapted.fingerprint)
     return {**summary, "run_id": run_id}
+
+
+def _adopt(
+    st: Store,
+    run_id: str,
+    src: str,
+    settings: tuple[BuildSettings, RetrieverTrainSettings],
+    embedder: tuple[Any, Path],
+    exclude_questions: Sequence[str],
+) -> dict[str, Any]:
+    """Judge the adapted embedder (``embedder``: it and its folder) against the store's
+    (``cfg.adopt == "if-better"``, ``tasks/retrieval/retriever_guard.py``), then, where
+    adopted, re-embed ``src`` with it and choose the fusion again for the new vectors. What the
+    run's summary gains: ``adopted``, ``guard`` (the judgment's record), ``build`` and ``fusion``;
+    ``counts`` gains the seconds."""
+    build, cfg = settings
+    adapted, folder = embedder
+    counts: dict[str, Any] = {}
+    out: dict[str, Any] = {"adopted": True}
+    if cfg.adopt == "if-better":
+        t0 = time.perf_counter()
+        verdict = _judge(st, run_id, build, cfg, adapted, exclude_questions)
+        counts["guard_seconds"] = round(time.perf_counter() - t0, 1)
+        out |= {"adopted": verdict.adopted, "guard": verdict.record()}
+    if out["adopted"]:
+        t1 = time.perf_counter()
+        out["build"] = _reembed(st, src, build, folder)
+        counts["reembed_seconds"] = round(time.perf_counter() - t1, 1)
+        fusion = (None, cfg.seed, cfg.generated_chunks, cfg.generator)
+        out["fusion"] = tune_fusion_flow(str(st.root), list(exclude_questions), *fusion)
+    return {**out, "counts": counts}
+
+
+def _judge(
+    st: Store,
+    run_id: str,
+    build: BuildSettings,
+    cfg: RetrieverTrainSettings,
+    adapted: Any,
+    exclude_questions: Sequence[str],
+) -> Any:
+    """The guard's verdict (``tasks.retrieval.retriever_guard.judge_adapted``) on held-out
+    questions: the generator's about ``cfg.generated_chunks`` chunks of the fusion and report
+    pages (the calls the fusion choice after re-embedding makes: cached then), else the store's
+    headings and nuggets; never an evaluation file's question. Logged either way."""
+    from coinrag.tasks.retrieval.fusion import excluding, store_headings, store_nuggets
+    from coinrag.tasks.retrieval.retriever_guard import judge_adapted
+
+    index = LanceIndex.open(st)
+    if cfg.generated_chunks > 0:
+        with st.write_lock(run_id):  # the self-study stage writes its calls to the store
+            found = _generated(
+                st, index, build, cfg.generated_chunks, run_id, cfg.seed, cfg.generator
+            ).questions
+    else:
+        found = store_headings(index.columns("chunks", ["doc_id", "section", "text"]).to_pylist())
+        found += store_nuggets(index.columns("nuggets", ["doc_id", "text"]).to_pylist())
+    questions, _ = excluding(found, evaluation_questions(exclude_questions)[0])
+    verdict = judge_adapted(
+        index, store_embedder(st), adapted, questions, cfg.guard_pages, cfg.seed
+    )
+    if not verdict.questions:
+        get_run_logger().warning(
+            "no held-out heading, nugget or generated question to judge the adapted embedder "
+            "on: adopting it unjudged"
+        )
+        return verdict
+    what = "adopting it" if verdict.adopted else "keeping the store's embedder (not re-embedded)"
+    get_run_logger().info(
+        "adapted embedder on %d held-out %ss of %d pages (%d windows): MRR %.3f against the "
+        "store's %.3f, hit@1 %.3f against %.3f; %s",
+        verdict.questions,
+        verdict.kind,
+        verdict.pages,
+        verdict.windows,
+        verdict.adapted["mrr"],
+        verdict.base["mrr"],
+        verdict.adapted["hit@1"],
+        verdict.base["hit@1"],
+        what,
+    )
+    return verdict

@@ -21,6 +21,9 @@ FINETUNE_MODES = ("live", "frozen")
 # Compute dtypes of inference-only models loaded by reference and of embedder training: auto is
 # bfloat16 where the device computes it natively (inference/model/kv_dtype.py), else float32.
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# train retriever: when the adapted embedder replaces the store's
+# (tasks/retrieval/retriever_guard.py)
+ADOPT_WHEN = ("if-better", "always")
 
 _View = TypeVar("_View", "TeacherSettings", "CartridgeTrainSettings")
 
@@ -214,6 +217,19 @@ class RetrieverTrainSettings:
         choices=COMPUTE_DTYPES,
     )
     seed: int = setting(0, "Seed of the pair sample and the batches.", cli=True)
+    adopt: str = setting(
+        "if-better",
+        "When the adapted embedder replaces the store's: if-better (its MRR on held-out "
+        "questions at least the store's embedder's, judged before re-embedding) or always.",
+        cli=True,
+        choices=ADOPT_WHEN,
+    )
+    guard_pages: int = setting(
+        25,
+        "Held-out pages the if-better judgment asks about (and as many distractors).",
+        cli=True,
+        min=1,
+    )
     # the command's --generated N and --generator (flows/cli/train.py)
     generated_chunks: int = setting(
         0, "Also train on the question generator's questions about this many chunks.", min=0
@@ -235,6 +251,11 @@ class RetrieverTrainSettings:
             raise ValueError(f"lr and max_minutes must be > 0, got {self.lr}, {self.max_minutes}")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+        if self.adopt not in ADOPT_WHEN or self.guard_pages < 1:
+            raise ValueError(
+                f"adopt must be one of {', '.join(ADOPT_WHEN)} and guard_pages >= 1, got "
+                f"{self.adopt!r}, {self.guard_pages}"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -236,15 +236,17 @@ def train_retriever_cmd(
             min=0,
             help="Also train on questions the question generator writes about this many "
             "chunks of the pages trained on (3 each; OpenAI with OPENAI_API_KEY, else the "
-            "local model: about a question a second on a CPU; cached in the store), and choose "
-            "the fusion again on questions about as many chunks of the fusion pages (2N chunks "
-            "asked in all; none with --no-reembed). 0: headings (and nuggets) only.",
+            "local model: about 3 questions a second on a 2-core CPU; cached in the store), and "
+            "judge the adapted embedder (--adopt if-better) and choose the fusion again on "
+            "questions about as many chunks of the fusion and report pages (2N chunks asked in "
+            "all; none with --no-reembed). 0: headings (and nuggets) only.",
         ),
     ] = 0,
     generator: GeneratorOption = None,
 ) -> None:
     """Fine-tune the store's embedder on its own headings and nuggets (--generated: and
-    questions), re-embed the index with it as a new published version, choose its fusion."""
+    questions), judge it on held-out questions (--adopt), re-embed the index with it as a new
+    published version, choose its fusion."""
     from coinrag.flows.retriever import train_retriever_flow
 
     try:

@@ -14,6 +14,7 @@ from coinrag.inference.retrieval.embedders import LINEAGE_FILE, load_embedder
 from coinrag.inference.retrieval.retriever import Retriever, dense_weight
 from coinrag.storage.index.lance import EmbedderMismatch, LanceIndex
 from coinrag.storage.store import Store
+from coinrag.tasks.retrieval.fusion import page_split
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
@@ -26,6 +27,7 @@ TINY = {
     "query_max_length": 24,
     "passage_max_length": 48,
     "lr": 1e-4,
+    "adopt": "always",  # the guard's own test is below
 }
 
 
@@ -49,6 +51,7 @@ def test_train_retriever_end_to_end(tmp_path, sample_corpus, prefect_harness):
     out = tmp_path / "adapted"
     summary = train_retriever_flow(str(store), str(out), [str(EVALUATION)], settings=TINY)
     new_fp = summary["embedder_fp"]
+    assert summary["adopted"] and "guard" not in summary
     assert summary["base_embedder_fp"] == base_fp != new_fp
     assert summary["counts"]["pairs"] > 0 and summary["counts"]["steps"] > 0
     lineage = json.loads((out / LINEAGE_FILE).read_text())
@@ -78,3 +81,54 @@ def test_train_retriever_end_to_end(tmp_path, sample_corpus, prefect_harness):
     assert LanceIndex.open(st).embedder_fp == new_fp
     assert 0 < again["embedded"] < summary["build"]["embedded"]
     assert st.published()["index"]["fusion"]["embedder_fp"] == new_fp
+
+
+def _pages(n_held: int, n_retriever: int) -> tuple[list[str], list[str]]:
+    """Page ids of held-out (fusion or report) and retriever pages (``page_split`` hashes ids)."""
+    held, trained, i = [], [], 0
+    while len(held) < n_held or len(trained) < n_retriever:
+        name = f"page-{i}"
+        (trained if page_split(name) == "retriever" else held).append(name)
+        i += 1
+    return held[:n_held], trained[:n_retriever]
+
+
+def test_guard_keeps_the_stores_embedder_when_the_adapted_one_finds_less(
+    tmp_path, sample_corpus, prefect_harness
+):
+    """A fine-tune at an absurd learning rate (0.5: AdamW moves every weight by about that)
+    wrecks the encoder; the guard asks both embedders the held-out pages' nuggets (each asked of
+    its page's other chunks: 64-token chunks; 7 of the 10 pages held out) and keeps the store's
+    embedder: nothing is re-embedded, the store's settings, index and fusion are as they were,
+    and the run records the judgment."""
+    from coinrag.flows.build import build_flow
+    from coinrag.flows.retriever import train_retriever_flow
+    from coinrag.schemas.tables import RunRow
+    from coinrag.storage.tables import read_rows
+
+    texts = [json.loads(line)["text"] for line in sample_corpus.read_text().splitlines()]
+    texts = [t for t in texts if len(t.split()) >= 40][:10]
+    held, trained = _pages(7, 3)
+    src = tmp_path / "docs.jsonl"
+    lines = [
+        json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(held + trained, texts, strict=True)
+    ]
+    src.write_text("".join(lines))
+    store = tmp_path / "store"
+    build_flow(str(src), str(store), {"extractor": "rules", "kv": False, "chunk_size": 64})
+    st = Store.at(store)
+    before = (LanceIndex.open(st).embedder_fp, st.read_toml()["build"], st.published()["index"])
+
+    wrecking = {**TINY, "adopt": "if-better", "lr": 0.5, "max_pairs": 32}
+    out = tmp_path / "wrecked"
+    summary = train_retriever_flow(str(store), str(out), [str(EVALUATION)], settings=wrecking)
+    guard = summary["guard"]
+    assert summary["adopted"] is False and not guard["adopted"]
+    assert guard["questions"] > 0 and guard["adapted"]["mrr"] < guard["base"]["mrr"], guard
+    assert "build" not in summary and "fusion" not in summary
+    assert "reembed_seconds" not in summary["counts"] and summary["counts"]["guard_seconds"] >= 0
+    after = (LanceIndex.open(st).embedder_fp, st.read_toml()["build"], st.published()["index"])
+    assert after == before
+    assert load_embedder(out).fingerprint == summary["embedder_fp"]  # the folder is written
+    statuses = [r.status for r in read_rows(st, RunRow) if r.run_id == summary["run_id"]]
+    assert "completed" in statuses, statuses
