@@ -245,8 +245,8 @@ def train_retriever_cmd(
     generator: GeneratorOption = None,
 ) -> None:
     """Fine-tune the store's embedder on its own headings and nuggets (--generated: and
-    questions), judge it on held-out questions (--adopt), re-embed the index with it as a new
-    published version, choose its fusion."""
+    questions), judge it on held-out questions (--adopt), re-embed the index with it
+    as a new published version, choose its fusion."""
     from coinrag.flows.retriever import train_retriever_flow
 
     try:
