@@ -6,8 +6,9 @@ train fusion:    published index -> store headings (no evaluation question) -> r
                  -> weight per grid point -> best on the fusion pages -> recorded with the index
 train retriever: store -> (heading, section text) pairs of the retriever pages (no evaluation
                  question), and with --generated N the question generator's questions about N
-                 of their chunks -> fine-tuned embedder folder -> build with embedder=OUT (re-embeds
-                 the index: a new published version) -> train fusion for the new vectors
+                 of their chunks -> fine-tuned embedder folder -> judged against the store's on
+                 held-out questions (kept only where not worse) -> build with embedder=OUT
+                 (re-embeds the index: a new published version) -> train fusion for the new vectors
 ```
 
 Both are runs of the runs table (``tune-fusion``, ``train-retriever``) with their parameters
@@ -289,14 +290,14 @@ def train_retriever_flow(
     """Fine-tune the store's embedder on its own pairs (``tasks/retrieval/retriever_pairs.py``,
     ``training/retriever.py``; ``settings``: ``RetrieverTrainSettings``, whose
     ``generated_chunks`` adds the generator's questions about that many chunks of the
-    ``retriever`` pages, its ``generator`` as for :func:`tune_fusion_flow`),
-    write the folder ``out``, then (``reembed``) build ``source`` (default: what the last build
-    read) into the store with ``embedder = out``: the index is re-embedded and published as a
-    new version, the store's settings name the new embedder (queries and later incremental
-    builds use it), and the fusion is chosen again for the new vectors (on generated questions
-    where ``generated_chunks``). The base is the store's embedder followed back to the one it
-    was adapted from (``embedders.root_embedder``). ``versioned_out``: write ``out/<run id>``
-    (a deployment retraining after each build: never overwrite the folder readers load).
+    ``retriever`` pages, its ``generator`` as for :func:`tune_fusion_flow`), write the folder
+    ``out``, then (``reembed``), where the guard adopts it (:func:`_adopt`), build ``source``
+    (default: what the last build read) into the store with ``embedder = out``: the index is
+    re-embedded and published as a new version, the store's settings name the new embedder
+    (queries and later builds use it), and the fusion is chosen again for the new vectors. The
+    base is the store's embedder followed back to the one it was adapted from
+    (``embedders.root_embedder``). ``versioned_out``: write ``out/<run id>`` (a deployment
+    retraining after each build: never overwrite the folder readers load).
     Returns the summary (``base_embedder_fp``, ``embedder_fp``, counts)."""
     from coinrag.inference.model.threads import set_process_threads
     from coinrag.inference.retrieval.embedders import (
