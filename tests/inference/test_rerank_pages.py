@@ -1,0 +1,139 @@
+"""The ``pages`` reranker (``inference/retrieval/rerank.py`` :class:`OnePerPage`): its order on
+made-up hits, the property that makes it safe (a gold page in the search's top ``kc`` stays in
+the top ``kc``, and no earlier), and a real store searched through ``Retriever`` and
+``eval --retrieval-only`` (LanceDB, the packaged MiniLM): the same chunks as the plain search
+reordered page by page, each mode's kc 1 unchanged, hit@kc never lower, and the run's record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coinrag.inference.retrieval.rerank import OnePerPage, Reranker
+from coinrag.inference.retrieval.retriever import ChunkHit
+
+QUESTION = "unused: the order depends on the pages alone"
+
+
+def _hits(pages: list[str]) -> list[ChunkHit]:
+    """Hits in search order, chunk ``c<i>`` of page ``pages[i]``, scores falling."""
+    return [
+        ChunkHit(f"c{i}", page, f"k{i}", 10, "text", 1.0 - i / 100, i)
+        for i, page in enumerate(pages)
+    ]
+
+
+def _first_gold(hits: list[ChunkHit], gold: set[str]) -> int | None:
+    return next((i for i, h in enumerate(hits) if h.doc_id in gold), None)
+
+
+def test_each_pages_best_chunk_comes_before_any_pages_second() -> None:
+    hits = _hits(["a", "a", "b", "a", "c", "b"])
+    ranked = OnePerPage().rerank(QUESTION, hits)
+    assert [h.chunk_id for h in ranked] == ["c0", "c2", "c4", "c1", "c5", "c3"]
+    assert [h.rank for h in ranked] == list(range(6))
+    assert [h.score for h in ranked] == [hits[i].score for i in (0, 2, 4, 1, 5, 3)]  # kept
+    distinct = _hits(["a", "b", "c"])
+    assert OnePerPage().rerank(QUESTION, distinct) == distinct  # nothing to reorder
+    assert Reranker.registry["pages"] is OnePerPage
+    assert OnePerPage().record() == {"name": "pages", "depth": 30, "weight": 1.0}
+
+
+@given(
+    st.lists(st.sampled_from("abcdef"), min_size=1, max_size=30),
+    st.sets(st.sampled_from("abcdefg"), min_size=1),
+)
+def test_a_gold_page_never_moves_later(pages: list[str], gold: set[str]) -> None:
+    """The first gold chunk's place never grows (so hit@kc never falls and MRR never falls),
+    kc 1 is the search's, and the reordered list is the same chunks."""
+    hits = _hits(pages)
+    ranked = OnePerPage().rerank(QUESTION, hits)
+    assert sorted(h.chunk_id for h in ranked) == sorted(h.chunk_id for h in hits)
+    assert ranked[0].chunk_id == hits[0].chunk_id
+    before, after = _first_gold(hits, gold), _first_gold(ranked, gold)
+    assert (before is None) == (after is None)
+    if before is not None:
+        assert after <= before
+    for kc in range(1, len(hits) + 1):  # as many pages as the top rows hold, up to kc
+        assert len({h.doc_id for h in ranked[:kc]}) == min(kc, len(set(pages)))
+
+
+@pytest.fixture(scope="module")
+def paged_store(tmp_path_factory, sample_corpus: Path, prefect_harness) -> tuple[Path, Path]:
+    """A store (no nuggets, no KV, 64-token chunks) of the sample texts, each page two of them
+    (so a page has several chunks about two subjects), and a question file: a few words of each
+    text, gold its page."""
+    from coinrag.flows.build import build_flow
+
+    root = tmp_path_factory.mktemp("pages")
+    texts = [json.loads(line)["text"] for line in sample_corpus.read_text().splitlines()]
+    texts = [t for t in texts if len(t.split()) >= 60][:8]
+    pages = {f"page-{i // 2}": [] for i in range(len(texts))}
+    for i, text in enumerate(texts):
+        pages[f"page-{i // 2}"].append(text)
+    src = root / "docs.jsonl"
+    src.write_text(
+        "".join(json.dumps({"id": p, "text": "\n\n".join(t)}) + "\n" for p, t in pages.items())
+    )
+    store = root / "store"
+    build_flow(str(src), str(store), {"extractor": "none", "kv": False, "chunk_size": 64})
+    questions = root / "q.jsonl"
+    rows = [
+        {"question": " ".join(t.split()[5:30:3]), "answers": ["x"], "doc_ids": [f"page-{i // 2}"]}
+        for i, t in enumerate(texts)
+    ]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return store, questions
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_store_searched_one_chunk_a_page_first(paged_store, tmp_path: Path) -> None:
+    from coinrag.inference.evaluation.retrieval_only import evaluate_retrieval
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
+    from coinrag.schemas.qa import load_questions
+    from coinrag.storage.store import Store
+
+    store_path, questions_path = paged_store
+    store = Store.at(store_path)
+    embedder = load_embedder(None)
+    plain = Retriever(store, embedder)
+    paged = Retriever(store, embedder, index=plain.index, reranker=OnePerPage())
+    reordered = 0
+    for q in load_questions(questions_path):
+        for mode in ("dense", "lexical", "hybrid"):
+            top = plain.chunks_only(q.question, kc=OnePerPage.depth, mode=mode).chunks
+            expected = [h.chunk_id for h in OnePerPage().rerank(q.question, top)]
+            found = paged.chunks_only(q.question, kc=4, mode=mode).chunks
+            assert [h.chunk_id for h in found] == expected[:4]
+            assert len({h.doc_id for h in found}) == min(4, len({h.doc_id for h in top}))
+            reordered += expected[:4] != [h.chunk_id for h in top[:4]]
+    assert reordered > 0  # the store has pages whose chunks crowd the top: the test bites
+
+    results = {}
+    for rerank in ("none", "pages"):
+        out = tmp_path / rerank
+        table = evaluate_retrieval(
+            store_path,
+            questions_path,
+            out,
+            kcs=(1, 2, 4),
+            ks=(2,),
+            evidence=("chunks",),
+            rerank=rerank,
+        )
+        results[rerank] = {
+            (r["retrieval"], r["kc"]): (r["hit"], r["mrr"]) for r in table.to_pylist()
+        }
+    record = json.loads((tmp_path / "pages" / "eval_run.json").read_text())["rerank"]
+    assert record == {"name": "pages", "depth": 30, "weight": 1.0}
+    for key, (hit, mrr) in results["pages"].items():
+        plain_hit, plain_mrr = results["none"][key]
+        assert hit >= plain_hit and mrr >= plain_mrr - 1e-12, key
+        if key[1] == 1:
+            assert hit == plain_hit, key
