@@ -126,6 +126,7 @@ def eval_cmd(
             models=models,
             limit_for=limits,
             retrievals=options.retrieval,
+            rerank=options.rerank,
         )
 
 

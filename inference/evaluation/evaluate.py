@@ -238,6 +238,7 @@ def evaluate(
     engine: Any = None,
     quiet: bool = False,
     retrievals: Sequence[str] | None = None,
+    rerank: str | None = None,
 ) -> pa.Table:
     """Run every method x model x (kc, k) on the questions; write the outputs; return
     ``results``.
@@ -253,8 +254,9 @@ def evaluate(
     and ``max_new_tokens`` are taken from it). ``quiet``: no progress bar and no printed
     tables. ``retrievals``: the search modes to compare (``schemas.settings.RETRIEVAL_MODES``;
     every method and (kc, k) runs in each; default: the store's ``retrieval`` setting); each row
-    records its mode (column ``retrieval``). The tables go to stdout, progress and log lines to
-    stderr.
+    records its mode (column ``retrieval``). ``rerank``: how the top chunks are reordered
+    (``schemas.settings.RERANKERS``; default: the store's ``rerank`` setting; an ``engine``
+    given keeps its own). The tables go to stdout, progress and log lines to stderr.
     """
     from rich.console import Console
 
@@ -273,7 +275,8 @@ def evaluate(
         questions = questions[:limit]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    engines = _open_engines(plan, models, engine, str(store_path), max_new_tokens, console)
+    opening = (str(store_path), max_new_tokens, rerank)
+    engines = _open_engines(plan, models, engine, opening, console)
     rows = _answer_all(plan, engines, questions, Path(questions_path).stem, console)
     results = aggregate(rows)
     table3 = best_under_budget(results, budgets_ms)
@@ -350,14 +353,15 @@ def _open_engines(
     plan: _EvalPlan,
     models: Sequence[EvalModel],
     engine: Any,
-    store_path: str,
-    max_new_tokens: int,
+    opening: tuple[str, int, str | None],
     console: Any,
 ) -> dict[str, Any]:
     """One engine per model label that runs a method (``engine``: the first model's, already
-    open)."""
+    open), each opened on ``opening``: the store's path, ``max_new_tokens`` and the reranker's
+    name (None: the store's)."""
     from coinrag.inference.methods import RagEngine
 
+    store_path, max_new_tokens, rerank = opening
     engines: dict[str, Any] = {}
     for m in models:
         wanted = [name for name, label in plan.entries if label == m.label]
@@ -370,7 +374,7 @@ def _open_engines(
             f"loading model {m.label} ({m.ref or 'the store' + chr(39) + 's'}) and {store_path}"
         )
         engines[m.label] = RagEngine.open(
-            store_path, model=m.ref, max_new_tokens=max_new_tokens, methods=wanted
+            store_path, model=m.ref, max_new_tokens=max_new_tokens, methods=wanted, rerank=rerank
         )
     return engines
 

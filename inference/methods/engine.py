@@ -120,10 +120,12 @@ class RagEngine:
         embedder: str | None = None,
         max_new_tokens: int = DEFAULT_QUERY.max_new_tokens,
         methods: Sequence[str] | None = None,
+        rerank: str | None = None,
     ) -> RagEngine:
         """Load everything ``methods`` need from ``store_path`` (default: the default methods
         the store can run, ``methods_for``: a store keeping only nugget spans has no turborag);
-        model and embedder default to the store's. The KV methods' model computes in the
+        model, embedder and ``rerank`` (how the top chunks are reordered) default to the
+        store's. The KV methods' model computes in the
         store's ``kv_dtype`` (the dtype its KV was built in). ``model`` may be a KVLink adapter
         folder (``coinrag train kvlink``): the transformer its ``kvlink.json`` names is loaded,
         and ``kvlink`` uses its links."""
@@ -162,6 +164,7 @@ class RagEngine:
             published=toml.get("published"),
             link_adapter=link_adapter,
             kv_keep=settings.kv_keep,
+            rerank=rerank,
         )
 
     def reopen(self, toml: dict[str, Any] | None = None) -> RagEngine:

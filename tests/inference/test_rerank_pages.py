@@ -137,3 +137,41 @@ def test_a_store_searched_one_chunk_a_page_first(paged_store, tmp_path: Path) ->
         assert hit >= plain_hit and mrr >= plain_mrr - 1e-12, key
         if key[1] == 1:
             assert hit == plain_hit, key
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_eval_answers_from_the_chunks_its_rerank_option_orders(paged_store, tmp_path: Path) -> None:
+    """``coinrag eval --rerank`` reaches the generation eval's engine (not only
+    ``--retrieval-only``): standard RAG's evidence is the reranked top kc, and the run records
+    the reranker."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from coinrag.flows.cli import app
+    from coinrag.inference.retrieval.embedders import load_embedder
+    from coinrag.inference.retrieval.retriever import Retriever
+    from coinrag.schemas.qa import load_questions
+    from coinrag.storage.store import Store
+
+    store_path, questions_path = paged_store
+    store = Store.at(store_path)
+    plain = Retriever(store, load_embedder(None))
+    paged = Retriever(store, plain.embedder, index=plain.index, reranker=OnePerPage())
+    questions = load_questions(questions_path)
+    evidence = {}
+    for rerank, retriever in (("none", plain), ("pages", paged)):
+        out = tmp_path / rerank
+        args = ["eval", str(questions_path), "--store", str(store_path), "--out", str(out)]
+        args += ["--methods", "standard", "--kc", "4", "--max-new-tokens", "2"]
+        result = CliRunner().invoke(app, [*args, "--rerank", rerank])
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "eval_run.json").read_text())["rerank"] == rerank
+        rows = sorted(
+            pq.read_table(out / "per_question.parquet").to_pylist(), key=lambda r: r["qid"]
+        )
+        evidence[rerank] = [list(r["evidence_doc_ids"]) for r in rows]
+        chunks = [retriever.chunks_only(q.question, kc=4).chunks for q in questions]
+        # the evidence's pages, each once, in the order of the chunks
+        assert evidence[rerank] == [list(dict.fromkeys(h.doc_id for h in c)) for c in chunks]
+    assert evidence["pages"] != evidence["none"]  # some question's chunks were reordered
