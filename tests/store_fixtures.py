@@ -200,3 +200,16 @@ def nugget_spans(
         start = (i % 2) * half + rng.randrange(0, half - length)
         out.append((ck, start, start + length))
     return out
+
+
+def held_and_retriever_pages(n_held: int, n_retriever: int) -> tuple[list[str], list[str]]:
+    """Page ids (``page-<i>``) of ``n_held`` held-out (fusion or report) and ``n_retriever``
+    retriever pages: ``tasks.retrieval.fusion.page_split`` splits pages by a hash of their id."""
+    from coinrag.tasks.retrieval.fusion import page_split
+
+    held, trained, i = [], [], 0
+    while len(held) < n_held or len(trained) < n_retriever:
+        name = f"page-{i}"
+        (trained if page_split(name) == "retriever" else held).append(name)
+        i += 1
+    return held[:n_held], trained[:n_retriever]

@@ -163,6 +163,19 @@ def _rounded(scores: dict[str, float]) -> dict[str, float]:
     return {k.replace("@", "_at_"): round(v, 4) for k, v in scores.items()}
 
 
+def sample_by_kind(
+    questions: Sequence[SyntheticQuestion], limit: int, seed: int
+) -> list[SyntheticQuestion]:
+    """At most ``limit`` of ``questions``: a sample seeded by ``seed``, taken kind by kind in
+    :data:`KIND_ORDER` (headings and generated questions read like a searcher's words; nuggets
+    fill the rest)."""
+    rng, out = random.Random(seed), []
+    for kind in KIND_ORDER:
+        of_kind = [q for q in questions if q.kind == kind]
+        out += rng.sample(of_kind, min(len(of_kind), limit - len(out)))
+    return out
+
+
 def choose_fusion(
     index: LanceIndex,
     embedder: Embedder,
@@ -184,13 +197,7 @@ def choose_fusion(
             found += store_nuggets(index.columns("nuggets", ["doc_id", "text"]).to_pylist())
     questions, excluded = excluding(found, evaluation)
     questions = [q for q in questions if page_split(q.doc_id) != "retriever"]
-    rng = random.Random(seed)
-    # Headings (or generated questions) first: they read like a searcher's words; nuggets fill
-    # the rest.
-    pool, questions = questions, []
-    for kind in KIND_ORDER:
-        of_kind = [q for q in pool if q.kind == kind]
-        questions += rng.sample(of_kind, min(len(of_kind), max_questions - len(questions)))
+    questions = sample_by_kind(questions, max_questions, seed)
     train, held = [], []
     for q in questions:
         lists = question_lists(index, Query(q.text, embedder), [q.doc_id])

@@ -33,7 +33,7 @@ import numpy as np
 from coinrag.inference.retrieval.embedders import Embedder
 from coinrag.inference.retrieval.fusion import quotes
 from coinrag.storage.index.lance import LanceIndex
-from coinrag.tasks.retrieval.fusion import KIND_ORDER, SyntheticQuestion, page_split
+from coinrag.tasks.retrieval.fusion import SyntheticQuestion, page_split, sample_by_kind
 
 GUARD_KCS = (1, 2, 4, 8)  # hit@kc reported; MRR within the largest
 MAX_GUARD_QUESTIONS = 300  # asked at most (generated questions first, then headings, nuggets)
@@ -62,7 +62,7 @@ class GuardVerdict:
     questions: int
     pages: int
     windows: int
-    kind: str  # what the questions were: "generated question" or "heading"
+    kind: str  # the questions' kinds joined by "+" ("heading+nugget"); "none": none held out
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,15 +161,10 @@ def asked_questions(
     questions: Sequence[SyntheticQuestion], pages: Sequence[str], seed: int
 ) -> list[SyntheticQuestion]:
     """The questions of ``pages``, at most :data:`MAX_GUARD_QUESTIONS`: a seeded sample taken
-    kind by kind in :data:`tasks.fusion.KIND_ORDER` (generated questions and headings before
-    nuggets)."""
+    kind by kind (``tasks.retrieval.fusion.sample_by_kind``: generated questions and headings
+    before nuggets)."""
     on = set(pages)
-    pool = [q for q in questions if q.doc_id in on]
-    rng, out = random.Random(seed), []
-    for kind in KIND_ORDER:
-        of_kind = [q for q in pool if q.kind == kind]
-        out += rng.sample(of_kind, min(len(of_kind), MAX_GUARD_QUESTIONS - len(out)))
-    return out
+    return sample_by_kind([q for q in questions if q.doc_id in on], MAX_GUARD_QUESTIONS, seed)
 
 
 def judge_adapted(

@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+from store_fixtures import held_and_retriever_pages
 
 from coinrag.inference.retrieval.embedders import LINEAGE_FILE, load_embedder
 from coinrag.inference.retrieval.retriever import Retriever, dense_weight
 from coinrag.storage.index.lance import EmbedderMismatch, LanceIndex
 from coinrag.storage.store import Store
-from coinrag.tasks.retrieval.fusion import page_split
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
@@ -83,16 +83,6 @@ def test_train_retriever_end_to_end(tmp_path, sample_corpus, prefect_harness):
     assert st.published()["index"]["fusion"]["embedder_fp"] == new_fp
 
 
-def _pages(n_held: int, n_retriever: int) -> tuple[list[str], list[str]]:
-    """Page ids of held-out (fusion or report) and retriever pages (``page_split`` hashes ids)."""
-    held, trained, i = [], [], 0
-    while len(held) < n_held or len(trained) < n_retriever:
-        name = f"page-{i}"
-        (trained if page_split(name) == "retriever" else held).append(name)
-        i += 1
-    return held[:n_held], trained[:n_retriever]
-
-
 def test_guard_keeps_the_stores_embedder_when_the_adapted_one_finds_less(
     tmp_path, sample_corpus, prefect_harness
 ):
@@ -108,7 +98,7 @@ def test_guard_keeps_the_stores_embedder_when_the_adapted_one_finds_less(
 
     texts = [json.loads(line)["text"] for line in sample_corpus.read_text().splitlines()]
     texts = [t for t in texts if len(t.split()) >= 40][:10]
-    held, trained = _pages(7, 3)
+    held, trained = held_and_retriever_pages(7, 3)
     src = tmp_path / "docs.jsonl"
     lines = [
         json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(held + trained, texts, strict=True)

@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
+from store_fixtures import held_and_retriever_pages
 
 from coinrag.tasks.retrieval.fusion import GENERATED_KIND, SyntheticQuestion, page_split
 from coinrag.tasks.retrieval.retriever_guard import (
@@ -25,16 +26,6 @@ from coinrag.tasks.retrieval.retriever_guard import (
 
 def _q(text: str, doc: str, kind: str = GENERATED_KIND) -> SyntheticQuestion:
     return SyntheticQuestion(text, doc, kind, "")
-
-
-def _pages(n_held: int, n_retriever: int) -> tuple[list[str], list[str]]:
-    """Page ids of held-out (fusion or report) and retriever pages (``page_split`` hashes ids)."""
-    held, trained, i = [], [], 0
-    while len(held) < n_held or len(trained) < n_retriever:
-        name = f"page-{i}"
-        (trained if page_split(name) == "retriever" else held).append(name)
-        i += 1
-    return held[:n_held], trained[:n_retriever]
 
 
 def test_gold_ranks_take_a_chunks_best_window_and_skip_masked_chunks() -> None:
@@ -56,7 +47,7 @@ def test_gold_ranks_take_a_chunks_best_window_and_skip_masked_chunks() -> None:
 
 
 def test_only_held_out_pages_are_asked_generated_questions_first_and_capped() -> None:
-    held, trained = _pages(6, 3)
+    held, trained = held_and_retriever_pages(6, 3)
     questions = [_q(f"nugget {i}", held[i % 6], "nugget") for i in range(900)]
     questions += [_q(f"asked {p}", p) for p in held + trained]
     pages = held_out_pages(questions, 4, seed=0)
@@ -77,7 +68,7 @@ def guard_store(tmp_path_factory, sample_corpus, prefect_harness):
     root = tmp_path_factory.mktemp("guard")
     texts = [json.loads(line)["text"] for line in sample_corpus.read_text().splitlines()]
     texts = [t for t in texts if len(t.split()) >= 40][:10]
-    held, trained = _pages(7, 3)
+    held, trained = held_and_retriever_pages(7, 3)
     ids = held + trained
     src = root / "docs.jsonl"
     lines = [json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts, strict=True)]
