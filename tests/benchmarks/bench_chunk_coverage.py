@@ -27,6 +27,14 @@ in-memory search. Runnable alone::
 
     python tests/benchmarks/bench_chunk_coverage.py --store STORE \\
         --questions faq/questions.jsonl infra/python_natural_questions.jsonl
+
+``--embedder DIR`` (an embedder folder, e.g. one ``bench_retriever_pairs.py`` or ``coinrag
+train retriever --no-reembed`` wrote) scores the same store with that embedder instead of the
+store's vectors: the chunks' and windows' ``search_text`` are embedded again with it (in the
+store's ``embed_dtype``; ``--vectors PATH.npz`` keeps them for the next run) and the nuggets are
+left out (a store with nuggets holds 20-30 of them a chunk: embedding them is the hour a
+re-embedding build spends), so compare its ``windows`` and ``hybrid-windows`` rows with the
+store's own embedder's (``--embedder minilm``: the packaged default, embedded the same way).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from coinrag.inference.retrieval.retriever import (  # noqa: E402
     relative_scores,
 )
 from coinrag.schemas.qa import load_questions  # noqa: E402
+from coinrag.schemas.settings import settings_from_toml  # noqa: E402
 from coinrag.storage.index.lance import LanceIndex  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
 
@@ -97,6 +106,30 @@ def owners(index: LanceIndex, table: str, row_of: dict[str, int]) -> tuple[np.nd
     return matrix(data), owner
 
 
+def embedded_again(
+    index: LanceIndex, embedder, row_of: dict[str, int], cache: Path | None
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The chunks' vectors ``(n, dim)`` and the windows' (vectors, chunk positions), their
+    ``search_text`` embedded by ``embedder`` (read from / written to ``cache``, an .npz);
+    no nuggets."""
+    chunks = index.columns("chunks", ["chunk_id", "search_text"])
+    windows = index.columns("windows", ["chunk_id", "search_text"])
+    if cache is not None and cache.exists():
+        saved = np.load(cache)
+        first, wvec = saved["chunks"], saved["windows"]
+    else:
+        first = np.asarray(embedder.embed_documents(chunks.column("search_text").to_pylist()))
+        wvec = np.asarray(embedder.embed_documents(windows.column("search_text").to_pylist()))
+        if cache is not None:
+            np.savez(cache, chunks=first, windows=wvec)
+    order = [row_of[c] for c in chunks.column("chunk_id").to_pylist()]
+    placed = np.zeros_like(first, dtype=np.float32)
+    placed[order] = first
+    owner = np.array([row_of[c] for c in windows.column("chunk_id").to_pylist()], np.int64)
+    empty = (np.zeros((0, 0), np.float32), np.zeros(0, np.int64))
+    return placed, {"windows": (wvec.astype(np.float32), owner), "nuggets": empty}
+
+
 def dense_scores(
     q: np.ndarray, first: np.ndarray, tables: dict[str, tuple[np.ndarray, np.ndarray]], n: int
 ) -> dict[str, np.ndarray]:
@@ -127,9 +160,12 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=HYBRID_DEPTH, help="rows per ranking fused")
     ap.add_argument("--weights", nargs="*", type=float, default=[], help="dense weights tried")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--embedder", default=None, help="score with this embedder (docstring)")
+    ap.add_argument("--vectors", type=Path, default=None, help="--embedder's vectors (.npz)")
     args = ap.parse_args()
 
-    index = LanceIndex.open(Store.at(args.store))
+    store = Store.at(args.store)
+    index = LanceIndex.open(store)
     chunks = index.columns("chunks", ["chunk_id", "doc_id", "vector"])
     ids = chunks.column("chunk_id").to_pylist()
     docs = chunks.column("doc_id").to_pylist()
@@ -137,6 +173,12 @@ def main() -> None:
     row_of = {c: i for i, c in enumerate(ids)}
     n = len(ids)
     tables = {name: owners(index, name, row_of) for name in ("windows", "nuggets")}
+    embedder = load_embedder(None)
+    if args.embedder:
+        settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
+        ref = None if args.embedder == "minilm" else args.embedder
+        embedder = load_embedder(ref, document_dtype=settings.embed_dtype)
+        first, tables = embedded_again(index, embedder, row_of, args.vectors)
     wvec, wowner = tables["windows"]
     if len(wvec):
         mean = np.zeros_like(first)
@@ -146,7 +188,6 @@ def main() -> None:
         f"{n} chunks, {len(wvec)} windows ({len(wvec) / n:.2f} per chunk), "
         f"{len(tables['nuggets'][0])} nuggets"
     )
-    embedder = load_embedder(None)
     depth = max(args.depth, max(args.kc))
     results = {}
     for qpath in args.questions:
