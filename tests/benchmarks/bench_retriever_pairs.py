@@ -44,6 +44,7 @@ from coinrag.inference.retrieval.embedders import (  # noqa: E402
     root_embedder,
     store_embedder_of,
 )
+from coinrag.inference.retrieval.fusion import normalise  # noqa: E402
 from coinrag.inference.retrieval.retriever import Retriever  # noqa: E402
 from coinrag.schemas.qa import load_questions  # noqa: E402
 from coinrag.schemas.settings import settings_from_toml  # noqa: E402
@@ -140,8 +141,8 @@ def main() -> None:
     counts: dict[str, object] = {"kind": args.kind}
     if args.kind == "cloze":
         pairs = cloze_pairs(index, cfg.max_pairs, args.seed)
-        banned = {q.strip().lower() for q in evaluation}
-        pairs = [p for p in pairs if p.query.strip().lower() not in banned]
+        banned = {normalise(q) for q in evaluation}
+        pairs = [p for p in pairs if normalise(p.query) not in banned]
     elif args.kind == "store":
         pairs, made = training_pairs(index, evaluation, cfg.max_pairs, args.seed)
         counts |= made
