@@ -110,18 +110,23 @@ def embedded_again(
     index: LanceIndex, embedder, row_of: dict[str, int], cache: Path | None
 ) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The chunks' vectors ``(n, dim)`` and the windows' (vectors, chunk positions), their
-    ``search_text`` embedded by ``embedder`` (read from / written to ``cache``, an .npz);
-    no nuggets."""
+    ``search_text`` embedded by ``embedder`` (read from / written to ``cache``, an .npz with the
+    embedder's fingerprint: another embedder's file is refused); no nuggets."""
     chunks = index.columns("chunks", ["chunk_id", "search_text"])
     windows = index.columns("windows", ["chunk_id", "search_text"])
     if cache is not None and cache.exists():
         saved = np.load(cache)
+        if str(saved.get("fingerprint", "")) != embedder.fingerprint:
+            raise SystemExit(
+                f"error: {cache} holds another embedder's vectors (not {embedder.fingerprint}); "
+                "delete it or name another --vectors file"
+            )
         first, wvec = saved["chunks"], saved["windows"]
     else:
         first = np.asarray(embedder.embed_documents(chunks.column("search_text").to_pylist()))
         wvec = np.asarray(embedder.embed_documents(windows.column("search_text").to_pylist()))
         if cache is not None:
-            np.savez(cache, chunks=first, windows=wvec)
+            np.savez(cache, chunks=first, windows=wvec, fingerprint=embedder.fingerprint)
     order = [row_of[c] for c in chunks.column("chunk_id").to_pylist()]
     placed = np.zeros_like(first, dtype=np.float32)
     placed[order] = first

@@ -32,7 +32,10 @@ import json
 import random
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -47,7 +50,7 @@ from coinrag.inference.retrieval.embedders import (  # noqa: E402
 from coinrag.inference.retrieval.fusion import normalise  # noqa: E402
 from coinrag.inference.retrieval.retriever import Retriever  # noqa: E402
 from coinrag.schemas.qa import load_questions  # noqa: E402
-from coinrag.schemas.settings import settings_from_toml  # noqa: E402
+from coinrag.schemas.settings import BuildSettings, settings_from_toml  # noqa: E402
 from coinrag.schemas.training_settings import RetrieverTrainSettings  # noqa: E402
 from coinrag.storage.index.lance import LanceIndex  # noqa: E402
 from coinrag.storage.store import Store  # noqa: E402
@@ -65,11 +68,11 @@ MARKUP = re.compile(r"[=`>{}]{2}|::")
 KEEP_SENTENCE = 0.1  # share of cloze positives that keep their sentence (Lee et al.)
 
 
-def generated(st: Store, index: LanceIndex, n_chunks: int, seed: int) -> list[SyntheticQuestion]:
+def generated(
+    st: Store, index: LanceIndex, settings: BuildSettings, n_chunks: int, seed: int
+) -> list[SyntheticQuestion]:
     """The local generator's questions about ``n_chunks`` chunks of the retriever pages."""
     from coinrag.flows.retriever import _generated
-
-    settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
 
     @flow(name="bench-retriever-pairs")
     def ask() -> list[SyntheticQuestion]:
@@ -80,10 +83,10 @@ def generated(st: Store, index: LanceIndex, n_chunks: int, seed: int) -> list[Sy
     return ask()
 
 
-def round_trip(st: Store, questions: list[SyntheticQuestion], depth: int) -> list[int | None]:
+def round_trip(
+    retriever: Retriever, questions: list[SyntheticQuestion], depth: int
+) -> list[int | None]:
     """Per question, the rank of its page's first chunk in the store's hybrid top ``depth``."""
-    settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
-    retriever = Retriever(st, store_embedder_of(settings))
     ranks: list[int | None] = []
     for q in questions:
         docs = [e.doc_id for e in retriever.chunks_only(q.text, depth, mode="hybrid").evidence]
@@ -123,10 +126,69 @@ def cloze_pairs(index: LanceIndex, n: int, seed: int) -> list[TrainingPair]:
     return pairs
 
 
+@dataclass
+class PairSource:
+    """What every kind of pair is made from: the store, its index, settings and embedder, the
+    trainer's settings, the evaluation questions to leave out, and the command line."""
+
+    st: Store
+    index: LanceIndex
+    settings: BuildSettings
+    embedder: Any  # the store's (``store_embedder_of``): the round trip searches with it
+    cfg: RetrieverTrainSettings
+    evaluation: list[str]
+    args: argparse.Namespace
+
+    def pairs_of(self, questions: list[SyntheticQuestion]) -> tuple[list[TrainingPair], dict]:
+        return training_pairs(
+            self.index,
+            self.evaluation,
+            self.cfg.max_pairs,
+            self.args.seed,
+            generated=questions,
+            kinds=(),
+        )
+
+
+def store_kind(src: PairSource) -> tuple[list[TrainingPair], dict]:
+    return training_pairs(src.index, src.evaluation, src.cfg.max_pairs, src.args.seed)
+
+
+def generated_kind(src: PairSource) -> tuple[list[TrainingPair], dict]:
+    questions = generated(src.st, src.index, src.settings, src.args.chunks, src.args.seed)
+    pairs, counts = src.pairs_of(questions)
+    return pairs, {"generated": len(questions), **counts}
+
+
+def roundtrip_kind(src: PairSource) -> tuple[list[TrainingPair], dict]:
+    questions = generated(src.st, src.index, src.settings, src.args.chunks, src.args.seed)
+    retriever = Retriever(src.st, src.embedder, index=src.index)
+    ranks = round_trip(retriever, questions, src.args.depth)
+    kept = [q for q, r in zip(questions, ranks, strict=True) if r is not None]
+    pairs, counts = src.pairs_of(kept)
+    found = {"generated": len(questions), "kept": len(kept), "first": ranks.count(1)}
+    return pairs, {**found, **counts}
+
+
+def cloze_kind(src: PairSource) -> tuple[list[TrainingPair], dict]:
+    banned = {normalise(q) for q in src.evaluation}
+    made = cloze_pairs(src.index, src.cfg.max_pairs, src.args.seed)
+    pairs = [p for p in made if normalise(p.query) not in banned]
+    return pairs, {"pairs": len(pairs), "excluded_as_evaluation": len(made) - len(pairs)}
+
+
+KINDS: dict[str, Callable[[PairSource], tuple[list[TrainingPair], dict]]] = {
+    "store": store_kind,
+    "generated": generated_kind,
+    "roundtrip": roundtrip_kind,
+    "cloze": cloze_kind,
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--store", required=True)
-    ap.add_argument("--kind", choices=("store", "generated", "roundtrip", "cloze"), required=True)
+    ap.add_argument("--kind", choices=tuple(KINDS), required=True)
     ap.add_argument("--out", type=Path, required=True, help="embedder folder written")
     ap.add_argument("--chunks", type=int, default=400, help="chunks asked about (generated)")
     ap.add_argument("--depth", type=int, default=10, help="round trip: chunks searched")
@@ -135,32 +197,15 @@ def main() -> None:
     args = ap.parse_args()
 
     st = Store.at(args.store)
-    index = LanceIndex.open(st)
+    settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
     cfg = RetrieverTrainSettings(seed=args.seed).validate()
     evaluation = [q.question for path in args.exclude_questions for q in load_questions(path)]
-    counts: dict[str, object] = {"kind": args.kind}
-    if args.kind == "cloze":
-        pairs = cloze_pairs(index, cfg.max_pairs, args.seed)
-        banned = {normalise(q) for q in evaluation}
-        pairs = [p for p in pairs if normalise(p.query) not in banned]
-    elif args.kind == "store":
-        pairs, made = training_pairs(index, evaluation, cfg.max_pairs, args.seed)
-        counts |= made
-    else:
-        questions = generated(st, index, args.chunks, args.seed)
-        counts["generated"] = len(questions)
-        if args.kind == "roundtrip":
-            ranks = round_trip(st, questions, args.depth)
-            questions = [q for q, r in zip(questions, ranks, strict=True) if r is not None]
-            counts |= {"kept": len(questions), "first": sum(r == 1 for r in ranks)}
-        pairs, made = training_pairs(
-            index, evaluation, cfg.max_pairs, args.seed, kinds=(), generated=questions
-        )
-        counts |= made
-    print(json.dumps(counts), flush=True)
-    settings = settings_from_toml(st.read_toml(), st.uri(st.settings_path))
+    embedder = store_embedder_of(settings)
+    src = PairSource(st, LanceIndex.open(st), settings, embedder, cfg, evaluation, args)
+    pairs, counts = KINDS[args.kind](src)
+    print(json.dumps({"kind": args.kind, **counts}), flush=True)
     base_ref = root_embedder(settings.embedder)
-    base = store_embedder_of(settings, base_ref)
+    base = embedder if base_ref == settings.embedder else store_embedder_of(settings, base_ref)
     summary = finetune_embedder(
         locate_embedder(base_ref), base.max_length, pairs, args.out, cfg, {"bench": counts}
     )
