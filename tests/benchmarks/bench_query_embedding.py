@@ -9,7 +9,11 @@ the float32 ones (what the index holds: a variant far from 1 would move the rank
 alone::
 
     OMP_NUM_THREADS=1 python tests/benchmarks/bench_query_embedding.py \\
-        --questions infra/python_natural_questions.jsonl [--repeat 2]
+        --questions infra/python_natural_questions.jsonl [--repeat 2] [--embedder minilm mpnet]
+
+``--embedder`` (``minilm``, the default; ``mpnet``; a folder; several are timed side by side,
+their passes alternated) times other encoders; the lean variants run only for a plain BERT
+(``LeanBertEncoder.of``).
 """
 
 from __future__ import annotations
@@ -53,16 +57,10 @@ def _timed(fn: Callable[[str], np.ndarray], questions: list[str], repeat: int) -
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", required=True, help="JSONL with a 'question' field")
-    ap.add_argument("--repeat", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    with open(args.questions, encoding="utf-8") as f:
-        questions = [json.loads(line)["question"] for line in f if line.strip()]
-    embedder = load_embedder(None)
-    tokenizer, fp32 = embedder.tokenizer, embedder._flag.model.eval()
+def _variants(embedder) -> dict[str, torch.nn.Module | LeanBertEncoder]:
+    """``embedder``'s question encoders: float32, bf16 / fp16 weights (and their lean forward
+    where it is a plain BERT), int8 dynamic quantization."""
+    fp32 = embedder._flag.model.eval()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     fp16 = copy.deepcopy(fp32).to(torch.float16)
     variants = {
@@ -75,18 +73,42 @@ def main() -> None:
             copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8
         ),
     }
-    reference = np.stack([_vector(fp32, tokenizer, q) for q in questions])
-    print(f"{len(questions)} questions, one thread, {args.repeat} passes")
-    print(f"{'variant':<14} {'median ms':>10} {'p90 ms':>8} {'min cosine':>11}")
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeat):  # passes alternated: every variant sees the same load
+    return {name: model for name, model in variants.items() if model is not None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--questions", required=True, help="JSONL with a 'question' field")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument(
+        "--embedder", nargs="+", default=["minilm"], help="minilm (default) | mpnet | a folder"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with open(args.questions, encoding="utf-8") as f:
+        questions = [json.loads(line)["question"] for line in f if line.strip()]
+    runs = {}  # (embedder, variant) -> (model, tokenizer, float32 vectors)
+    for ref in args.embedder:
+        embedder = load_embedder(ref)
+        tokenizer = embedder.tokenizer
+        variants = _variants(embedder)
+        reference = np.stack([_vector(variants["float32"], tokenizer, q) for q in questions])
         for name, model in variants.items():
-            times[name] += _timed(lambda q, m=model: _vector(m, tokenizer, q), questions, 1)
-    for name, model in variants.items():
-        ms = times[name]
+            runs[(embedder.name, name)] = (model, tokenizer, reference)
+    print(f"{len(questions)} questions, one thread, {args.repeat} passes")
+    print(f"{'embedder':<18} {'variant':<14} {'median ms':>10} {'p90 ms':>8} {'min cosine':>11}")
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for _ in range(args.repeat):  # passes alternated: every variant sees the same load
+        for key, (model, tokenizer, _) in runs.items():
+            times[key] += _timed(lambda q, m=model, t=tokenizer: _vector(m, t, q), questions, 1)
+    for (name, variant), (model, tokenizer, reference) in runs.items():
+        ms = times[(name, variant)]
         vectors = np.stack([_vector(model, tokenizer, q) for q in questions])
         cosine = float((vectors * reference).sum(1).min())
-        print(f"{name:<14} {np.median(ms):>10.2f} {np.percentile(ms, 90):>8.2f} {cosine:>11.6f}")
+        print(
+            f"{name:<18} {variant:<14} {np.median(ms):>10.2f} {np.percentile(ms, 90):>8.2f} "
+            f"{cosine:>11.6f}"
+        )
 
 
 if __name__ == "__main__":
