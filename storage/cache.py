@@ -34,11 +34,27 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         cached_stamp, _, digest = sidecar.read_text().partition(" ")
         if cached_stamp == stamp:
             return digest
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(_BLOCK), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = bytes_sha256(path)
     sidecar.parent.mkdir(parents=True, exist_ok=True)
     sidecar.write_text(f"{stamp} {digest}")
     return digest
+
+
+def bytes_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 4 MiB blocks; no sidecar (a file checked once)."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def move_into_place(folder: Path, target: Path, marker: str = "config.json") -> None:
+    """Rename the finished ``folder`` to ``target`` (the last step of writing a folder under a
+    temporary name); where another process placed ``target`` first (its ``marker`` file is
+    there), theirs is kept and ``folder`` is left for the caller to remove."""
+    try:
+        folder.rename(target)
+    except OSError:
+        if not (target / marker).is_file():
+            raise

