@@ -19,8 +19,8 @@ ever downloaded):
   chunk of the generation model fits in 1024 tokens of XLM-R's tokenizer).
 - ``mean``: any other local encoder folder, mean pooling (or the pooling its sentence-transformers
   ``1_Pooling/config.json`` names), normalised. ``mpnet`` names one: all-mpnet-base-v2 (110M
-  parameters, 768 dimensions, 384 word pieces) from its pip packages
-  (``inference/retrieval/packaged_mpnet.py``), mean pooling as its ``modules.json`` says.
+  parameters, 768 dimensions) from its pip packages (``inference/retrieval/packaged_mpnet.py``),
+  mean pooling as its ``modules.json`` says, 384 word pieces.
 
 FlagEmbedding loads the model and provides the pooling; the batching loop is ours: texts are
 sorted by token length (less padding), run in batches under ``torch.inference_mode()``, and a
@@ -35,14 +35,14 @@ compute capability 8.0+), else float32. A question is one short forward that str
 weight once, so halving the weights' bytes pays: on one AVX512-BF16 core the default MiniLM
 embeds a question in 11.2 ms instead of 18.4 (``tests/benchmarks/bench_query_embedding.py``),
 pooled and normalised in float32, its vector within cosine 0.99994 of the float32 one. A plain
-BERT encoder's copy (the default MiniLM) runs through a lean forward of the same layers
-(``inference/retrieval/lean_encoder.py``: no per-module overhead, Q/K/V in one product; 9.1 against
-10.9 ms median a question). The fingerprint, the cache and the index do not depend on the
-query dtype.
+BERT encoder's copy (the default MiniLM) and MPNet's (``mpnet``) run through a lean forward of
+the same layers (``inference/retrieval/lean_encoder.py``: no per-module overhead, Q/K/V in one
+product; MiniLM 9.1 against 10.9 ms median a question). The fingerprint, the cache and the index
+do not depend on the query dtype.
 
 Stored texts (``embed_documents``) run through the encoder in ``document_dtype`` (the build
 setting ``embed_dtype``): ``float32`` (default: FlagEmbedding's float32 model itself) or
-``bfloat16`` (a copy; where questions are bfloat16 too, theirs, run through the lean forward),
+``bfloat16`` (a copy; where questions are bfloat16 too, theirs; a BERT runs the lean forward),
 pooled and normalised in float32 either way; 1.7-2.1x the texts a second on an AVX512-BF16
 CPU, vectors within cosine 0.9999 of float32's (tests/benchmarks'
 ``bench_document_embedding.py``). It is part of the fingerprint: a store's readers load the
@@ -123,8 +123,8 @@ def packaged_minilm_dir() -> Path:
 @dataclass(frozen=True)
 class PackagedEncoder:
     """An embedder named by a word (``minilm``, ``mpnet``): where its installed folder is
-    (``locate``), the ``kind`` and ``name`` its fingerprint records, and its length in word
-    pieces where its ``sentence_bert_config.json`` gives none; mean pooling."""
+    (``locate``), the ``kind`` and ``name`` its fingerprint records, and ``max_length``, the
+    word pieces it embeds at once (the width of a chunk's windows); mean pooling."""
 
     locate: Callable[[], Path]
     kind: str
@@ -265,11 +265,14 @@ class FlagEmbedder:
             if self.query_dtype == document_dtype
             else self._model_in(self.query_dtype)
         )
-        self._lean_query = None  # the reduced-precision copy of a plain BERT: a lean forward
+        self._lean_query = None  # the reduced-precision question copy: a lean forward
+        self._lean_documents = None  # the same, where stored vectors run through it too
         if self.kind != "bge-m3" and self.query_dtype != "float32":
-            from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder
+            from coinrag.inference.retrieval.lean_encoder import lean_encoder_of
 
-            self._lean_query = LeanBertEncoder.of(self._query_model)
+            self._lean_query = lean_encoder_of(self._query_model)
+            if self._query_model is self._document_model and self._lean_query is not None:
+                self._lean_documents = self._lean_query if self._lean_query.stores else None
 
     def __repr__(self) -> str:
         return f"FlagEmbedder({self.name!r}, fp={self.fingerprint}, dim={self.dim})"
@@ -287,9 +290,10 @@ class FlagEmbedder:
             return self._flag.model
         return copy.deepcopy(self._flag.model).to(getattr(torch, dtype)).eval()
 
-    def _forward(self, model: Any, inputs: dict[str, Any]) -> Any:
+    def _forward(self, model: Any, inputs: dict[str, Any], lean: Any = None) -> Any:
         """Pooled, normalised float32 vectors ``(batch, dim)`` of one padded batch (a torch
-        tensor); a reduced-precision ``model``'s hidden states are widened before pooling."""
+        tensor) by ``model``, or by ``lean`` (its lean forward) where given; a
+        reduced-precision ``model``'s hidden states are widened before pooling."""
         import torch
 
         if self.kind == "bge-m3":  # normalised inside FlagEmbedding's M3 head
@@ -297,17 +301,19 @@ class FlagEmbedder:
             if dense.dtype == torch.float32:
                 return dense
             return torch.nn.functional.normalize(dense.float(), dim=-1)
-        if model is self._query_model and self._lean_query is not None:
+        if lean is not None:
             ids, mask = inputs["input_ids"], inputs["attention_mask"]
-            hidden = self._lean_query(ids, mask, inputs.get("token_type_ids")).float()
+            hidden = lean(ids, mask, inputs.get("token_type_ids")).float()
         else:
             hidden = model(**inputs, return_dict=True).last_hidden_state.float()
         pooled = self._flag.pooling(hidden, inputs["attention_mask"])
         return torch.nn.functional.normalize(pooled, dim=-1)
 
     def _encode(
-        self, texts: Sequence[str], progress: Progress | None, model: Any = None
+        self, texts: Sequence[str], progress: Progress | None, model: Any = None, lean: Any = None
     ) -> np.ndarray:
+        """``(n, dim)`` float32 vectors of ``texts`` by ``model`` (or ``lean``, its lean forward),
+        in batches of texts of about one length; ``progress`` after each batch."""
         import torch
 
         texts = [t if isinstance(t, str) else str(t) for t in texts]
@@ -325,7 +331,7 @@ class FlagEmbedder:
                 features = [{k: enc[k][i] for k in enc.keys()} for i in idx]
                 batch = self.tokenizer.pad(features, padding=True, return_tensors="pt")
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                vectors = self._forward(model or self._flag.model, batch)
+                vectors = self._forward(model or self._flag.model, batch, lean)
                 out[idx] = vectors.float().cpu().numpy()
                 done += len(idx)
                 if progress is not None:
@@ -335,14 +341,14 @@ class FlagEmbedder:
     def embed_documents(self, texts: Sequence[str], progress: Progress | None = None) -> np.ndarray:
         """``(n, dim)`` float32 unit vectors of stored texts, by the encoder in
         :attr:`document_dtype` (pooled and normalised in float32)."""
-        return self._encode(texts, progress, self._document_model)
+        return self._encode(texts, progress, self._document_model, self._lean_documents)
 
     def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
         """``(n, dim)`` float32 unit vectors of questions (the query instruction first), by the
         encoder in :attr:`query_dtype` (see the module docstring)."""
         if self.query_instruction:
             texts = [self.query_instruction + t for t in texts]
-        return self._encode(texts, None, self._query_model)
+        return self._encode(texts, None, self._query_model, self._lean_query)
 
     def _tokenize(self, text: str) -> tuple[list[tuple[int, int]], list[int | None]]:
         """Each token's characters and word index (no special tokens, no truncation)."""
@@ -447,12 +453,9 @@ def load_embedder(
     path = locate_embedder(ref)
     packaged = _PACKAGED.get(DEFAULT_EMBEDDER if ref is None else str(ref))
     if packaged is not None:
-        _, st_len = _st_settings(path)
         return FlagEmbedder(
             path,
-            EncoderKind(
-                packaged.kind, packaged.name, "mean", max_length or st_len or packaged.max_length
-            ),
+            EncoderKind(packaged.kind, packaged.name, "mean", max_length or packaged.max_length),
             query_instruction=query_instruction,
             batch_size=batch_size,
             device=device,

@@ -1,6 +1,7 @@
-"""A lean forward of BERT encoders for questions: the same layers as transformers' ``BertModel``
-(embeddings, then per layer self-attention, residual and LayerNorm, GELU feed-forward, residual
-and LayerNorm), called as a few functional operations instead of ~110 modules.
+"""A lean forward of BERT-like encoders for questions: the same layers as transformers'
+``BertModel`` (embeddings, then per layer self-attention, residual and LayerNorm, GELU
+feed-forward, residual and LayerNorm), called as a few functional operations instead of ~110
+modules.
 
 A question is a short sequence (7-36 word pieces for the Python FAQ and natural questions), so
 transformers' module calls, output capturing and mask building are a large part of the forward
@@ -11,21 +12,22 @@ and V of a layer with one matrix product (their weights concatenated once, an ex
 for MiniLM) and skips the pooler (a dense layer on the first token that mean pooling and CLS
 pooling of the last hidden state never read).
 
-Used only for the reduced-precision question copy of
-:class:`inference.retrieval.embedders.FlagEmbedder`
-(``query_dtype`` other than float32), where the vector is already held to a cosine tolerance
-against the float32 encoder, not to its bits; stored vectors always come from transformers'
-forward. Held to transformers: ``tests/inference/test_lean_encoder.py`` (the last hidden state
-within 1e-5 of max |h| in float32, padded batches included; the bf16 question vectors within
-the query dtype's cosine). Only plain BERT (``model_type`` "bert", absolute positions, exact
-GELU, an encoder) is taken; :meth:`LeanBertEncoder.of` gives None for anything else, and the
-embedder keeps transformers' forward.
+Two encoders are taken (:func:`lean_encoder_of`; anything else keeps transformers' forward):
+plain BERT (:class:`LeanBertEncoder`: ``model_type`` "bert", absolute positions, exact GELU, an
+encoder; the default MiniLM) and MPNet (:class:`LeanMPNetEncoder`: all-mpnet-base-v2, whose
+attention adds a relative position bias). Used for the reduced-precision question copy of
+:class:`inference.retrieval.embedders.FlagEmbedder` (``query_dtype`` other than float32), where
+the vector is held to a cosine tolerance against the float32 encoder, not to its bits; a BERT
+store embedded in bfloat16 has its stored vectors from it too (``LeanEncoder.stores``). Held to
+transformers: ``tests/inference/test_lean_encoder.py`` (the last hidden state within 1e-5 of
+max |h| in float32, padded batches included, on tiny random BERT and MPNet and on the packaged
+MiniLM and mpnet; the bf16 question vectors within the query dtype's cosine).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -48,60 +50,43 @@ class _Layer:
     norm2: tuple[torch.Tensor, torch.Tensor, float]
 
 
-class LeanBertEncoder:
-    """``BertModel``'s last hidden state from its own weights (shared, not copied, but for the
-    fused Q/K/V weights); see the module docstring."""
+class LeanEncoder:
+    """The last hidden state of a post-LayerNorm encoder (BERT's layer: self-attention, residual
+    and LayerNorm, GELU feed-forward, residual and LayerNorm) from its own weights (shared, not
+    copied, but for the fused Q/K/V weights); a subclass names the model it takes
+    (:meth:`takes`), where its layers' weights sit (:meth:`_layer`), its embeddings and what its
+    attention adds to the scores. See the module docstring."""
+
+    stores: ClassVar[bool]  # whether stored vectors run through it too (else questions only)
 
     def __init__(self, model: Any) -> None:
         config = model.config
         self.hidden = int(config.hidden_size)
         self.heads = int(config.num_attention_heads)
         self.head_dim = self.hidden // self.heads
-        emb = model.embeddings
-        self.word = emb.word_embeddings.weight
-        self.position = emb.position_embeddings.weight
-        self.token_type = emb.token_type_embeddings.weight
-        self.norm0 = (emb.LayerNorm.weight, emb.LayerNorm.bias, float(emb.LayerNorm.eps))
         self.layers = [self._layer(layer) for layer in model.encoder.layer]
+
+    @classmethod
+    def takes(cls, model: Any) -> bool:
+        """Whether ``model`` is one this forward reproduces."""
+        raise NotImplementedError
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
-        att, out = layer.attention.self, layer.attention.output
-        with torch.no_grad():
-            qkv_w = torch.cat([att.query.weight, att.key.weight, att.value.weight]).contiguous()
-            qkv_b = torch.cat([att.query.bias, att.key.bias, att.value.bias]).contiguous()
-        return _Layer(
-            qkv_w,
-            qkv_b,
-            out.dense.weight,
-            out.dense.bias,
-            (out.LayerNorm.weight, out.LayerNorm.bias, float(out.LayerNorm.eps)),
-            layer.intermediate.dense.weight,
-            layer.intermediate.dense.bias,
-            layer.output.dense.weight,
-            layer.output.dense.bias,
-            (
-                layer.output.LayerNorm.weight,
-                layer.output.LayerNorm.bias,
-                float(layer.output.LayerNorm.eps),
-            ),
-        )
+        raise NotImplementedError
 
-    @classmethod
-    def of(cls, model: Any) -> LeanBertEncoder | None:
-        """The lean forward of ``model`` if it is a plain BERT encoder, else None."""
-        config = getattr(model, "config", None)
-        plain = (
-            config is not None
-            and getattr(config, "model_type", "") == "bert"
-            and getattr(config, "position_embedding_type", "absolute") == "absolute"
-            and getattr(config, "hidden_act", "") == "gelu"
-            and not getattr(config, "is_decoder", False)
-            and not getattr(config, "add_cross_attention", False)
-            and hasattr(model, "embeddings")
-            and hasattr(model, "encoder")
-        )
-        return cls(model) if plain else None
+    def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        """``(batch, tokens, hidden)``: the embeddings, after their LayerNorm."""
+        raise NotImplementedError
+
+    def _scores_mask(
+        self, batch: int, n: int, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """What ``scaled_dot_product_attention`` takes as ``attn_mask`` for ``n`` tokens: the
+        keys to attend to (bool ``(batch, 1, 1, n)``), None where every token is attended."""
+        if attention_mask is None or bool(attention_mask.all()):
+            return None
+        return attention_mask[:, None, None, :].bool()
 
     def __call__(
         self,
@@ -113,12 +98,8 @@ class LeanBertEncoder:
         padding) -> the last hidden state ``(batch, tokens, hidden)`` in the weights' dtype
         (padding positions hold values no pooling reads)."""
         batch, n = input_ids.shape
-        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        x = self.word[input_ids] + self.position[:n] + self.token_type[types]
-        x = F.layer_norm(x, (self.hidden,), *self.norm0)
-        mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            mask = attention_mask[:, None, None, :].bool()  # keys to attend to
+        x = self._embed(input_ids, token_type_ids)
+        mask = self._scores_mask(batch, n, attention_mask)
         shape = (batch, n, 3, self.heads, self.head_dim)
         for layer in self.layers:
             q, k, v = (
@@ -134,3 +115,143 @@ class LeanBertEncoder:
                 F.linear(up, layer.down_weight, layer.down_bias) + x, (self.hidden,), *layer.norm2
             )
         return x
+
+
+def fused_layer(attention: Any, out: Any, norm1: Any, layer: Any) -> _Layer:
+    """A layer's weights from its modules: ``attention``'s ``(query, key, value)`` linears (one
+    product after concatenation), the attention ``out`` linear and the LayerNorm after it
+    (``norm1``), ``layer.intermediate.dense`` and ``layer.output`` (dense, LayerNorm)."""
+    with torch.no_grad():
+        qkv_w = torch.cat([m.weight for m in attention]).contiguous()
+        qkv_b = torch.cat([m.bias for m in attention]).contiguous()
+    return _Layer(
+        qkv_w,
+        qkv_b,
+        out.weight,
+        out.bias,
+        (norm1.weight, norm1.bias, float(norm1.eps)),
+        layer.intermediate.dense.weight,
+        layer.intermediate.dense.bias,
+        layer.output.dense.weight,
+        layer.output.dense.bias,
+        (
+            layer.output.LayerNorm.weight,
+            layer.output.LayerNorm.bias,
+            float(layer.output.LayerNorm.eps),
+        ),
+    )
+
+
+class LeanBertEncoder(LeanEncoder):
+    """``BertModel``: absolute position and token type embeddings, exact GELU. A store whose
+    texts and questions are both embedded in bfloat16 has its vectors from this forward (their
+    fingerprints were made so)."""
+
+    stores = True
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        emb = model.embeddings
+        self.word = emb.word_embeddings.weight
+        self.position = emb.position_embeddings.weight
+        self.token_type = emb.token_type_embeddings.weight
+        self.norm0 = (emb.LayerNorm.weight, emb.LayerNorm.bias, float(emb.LayerNorm.eps))
+
+    @classmethod
+    def takes(cls, model: Any) -> bool:
+        config = getattr(model, "config", None)
+        return (
+            config is not None
+            and getattr(config, "model_type", "") == "bert"
+            and getattr(config, "position_embedding_type", "absolute") == "absolute"
+            and getattr(config, "hidden_act", "") == "gelu"
+            and not getattr(config, "is_decoder", False)
+            and not getattr(config, "add_cross_attention", False)
+            and hasattr(model, "embeddings")
+            and hasattr(model, "encoder")
+        )
+
+    @classmethod
+    def of(cls, model: Any) -> LeanBertEncoder | None:
+        """The lean forward of ``model`` if it is a plain BERT encoder, else None."""
+        return cls(model) if cls.takes(model) else None
+
+    @staticmethod
+    def _layer(layer: Any) -> _Layer:
+        att, out = layer.attention.self, layer.attention.output
+        return fused_layer((att.query, att.key, att.value), out.dense, out.LayerNorm, layer)
+
+    def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        n = input_ids.shape[1]
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        x = self.word[input_ids] + self.position[:n] + self.token_type[types]
+        return F.layer_norm(x, (self.hidden,), *self.norm0)
+
+
+class LeanMPNetEncoder(LeanEncoder):
+    """``MPNetModel`` (all-mpnet-base-v2): position embeddings counted from the padding id
+    (as RoBERTa), no token types, and a relative position bias added to every layer's attention
+    scores, per head. The bias is transformers' own ``compute_position_bias`` for the longest
+    sequence, computed once (``(1, heads, positions, positions)`` in the weights' dtype, 6.3 MB
+    in bf16 for all-mpnet-base-v2) and cut to ``n`` tokens: it depends on the distance only.
+    Questions only: stored vectors keep transformers' forward, as the indexes built before it
+    were (their fingerprint does not name the forward)."""
+
+    stores = False
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        emb = model.embeddings
+        self.padding_idx = int(emb.padding_idx)
+        self.word = emb.word_embeddings.weight
+        self.position = emb.position_embeddings.weight
+        self.norm0 = (emb.LayerNorm.weight, emb.LayerNorm.bias, float(emb.LayerNorm.eps))
+        longest = self.position.shape[0]
+        with torch.no_grad():
+            probe = torch.zeros(1, longest, 1, device=self.word.device)
+            self.bias = model.encoder.compute_position_bias(probe).to(self.word.dtype)
+
+    @classmethod
+    def takes(cls, model: Any) -> bool:
+        config = getattr(model, "config", None)
+        return (
+            config is not None
+            and getattr(config, "model_type", "") == "mpnet"
+            and getattr(config, "hidden_act", "") == "gelu"
+            and hasattr(model, "embeddings")
+            and hasattr(getattr(model, "encoder", None), "compute_position_bias")
+        )
+
+    @staticmethod
+    def _layer(layer: Any) -> _Layer:
+        att = layer.attention.attn
+        return fused_layer((att.q, att.k, att.v), att.o, layer.attention.LayerNorm, layer)
+
+    def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        tokens = input_ids.ne(self.padding_idx).int()
+        positions = torch.cumsum(tokens, dim=1).type_as(tokens) * tokens + self.padding_idx
+        x = self.word[input_ids] + self.position[positions.long()]
+        return F.layer_norm(x, (self.hidden,), *self.norm0)
+
+    def _scores_mask(
+        self, batch: int, n: int, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The position bias ``(1, heads, n, n)``, with ``-inf`` at padding keys where there are
+        any (``(batch, heads, n, n)``)."""
+        bias = self.bias[:, :, :n, :n]
+        if attention_mask is None or bool(attention_mask.all()):
+            return bias
+        padding = ~attention_mask[:, None, None, :].bool()
+        return bias.expand(batch, -1, -1, -1).masked_fill(padding, float("-inf"))
+
+
+LEAN_ENCODERS: tuple[type[LeanEncoder], ...] = (LeanBertEncoder, LeanMPNetEncoder)
+
+
+def lean_encoder_of(model: Any) -> LeanEncoder | None:
+    """The lean forward of ``model`` (the first of :data:`LEAN_ENCODERS` that takes it), else
+    None: the embedder keeps transformers' forward."""
+    for kind in LEAN_ENCODERS:
+        if kind.takes(model):
+            return kind(model)
+    return None

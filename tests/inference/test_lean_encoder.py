@@ -1,8 +1,9 @@
-"""The lean BERT forward of question embedding (``inference/retrieval/lean_encoder.py``) held to
-transformers' own ``BertModel``: the same last hidden state (float32: within 1e-5 of max |h|,
-padded batches and token types included) on a tiny random BERT and on the packaged MiniLM; the
-bf16 question copy of the default embedder uses it and stays within the query dtype's cosine
-(``test_query_dtype.py``); anything but a plain BERT encoder keeps transformers' forward."""
+"""The lean forwards of question embedding (``inference/retrieval/lean_encoder.py``) held to
+transformers' own ``BertModel`` and ``MPNetModel``: the same last hidden state (float32: within
+1e-5 of max |h|, padded batches and token types included) on a tiny random BERT and MPNet and on
+the packaged MiniLM and mpnet; the bf16 question copies use them and stay within the query
+dtype's cosine (``test_query_dtype.py``, ``test_packaged_mpnet.py``); MPNet's stored vectors keep
+transformers' forward; anything else keeps transformers' forward."""
 
 from __future__ import annotations
 
@@ -14,9 +15,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_index_retrieval import QUESTIONS  # noqa: E402
-from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertModel,
+    MPNetConfig,
+    MPNetModel,
+    RobertaConfig,
+    RobertaModel,
+)
 
-from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder  # noqa: E402
+from coinrag.inference.retrieval.lean_encoder import (  # noqa: E402
+    LeanBertEncoder,
+    LeanMPNetEncoder,
+    lean_encoder_of,
+)
 
 FP32_RTOL = 1e-5  # of max |h|: float32 with other operation orders (fused Q/K/V)
 
@@ -107,5 +119,67 @@ def test_the_bf16_question_copy_runs_the_lean_forward():
         ),
     ],
 )
-def test_anything_but_a_plain_bert_keeps_transformers_forward(model):
+def test_anything_else_keeps_transformers_forward(model):
     assert LeanBertEncoder.of(model()) is None
+    assert lean_encoder_of(model()) is None
+
+
+def _tiny_mpnet() -> MPNetModel:
+    config = MPNetConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+    )
+    torch.manual_seed(0)
+    model = MPNetModel(config).eval()
+    with torch.no_grad():  # initialised at zero: a bias that would not show a wrong distance
+        model.encoder.relative_attention_bias.weight.normal_()
+    return model
+
+
+def test_a_padded_batch_equals_mpnet_at_every_token():
+    """Right padding (MPNet's padding id 1 where the mask is 0): its positions count from the
+    padding id and the relative position bias is cut to the batch's length."""
+    model = _tiny_mpnet()
+    lean = lean_encoder_of(model)
+    assert isinstance(lean, LeanMPNetEncoder)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 6:] = 0
+    mask[2, 1:] = 0
+    ids = torch.randint(3, 97, (3, 11), generator=g).masked_fill(mask == 0, 1)
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = lean(ids, mask)
+        assert got.shape == want.shape
+        assert _close(got, want, mask) <= FP32_RTOL
+        unpadded = model(input_ids=ids[:1, :6]).last_hidden_state
+        assert _close(lean(ids[:1, :6]), unpadded, torch.ones(1, 6)) <= FP32_RTOL
+
+
+def test_the_packaged_mpnet_equals_transformers_on_questions():
+    from coinrag.inference.retrieval.embedders import load_embedder
+
+    embedder = load_embedder("mpnet", query_dtype="float32")
+    model = embedder._flag.model
+    lean = lean_encoder_of(model)
+    assert isinstance(lean, LeanMPNetEncoder)
+    batch = embedder.tokenizer(list(QUESTIONS), padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        want = model(**batch).last_hidden_state
+        got = lean(batch["input_ids"], batch["attention_mask"])
+    assert _close(got, want, batch["attention_mask"]) <= FP32_RTOL
+
+
+def test_stored_mpnet_vectors_keep_transformers_forward():
+    """bf16 texts and questions share one copy; MiniLM's run both through the lean forward (its
+    bf16 indexes were built so), mpnet's only the questions (its indexes were built without)."""
+    from coinrag.inference.retrieval.embedders import load_embedder
+
+    minilm = load_embedder(None, query_dtype="bfloat16", document_dtype="bfloat16")
+    mpnet = load_embedder("mpnet", query_dtype="bfloat16", document_dtype="bfloat16")
+    assert minilm._lean_documents is minilm._lean_query is not None
+    assert isinstance(mpnet._lean_query, LeanMPNetEncoder) and mpnet._lean_documents is None
