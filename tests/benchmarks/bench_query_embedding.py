@@ -1,5 +1,5 @@
 """Where a question's embedding goes: the default embedder's forward in float32, with bf16
-and with float16 weights (transformers' forward, and the lean BERT forward the half-precision
+and with float16 weights (transformers' forward, and the lean forward the half-precision
 question copy runs: ``inference/retrieval/lean_encoder.py``), and with int8 dynamic
 quantization, side by side in one run on one thread.
 
@@ -12,8 +12,8 @@ alone::
         --questions infra/python_natural_questions.jsonl [--repeat 2] [--embedder minilm mpnet]
 
 ``--embedder`` (``minilm``, the default; ``mpnet``; a folder; several are timed side by side,
-their passes alternated) times other encoders; the lean variants run only for a plain BERT
-(``LeanBertEncoder.of``).
+their passes alternated) times other encoders; the lean variants run only for the encoders it
+takes (``lean_encoder_of``: plain BERT, MPNet).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from coinrag.inference.retrieval.embedders import load_embedder
-from coinrag.inference.retrieval.lean_encoder import LeanBertEncoder
+from coinrag.inference.retrieval.lean_encoder import LeanEncoder, lean_encoder_of
 
 
-def _vector(model: torch.nn.Module | LeanBertEncoder, tokenizer, question: str) -> np.ndarray:
+def _vector(model: torch.nn.Module | LeanEncoder, tokenizer, question: str) -> np.ndarray:
     """The normalised mean-pooled vector ``(dim,)`` of one question (float32)."""
     enc = tokenizer([question], return_tensors="pt")
     with torch.inference_mode():
-        if isinstance(model, LeanBertEncoder):
+        if isinstance(model, LeanEncoder):
             hidden = model(enc["input_ids"], enc["attention_mask"], enc.get("token_type_ids"))
             hidden = hidden.float()
         else:
@@ -57,18 +57,18 @@ def _timed(fn: Callable[[str], np.ndarray], questions: list[str], repeat: int) -
     return out
 
 
-def _variants(embedder) -> dict[str, torch.nn.Module | LeanBertEncoder]:
+def _variants(embedder) -> dict[str, torch.nn.Module | LeanEncoder]:
     """``embedder``'s question encoders: float32, bf16 / fp16 weights (and their lean forward
-    where it is a plain BERT), int8 dynamic quantization."""
+    where there is one), int8 dynamic quantization."""
     fp32 = embedder._flag.model.eval()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     fp16 = copy.deepcopy(fp32).to(torch.float16)
     variants = {
         "float32": fp32,
         "bf16 weights": bf16,
-        "bf16 lean": LeanBertEncoder.of(bf16),
+        "bf16 lean": lean_encoder_of(bf16),
         "fp16 weights": fp16,
-        "fp16 lean": LeanBertEncoder.of(fp16),
+        "fp16 lean": lean_encoder_of(fp16),
         "int8 dynamic": torch.ao.quantization.quantize_dynamic(
             copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8
         ),
