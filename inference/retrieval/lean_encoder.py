@@ -26,6 +26,7 @@ MiniLM and mpnet; the bf16 question vectors within the query dtype's cosine).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -50,7 +51,7 @@ class _Layer:
     norm2: tuple[torch.Tensor, torch.Tensor, float]
 
 
-class LeanEncoder:
+class LeanEncoder(ABC):
     """The last hidden state of a post-LayerNorm encoder (BERT's layer: self-attention, residual
     and LayerNorm, GELU feed-forward, residual and LayerNorm) from its own weights (shared, not
     copied, but for the fused Q/K/V weights); a subclass names the model it takes
@@ -67,17 +68,18 @@ class LeanEncoder:
         self.layers = [self._layer(layer) for layer in model.encoder.layer]
 
     @classmethod
+    @abstractmethod
     def takes(cls, model: Any) -> bool:
         """Whether ``model`` is one this forward reproduces."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def _layer(layer: Any) -> _Layer:
-        raise NotImplementedError
+        """One of ``model.encoder.layer``'s weights (:func:`fused_layer`)."""
 
+    @abstractmethod
     def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         """``(batch, tokens, hidden)``: the embeddings, after their LayerNorm."""
-        raise NotImplementedError
 
     def _scores_mask(
         self, batch: int, n: int, attention_mask: torch.Tensor | None
