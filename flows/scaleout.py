@@ -366,23 +366,28 @@ class TaskKv(KvWorkers):
 
 
 @lru_cache(maxsize=1)
-def _worker_embedder(ref: str, document_dtype: str) -> Any:
+def _worker_embedder(ref: str, document_dtype: str, window: int) -> Any:
     from coinrag.inference.retrieval.embedders import load_embedder
 
-    return load_embedder(ref, document_dtype=document_dtype)
+    return load_embedder(ref, document_dtype=document_dtype, max_length=window or None)
 
 
 @task(name="embed-part", cache_policy=NO_CACHE)
 def embed_part_task(
-    embedder_ref: str, texts: list[str], threads: int = 0, document_dtype: str = "float32"
+    embedder_ref: str,
+    texts: list[str],
+    threads: int = 0,
+    document_dtype: str = "float32",
+    window: int = 0,
 ) -> np.ndarray:
     """``(len(texts), dim)`` float32 vectors of one part of the texts to embed, computed with
     ``threads`` threads (:meth:`Runner.worker_threads`' answer; 0: auto on the worker) by the
-    embedder in ``document_dtype`` (the build's ``embed_dtype``)."""
+    embedder in ``document_dtype`` (the build's ``embed_dtype``) at ``window`` word pieces (its
+    ``embed_window``; 0: the embedder's own)."""
     from coinrag.inference.model.threads import set_process_threads
 
     set_process_threads(threads)
-    return _worker_embedder(embedder_ref, document_dtype).embed_documents(texts)
+    return _worker_embedder(embedder_ref, document_dtype, window).embed_documents(texts)
 
 
 def embed_on_workers(runner: Runner, parts: list[list[str]]) -> Iterator[np.ndarray]:
@@ -390,6 +395,7 @@ def embed_on_workers(runner: Runner, parts: list[list[str]]) -> Iterator[np.ndar
     in order as they come back."""
     params = {"embedder_ref": runner.settings.embedder, "threads": runner.worker_threads()}
     params["document_dtype"] = runner.settings.embed_dtype
+    params["window"] = runner.settings.embed_window
     futures = [runner.submit(embed_part_task, params | {"texts": part}) for part in parts]
     for future in futures:
         yield future.result()

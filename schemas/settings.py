@@ -24,6 +24,7 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     model = "smollm2"           # generation model: folder, .gguf file, or "smollm2"
     embedder = "minilm"         # packaged all-MiniLM-L6-v2, "mpnet", or a local folder
     embed_dtype = "float32"     # float32 | bfloat16 (stored vectors; bfloat16 ~2x faster)
+    embed_window = 0            # word pieces embedded at once (0: the embedder's own)
     chunker = "fixed"           # fixed (the paper's) | sentence | content (edit-stable) | section
     chunk_size = 512
     tau = 0.7
@@ -65,6 +66,8 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # (inference/model/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 EMBED_DTYPES = ("float32", "bfloat16")  # dtypes stored texts are embedded in (embed_dtype)
+# embed_window's range: room for the special tokens and a heading path, up to BGE-M3's length
+MIN_EMBED_WINDOW, MAX_EMBED_WINDOW = 32, 8192
 # How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 | int2 | int2mix |
 # int2basis (quantized per block: keys per channel, values per token, int2mix's per channel;
 # int2basis: int2mix's keys in the store's calibrated key basis, storage/kv/basis.py;
@@ -237,6 +240,13 @@ class BuildSettings:
         "cosine 0.9999 of float32's; part of the embedder's fingerprint: a change re-embeds).",
         cli=True,
     )
+    embed_window: int = setting(
+        0,  # word pieces per embedded text: a chunk's window width (0: the embedder's own)
+        "Word pieces the embedder sees at once, the width of the windows a chunk is embedded in "
+        "(default 0: the embedder's own: 256 for minilm, 384 for mpnet); part of the embedder's "
+        "fingerprint: a change re-embeds.",
+        cli=True,
+    )
     kv: bool = True  # build the per-chunk KV of `model`
     kv_dtype: str = setting(
         "auto",  # dtype of the KV forward and of the stored KV (KV_DTYPES)
@@ -325,6 +335,11 @@ class BuildSettings:
         if self.embed_dtype not in EMBED_DTYPES:
             raise SettingsError(
                 f"embed_dtype {self.embed_dtype!r} is not one of {', '.join(EMBED_DTYPES)}"
+            )
+        if self.embed_window and not MIN_EMBED_WINDOW <= self.embed_window <= MAX_EMBED_WINDOW:
+            raise SettingsError(
+                f"embed_window {self.embed_window} is outside {MIN_EMBED_WINDOW}.."
+                f"{MAX_EMBED_WINDOW} (or 0: the embedder's own)"
             )
         if self.kv_codec not in KV_CODECS:
             raise SettingsError(f"kv_codec {self.kv_codec!r} is not one of {', '.join(KV_CODECS)}")

@@ -494,6 +494,12 @@ def store_embedder_of(
     settings: BuildSettings, ref: str | os.PathLike[str] | None = None, **options: Any
 ) -> FlagEmbedder:
     """The embedder a store with these build ``settings`` searches and builds with: its
-    ``embedder`` (or ``ref``) computing stored vectors in its ``embed_dtype``, so that the
-    fingerprint matches the index's; ``options``: :func:`load_embedder`'s others."""
-    return load_embedder(ref or settings.embedder, document_dtype=settings.embed_dtype, **options)
+    ``embedder`` (or ``ref``) computing stored vectors in its ``embed_dtype``, in windows of its
+    ``embed_window`` word pieces (0: the embedder's own), so that the fingerprint matches the
+    index's; ``options``: :func:`load_embedder`'s others."""
+    return load_embedder(
+        ref or settings.embedder,
+        document_dtype=settings.embed_dtype,
+        max_length=settings.embed_window or None,
+        **options,
+    )

@@ -1,8 +1,9 @@
 """A store built with another embedder setting end to end, for each setting that changes the
-stored vectors: ``embedder = "mpnet"`` (the packaged all-mpnet-base-v2, 768 dimensions) and
-``embed_dtype = "bfloat16"``. The store records that embedder's fingerprint, `eval
---retrieval-only` and `query` search it with the matching embedder and find the gold page, and a
-build back to the defaults re-embeds every text (never a mixed index)."""
+stored vectors: ``embedder = "mpnet"`` (the packaged all-mpnet-base-v2, 768 dimensions),
+``embed_dtype = "bfloat16"`` and ``embed_window = 128``. The store records that embedder's
+fingerprint, `eval --retrieval-only` and `query` search it with the matching embedder and find
+the gold page, and a build back to the defaults re-embeds every text of the index (never a mixed
+one; narrower windows are more texts)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ SWITCHES = [
         ),
         id="bfloat16",
     ),
+    pytest.param(
+        Switch(
+            {"extractor": "none", "embed_window": 128},
+            {"ref": None, "max_length": 128},
+            384,
+            {"extractor": "none", "embed_window": 0},
+        ),
+        id="window",
+    ),
 ]
 
 
@@ -74,6 +84,7 @@ def test_a_store_builds_searches_and_switches_back(
     src.write_text("".join(sample_corpus.read_text(encoding="utf-8").splitlines(True)[:4]))
     store = tmp_path / "store"
     first = _build(src, store, switch.settings)
+    assert first["embedded"] > 0
     st = Store.at(store)
     embedder = load_embedder(**switch.embedder)
     index = LanceIndex.open(st)
@@ -105,5 +116,5 @@ def test_a_store_builds_searches_and_switches_back(
     assert {e["doc_id"] for e in answer["evidence"]} == {kubrick}
 
     again = _build(src, store, switch.back)  # another fingerprint: every text again
-    assert again["embedded"] == first["embedded"] > 0
+    assert again["embedded"] > 0 and again["embeddings_cached"] == 0  # none of its vectors
     assert LanceIndex.open(st).embedder_fp == load_embedder(None).fingerprint

@@ -174,6 +174,7 @@ BUILD_SETTINGS = {
     "device": "cpu",
     "embedder": "minilm",
     "embed_dtype": "float32",
+    "embed_window": 0,  # word pieces per embedded window (0: the embedder's own; issue 35)
     "kv": True,
     "kv_dtype": "auto",
     "kv_codec": "none",
