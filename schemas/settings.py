@@ -66,8 +66,7 @@ EXTRACTORS = ("openai", "openai-batch", "local", "rules", "none")
 # (inference/model/kv_dtype.py decides, per machine).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 EMBED_DTYPES = ("float32", "bfloat16")  # dtypes stored texts are embedded in (embed_dtype)
-# embed_window's range: room for the special tokens and a heading path, up to BGE-M3's length
-MIN_EMBED_WINDOW, MAX_EMBED_WINDOW = 32, 8192
+MIN_EMBED_WINDOW, MAX_EMBED_WINDOW = 32, 8192  # embed_window: room for a heading path .. BGE-M3
 # How stored KV is encoded: none (as computed, bit for bit) | int8 | int4 | int2 | int2mix |
 # int2basis (quantized per block: keys per channel, values per token, int2mix's per channel;
 # int2basis: int2mix's keys in the store's calibrated key basis, storage/kv/basis.py;
@@ -241,10 +240,9 @@ class BuildSettings:
         cli=True,
     )
     embed_window: int = setting(
-        0,  # word pieces per embedded text: a chunk's window width (0: the embedder's own)
-        "Word pieces the embedder sees at once, the width of the windows a chunk is embedded in "
-        "(default 0: the embedder's own: 256 for minilm, 384 for mpnet); part of the embedder's "
-        "fingerprint: a change re-embeds.",
+        0,  # word pieces per embedded text, the width of a chunk's windows (0: the embedder's own)
+        "Word pieces the embedder sees at once, the width of a chunk's windows (default 0: the "
+        "embedder's own); part of the embedder's fingerprint: a change re-embeds.",
         cli=True,
     )
     kv: bool = True  # build the per-chunk KV of `model`
@@ -337,10 +335,8 @@ class BuildSettings:
                 f"embed_dtype {self.embed_dtype!r} is not one of {', '.join(EMBED_DTYPES)}"
             )
         if self.embed_window and not MIN_EMBED_WINDOW <= self.embed_window <= MAX_EMBED_WINDOW:
-            raise SettingsError(
-                f"embed_window {self.embed_window} is outside {MIN_EMBED_WINDOW}.."
-                f"{MAX_EMBED_WINDOW} (or 0: the embedder's own)"
-            )
+            lo, hi = MIN_EMBED_WINDOW, MAX_EMBED_WINDOW
+            raise SettingsError(f"embed_window {self.embed_window} is outside {lo}..{hi} (or 0)")
         if self.kv_codec not in KV_CODECS:
             raise SettingsError(f"kv_codec {self.kv_codec!r} is not one of {', '.join(KV_CODECS)}")
         if self.kv_keep not in KV_KEEPS:
