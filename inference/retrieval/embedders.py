@@ -20,7 +20,8 @@ ever downloaded):
 - ``mean``: any other local encoder folder, mean pooling (or the pooling its sentence-transformers
   ``1_Pooling/config.json`` names), normalised. ``mpnet`` names one: all-mpnet-base-v2 (110M
   parameters, 768 dimensions) from its pip packages (``inference/retrieval/packaged_mpnet.py``),
-  mean pooling as its ``modules.json`` says, 384 word pieces.
+  mean pooling as its ``modules.json`` says; it accepts 384 word pieces and is given windows of
+  256 (``PackagedEncoder.max_length``).
 
 FlagEmbedding loads the model and provides the pooling; the batching loop is ours: texts are
 sorted by token length (less padding), run in batches under ``torch.inference_mode()``, and a
@@ -134,7 +135,9 @@ class PackagedEncoder:
 
 _PACKAGED = {
     DEFAULT_EMBEDDER: PackagedEncoder(packaged_minilm_dir, "minilm", "all-MiniLM-L6-v2", 256),
-    MPNET_EMBEDDER: PackagedEncoder(packaged_mpnet_dir, "mean", MPNET_NAME, 384),
+    # all-mpnet-base-v2 accepts 384 word pieces; in windows of 256 it finds the gold page first
+    # more often (docs/retrieval.md, "Window width"), as MiniLM's own limit does.
+    MPNET_EMBEDDER: PackagedEncoder(packaged_mpnet_dir, "mean", MPNET_NAME, 256),
 }
 
 

@@ -77,8 +77,9 @@ def test_an_absent_package_names_the_pip_command() -> None:
 def test_mpnet_embeds_as_sentence_transformers_does() -> None:
     """``--embedder mpnet``: the installed pieces assembled, and its vectors those of
     transformers' own MPNet mean-pooled over the tokens and normalised (sentence-transformers'
-    modules for this model), within 1e-5 in float32; questions within cosine 0.999 in the query
-    dtype (bfloat16 where the CPU computes it natively)."""
+    modules for this model) at 256 word pieces (the window width, not the model's 384), within
+    1e-5 in float32; questions within cosine 0.999 in the query dtype (bfloat16 where the CPU
+    computes it natively)."""
     import numpy as np
     import torch
     from transformers import AutoModel, AutoTokenizer
@@ -86,7 +87,7 @@ def test_mpnet_embeds_as_sentence_transformers_does() -> None:
     from coinrag.inference.retrieval.embedders import load_embedder
 
     embedder = load_embedder("mpnet")
-    assert (embedder.name, embedder.dim, embedder.max_length) == ("all-mpnet-base-v2", 768, 384)
+    assert (embedder.name, embedder.dim, embedder.max_length) == ("all-mpnet-base-v2", 768, 256)
     texts = [
         "How do I copy a list so that changing the copy leaves the original alone?",
         "The with statement wraps a block in methods of a context manager. " * 40,
@@ -94,7 +95,7 @@ def test_mpnet_embeds_as_sentence_transformers_does() -> None:
     ]
     tokenizer = AutoTokenizer.from_pretrained(embedder.model_dir)
     model = AutoModel.from_pretrained(embedder.model_dir, dtype=torch.float32).eval()
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=384, return_tensors="pt")
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
     with torch.inference_mode():
         hidden = model(**enc).last_hidden_state
     mask = enc["attention_mask"].unsqueeze(-1).float()
