@@ -136,7 +136,7 @@ class PackagedEncoder:
 _PACKAGED = {
     DEFAULT_EMBEDDER: PackagedEncoder(packaged_minilm_dir, "minilm", "all-MiniLM-L6-v2", 256),
     # all-mpnet-base-v2 accepts 384 word pieces; in windows of 256 it finds the gold page first
-    # more often (docs/retrieval.md, "Window width"), as MiniLM's own limit does.
+    # more often (tests/benchmarks/RESULTS.md, "all-mpnet-base-v2 in windows of 256").
     MPNET_EMBEDDER: PackagedEncoder(packaged_mpnet_dir, "mean", MPNET_NAME, 256),
 }
 
