@@ -273,9 +273,9 @@ class FlagEmbedder:
         if self.kind != "bge-m3" and self.query_dtype != "float32":
             from coinrag.inference.retrieval.lean_encoder import lean_encoder_of
 
-            self._lean_query = lean_encoder_of(self._query_model)
-            if self._query_model is self._document_model and self._lean_query is not None:
-                self._lean_documents = self._lean_query if self._lean_query.stores else None
+            lean = self._lean_query = lean_encoder_of(self._query_model)
+            if self._query_model is self._document_model and lean is not None and lean.stores:
+                self._lean_documents = lean
 
     def __repr__(self) -> str:
         return f"FlagEmbedder({self.name!r}, fp={self.fingerprint}, dim={self.dim})"

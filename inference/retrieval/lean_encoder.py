@@ -54,9 +54,10 @@ class _Layer:
 class LeanEncoder(ABC):
     """The last hidden state of a post-LayerNorm encoder (BERT's layer: self-attention, residual
     and LayerNorm, GELU feed-forward, residual and LayerNorm) from its own weights (shared, not
-    copied, but for the fused Q/K/V weights); a subclass names the model it takes
-    (:meth:`takes`), where its layers' weights sit (:meth:`_layer`), its embeddings and what its
-    attention adds to the scores. See the module docstring."""
+    copied, but for the fused Q/K/V weights; word and position embeddings and their LayerNorm
+    held here); a subclass names the model it takes (:meth:`takes`), where its layers' weights
+    sit (:meth:`_layer`), how its embeddings add up and what its attention adds to the scores.
+    See the module docstring."""
 
     stores: ClassVar[bool]  # whether stored vectors run through it too (else questions only)
 
@@ -65,6 +66,10 @@ class LeanEncoder(ABC):
         self.hidden = int(config.hidden_size)
         self.heads = int(config.num_attention_heads)
         self.head_dim = self.hidden // self.heads
+        emb = model.embeddings
+        self.word = emb.word_embeddings.weight
+        self.position = emb.position_embeddings.weight
+        self.norm0 = (emb.LayerNorm.weight, emb.LayerNorm.bias, float(emb.LayerNorm.eps))
         self.layers = [self._layer(layer) for layer in model.encoder.layer]
 
     @classmethod
@@ -153,11 +158,7 @@ class LeanBertEncoder(LeanEncoder):
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
-        emb = model.embeddings
-        self.word = emb.word_embeddings.weight
-        self.position = emb.position_embeddings.weight
-        self.token_type = emb.token_type_embeddings.weight
-        self.norm0 = (emb.LayerNorm.weight, emb.LayerNorm.bias, float(emb.LayerNorm.eps))
+        self.token_type = model.embeddings.token_type_embeddings.weight
 
     @classmethod
     def takes(cls, model: Any) -> bool:
@@ -172,11 +173,6 @@ class LeanBertEncoder(LeanEncoder):
             and hasattr(model, "embeddings")
             and hasattr(model, "encoder")
         )
-
-    @classmethod
-    def of(cls, model: Any) -> LeanBertEncoder | None:
-        """The lean forward of ``model`` if it is a plain BERT encoder, else None."""
-        return cls(model) if cls.takes(model) else None
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
@@ -203,11 +199,7 @@ class LeanMPNetEncoder(LeanEncoder):
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
-        emb = model.embeddings
-        self.padding_idx = int(emb.padding_idx)
-        self.word = emb.word_embeddings.weight
-        self.position = emb.position_embeddings.weight
-        self.norm0 = (emb.LayerNorm.weight, emb.LayerNorm.bias, float(emb.LayerNorm.eps))
+        self.padding_idx = int(model.embeddings.padding_idx)
         longest = self.position.shape[0]
         with torch.no_grad():
             probe = torch.zeros(1, longest, 1, device=self.word.device)

@@ -49,7 +49,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from coinrag.inference.retrieval.embedders import load_embedder  # noqa: E402
+from coinrag.inference.retrieval.embedders import store_embedder_of  # noqa: E402
 from coinrag.inference.retrieval.retriever import (  # noqa: E402
     HYBRID_DENSE_WEIGHT,
     HYBRID_DEPTH,
@@ -178,11 +178,9 @@ def main() -> None:
     row_of = {c: i for i, c in enumerate(ids)}
     n = len(ids)
     tables = {name: owners(index, name, row_of) for name in ("windows", "nuggets")}
-    embedder = load_embedder(None)
+    settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
+    embedder = store_embedder_of(settings, args.embedder)  # the store's dtype and width
     if args.embedder:
-        settings = settings_from_toml(store.read_toml(), store.uri(store.settings_path))
-        ref = None if args.embedder == "minilm" else args.embedder
-        embedder = load_embedder(ref, document_dtype=settings.embed_dtype)
         first, tables = embedded_again(index, embedder, row_of, args.vectors)
     wvec, wowner = tables["windows"]
     if len(wvec):

@@ -31,19 +31,18 @@ from coinrag.inference.retrieval.lean_encoder import (  # noqa: E402
 )
 
 FP32_RTOL = 1e-5  # of max |h|: float32 with other operation orders (fused Q/K/V)
+TINY = {  # a random encoder small enough to build in milliseconds (BERT and MPNet alike)
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 40,
+}
 
 
 def _tiny_bert(**overrides) -> BertModel:
-    config = BertConfig(
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=40,
-        type_vocab_size=2,
-        **overrides,
-    )
+    config = BertConfig(**TINY, type_vocab_size=2, **overrides)
     torch.manual_seed(0)
     return BertModel(config).eval()
 
@@ -55,8 +54,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> float:
 
 def test_a_padded_batch_equals_bert_at_every_token():
     model = _tiny_bert()
-    lean = LeanBertEncoder.of(model)
-    assert lean is not None
+    lean = lean_encoder_of(model)
+    assert isinstance(lean, LeanBertEncoder)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 97, (3, 11), generator=g)
     mask = torch.ones(3, 11, dtype=torch.long)
@@ -79,8 +78,8 @@ def test_the_packaged_minilm_equals_transformers_on_questions():
 
     embedder = load_embedder(None, query_dtype="float32")
     model = embedder._flag.model
-    lean = LeanBertEncoder.of(model)
-    assert lean is not None
+    lean = lean_encoder_of(model)
+    assert isinstance(lean, LeanBertEncoder)
     batch = embedder.tokenizer(list(QUESTIONS), padding=True, return_tensors="pt")
     with torch.inference_mode():
         want = model(**batch).last_hidden_state
@@ -120,19 +119,12 @@ def test_the_bf16_question_copy_runs_the_lean_forward():
     ],
 )
 def test_anything_else_keeps_transformers_forward(model):
-    assert LeanBertEncoder.of(model()) is None
+    assert not LeanBertEncoder.takes(model())
     assert lean_encoder_of(model()) is None
 
 
 def _tiny_mpnet() -> MPNetModel:
-    config = MPNetConfig(
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=40,
-    )
+    config = MPNetConfig(**TINY)
     torch.manual_seed(0)
     model = MPNetModel(config).eval()
     with torch.no_grad():  # initialised at zero: a bias that would not show a wrong distance
