@@ -32,8 +32,8 @@ The config file holds the same names as the CLI options, in a ``[build]`` table:
     kv_codec = "none"           # none | int8 | int4 | int2 | int2mix | int2basis (stored KV)
     kv_keep = "chunks"          # chunks | nuggets (store only the KV of nugget spans)
     retrieval = "hybrid"        # dense | lexical | hybrid (how queries rank; per query too)
-    rerank = "none"             # none | pages | upr (reorder the top chunks: a page's best first;
-                                # or by the model's likelihood)
+    rerank = "none"             # none | pages | support | upr (reorder the top chunks: a page's
+                                # best first; pages by support; or by the model's likelihood)
 
 Secrets never live here: the OpenAI client reads OPENAI_API_KEY (and OPENAI_BASE_URL) from the
 environment, and nothing in this module reads or records them.
@@ -94,10 +94,10 @@ HTML_MODES = ("main", "whole")  # html reader: the main content (trafilatura) or
 RETRIEVAL_MODES = ("dense", "lexical", "hybrid")
 DEFAULT_RETRIEVAL = "hybrid"
 # How the top chunks of a search are reordered before kc are kept
-# (inference.retrieval.rerank.Reranker.registry; a test keeps them equal): not at all (none), or
-# each page's best chunk before any page's second (pages), or by the generation model's likelihood
-# of the question given each chunk (upr, over its KV).
-RERANKERS = ("none", "pages", "upr")
+# (inference.retrieval.rerank.Reranker.registry; a test keeps them equal): not at all (none), each
+# page's best chunk before any page's second (pages; support: pages by best + half second best),
+# or by the generation model's likelihood of the question given each chunk (upr, over its KV).
+RERANKERS = ("none", "pages", "support", "upr")
 DEFAULT_RERANK = "none"
 RUNNERS = ("default", "dask", "ray")
 KV_VERIFY_LEVELS = ("crc32c", "stat", "sha256")
@@ -277,9 +277,9 @@ class BuildSettings:
     rerank: str = setting(
         DEFAULT_RERANK,
         "How queries of this store reorder the top chunks of a search: none (default) | pages "
-        "(each page's best chunk before any page's second) | upr (the generation model's "
-        "likelihood of the question given each chunk; over its KV where the store has KV, else "
-        "the chunks are encoded per query: seconds on a CPU).",
+        "(each page's best chunk before any page's second) | support (so, pages ranked by best "
+        "chunk + half the second) | upr (the generation model's likelihood of the question given "
+        "each chunk; over its KV where the store has KV, else encoded per query: seconds).",
         cli=True,
         choices=RERANKERS,
     )

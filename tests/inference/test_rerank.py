@@ -48,7 +48,9 @@ def test_the_registry_holds_the_names_the_settings_declare() -> None:
     assert [n for n in Reranker.registry.known() if n in RERANKERS] == list(RERANKERS)
     for name in RERANKERS:
         assert Reranker.registry[name].name == name  # "upr" imported on first look-up
-    with pytest.raises(SettingsError, match="rerank 'fuzzy' is not one of none, pages, upr"):
+    with pytest.raises(
+        SettingsError, match="rerank 'fuzzy' is not one of none, pages, support, upr"
+    ):
         BuildSettings(rerank="fuzzy").validate()
 
 
