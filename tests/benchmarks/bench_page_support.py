@@ -14,12 +14,15 @@ Question sets:
 - ``headings``: the store's headings of the fusion and report pages (``tasks.retrieval.fusion``:
   those equal to a question of ``--exclude-questions`` removed), asked without the chunks that
   quote them word for word, as ``train fusion`` asks them;
+- ``titles``: the same headings asked as they are (their own section in the index): questions
+  that name a section's title, like the FAQ set's;
 - ``generated``: the question generator's questions cached in ``--generated-store``'s
   ``selfstudy_questions`` table (``coinrag train fusion --generated N`` on that store or a copy
   of it writes them), gold the page they were asked about, asked the same way;
 - each ``--questions`` file (evaluation sets: gold ``doc_ids``, asked as they are).
 
-The support to use is chosen on the first two only; the evaluation files are reported. Runnable
+The share to use is chosen on the store's sets only (the mean of their hybrid objectives); the
+evaluation files are reported. Runnable
 alone::
 
     python tests/benchmarks/bench_page_support.py --store S --generated-store S \\
@@ -142,6 +145,7 @@ def main() -> None:
             True,
         )
     }
+    sets["titles"] = (sets["headings"][0], False)
     if args.generated_store:
         made = read_rows(Store.at(args.generated_store), SelfStudyQuestionRow)
         asked = [SyntheticQuestion(r.question, r.doc_id, GENERATED_KIND) for r in made]
@@ -158,7 +162,7 @@ def main() -> None:
         print(f"\n{name} ({len(questions)} questions): hit@1 / 2 / 4 / 8, MRR, objective (%)")
         for key, row in results[name].items():
             print(f"{key:<16}" + "".join(f"{v:>8.1f}" for v in row.values()))
-    chosen_on = [n for n in ("headings", "generated") if n in results]
+    chosen_on = [n for n in ("headings", "titles", "generated") if n in results]
     mean = {
         s: sum(results[n][f"hybrid/{s}"]["objective"] for n in chosen_on) / len(chosen_on)
         for s in args.supports
