@@ -3,7 +3,8 @@ retriever``.
 
 ```
 train fusion:    published index -> store headings (no evaluation question) -> rankings
-                 -> weight per grid point -> best on the fusion pages -> recorded with the index
+                 -> weight per grid point -> best on the fusion pages -> page support share
+                 (rerank = support) per grid point at that weight -> recorded with the index
 train retriever: store -> (heading, section text) pairs of the retriever pages (no evaluation
                  question), and with --generated N the question generator's questions about N
                  of their chunks -> fine-tuned embedder folder -> judged against the store's on
@@ -156,11 +157,18 @@ def _choice_line(choice: FusionChoice, record: dict[str, Any]) -> str:
     """What ``train fusion`` chose, for its log: the weight, the training questions' best and
     whether the held-out questions confirmed it."""
     held = "confirmed" if record["confirmed_on_held_out"] else "not better than the default"
-    return (
+    line = (
         f"dense weight {choice.dense_weight:.2f} (best {record['best_on_train']:.2f} on "
         f"{choice.n_train} {choice.chosen_on}, {held} on the {choice.n_held_out} held out; "
         f"{choice.excluded} evaluation questions excluded)"
     )
+    if "page_support" in record:
+        kept = "confirmed" if record["page_support_confirmed_on_held_out"] else "the default"
+        line += (
+            f"; page support {record['page_support']:.2f} for rerank = support (best "
+            f"{record['page_support_best_on_train']:.2f}, {kept})"
+        )
+    return line
 
 
 def _generated(

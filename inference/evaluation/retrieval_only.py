@@ -167,7 +167,7 @@ def evaluate_retrieval(
         kcs=sorted(set(kcs)),
         ks=sorted(set(ks)),
         embedder_fp=retriever.embedder.fingerprint,
-        rerank=reranker.record() if reranker is not None else {"name": "none"},
+        rerank=retriever.reranker.record() if retriever.reranker is not None else {"name": "none"},
     )
     return results
 

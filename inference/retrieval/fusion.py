@@ -28,8 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from coinrag.inference.retrieval.rerank import PageSupport
 from coinrag.inference.retrieval.retriever import (
     HYBRID_DEPTH,
+    ChunkHit,
     HybridSearch,
     Query,
     fuse_rankings,
@@ -38,6 +40,7 @@ from coinrag.storage.index.lance import LanceIndex
 
 FUSION_KCS = (1, 2, 4, 8)  # the chunk counts a weight is scored at
 WEIGHT_GRID = tuple(round(0.05 * i, 2) for i in range(21))  # 0, 0.05, ..., 1
+SUPPORT_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)  # page support shares tried
 
 
 @dataclass(frozen=True)
@@ -85,20 +88,48 @@ def gold_rank(question: QuestionLists, weight: float, depth: int = max(FUSION_KC
     return None
 
 
+def supported_rank(
+    question: QuestionLists, weight: float, support: float, depth: int = max(FUSION_KCS)
+) -> int | None:
+    """1-based rank of the first chunk of a gold page within ``depth`` once the fused top
+    ``HYBRID_DEPTH`` (a hybrid search's rows for ``rerank = support``) are reordered by
+    :class:`PageSupport` with share ``support`` (None: none)."""
+    fused = fuse_rankings(question.lists, "chunk_id", HYBRID_DEPTH, weight)
+    hits = [
+        ChunkHit(r["chunk_id"], r["doc_id"], "", 0, "", float(r["score"]), i)
+        for i, r in enumerate(fused)
+    ]
+    for rank, hit in enumerate(PageSupport(support).rerank("", hits)[:depth], start=1):
+        if hit.doc_id in question.gold:
+            return rank
+    return None
+
+
+def rank_scores(ranks: Sequence[int | None]) -> dict[str, float]:
+    """``hit@kc`` for kc in :data:`FUSION_KCS` and ``mrr`` (within 8) of first-gold ranks,
+    fractions in [0, 1] (empty: all 0)."""
+    n = max(1, len(ranks))
+    found = [r for r in ranks if r is not None]
+    scores = {f"hit@{kc}": sum(r <= kc for r in found) / n for kc in FUSION_KCS}
+    scores["mrr"] = sum(1.0 / r for r in found) / n
+    return scores
+
+
 def score_weights(
     questions: Sequence[QuestionLists], weights: Sequence[float] = WEIGHT_GRID
 ) -> dict[float, dict[str, float]]:
-    """Per weight: ``hit@kc`` for kc in :data:`FUSION_KCS` and ``mrr`` (within 8), fractions
-    in [0, 1] over ``questions`` (empty: all 0)."""
-    out: dict[float, dict[str, float]] = {}
-    n = max(1, len(questions))
-    for weight in weights:
-        ranks = [gold_rank(q, weight) for q in questions]
-        found = [r for r in ranks if r is not None]
-        scores = {f"hit@{kc}": sum(r <= kc for r in found) / n for kc in FUSION_KCS}
-        scores["mrr"] = sum(1.0 / r for r in found) / n
-        out[float(weight)] = scores
-    return out
+    """Per weight: :func:`rank_scores` over ``questions`` of the fused ranking."""
+    return {float(w): rank_scores([gold_rank(q, w) for q in questions]) for w in weights}
+
+
+def score_supports(
+    questions: Sequence[QuestionLists], weight: float, supports: Sequence[float] = SUPPORT_GRID
+) -> dict[float, dict[str, float]]:
+    """Per page support share: :func:`rank_scores` over ``questions`` of the ranking fused at
+    ``weight`` and reordered by ``rerank = support`` (:func:`supported_rank`)."""
+    return {
+        float(s): rank_scores([supported_rank(q, weight, s) for q in questions]) for s in supports
+    }
 
 
 def objective(scores: dict[str, float]) -> float:
@@ -107,7 +138,8 @@ def objective(scores: dict[str, float]) -> float:
 
 
 def choose_weight(scored: dict[float, dict[str, float]], default: float) -> float:
-    """The weight of the best :func:`objective` (ties: the one closest to ``default``)."""
+    """The weight (or page support share) of the best :func:`objective` (ties: the one closest
+    to ``default``)."""
     return max(scored, key=lambda w: (round(objective(scored[w]), 9), -abs(w - default)))
 
 

@@ -36,6 +36,7 @@ from coinrag.schemas.settings import RERANKERS
 
 if TYPE_CHECKING:
     from coinrag.inference.retrieval.retriever import ChunkHit
+    from coinrag.storage.index.lance import LanceIndex
 
 RERANK_MODULES = {"upr": "coinrag.inference.context.rerank"}
 
@@ -83,6 +84,12 @@ class Reranker(Registered, ABC):
         mixed = combined([h.score for h in hits], self.scores(question, hits), self.weight)
         order = sorted(range(len(hits)), key=lambda i: (-mixed[i], i))
         return [dataclasses.replace(hits[i], rank=r) for r, i in enumerate(order)]
+
+    def for_index(self, index: LanceIndex) -> Reranker:
+        """This reranker as it reorders ``index``'s searches: itself, or, for one with a
+        parameter chosen per index (:class:`PageSupport`), one with the index's recorded value
+        (``Retriever`` asks once, for the index it opens)."""
+        return self
 
     def record(self) -> dict[str, Any]:
         """What an evaluation run records of it: its name, depth and weight."""
@@ -135,14 +142,28 @@ class PageSupport(OnePerPage, name="support"):
     the 497 pages of the Python documentation (all-mpnet-base-v2, windows of 256, no nuggets;
     docs/retrieval.md, "Pages ranked by their support") hybrid hit@1 rises on both natural
     question sets (74.6 -> 84.1 and 65.2 -> 71.2 %) and falls on the FAQ titles (93.2 -> 89.2:
-    a title matches one chunk alone); :attr:`support` 0.5 was chosen on the store's own
-    headings and generated questions, not on those sets.
+    a title matches one chunk alone). :attr:`support`: 0.5 by default, chosen on that store's
+    own headings and generated questions, not on those sets; ``coinrag train fusion`` chooses
+    one per index the same way, and :meth:`for_index` reads it.
 
     Worked example (support 0.5): normalised scores ``a 1.0, b 0.9, b 0.8, c 0.1`` give pages
     ``a 1.0``, ``b 0.9 + 0.4 = 1.3``, ``c 0.1``: the order is ``b``'s first chunk, ``a``,
     ``c``, then ``b``'s second."""
 
-    support: ClassVar[float] = 0.5  # the second-best chunk's share of its page's score
+    support: float = 0.5  # the second-best chunk's share of its page's score (the default)
+    method: ClassVar[str] = "minmax-best-second-v1"  # what a share recorded per index is for
+
+    def __init__(self, support: float | None = None) -> None:
+        if support is not None:
+            if not 0.0 <= support <= 1.0:
+                raise ValueError(f"page support {support} is outside [0, 1]")
+            self.support = float(support)
+
+    def for_index(self, index: LanceIndex) -> PageSupport:
+        """One with the share ``coinrag train fusion`` chose for ``index`` (recorded with its
+        version, :func:`recorded_support`), else this one."""
+        share = recorded_support(index)
+        return self if share is None else type(self)(share)
 
     def scores(self, question: str, hits: Sequence[ChunkHit]) -> list[float]:
         """``-(place)``: each hit's place in (round, page support descending, search order)."""
@@ -168,6 +189,20 @@ class PageSupport(OnePerPage, name="support"):
     def record(self) -> dict[str, Any]:
         """:meth:`Reranker.record` with the second best chunk's share, ``support``."""
         return {**super().record(), "support": self.support}
+
+
+def recorded_support(index: LanceIndex) -> float | None:
+    """The page support share recorded with ``index``'s version (``IndexMeta.fusion``:
+    ``tasks/retrieval/fusion.py`` chooses it with the fusion weight on the store's questions)
+    when it was chosen for this code's fusion and :attr:`PageSupport.method`, else None."""
+    from coinrag.inference.retrieval.retriever import FUSION_METHOD
+
+    fusion = index.meta.fusion or {}
+    if fusion.get("method") != FUSION_METHOD:
+        return None
+    if fusion.get("page_support_method") != PageSupport.method or "page_support" not in fusion:
+        return None
+    return float(fusion["page_support"])
 
 
 def open_reranker(name: str, context_of: Callable[[], Any]) -> Reranker | None:

@@ -484,7 +484,8 @@ def _lexical_pool() -> ThreadPoolExecutor:
 class Retriever:
     """Searches one store's index with one embedder (refused if it is not the index's), in a
     search mode (``mode``: the default of every call; each call may name another); chunks
-    reordered by ``reranker`` (None: the search's order)."""
+    reordered by ``reranker`` (None: the search's order; as it reorders this index's searches,
+    ``Reranker.for_index``)."""
 
     def __init__(
         self,
@@ -499,7 +500,7 @@ class Retriever:
         self.index = index or LanceIndex.open(store)
         self.index.check(embedder.fingerprint)
         self.mode = search_mode(mode)
-        self.reranker = reranker
+        self.reranker = None if reranker is None else reranker.for_index(self.index)
 
     def _start(self, question: str, mode: str | SearchMode | None) -> tuple[SearchMode, Query]:
         return (self.mode if mode is None else search_mode(mode)), Query(question, self.embedder)

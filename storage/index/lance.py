@@ -202,12 +202,15 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         return state
 
     def record_fusion(self, fusion: Mapping[str, Any]) -> None:
-        """Record ``fusion`` (``{"dense_weight": w, ...}``) as this index's hybrid fusion in
+        """Record ``fusion`` (``{"dense_weight": w, "page_support": s, ...}``: each in [0, 1];
+        ``page_support`` optional) as this index's hybrid fusion in
         ``coinrag-index.json``; the next publish makes it part of the published index record.
         A new embedder resets it (its weight was chosen for other vectors)."""
-        weight = float(fusion["dense_weight"])
-        if not 0.0 <= weight <= 1.0:
-            raise ValueError(f"fusion dense_weight {weight} is not in [0, 1]")
+        for key in ("dense_weight", "page_support"):
+            if key in fusion and not 0.0 <= float(fusion[key]) <= 1.0:
+                raise ValueError(f"fusion {key} {fusion[key]} is not in [0, 1]")
+        if "dense_weight" not in fusion:
+            raise ValueError("a fusion record needs its dense_weight")
         self.meta = dataclasses.replace(self.meta, fusion=dict(fusion))
         self._write_meta()
 

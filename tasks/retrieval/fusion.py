@@ -36,8 +36,10 @@ from coinrag.inference.retrieval.fusion import (
     confirmed_weight,
     normalise,
     question_lists,
+    score_supports,
     score_weights,
 )
+from coinrag.inference.retrieval.rerank import PageSupport
 from coinrag.inference.retrieval.retriever import FUSION_METHOD, HYBRID_DENSE_WEIGHT, Query
 from coinrag.storage.index.lance import LanceIndex
 
@@ -138,6 +140,10 @@ class FusionChoice:
     embedder_fp: str
     chosen_on: str = "headings"  # the kinds of synthetic question, e.g. "headings+nuggets"
     best_on_train: float | None = None  # the training questions' best (None: dense_weight)
+    page_support: float = PageSupport.support  # rerank = support's share, chosen the same way
+    support_train: dict[float, dict[str, float]] | None = None  # share -> training scores
+    support_held_out: dict[float, dict[str, float]] | None = None  # share -> held-out scores
+    support_best_on_train: float | None = None  # the training questions' best share
 
     def record(self) -> dict[str, Any]:
         """The index's ``fusion`` record (TOML-able: numbers and tables of them)."""
@@ -156,6 +162,25 @@ class FusionChoice:
             "excluded_as_evaluation": self.excluded,
             "train": _rounded(self.train[best]),
             "held_out": {name: _rounded(self.held_out[v]) for name, v in shown.items()},
+        } | self.support_record()
+
+    def support_record(self) -> dict[str, Any]:
+        """The page support share's part of :meth:`record` (``page_support`` keys; none where
+        no share was scored)."""
+        if self.support_train is None or self.support_held_out is None:
+            return {}
+        s = self.page_support
+        best = s if self.support_best_on_train is None else self.support_best_on_train
+        shown = {"chosen": best, "default": PageSupport.support}
+        return {
+            "page_support": s,
+            "page_support_method": PageSupport.method,
+            "page_support_best_on_train": best,
+            "page_support_confirmed_on_held_out": best == s,
+            "page_support_train": _rounded(self.support_train[best]),
+            "page_support_held_out": {
+                name: _rounded(self.support_held_out[v]) for name, v in shown.items()
+            },
         }
 
 
@@ -186,8 +211,9 @@ def choose_fusion(
 ) -> FusionChoice:
     """Choose ``index``'s dense weight on its store's headings (never on ``evaluation``'s
     questions, see the module docstring), or on ``generated`` questions where given (the
-    question generator's, ``tasks/generated_questions.py``: the headings are then not used);
-    nothing is written."""
+    question generator's, ``tasks/generated_questions.py``: the headings are then not used),
+    then ``rerank = support``'s page support share at that weight on the same questions (kept,
+    like the weight, only where it beats the default on the held-out ones); nothing is written."""
     if generated is not None:
         found = list(generated)
     else:
@@ -212,6 +238,11 @@ def choose_fusion(
     best = choose_weight(scored, HYBRID_DENSE_WEIGHT)
     held_scores = score_weights(held, sorted({best, HYBRID_DENSE_WEIGHT, 0.0, 1.0}))
     weight = confirmed_weight(best, HYBRID_DENSE_WEIGHT, held_scores, len(held))
+    default_share = PageSupport.support
+    shares = score_supports(train, weight)
+    best_share = choose_weight(shares, default_share)
+    held_shares = score_supports(held, weight, sorted({best_share, default_share}))
+    share = confirmed_weight(best_share, default_share, held_shares, len(held))
     return FusionChoice(
         weight,
         scored,
@@ -222,4 +253,8 @@ def choose_fusion(
         embedder.fingerprint,
         "+".join(sorted({f"{q.kind}s" for q in questions})),
         best,
+        share,
+        shares,
+        held_shares,
+        best_share,
     )

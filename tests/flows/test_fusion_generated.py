@@ -74,6 +74,7 @@ def test_fusion_chosen_on_generated_questions(tmp_path, sample_corpus, prefect_h
     assert record["chosen_on"] == "generated questions" and record["method"] == "dbsf-convex-v1"
     assert record["questions"] > 0  # on the fusion pages' chunks
     assert st.published()["index"]["fusion"]["dense_weight"] == record["dense_weight"]
+    assert st.published()["index"]["fusion"]["page_support"] == record["page_support"]
     assert record["question_generator_fp"].startswith("qgen-")
 
     calls = read_rows(st, SelfStudyCallRow)

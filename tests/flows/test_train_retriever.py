@@ -34,6 +34,8 @@ TINY = {
 def test_train_retriever_end_to_end(tmp_path, sample_corpus, prefect_harness):
     from coinrag.flows.build import build_flow
     from coinrag.flows.retriever import store_embedder, train_retriever_flow, tune_fusion_flow
+    from coinrag.inference.retrieval.fusion import SUPPORT_GRID
+    from coinrag.inference.retrieval.rerank import PageSupport, recorded_support
 
     docs = sample_corpus.read_text(encoding="utf-8").splitlines(True)
     src = tmp_path / "docs.jsonl"
@@ -47,6 +49,11 @@ def test_train_retriever_end_to_end(tmp_path, sample_corpus, prefect_harness):
     fusion = tune_fusion_flow(str(store), [str(EVALUATION)])
     assert fusion["embedder_fp"] == base_fp and fusion["questions"] > 0
     assert st.published()["index"]["fusion"]["dense_weight"] == fusion["dense_weight"]
+    # ... with rerank = support's page support share, chosen and confirmed the same way.
+    assert fusion["page_support"] in SUPPORT_GRID
+    assert fusion["page_support_method"] == PageSupport.method
+    assert set(fusion["page_support_held_out"]) == {"chosen", "default"}
+    assert recorded_support(LanceIndex.open(st)) == fusion["page_support"]
 
     out = tmp_path / "adapted"
     summary = train_retriever_flow(str(store), str(out), [str(EVALUATION)], settings=TINY)

@@ -1,6 +1,7 @@
-"""Hybrid fusion chosen per index: scoring weights on known-answer questions, the weight
-recorded with the index version (coinrag-index.json and the published record) and read back by
-readers, kept by incremental builds, dropped by a new embedder, and used by hybrid search.
+"""Hybrid fusion chosen per index: scoring weights (and ``rerank = support``'s page support
+shares) on known-answer questions, the weight recorded with the index version (coinrag-index.json
+and the published record) and read back by readers, kept by incremental builds, dropped by a new
+embedder, and used by hybrid search; a recorded share used by the ``support`` reranker.
 
 Real LanceDB tables in temp dirs, written by the real embed stage; vectors come from the cheap
 deterministic ``HashEmbedder``."""
@@ -21,8 +22,11 @@ from coinrag.inference.retrieval.fusion import (
     objective,
     question_lists,
     quotes,
+    score_supports,
     score_weights,
+    supported_rank,
 )
+from coinrag.inference.retrieval.rerank import PageSupport, recorded_support
 from coinrag.inference.retrieval.retriever import (
     FUSION_METHOD,
     HYBRID_DENSE_WEIGHT,
@@ -55,6 +59,20 @@ def test_score_weights_worked_example():
     missed = QuestionLists([dense, lexical], frozenset({"zzz"}))
     assert gold_rank(missed, 0.5) is None
     assert score_weights([missed], [0.5])[0.5]["mrr"] == 0.0
+
+
+def test_score_supports_worked_example():
+    """Dense alone (weight 1): page ``q``'s one chunk first, page ``p``'s two next. Min-max
+    normalised 1, 0.94, 0.88, 0 (the fused scores are linear in the dense ones): ``p``'s
+    support at share 0.5 is 0.94 + 0.44 > 1, so ``p`` comes first; at share 0 it is second."""
+    dense = [_row("a", "q", 0.9), _row("b", "p", 0.85), _row("c", "p", 0.8), _row("d", "r", 0.1)]
+    question = QuestionLists([dense, []], frozenset({"p"}))
+    assert supported_rank(question, 1.0, 0.0) == 2
+    assert supported_rank(question, 1.0, 0.5) == 1
+    scored = score_supports([question], 1.0, [0.0, 0.5, 1.0])
+    assert scored[0.0]["hit@1"] == 0.0 and scored[0.5]["hit@1"] == 1.0 == scored[1.0]["hit@1"]
+    assert choose_weight(scored, PageSupport.support) == 0.5  # tie 0.5 / 1: the default
+    assert supported_rank(QuestionLists([dense, []], frozenset({"zzz"})), 1.0, 0.5) is None
 
 
 def test_a_weight_that_wins_only_where_it_was_chosen_gives_way_to_the_default():
@@ -137,6 +155,34 @@ def test_bad_fusion_refused(store):
     st = store[0]
     with pytest.raises(ValueError, match="not in"):
         publish_fusion(st, "f1", "tune-fusion", {"dense_weight": 1.5})
+    with pytest.raises(ValueError, match="page_support 1.5 is not in"):
+        publish_fusion(st, "f1", "tune-fusion", {"dense_weight": 0.5, "page_support": 1.5})
+    with pytest.raises(ValueError, match="outside"):
+        PageSupport(-0.1)
+
+
+def test_the_support_reranker_uses_the_recorded_share(store):
+    """A share chosen for this fusion method and page support rule is what ``support``
+    reorders with (through ``Retriever``, and in what an evaluation records of it); without one,
+    or one chosen for another rule, the class's default."""
+    st = store[0]
+    assert recorded_support(LanceIndex.open(st)) is None
+    plain = Retriever(st, HashEmbedder(), reranker=PageSupport())
+    assert plain.reranker.support == PageSupport.support
+    chosen = {"dense_weight": 0.5, "method": FUSION_METHOD, "page_support": 0.2}
+    publish_fusion(st, "f1", "tune-fusion", {**chosen, "page_support_method": PageSupport.method})
+    assert recorded_support(LanceIndex.open(st)) == 0.2
+    retriever = Retriever(st, HashEmbedder(), reranker=PageSupport())
+    assert retriever.reranker.support == 0.2 and retriever.reranker.record()["support"] == 0.2
+    assert PageSupport.support == 0.5  # the class's default is untouched
+    question = "penguins of Antarctica river water"
+    top = Retriever(st, HashEmbedder()).chunks_only(question, kc=30).chunks
+    expected = [h.chunk_id for h in PageSupport(0.2).rerank(question, top)][:3]
+    assert [h.chunk_id for h in retriever.chunks_only(question, kc=3).chunks] == expected
+    publish_fusion(st, "f2", "tune-fusion", {**chosen, "page_support_method": "other-v0"})
+    assert recorded_support(LanceIndex.open(st)) is None
+    publish_fusion(st, "f3", "tune-fusion", {**chosen, "method": "minmax-convex-v1"})
+    assert recorded_support(LanceIndex.open(st)) is None
 
 
 @pytest.mark.parametrize(("weight", "part"), [(1.0, DenseSearch), (0.0, LexicalSearch)])
