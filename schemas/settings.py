@@ -95,7 +95,7 @@ RETRIEVAL_MODES = ("dense", "lexical", "hybrid")
 DEFAULT_RETRIEVAL = "hybrid"
 # How the top chunks of a search are reordered before kc are kept
 # (inference.retrieval.rerank.Reranker.registry; a test keeps them equal): not at all (none), each
-# page's best chunk before any page's second (pages; support: pages by best + half second best),
+# page's best chunk before any page's second (pages; support: pages by best + a share of 2nd best),
 # or by the generation model's likelihood of the question given each chunk (upr, over its KV).
 RERANKERS = ("none", "pages", "support", "upr")
 DEFAULT_RERANK = "none"
@@ -278,8 +278,8 @@ class BuildSettings:
         DEFAULT_RERANK,
         "How queries of this store reorder the top chunks of a search: none (default) | pages "
         "(each page's best chunk before any page's second) | support (so, pages ranked by best "
-        "chunk + half the second) | upr (the generation model's likelihood of the question given "
-        "each chunk; over its KV where the store has KV, else encoded per query: seconds).",
+        "chunk + a share of the second: train fusion's, else 0.5) | upr (the model's likelihood "
+        "of the question given each chunk, over its KV if any, else encoded per query: slow).",
         cli=True,
         choices=RERANKERS,
     )
