@@ -154,21 +154,17 @@ def tune_fusion_flow(
 
 
 def _choice_line(choice: FusionChoice, record: dict[str, Any]) -> str:
-    """What ``train fusion`` chose, for its log: the weight, the training questions' best and
-    whether the held-out questions confirmed it."""
+    """What ``train fusion`` chose, for its log: the weight and the page support share, the
+    training questions' best of each and whether the held-out questions confirmed it."""
     held = "confirmed" if record["confirmed_on_held_out"] else "not better than the default"
-    line = (
+    support = choice.support
+    kept = "confirmed" if support.share == support.best_on_train else "the default"
+    return (
         f"dense weight {choice.dense_weight:.2f} (best {record['best_on_train']:.2f} on "
         f"{choice.n_train} {choice.chosen_on}, {held} on the {choice.n_held_out} held out; "
-        f"{choice.excluded} evaluation questions excluded)"
+        f"{choice.excluded} evaluation questions excluded); page support {support.share:.2f} "
+        f"for rerank = support (best {support.best_on_train:.2f}, {kept})"
     )
-    if "page_support" in record:
-        kept = "confirmed" if record["page_support_confirmed_on_held_out"] else "the default"
-        line += (
-            f"; page support {record['page_support']:.2f} for rerank = support (best "
-            f"{record['page_support_best_on_train']:.2f}, {kept})"
-        )
-    return line
 
 
 def _generated(

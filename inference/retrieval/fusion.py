@@ -88,17 +88,22 @@ def gold_rank(question: QuestionLists, weight: float, depth: int = max(FUSION_KC
     return None
 
 
+def as_hits(rows: Sequence[dict[str, Any]]) -> list[ChunkHit]:
+    """Ranked rows (``chunk_id``, ``doc_id``, ``score``, best first) as the ``ChunkHit`` a
+    reranker reorders (its page and score; no text)."""
+    return [
+        ChunkHit(r["chunk_id"], r["doc_id"], "", 0, "", float(r["score"]), i)
+        for i, r in enumerate(rows)
+    ]
+
+
 def supported_rank(
     question: QuestionLists, weight: float, support: float, depth: int = max(FUSION_KCS)
 ) -> int | None:
     """1-based rank of the first chunk of a gold page within ``depth`` once the fused top
     ``HYBRID_DEPTH`` (a hybrid search's rows for ``rerank = support``) are reordered by
     :class:`PageSupport` with share ``support`` (None: none)."""
-    fused = fuse_rankings(question.lists, "chunk_id", HYBRID_DEPTH, weight)
-    hits = [
-        ChunkHit(r["chunk_id"], r["doc_id"], "", 0, "", float(r["score"]), i)
-        for i, r in enumerate(fused)
-    ]
+    hits = as_hits(fuse_rankings(question.lists, "chunk_id", HYBRID_DEPTH, weight))
     for rank, hit in enumerate(PageSupport(support).rerank("", hits)[:depth], start=1):
         if hit.doc_id in question.gold:
             return rank

@@ -170,10 +170,10 @@ class PageSupport(OnePerPage, name="support"):
         chunks_of: dict[str, list[float]] = {}
         for hit, score in zip(hits, normalised([h.score for h in hits]), strict=True):
             chunks_of.setdefault(hit.doc_id, []).append(score)
-        page_score = {
-            page: max(s) + self.support * (sorted(s)[-2] if len(s) > 1 else 0.0)
-            for page, s in chunks_of.items()
-        }
+        page_score = {}
+        for page, scores in chunks_of.items():
+            best, *rest = sorted(scores, reverse=True)
+            page_score[page] = best + self.support * (rest[0] if rest else 0.0)
         taken: dict[str, int] = {}
         keys = []
         for position, hit in enumerate(hits):

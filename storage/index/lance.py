@@ -206,11 +206,11 @@ class LanceIndex(IndexSearch, IndexUpkeep):
         ``page_support`` optional) as this index's hybrid fusion in
         ``coinrag-index.json``; the next publish makes it part of the published index record.
         A new embedder resets it (its weight was chosen for other vectors)."""
+        if "dense_weight" not in fusion:
+            raise ValueError("a fusion record needs its dense_weight")
         for key in ("dense_weight", "page_support"):
             if key in fusion and not 0.0 <= float(fusion[key]) <= 1.0:
                 raise ValueError(f"fusion {key} {fusion[key]} is not in [0, 1]")
-        if "dense_weight" not in fusion:
-            raise ValueError("a fusion record needs its dense_weight")
         self.meta = dataclasses.replace(self.meta, fusion=dict(fusion))
         self._write_meta()
 

@@ -32,6 +32,7 @@ from typing import Any
 from coinrag.inference.retrieval.embedders import Embedder
 from coinrag.inference.retrieval.fusion import (
     WEIGHT_GRID,
+    QuestionLists,
     choose_weight,
     confirmed_weight,
     normalise,
@@ -128,6 +129,45 @@ def excluding(
 
 
 @dataclass
+class SupportChoice:
+    """``rerank = support``'s page support share chosen at the fusion's weight, and what it was
+    chosen on (``record()``: the ``page_support`` keys of the index's fusion record)."""
+
+    share: float
+    train: dict[float, dict[str, float]]  # share -> scores on the training questions
+    held_out: dict[float, dict[str, float]]  # share -> scores on the held-out questions
+    best_on_train: float
+
+    def record(self) -> dict[str, Any]:
+        best = self.best_on_train
+        shown = {"chosen": best, "default": PageSupport.support}
+        return {
+            "page_support": self.share,
+            "page_support_method": PageSupport.method,
+            "page_support_best_on_train": best,
+            "page_support_confirmed_on_held_out": best == self.share,
+            "page_support_train": _rounded(self.train[best]),
+            "page_support_held_out": {
+                name: _rounded(self.held_out[v]) for name, v in shown.items()
+            },
+        }
+
+
+def choose_support(
+    train: Sequence[QuestionLists], held: Sequence[QuestionLists], weight: float
+) -> SupportChoice:
+    """The share of ``fusion.SUPPORT_GRID`` best on ``train`` at ``weight``, kept only where it
+    beats the default (``PageSupport.support``) on ``held`` (as the weight is)."""
+    default = PageSupport.support
+    scored = score_supports(train, weight)
+    best = choose_weight(scored, default)
+    held_scores = score_supports(held, weight, sorted({best, default}))
+    return SupportChoice(
+        confirmed_weight(best, default, held_scores, len(held)), scored, held_scores, best
+    )
+
+
+@dataclass
 class FusionChoice:
     """The chosen weight and what it was chosen on (``record()``: what the index keeps)."""
 
@@ -138,12 +178,9 @@ class FusionChoice:
     n_held_out: int
     excluded: int  # questions dropped for equalling an evaluation question
     embedder_fp: str
+    support: SupportChoice  # rerank = support's share, chosen at dense_weight the same way
     chosen_on: str = "headings"  # the kinds of synthetic question, e.g. "headings+nuggets"
     best_on_train: float | None = None  # the training questions' best (None: dense_weight)
-    page_support: float = PageSupport.support  # rerank = support's share, chosen the same way
-    support_train: dict[float, dict[str, float]] | None = None  # share -> training scores
-    support_held_out: dict[float, dict[str, float]] | None = None  # share -> held-out scores
-    support_best_on_train: float | None = None  # the training questions' best share
 
     def record(self) -> dict[str, Any]:
         """The index's ``fusion`` record (TOML-able: numbers and tables of them)."""
@@ -162,26 +199,7 @@ class FusionChoice:
             "excluded_as_evaluation": self.excluded,
             "train": _rounded(self.train[best]),
             "held_out": {name: _rounded(self.held_out[v]) for name, v in shown.items()},
-        } | self.support_record()
-
-    def support_record(self) -> dict[str, Any]:
-        """The page support share's part of :meth:`record` (``page_support`` keys; none where
-        no share was scored)."""
-        if self.support_train is None or self.support_held_out is None:
-            return {}
-        s = self.page_support
-        best = s if self.support_best_on_train is None else self.support_best_on_train
-        shown = {"chosen": best, "default": PageSupport.support}
-        return {
-            "page_support": s,
-            "page_support_method": PageSupport.method,
-            "page_support_best_on_train": best,
-            "page_support_confirmed_on_held_out": best == s,
-            "page_support_train": _rounded(self.support_train[best]),
-            "page_support_held_out": {
-                name: _rounded(self.support_held_out[v]) for name, v in shown.items()
-            },
-        }
+        } | self.support.record()
 
 
 def _rounded(scores: dict[str, float]) -> dict[str, float]:
@@ -238,11 +256,6 @@ def choose_fusion(
     best = choose_weight(scored, HYBRID_DENSE_WEIGHT)
     held_scores = score_weights(held, sorted({best, HYBRID_DENSE_WEIGHT, 0.0, 1.0}))
     weight = confirmed_weight(best, HYBRID_DENSE_WEIGHT, held_scores, len(held))
-    default_share = PageSupport.support
-    shares = score_supports(train, weight)
-    best_share = choose_weight(shares, default_share)
-    held_shares = score_supports(held, weight, sorted({best_share, default_share}))
-    share = confirmed_weight(best_share, default_share, held_shares, len(held))
     return FusionChoice(
         weight,
         scored,
@@ -251,10 +264,7 @@ def choose_fusion(
         len(held),
         excluded,
         embedder.fingerprint,
+        choose_support(train, held, weight),
         "+".join(sorted({f"{q.kind}s" for q in questions})),
         best,
-        share,
-        shares,
-        held_shares,
-        best_share,
     )

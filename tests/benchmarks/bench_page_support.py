@@ -41,8 +41,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from coinrag.inference.evaluation.retrieval_only import first_gold_rank  # noqa: E402
 from coinrag.inference.retrieval.embedders import store_embedder_of  # noqa: E402
-from coinrag.inference.retrieval.fusion import question_lists  # noqa: E402
+from coinrag.inference.retrieval.fusion import (  # noqa: E402
+    FUSION_KCS,
+    SUPPORT_GRID,
+    as_hits,
+    choose_weight,
+    objective,
+    question_lists,
+    rank_scores,
+)
 from coinrag.inference.retrieval.rerank import PageSupport  # noqa: E402
 from coinrag.inference.retrieval.retriever import (  # noqa: E402
     HYBRID_DEPTH,
@@ -67,56 +76,37 @@ from coinrag.tasks.retrieval.fusion import (  # noqa: E402
     store_headings,
 )
 
-KCS = (1, 2, 4, 8)
-SUPPORTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
-MODES = ("hybrid", "dense", "lexical")
 
-
-def mode_hits(index: LanceIndex, embedder, text: str, gold: Sequence[str], mask: bool, weight):
-    """Each search mode's top chunks for ``text`` as ``ChunkHit`` rows (score, page), best
-    first; ``mask``: without the chunks that quote it."""
+def mode_hits(
+    index: LanceIndex, embedder, text: str, gold: Sequence[str], mask: bool, weight: float
+) -> dict[str, list[ChunkHit]]:
+    """Each search mode's top chunks for ``text``, best first; ``mask``: without the chunks
+    that quote it."""
     lists = question_lists(index, Query(text, embedder), gold, mask_verbatim=mask).lists
-    rows = {
-        "hybrid": fuse_rankings(lists, "chunk_id", HYBRID_DEPTH, weight),
-        "dense": list(lists[0])[:HYBRID_DEPTH],
-        "lexical": list(lists[1])[:HYBRID_DEPTH],
-    }
     return {
-        mode: [
-            ChunkHit(r["chunk_id"], r["doc_id"], "", 0, "", float(r["score"]), i)
-            for i, r in enumerate(found)
-        ]
-        for mode, found in rows.items()
+        "hybrid": as_hits(fuse_rankings(lists, "chunk_id", HYBRID_DEPTH, weight)),
+        "dense": as_hits(list(lists[0])[:HYBRID_DEPTH]),
+        "lexical": as_hits(list(lists[1])[:HYBRID_DEPTH]),
     }
-
-
-def gold_rank(hits: Sequence[ChunkHit], gold: set[str]) -> int | None:
-    """1-based rank of the first hit of a gold page within ``max(KCS)``."""
-    return next((i for i, h in enumerate(hits[: max(KCS)], 1) if h.doc_id in gold), None)
 
 
 def scored(ranks: list[int | None]) -> dict[str, float]:
-    """hit@kc and MRR (%) of first-gold ranks, and their mean, ``objective``."""
-    n = max(1, len(ranks))
-    out = {f"hit@{kc}": 100 * sum(r is not None and r <= kc for r in ranks) / n for kc in KCS}
-    out["mrr"] = 100 * sum(1 / r for r in ranks if r) / n
-    out["objective"] = sum(out.values()) / len(out)
-    return out
+    """hit@kc and MRR (%) of first-gold ranks (``rank_scores``), and their mean, ``objective``."""
+    out = {key: 100 * value for key, value in rank_scores(ranks).items()}
+    return out | {"objective": objective(out)}
 
 
 def score_set(index, embedder, questions, mask: bool, supports) -> dict[str, dict]:
     """``{mode/support: scored(...)}`` over ``questions`` ((text, gold pages) pairs)."""
     weight = dense_weight(index)
+    rerankers = {s: PageSupport(s) for s in supports}
     ranks: dict[str, list[int | None]] = {}
-    rerankers = {}
-    for s in supports:
-        rerankers[s] = PageSupport()
-        rerankers[s].support = s
     for text, gold in questions:
         for mode, hits in mode_hits(index, embedder, text, sorted(gold), mask, weight).items():
             for s, reranker in rerankers.items():
-                ranked = reranker.rerank(text, hits)
-                ranks.setdefault(f"{mode}/{s}", []).append(gold_rank(ranked, gold))
+                ranked = reranker.rerank(text, hits)[: max(FUSION_KCS)]
+                rank = first_gold_rank([h.doc_id for h in ranked], sorted(gold))
+                ranks.setdefault(f"{mode}/{s}", []).append(rank)
     return {key: scored(r) for key, r in ranks.items()}
 
 
@@ -126,7 +116,7 @@ def main() -> None:
     ap.add_argument("--generated-store", default=None, help="a store with cached questions")
     ap.add_argument("--exclude-questions", nargs="*", default=[])
     ap.add_argument("--questions", nargs="*", default=[])
-    ap.add_argument("--supports", nargs="+", type=float, default=list(SUPPORTS))
+    ap.add_argument("--supports", nargs="+", type=float, default=list(SUPPORT_GRID))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -167,7 +157,7 @@ def main() -> None:
         s: sum(results[n][f"hybrid/{s}"]["objective"] for n in chosen_on) / len(chosen_on)
         for s in args.supports
     }
-    best = max(mean, key=lambda s: (round(mean[s], 9), -abs(s - PageSupport.support)))
+    best = choose_weight({s: {"objective": v} for s, v in mean.items()}, PageSupport.support)
     print(
         f"\nhybrid objective, mean over {' and '.join(chosen_on)}: "
         + ", ".join(f"{s}: {v:.2f}" for s, v in mean.items())

@@ -155,10 +155,10 @@ def paged_store(tmp_path_factory, sample_corpus: Path, prefect_harness) -> tuple
     return store, questions
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("one_torch_thread")
-def test_a_store_searched_one_chunk_a_page_first(paged_store, tmp_path: Path) -> None:
-    from coinrag.inference.evaluation.retrieval_only import evaluate_retrieval
+def _reranked_searches(paged_store, reranker: Reranker):
+    """Per question of the paged store and search mode: the plain search's top
+    ``reranker.depth`` chunks, their chunk ids as ``reranker`` orders them, and the top 4 a
+    ``Retriever`` with ``reranker`` finds."""
     from coinrag.inference.retrieval.embedders import load_embedder
     from coinrag.inference.retrieval.retriever import Retriever
     from coinrag.schemas.qa import load_questions
@@ -166,18 +166,26 @@ def test_a_store_searched_one_chunk_a_page_first(paged_store, tmp_path: Path) ->
 
     store_path, questions_path = paged_store
     store = Store.at(store_path)
-    embedder = load_embedder(None)
-    plain = Retriever(store, embedder)
-    paged = Retriever(store, embedder, index=plain.index, reranker=OnePerPage())
-    reordered = 0
+    plain = Retriever(store, load_embedder(None))
+    reordering = Retriever(store, plain.embedder, index=plain.index, reranker=reranker)
     for q in load_questions(questions_path):
         for mode in ("dense", "lexical", "hybrid"):
-            top = plain.chunks_only(q.question, kc=OnePerPage.depth, mode=mode).chunks
-            expected = [h.chunk_id for h in OnePerPage().rerank(q.question, top)]
-            found = paged.chunks_only(q.question, kc=4, mode=mode).chunks
-            assert [h.chunk_id for h in found] == expected[:4]
-            assert len({h.doc_id for h in found}) == min(4, len({h.doc_id for h in top}))
-            reordered += expected[:4] != [h.chunk_id for h in top[:4]]
+            top = plain.chunks_only(q.question, kc=reranker.depth, mode=mode).chunks
+            expected = [h.chunk_id for h in reranker.rerank(q.question, top)]
+            yield top, expected, reordering.chunks_only(q.question, kc=4, mode=mode).chunks
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_store_searched_one_chunk_a_page_first(paged_store, tmp_path: Path) -> None:
+    from coinrag.inference.evaluation.retrieval_only import evaluate_retrieval
+
+    store_path, questions_path = paged_store
+    reordered = 0
+    for top, expected, found in _reranked_searches(paged_store, OnePerPage()):
+        assert [h.chunk_id for h in found] == expected[:4]
+        assert len({h.doc_id for h in found}) == min(4, len({h.doc_id for h in top}))
+        reordered += expected[:4] != [h.chunk_id for h in top[:4]]
     assert reordered > 0  # the store has pages whose chunks crowd the top: the test bites
 
     results = {}
@@ -211,23 +219,12 @@ def test_a_store_searched_pages_by_support(paged_store, tmp_path: Path) -> None:
     applied to the plain search's top 30, it moves some question's chunks, and
     ``eval --retrieval-only --rerank support`` records it with its share."""
     from coinrag.inference.evaluation.retrieval_only import evaluate_retrieval
-    from coinrag.inference.retrieval.embedders import load_embedder
-    from coinrag.inference.retrieval.retriever import Retriever
-    from coinrag.schemas.qa import load_questions
-    from coinrag.storage.store import Store
 
     store_path, questions_path = paged_store
-    store = Store.at(store_path)
-    plain = Retriever(store, load_embedder(None))
-    supported = Retriever(store, plain.embedder, index=plain.index, reranker=PageSupport())
     reordered = 0
-    for q in load_questions(questions_path):
-        for mode in ("dense", "lexical", "hybrid"):
-            top = plain.chunks_only(q.question, kc=PageSupport.depth, mode=mode).chunks
-            expected = [h.chunk_id for h in PageSupport().rerank(q.question, top)]
-            found = supported.chunks_only(q.question, kc=4, mode=mode).chunks
-            assert [h.chunk_id for h in found] == expected[:4]
-            reordered += expected[:4] != [h.chunk_id for h in top[:4]]
+    for top, expected, found in _reranked_searches(paged_store, PageSupport()):
+        assert [h.chunk_id for h in found] == expected[:4]
+        reordered += expected[:4] != [h.chunk_id for h in top[:4]]
     assert reordered > 0
     out = tmp_path / "support"
     table = evaluate_retrieval(
