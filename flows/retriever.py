@@ -156,7 +156,11 @@ def tune_fusion_flow(
 def _choice_line(choice: FusionChoice, record: dict[str, Any]) -> str:
     """What ``train fusion`` chose, for its log: the weight and the page support share, the
     training questions' best of each and whether the held-out questions confirmed it."""
-    held = "confirmed" if record["confirmed_on_held_out"] else "not better than the default"
+    held = (
+        "confirmed"
+        if record["confirmed_on_held_out"]
+        else f"not better than the default {choice.default_weight:.2f}"
+    )
     support = choice.support
     kept = "confirmed" if support.share == support.best_on_train else "the default"
     return (

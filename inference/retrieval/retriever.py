@@ -119,8 +119,11 @@ class RetrievalResult:
 
 HYBRID_DEPTH = 30  # rows each ranking of a hybrid search contributes (at least k)
 HYBRID_DENSE_WEIGHT = 0.5  # the dense ranking's weight in relative score fusion where the index
-# records none for FUSION_METHOD (``coinrag train fusion`` chooses one per index:
-# :func:`dense_weight`)
+# records none for FUSION_METHOD and has no nuggets (``coinrag train fusion`` chooses one per
+# index: :func:`dense_weight`)
+HYBRID_DENSE_WEIGHT_WITH_NUGGETS = 0.65  # the same where the index has nuggets: dense search
+# then scores a chunk by its best window and its best nugget (DenseSearch.combine), the stronger
+# ranking (docs/retrieval.md, "Where there are nuggets")
 FUSION_NORMALISER: ScoreNormaliser = DistributionBased()  # how each ranking's scores are scaled
 FUSION_METHOD = f"{FUSION_NORMALISER.name}-convex-v1"  # what a recorded dense weight was chosen for
 NUGGET_FANOUT = 5  # dense chunk search: nuggets searched per chunk wanted
@@ -153,16 +156,23 @@ def relative_scores(
     return fused
 
 
+def default_dense_weight(index: LanceIndex) -> float:
+    """The dense weight of an ``index`` none was chosen for:
+    :data:`HYBRID_DENSE_WEIGHT_WITH_NUGGETS` where it has nuggets (its dense ranking is another
+    scorer then), else :data:`HYBRID_DENSE_WEIGHT`."""
+    return HYBRID_DENSE_WEIGHT_WITH_NUGGETS if index.count("nuggets") else HYBRID_DENSE_WEIGHT
+
+
 def dense_weight(index: LanceIndex) -> float:
     """The dense ranking's weight in hybrid fusion for ``index``: the one chosen for it on
     synthetic questions of its store and recorded with the index version (``IndexMeta.fusion``,
     ``tasks/retrieval/fusion.py``) when it was chosen for this code's :data:`FUSION_METHOD`, else
-    :data:`HYBRID_DENSE_WEIGHT` (a weight chosen for another normalisation, e.g. the min-max one
-    of earlier versions, means something else); lexical weighs the rest."""
+    :func:`default_dense_weight` (a weight chosen for another normalisation, e.g. the min-max
+    one of earlier versions, means something else); lexical weighs the rest."""
     fusion = index.meta.fusion or {}
-    if fusion.get("method") != FUSION_METHOD:
-        return HYBRID_DENSE_WEIGHT
-    return float(fusion.get("dense_weight", HYBRID_DENSE_WEIGHT))
+    if fusion.get("method") != FUSION_METHOD or "dense_weight" not in fusion:
+        return default_dense_weight(index)
+    return float(fusion["dense_weight"])
 
 
 def fuse_rankings(
@@ -419,7 +429,8 @@ class HybridSearch(SearchMode, name="hybrid"):
     scores are normalised by :data:`FUSION_NORMALISER` (distribution-based: how far a row stands
     out of its own ranking, ``inference/retrieval/normalise.py``), and a row scores the index's
     dense weight (:func:`dense_weight`: chosen per store on its synthetic questions, recorded
-    with the index version; default ``HYBRID_DENSE_WEIGHT``, equal weights) times its dense one
+    with the index version; default :func:`default_dense_weight`: equal weights, 0.65 with
+    nuggets) times its dense one
     plus the rest times its lexical one; the fused top ``k`` are kept (``score``: the fused
     score, 0 to about 1.4). The same weight ranks chunks, nuggets (both stages of two-stage
     retrieval) and documents.

@@ -41,7 +41,7 @@ from coinrag.inference.retrieval.fusion import (
     score_weights,
 )
 from coinrag.inference.retrieval.rerank import PageSupport
-from coinrag.inference.retrieval.retriever import FUSION_METHOD, HYBRID_DENSE_WEIGHT, Query
+from coinrag.inference.retrieval.retriever import FUSION_METHOD, Query, default_dense_weight
 from coinrag.storage.index.lance import LanceIndex
 
 SPLITS = (("fusion", 15), ("report", 30), ("retriever", 100))  # (split, upper percent bound)
@@ -179,6 +179,7 @@ class FusionChoice:
     excluded: int  # questions dropped for equalling an evaluation question
     embedder_fp: str
     support: SupportChoice  # rerank = support's share, chosen at dense_weight the same way
+    default_weight: float  # the index's weight where none is chosen (default_dense_weight)
     chosen_on: str = "headings"  # the kinds of synthetic question, e.g. "headings+nuggets"
     best_on_train: float | None = None  # the training questions' best (None: dense_weight)
 
@@ -186,10 +187,11 @@ class FusionChoice:
         """The index's ``fusion`` record (TOML-able: numbers and tables of them)."""
         w = self.dense_weight
         best = w if self.best_on_train is None else self.best_on_train
-        shown = {"chosen": best, "default": HYBRID_DENSE_WEIGHT, "dense": 1.0, "lexical": 0.0}
+        shown = {"chosen": best, "default": self.default_weight, "dense": 1.0, "lexical": 0.0}
         return {
             "dense_weight": w,
             "best_on_train": best,
+            "default_weight": self.default_weight,
             "confirmed_on_held_out": best == w,
             "method": FUSION_METHOD,
             "chosen_on": self.chosen_on,
@@ -252,10 +254,11 @@ def choose_fusion(
             f"question of {MIN_HEADING_WORDS}+ words on a fusion page to choose a fusion weight "
             "on; the default weight stays"
         )
+    default = default_dense_weight(index)
     scored = score_weights(train, WEIGHT_GRID)
-    best = choose_weight(scored, HYBRID_DENSE_WEIGHT)
-    held_scores = score_weights(held, sorted({best, HYBRID_DENSE_WEIGHT, 0.0, 1.0}))
-    weight = confirmed_weight(best, HYBRID_DENSE_WEIGHT, held_scores, len(held))
+    best = choose_weight(scored, default)
+    held_scores = score_weights(held, sorted({best, default, 0.0, 1.0}))
+    weight = confirmed_weight(best, default, held_scores, len(held))
     return FusionChoice(
         weight,
         scored,
@@ -265,6 +268,7 @@ def choose_fusion(
         excluded,
         embedder.fingerprint,
         choose_support(train, held, weight),
+        default,
         "+".join(sorted({f"{q.kind}s" for q in questions})),
         best,
     )

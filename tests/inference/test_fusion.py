@@ -9,6 +9,7 @@ deterministic ``HashEmbedder``."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from test_index_retrieval import HashEmbedder, cut
@@ -30,6 +31,7 @@ from coinrag.inference.retrieval.rerank import PageSupport, recorded_support
 from coinrag.inference.retrieval.retriever import (
     FUSION_METHOD,
     HYBRID_DENSE_WEIGHT,
+    HYBRID_DENSE_WEIGHT_WITH_NUGGETS,
     DenseSearch,
     LexicalSearch,
     Query,
@@ -40,6 +42,7 @@ from coinrag.storage.index.lance import META_FILE, LanceIndex
 from coinrag.storage.publish import publish, publish_fusion
 from coinrag.storage.store import Store
 from coinrag.tasks.embed import embed_stage
+from coinrag.tasks.retrieval.fusion import GENERATED_KIND, SyntheticQuestion, choose_fusion
 
 
 def _row(chunk: str, doc: str, score: float) -> dict:
@@ -120,7 +123,8 @@ FUSION = {"dense_weight": 0.3, "method": FUSION_METHOD, "questions": 12}
 def test_fusion_recorded_with_the_index_version_and_read_back(store, smollm2_tokenizer):
     st, docs, chunks, nuggets = store
     assert LanceIndex.open(st).meta.fusion is None
-    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT  # none chosen: the default
+    # none chosen: the default of an index with nuggets
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT_WITH_NUGGETS
     before = st.published()
     reader = LanceIndex.open(st)  # opened before: keeps what it opened
     publish_fusion(st, "f1", "tune-fusion", FUSION)
@@ -129,7 +133,7 @@ def test_fusion_recorded_with_the_index_version_and_read_back(store, smollm2_tok
     assert after["index"]["fusion"] == FUSION and after["run_id"] == "f1"
     assert json.loads((st.index_dir / META_FILE).read_text())["fusion"] == FUSION
     assert dense_weight(LanceIndex.open(st)) == 0.3
-    assert dense_weight(reader) == HYBRID_DENSE_WEIGHT
+    assert dense_weight(reader) == HYBRID_DENSE_WEIGHT_WITH_NUGGETS
     # An incremental build with the same embedder keeps it; a new embedder drops it.
     embed_stage(st, chunks, nuggets, docs, HashEmbedder(), "r2")
     publish(st, "r2", "build")
@@ -138,7 +142,7 @@ def test_fusion_recorded_with_the_index_version_and_read_back(store, smollm2_tok
     embed_stage(st, chunks, nuggets, docs, HashEmbedder(salt="b"), "r3")
     publish(st, "r3", "build")
     assert "fusion" not in st.published()["index"]
-    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT_WITH_NUGGETS
 
 
 def test_a_weight_chosen_for_another_method_is_not_used(store):
@@ -146,9 +150,32 @@ def test_a_weight_chosen_for_another_method_is_not_used(store):
     code's default applies until ``train fusion`` chooses again."""
     st = store[0]
     publish_fusion(st, "f1", "tune-fusion", {"dense_weight": 0.3, "method": "minmax-convex-v1"})
-    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT_WITH_NUGGETS
     publish_fusion(st, "f2", "tune-fusion", {"dense_weight": 0.3})  # no method: not used
-    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT_WITH_NUGGETS
+
+
+def test_the_default_weight_follows_the_dense_ranking(tmp_path, smollm2_tokenizer):
+    """Where nothing was chosen, an index with nuggets (dense scores a chunk by its best
+    window and best nugget) weighs dense 0.65, one without 0.5; ``train fusion`` compares its
+    choice with that same default and records it."""
+    # ids on fusion and report pages (tasks.retrieval.fusion.page_split), so a weight is chosen
+    ids = {"birds": "birds-29", "rivers": "rivers-10", "volcanoes": "volcanoes-7"}
+    ids["stars"] = "stars-4"
+    docs = [replace(d, doc_id=ids[d.doc_id]) for d in _docs()]
+    chunks, nuggets = cut(smollm2_tokenizer, docs)
+    asked = [SyntheticQuestion(d.text.split(".")[0], d.doc_id, GENERATED_KIND) for d in docs]
+    weights = {}
+    for name, kept in (("with", nuggets), ("without", [])):
+        st = Store.at(tmp_path / name).init()
+        embed_stage(st, chunks, kept, docs, HashEmbedder(), "r1")
+        publish(st, "r1", "build")
+        weights[name] = dense_weight(LanceIndex.open(st))
+        record = choose_fusion(LanceIndex.open(st), HashEmbedder(), [], generated=asked).record()
+        assert record["default_weight"] == weights[name]
+        assert record["questions"] == 2 and record["held_out_questions"] == 2
+    assert weights == {"with": HYBRID_DENSE_WEIGHT_WITH_NUGGETS, "without": HYBRID_DENSE_WEIGHT}
+    assert (HYBRID_DENSE_WEIGHT, HYBRID_DENSE_WEIGHT_WITH_NUGGETS) == (0.5, 0.65)
 
 
 def test_bad_fusion_refused(store):

@@ -14,7 +14,7 @@ from test_index_retrieval import HashEmbedder, cut
 from coinrag.inference.retrieval.normalise import MinMax
 from coinrag.inference.retrieval.retriever import (
     FUSION_NORMALISER,
-    HYBRID_DENSE_WEIGHT,
+    HYBRID_DENSE_WEIGHT_WITH_NUGGETS,
     HYBRID_DEPTH,
     SEARCH_MODES,
     HybridSearch,
@@ -186,7 +186,8 @@ def test_retriever_modes(store_and_rows):
         for h in retriever.chunks_only(question, HYBRID_DEPTH, mode="dense").chunks
     ]
     lex = [(r["chunk_id"], r["score"]) for r in index.search_text("chunks", question, HYBRID_DEPTH)]
-    scores = relative_scores([d, lex], [HYBRID_DENSE_WEIGHT, 1 - HYBRID_DENSE_WEIGHT])
+    w = HYBRID_DENSE_WEIGHT_WITH_NUGGETS  # nothing chosen for this index, which has nuggets
+    scores = relative_scores([d, lex], [w, 1 - w])
     assert [h.chunk_id for h in hybrid.chunks] == sorted(scores, key=lambda c: -scores[c])[:4]
     assert [h.score for h in hybrid.chunks] == pytest.approx(sorted(scores.values())[::-1][:4])
     assert hybrid.chunks[0].doc_id == "birds"  # first in lexical, fused to the top

@@ -296,7 +296,7 @@ def test_ask_page_streams_the_answer_of_coinrag_query(
         scores = [float(items.nth(i).get_attribute("data-score")) for i in range(items.count())]
         assert scores == [e["score"] for e in cli["evidence"]]
         formula = card.locator(".scores").text_content()
-        assert "0.50 × dense + 0.50 × lexical" in formula
+        assert "0.65 × dense + 0.35 × lexical" in formula  # the default of a store with nuggets
         assert FUSION_NORMALISER.described in formula
         # each hybrid hit's parts: its ranks and own scores, and the fused sum's terms
         for i, e in enumerate(cli["evidence"]):

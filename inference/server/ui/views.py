@@ -18,7 +18,7 @@ from typing import Any
 
 from coinrag.inference.methods.assets import StoredKv
 from coinrag.inference.methods.base import METHODS
-from coinrag.inference.retrieval.retriever import FUSION_NORMALISER, HYBRID_DENSE_WEIGHT
+from coinrag.inference.retrieval.retriever import FUSION_NORMALISER, dense_weight
 from coinrag.inference.server.ui.marks import cut_document
 from coinrag.schemas.settings import DEFAULT_QUERY, RETRIEVAL_MODES
 from coinrag.schemas.views import PRODUCERS
@@ -158,7 +158,7 @@ class UiState:
             "max_k": self.server.settings.max_k,
             "kv_bytes_per_token": kv["bytes"] // kv["tokens"] if kv["tokens"] else 0,
             "raw_bf16_per_token": raw_bf16_bytes_per_token(engine.model.config),
-            "hybrid_dense_weight": HYBRID_DENSE_WEIGHT,
+            "hybrid_dense_weight": dense_weight(engine.retriever.index),
             "fusion_normaliser": FUSION_NORMALISER.described,
             "weak_cosine": WEAK_DENSE_COSINE,
         }
