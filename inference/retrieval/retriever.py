@@ -168,9 +168,12 @@ def dense_weight(index: LanceIndex) -> float:
     synthetic questions of its store and recorded with the index version (``IndexMeta.fusion``,
     ``tasks/retrieval/fusion.py``) when it was chosen for this code's :data:`FUSION_METHOD`, else
     :func:`default_dense_weight` (a weight chosen for another normalisation, e.g. the min-max
-    one of earlier versions, means something else); lexical weighs the rest."""
+    one of earlier versions, means something else; a record whose choice the held-out questions
+    did not confirm, ``confirmed_on_held_out = false``, kept the default of its day, so the
+    code's default applies); lexical weighs the rest."""
     fusion = index.meta.fusion or {}
-    if fusion.get("method") != FUSION_METHOD or "dense_weight" not in fusion:
+    chosen = fusion.get("method") == FUSION_METHOD and "dense_weight" in fusion
+    if not chosen or fusion.get("confirmed_on_held_out") is False:
         return default_dense_weight(index)
     return float(fusion["dense_weight"])
 

@@ -11,8 +11,9 @@ given (``evaluation``: the FAQ questions are their answers' section titles, word
 dropped and counted. The pages are split by a hash of their id (:func:`page_split`): 70 % are
 ``retriever`` pages (what ``train retriever`` may train on), 15 % ``fusion`` pages (the weight is
 chosen on their questions, ``inference/retrieval/fusion.py``) and 15 % ``report`` pages (the
-chosen weight is reported on them beside the code's default, dense alone and lexical alone);
-so an adapted embedder never saw the questions its fusion is chosen or reported on. Each
+chosen weight is reported on them beside the index's default, ``default_dense_weight``, dense
+alone and lexical alone); so an adapted embedder never saw the questions its fusion is chosen or
+reported on. Each
 question is asked of the page's chunks that do not hold it word for word
 (``fusion.question_lists``: a user's question does not copy the answer's heading).
 

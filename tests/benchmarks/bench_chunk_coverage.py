@@ -16,7 +16,8 @@ among the top ``kc``), the chunk scores:
 - ``lexical``: BM25 over the whole search text (the index's full-text index);
 - ``hybrid-<dense>``: that dense ranking and lexical's (each its top ``--depth`` rows) fused as
   hybrid search fuses them (``inference.retrieval.retriever.relative_scores``: each ranking
-  normalised by ``FUSION_NORMALISER``, dense weighted ``HYBRID_DENSE_WEIGHT``);
+  normalised by ``FUSION_NORMALISER``, dense weighted as the store's hybrid search weighs it,
+  ``dense_weight(index)``: 0.5, or 0.65 where the store has nuggets, unless one was chosen);
   ``hybrid-<dense>-a<w>``: with dense weighted ``w`` (``--weights``); ``rrf-<dense>``:
   equal-weight reciprocal rank fusion (k 60), the fusion hybrid search used first, and
   ``rrf-<dense>-wL<w>`` with lexical weighted ``w``.
@@ -51,8 +52,8 @@ sys.path.insert(0, str(REPO))
 
 from coinrag.inference.retrieval.embedders import store_embedder_of  # noqa: E402
 from coinrag.inference.retrieval.retriever import (  # noqa: E402
-    HYBRID_DENSE_WEIGHT,
     HYBRID_DEPTH,
+    dense_weight,
     relative_scores,
 )
 from coinrag.schemas.qa import load_questions  # noqa: E402
@@ -206,7 +207,7 @@ def main() -> None:
             for name, s in scores.items():
                 dense = [(i, float(s[i])) for i in ranks[name][: args.depth]]
                 pair = [dense, lex[: args.depth]]
-                weight = HYBRID_DENSE_WEIGHT
+                weight = dense_weight(index)
                 ranks[f"hybrid-{name}"] = fused(relative_scores(pair, [weight, 1 - weight]))
                 for w in args.weights:
                     ranks[f"hybrid-{name}-a{w}"] = fused(relative_scores(pair, [w, 1 - w]))

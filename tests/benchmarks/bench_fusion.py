@@ -30,10 +30,10 @@ from coinrag.inference.retrieval.embedders import store_embedder_of  # noqa: E40
 from coinrag.inference.retrieval.normalise import SCORE_NORMALISERS, score_normaliser  # noqa: E402
 from coinrag.inference.retrieval.retriever import (  # noqa: E402
     FUSION_NORMALISER,
-    HYBRID_DENSE_WEIGHT,
     HYBRID_DEPTH,
     HybridSearch,
     Query,
+    default_dense_weight,
     relative_scores,
 )
 from coinrag.schemas.qa import load_questions  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--questions", nargs="+", required=True)
     ap.add_argument("--normalisers", nargs="+", default=list(SCORE_NORMALISERS))
-    ap.add_argument("--weights", nargs="+", type=float, default=[HYBRID_DENSE_WEIGHT, 0.75])
+    ap.add_argument("--weights", nargs="+", type=float, help="default: the index's default, 0.75")
     ap.add_argument("--depths", nargs="+", type=int, default=[HYBRID_DEPTH])
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -70,6 +70,8 @@ def main() -> None:
     embedder = store_embedder_of(settings)
     index = LanceIndex.open(store)
     index.check(embedder.fingerprint)
+    default_weight = default_dense_weight(index)  # 0.5, or 0.65 where the index has nuggets
+    weights = args.weights or sorted({default_weight, 0.75})
     rows = []
     for path in args.questions:
         questions = [q for q in load_questions(path) if q.doc_ids]
@@ -86,7 +88,7 @@ def main() -> None:
         for rule in args.normalisers:
             normaliser = score_normaliser(rule)
             for depth in args.depths:
-                for weight in args.weights:
+                for weight in weights:
                     ranks = []
                     for ls, gold in lists:
                         doc = {c: d for ranking in ls for c, d, _ in ranking}
@@ -94,7 +96,7 @@ def main() -> None:
                         fused = relative_scores(pair, [weight, 1 - weight], normaliser)
                         order = sorted(fused, key=lambda c: -fused[c])
                         ranks.append(gold_rank([doc[c] for c in order], gold))
-                    default = rule == FUSION_NORMALISER.name and weight == HYBRID_DENSE_WEIGHT
+                    default = rule == FUSION_NORMALISER.name and weight == default_weight
                     label = f"{rule} w={weight:g} depth {depth}" + (" (default)" * default)
                     rows.append({"questions": name, "rule": label, **scores(ranks)})
         print(f"\n{name} ({len(questions)} questions), {args.store}")

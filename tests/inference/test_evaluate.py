@@ -18,7 +18,7 @@ from coinrag.inference.evaluation.evaluate import (
     token_f1,
 )
 from coinrag.inference.evaluation.report import aggregate, best_under_budget, p99
-from coinrag.inference.retrieval.retriever import FUSION_METHOD, HYBRID_DENSE_WEIGHT
+from coinrag.inference.retrieval.retriever import FUSION_METHOD, HYBRID_DENSE_WEIGHT_WITH_NUGGETS
 from coinrag.schemas.qa import QuestionsError, load_questions
 
 # ---------------------------------------------------------------------------- metrics
@@ -276,7 +276,9 @@ def test_retrieval_only_on_a_store_without_kv(tmp_path: Path) -> None:
     lineage = json.loads((out / "eval_run.json").read_text())
     assert lineage["retrievals"] == list(modes) and lineage["kind"] == "retrieval"
     assert lineage["published"]["index"]["versions"]  # the index versions the numbers read
-    assert lineage["fusion"] == {"method": FUSION_METHOD, "dense_weight": HYBRID_DENSE_WEIGHT}
+    # nothing chosen for this store, which has nuggets: the default for an index with nuggets
+    weight = HYBRID_DENSE_WEIGHT_WITH_NUGGETS
+    assert lineage["fusion"] == {"method": FUSION_METHOD, "dense_weight": weight}
 
     runner = CliRunner()
     ok = runner.invoke(app, ["eval", str(questions), "--store", str(store), "--out",

@@ -155,6 +155,19 @@ def test_a_weight_chosen_for_another_method_is_not_used(store):
     assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT_WITH_NUGGETS
 
 
+def test_an_unconfirmed_choice_follows_the_default(store):
+    """A record whose best weight the held-out questions did not confirm kept the default of its
+    day (0.5 before an index with nuggets had its own): the code's default for the index
+    applies; a confirmed one stays."""
+    st = store[0]
+    kept = {"dense_weight": 0.5, "best_on_train": 0.3, "method": FUSION_METHOD}
+    publish_fusion(st, "f1", "tune-fusion", {**kept, "confirmed_on_held_out": False})
+    assert dense_weight(LanceIndex.open(st)) == HYBRID_DENSE_WEIGHT_WITH_NUGGETS
+    confirmed = {**kept, "dense_weight": 0.3, "confirmed_on_held_out": True}
+    publish_fusion(st, "f2", "tune-fusion", confirmed)
+    assert dense_weight(LanceIndex.open(st)) == 0.3
+
+
 def test_the_default_weight_follows_the_dense_ranking(tmp_path, smollm2_tokenizer):
     """Where nothing was chosen, an index with nuggets (dense scores a chunk by its best
     window and best nugget) weighs dense 0.65, one without 0.5; ``train fusion`` compares its
