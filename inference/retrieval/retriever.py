@@ -433,10 +433,9 @@ class HybridSearch(SearchMode, name="hybrid"):
     out of its own ranking, ``inference/retrieval/normalise.py``), and a row scores the index's
     dense weight (:func:`dense_weight`: chosen per store on its synthetic questions, recorded
     with the index version; default :func:`default_dense_weight`: equal weights, 0.65 with
-    nuggets) times its dense one
-    plus the rest times its lexical one; the fused top ``k`` are kept (``score``: the fused
-    score, 0 to about 1.4). The same weight ranks chunks, nuggets (both stages of two-stage
-    retrieval) and documents.
+    nuggets) times its dense one plus the rest times its lexical one; the fused top ``k`` are
+    kept (``score``: the fused score, 0 to about 1.4). The same weight ranks chunks, nuggets
+    (both stages of two-stage retrieval) and documents.
 
     Measured on the Python docs (docs/retrieval.md, ``bench_fusion.py``): equal-weight
     reciprocal rank fusion fell 6 points below dense at kc 1 (a rank in the weaker list counts

@@ -13,8 +13,7 @@ dropped and counted. The pages are split by a hash of their id (:func:`page_spli
 chosen on their questions, ``inference/retrieval/fusion.py``) and 15 % ``report`` pages (the
 chosen weight is reported on them beside the index's default, ``default_dense_weight``, dense
 alone and lexical alone); so an adapted embedder never saw the questions its fusion is chosen or
-reported on. Each
-question is asked of the page's chunks that do not hold it word for word
+reported on. Each question is asked of the page's chunks that do not hold it word for word
 (``fusion.question_lists``: a user's question does not copy the answer's heading).
 
 Example: the reST text ``"Sorting HOW TO\\n**************\\n..."`` of page ``howto/sorting``

@@ -193,6 +193,7 @@ def main() -> None:
         f"{len(tables['nuggets'][0])} nuggets"
     )
     depth = max(args.depth, max(args.kc))
+    weight = dense_weight(index)  # as the store's hybrid search weighs dense
     results = {}
     for qpath in args.questions:
         questions = [q for q in load_questions(qpath) if q.doc_ids]
@@ -207,7 +208,6 @@ def main() -> None:
             for name, s in scores.items():
                 dense = [(i, float(s[i])) for i in ranks[name][: args.depth]]
                 pair = [dense, lex[: args.depth]]
-                weight = dense_weight(index)
                 ranks[f"hybrid-{name}"] = fused(relative_scores(pair, [weight, 1 - weight]))
                 for w in args.weights:
                     ranks[f"hybrid-{name}-a{w}"] = fused(relative_scores(pair, [w, 1 - w]))
